@@ -1,0 +1,155 @@
+//! stasisd's settings: command-line flags over a TOML file over defaults.
+//!
+//! ```toml
+//! # /etc/stasis/stasisd.toml
+//! socket = "/run/stasis/stasisd.sock"
+//! store = "file:///var/lib/stasis/store"   # or s3://bucket/prefix, gs://..., az://...
+//! state_dir = "/var/lib/stasis/state"
+//! criu = "/usr/local/sbin/criu"
+//! log_format = "text"                       # or "json"
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+use serde::Deserialize;
+
+pub const DEFAULT_SOCKET: &str = "/run/stasis/stasisd.sock";
+pub const DEFAULT_STORE: &str = "file:///var/lib/stasis/store";
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/stasis/state";
+pub const DEFAULT_CONFIG: &str = "/etc/stasis/stasisd.toml";
+
+/// Where scripts/setup-criu.sh installs CRIU, relative to the source tree stasisd was built
+/// from (overridable at build time with STASIS_CRIU_PREFIX).
+fn setup_criu() -> PathBuf {
+    match option_env!("STASIS_CRIU_PREFIX") {
+        Some(prefix) => Path::new(prefix).join("bin/criu"),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../.stasis/criu/bin/criu"),
+    }
+}
+
+/// stasisd: the stasis checkpoint/restore daemon.
+#[derive(Debug, Clone, Parser, Default)]
+#[command(version, about)]
+pub struct Args {
+    /// TOML configuration file (default /etc/stasis/stasisd.toml, if it exists).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Unix socket to serve the API on.
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Store URL: file:///dir, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix.
+    #[arg(long)]
+    pub store: Option<String>,
+    /// Directory for logs of managed workloads, scratch images and the workload registry.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// CRIU executable (default: the one scripts/setup-criu.sh installed, else `criu` on PATH).
+    #[arg(long, env = "STASIS_CRIU")]
+    pub criu: Option<PathBuf>,
+    /// Log format: text or json.
+    #[arg(long)]
+    pub log_format: Option<LogFormat>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    socket: Option<PathBuf>,
+    store: Option<String>,
+    state_dir: Option<PathBuf>,
+    criu: Option<PathBuf>,
+    log_format: Option<LogFormat>,
+}
+
+/// The settings in effect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DaemonConfig {
+    pub socket: PathBuf,
+    pub store_url: String,
+    pub state_dir: PathBuf,
+    pub criu_path: PathBuf,
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read configuration file {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid configuration file {path}")]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: toml::de::Error,
+    },
+}
+
+impl DaemonConfig {
+    /// Combines flags, the configuration file and defaults.
+    pub fn resolve(args: Args) -> Result<Self, ConfigError> {
+        let file = match &args.config {
+            Some(path) => read_file(path)?,
+            None if Path::new(DEFAULT_CONFIG).exists() => read_file(Path::new(DEFAULT_CONFIG))?,
+            None => FileConfig::default(),
+        };
+        Ok(Self {
+            socket: args.socket.or(file.socket).unwrap_or_else(|| DEFAULT_SOCKET.into()),
+            store_url: args.store.or(file.store).unwrap_or_else(|| DEFAULT_STORE.into()),
+            state_dir: args.state_dir.or(file.state_dir).unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
+            criu_path: args.criu.or(file.criu).unwrap_or_else(default_criu),
+            log_format: args.log_format.or(file.log_format).unwrap_or_default(),
+        })
+    }
+}
+
+fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+    toml::from_str(&text).map_err(|source| ConfigError::Parse { path: path.into(), source })
+}
+
+/// The setup script's CRIU if present, else the first `criu` on PATH, else plain "criu".
+fn default_criu() -> PathBuf {
+    let setup = setup_criu();
+    if let Ok(setup) = setup.canonicalize() {
+        return setup;
+    }
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|dir| dir.join("criu"))
+        .find(|c| c.exists())
+        .unwrap_or_else(|| "criu".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_override_file_which_overrides_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.toml");
+        std::fs::write(&file, "store = \"s3://b/p\"\nsocket = \"/tmp/file.sock\"\nlog_format = \"json\"\n").unwrap();
+        let args = Args { config: Some(file.clone()), socket: Some("/tmp/flag.sock".into()), ..Default::default() };
+        let c = DaemonConfig::resolve(args).unwrap();
+        assert_eq!(c.socket, PathBuf::from("/tmp/flag.sock"));
+        assert_eq!(c.store_url, "s3://b/p");
+        assert_eq!(c.state_dir, PathBuf::from(DEFAULT_STATE_DIR));
+        assert_eq!(c.log_format, LogFormat::Json);
+        std::fs::write(&file, "sokket = 1\n").unwrap();
+        let err = DaemonConfig::resolve(Args { config: Some(file), ..Default::default() }).unwrap_err();
+        assert!(matches!(err, ConfigError::Parse { .. }));
+    }
+}

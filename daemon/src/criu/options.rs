@@ -1,0 +1,146 @@
+//! What stasis asks of CRIU, and its translation into CRIU's RPC options.
+
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+
+use nix::fcntl::{OFlag, open};
+use nix::sys::stat::Mode;
+use stasis_proto::criu::{InheritFd, Options, PageServerInfo};
+
+use super::{CriuError, LOG_FILE};
+
+/// CRIU log level 4: debug. Its tail is what makes a failure explainable.
+const LOG_LEVEL: i32 = 4;
+
+/// Options that depend on what the tree holds; found at dump time, repeated at restore.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TreeOptions {
+    /// The tree's session or process group leader is outside it (a job of a shell).
+    pub shell_job: bool,
+    /// The tree holds established TCP connections.
+    pub tcp_established: bool,
+    /// The tree holds Unix sockets that may have peers outside it.
+    pub ext_unix_sk: bool,
+    /// The tree holds file locks.
+    pub file_locks: bool,
+    /// External resources (CRIU `--external` keys), e.g. a terminal `tty[rdev:dev]`.
+    pub external: Vec<String>,
+}
+
+impl TreeOptions {
+    /// Human-readable list of the options in effect, for `stasis show`.
+    pub fn describe(&self) -> Vec<String> {
+        let flags = [
+            (self.shell_job, "shell-job"),
+            (self.tcp_established, "tcp-established"),
+            (self.ext_unix_sk, "ext-unix-sk"),
+            (self.file_locks, "file-locks"),
+        ];
+        let mut out: Vec<String> =
+            flags.iter().filter(|(on, _)| *on).map(|(_, n)| n.to_string()).collect();
+        out.extend(self.external.iter().map(|e| format!("external {e}")));
+        out
+    }
+
+    fn apply(&self, opts: &mut Options) {
+        opts.shell_job = Some(self.shell_job);
+        opts.tcp_established = Some(self.tcp_established);
+        opts.ext_unix_sk = Some(self.ext_unix_sk);
+        opts.file_locks = Some(self.file_locks);
+    }
+}
+
+/// A dump request.
+#[derive(Debug, Clone)]
+pub struct DumpSpec {
+    pub pid: i32,
+    pub images_dir: PathBuf,
+    pub tree: TreeOptions,
+    /// Let the tree run on after the dump.
+    pub leave_running: bool,
+    /// Leave the tree stopped (SIGSTOP) after the dump instead of killing it.
+    pub leave_stopped: bool,
+    /// A connected stream socket for CRIU's page-server traffic, if pages go to stasisd.
+    pub page_server_fd: Option<RawFd>,
+}
+
+impl DumpSpec {
+    pub(super) fn to_options(&self, dir_fd: RawFd) -> Options {
+        let mut opts = base_options(dir_fd);
+        opts.pid = Some(self.pid);
+        opts.leave_running = Some(self.leave_running);
+        opts.leave_stopped = Some(self.leave_stopped);
+        opts.notify_scripts = Some(true);
+        opts.external = self.tree.external.clone();
+        self.tree.apply(&mut opts);
+        if let Some(fd) = self.page_server_fd {
+            opts.ps = Some(PageServerInfo { fd: Some(fd), ..Default::default() });
+        }
+        opts
+    }
+}
+
+/// A restore request.
+#[derive(Debug)]
+pub struct RestoreSpec {
+    pub images_dir: PathBuf,
+    pub tree: TreeOptions,
+    /// Descriptors handed to the restored tree in place of external resources.
+    pub inherit_fds: Vec<(String, OwnedFd)>,
+}
+
+impl RestoreSpec {
+    pub(super) fn to_options(&self, dir_fd: RawFd) -> Options {
+        let mut opts = base_options(dir_fd);
+        // The restored root becomes our child (a sibling of CRIU), so stasisd reaps it.
+        opts.rst_sibling = Some(true);
+        opts.notify_scripts = Some(true);
+        self.tree.apply(&mut opts);
+        opts.inherit_fd = self
+            .inherit_fds
+            .iter()
+            .map(|(key, fd)| InheritFd { key: key.clone(), fd: fd.as_raw_fd() })
+            .collect();
+        opts
+    }
+}
+
+/// Options every request carries: where images and the log go.
+pub(super) fn base_options(dir_fd: RawFd) -> Options {
+    Options {
+        images_dir_fd: Some(dir_fd),
+        log_level: Some(LOG_LEVEL),
+        log_file: Some(LOG_FILE.into()),
+        ..Default::default()
+    }
+}
+
+/// Opens a directory for CRIU, which reaches it through `/proc/<our pid>/fd/<fd>`.
+pub(super) fn open_dir(path: &Path) -> Result<OwnedFd, CriuError> {
+    open(path, OFlag::O_DIRECTORY | OFlag::O_RDONLY | OFlag::O_CLOEXEC, Mode::empty())
+        .map_err(|source| CriuError::ImagesDir { path: path.to_path_buf(), source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dump_options_carry_tree_options_and_page_server() {
+        let spec = DumpSpec {
+            pid: 42,
+            images_dir: "/tmp".into(),
+            tree: TreeOptions { shell_job: true, file_locks: true, ..Default::default() },
+            leave_running: false,
+            leave_stopped: true,
+            page_server_fd: Some(9),
+        };
+        let o = spec.to_options(7);
+        assert_eq!(o.images_dir_fd, Some(7));
+        assert_eq!(o.pid, Some(42));
+        assert_eq!((o.shell_job, o.file_locks, o.tcp_established), (Some(true), Some(true), Some(false)));
+        assert_eq!(o.leave_stopped, Some(true));
+        assert_eq!(o.ps.and_then(|p| p.fd), Some(9));
+        assert_eq!(spec.tree.describe(), vec!["shell-job", "file-locks"]);
+    }
+}

@@ -1,0 +1,317 @@
+//! The checkpoint job.
+//!
+//! ```text
+//! resolve target -> inspect tree (CRIU options) -> CRIU dump (tree frozen; afterwards left
+//! running, or left stopped for eviction) -> upload images -> write manifest (commit)
+//!   -> eviction: kill the stopped tree
+//! on any failure: the tree is resumed, uploaded data is removed, the error is returned
+//! ```
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use tracing::{info, instrument, warn};
+
+use super::ids::{checkpoint_id, now_unix_ms};
+use super::inspect::{TreeInfo, inspect};
+use super::workloads::{Workload, derived_name};
+use super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
+use crate::criu::{DumpSpec, LOG_FILE, TreeOptions};
+use crate::linux::proc::{self, ProcStat};
+use crate::store::Manifest;
+use stasis_proto::stasis::v1::{CheckpointStats as StoredStats, DumpOptions};
+
+/// Which tree to checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    Pid(i32),
+    Workload(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct CheckpointParams {
+    pub target: Target,
+    /// Keep the tree running afterwards; otherwise it is stopped once the checkpoint is stored.
+    pub leave_running: bool,
+}
+
+/// Timings and sizes of one checkpoint.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CheckpointStats {
+    /// How long the tree was frozen by CRIU.
+    pub frozen_ms: u64,
+    /// From request to durable (and, for eviction, the tree stopped).
+    pub total_ms: u64,
+    pub bytes_total: u64,
+    pub dump_ms: u64,
+    pub store_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointOutcome {
+    pub id: String,
+    pub workload: String,
+    pub pid: i32,
+    pub left_running: bool,
+    pub stats: CheckpointStats,
+}
+
+/// When the dump started and ended, and how long CRIU kept the tree frozen.
+struct DumpTiming {
+    started: Instant,
+    dump_done: Instant,
+    frozen_ms: u64,
+}
+
+/// How long an evicted tree may take to disappear after SIGKILL.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+
+impl Engine {
+    /// Checkpoints a tree, as a job that finishes even if the caller goes away.
+    pub async fn checkpoint(
+        self: &Arc<Self>,
+        params: CheckpointParams,
+        progress: ProgressFn,
+    ) -> Result<CheckpointOutcome, CheckpointError> {
+        if self.jobs.is_closed() {
+            return Err(CheckpointError::ShuttingDown);
+        }
+        let this = self.clone();
+        let job = self.jobs.spawn(async move { this.checkpoint_job(params, progress).await });
+        job.await.map_err(|e| CheckpointError::Local { what: "job", source: std::io::Error::other(e) })?
+    }
+
+    fn resolve_target(&self, target: &Target) -> Result<(String, i32), CheckpointError> {
+        match target {
+            Target::Pid(pid) => {
+                if !proc::is_running(*pid) {
+                    return Err(CheckpointError::NoSuchProcess(*pid));
+                }
+                let name = match self.registry.by_pid(*pid) {
+                    Some(w) => w.name,
+                    None => {
+                        let program = proc::cmdline(*pid).ok().and_then(|c| c.into_iter().next());
+                        derived_name(&program.unwrap_or_default(), &pid.to_string())
+                    }
+                };
+                Ok((name, *pid))
+            }
+            Target::Workload(name) => {
+                let w = self
+                    .registry
+                    .get(name)
+                    .ok_or_else(|| CheckpointError::UnknownWorkload(name.clone()))?;
+                if !proc::is_running(w.pid) {
+                    return Err(CheckpointError::NotRunning { workload: w.name, pid: w.pid });
+                }
+                Ok((w.name, w.pid))
+            }
+        }
+    }
+
+    #[instrument(skip_all, fields(target = ?params.target, leave_running = params.leave_running))]
+    async fn checkpoint_job(
+        &self,
+        params: CheckpointParams,
+        progress: ProgressFn,
+    ) -> Result<CheckpointOutcome, CheckpointError> {
+        let started = Instant::now();
+        let (workload, pid) = self.resolve_target(&params.target)?;
+        let _guard = self.lock_workload(&workload).await;
+        if !proc::is_running(pid) {
+            return Err(CheckpointError::NoSuchProcess(pid));
+        }
+        let tree = inspect(pid).map_err(|source| CheckpointError::Inspect { pid, source })?;
+        let created_unix_ms = now_unix_ms();
+        let id = checkpoint_id(created_unix_ms);
+        let local = |what| move |source| CheckpointError::Local { what, source };
+        let work = self.state.new_work_dir(&id).map_err(local("work directory"))?;
+        let stopped_before: Vec<i32> =
+            tree.pids.iter().copied().filter(|p| ProcStat::read(*p).is_ok_and(|s| s.is_stopped())).collect();
+        info!(checkpoint = %id, workload = %workload, pid, pids = tree.pids.len(), options = ?tree.options.describe(), "dumping");
+
+        progress(ProgressUpdate { phase: "dump", done: 0, total: 0 });
+        let spec = DumpSpec {
+            pid,
+            images_dir: work.path().to_path_buf(),
+            tree: tree.options.clone(),
+            leave_running: params.leave_running,
+            leave_stopped: !params.leave_running,
+            page_server_fd: None,
+        };
+        let criu = self.criu.clone();
+        let dumped = tokio::task::spawn_blocking(move || {
+            let mut frozen_at = None;
+            criu.dump(&spec, |script| {
+                if script == "pre-dump" {
+                    frozen_at = Some(Instant::now());
+                }
+                Ok(())
+            })
+            .map(|()| frozen_at)
+        })
+        .await
+        .map_err(|e| local("dump thread")(std::io::Error::other(e)))?;
+        let dump_done = Instant::now();
+        let frozen_at = match dumped {
+            Ok(at) => at,
+            Err(source) => {
+                resume(&tree.pids, &stopped_before);
+                return Err(CheckpointError::Dump { workload, source });
+            }
+        };
+
+        let timing = DumpTiming {
+            started,
+            dump_done,
+            frozen_ms: frozen_at.map(|t| ms(dump_done - t)).unwrap_or_else(|| ms(dump_done - started)),
+        };
+        let stored =
+            self.store_checkpoint(&id, &workload, &tree, work.path(), created_unix_ms, &timing, &progress).await;
+        let mut stats = match stored {
+            Ok(stats) => stats,
+            Err(e) => {
+                if !params.leave_running {
+                    resume(&tree.pids, &stopped_before);
+                }
+                return Err(e);
+            }
+        };
+        if !params.leave_running {
+            proc::signal_all(&tree.pids, Signal::SIGKILL);
+            let left = self.reaper.wait_gone(&tree.pids, KILL_WAIT).await;
+            if !left.is_empty() {
+                warn!(checkpoint = %id, pids = ?left, "evicted processes still present (not our children?)");
+            }
+        }
+        stats.total_ms = ms(started.elapsed());
+        self.remember_checkpoint(&workload, pid, &tree, &id);
+        info!(checkpoint = %id, workload = %workload, ?stats, "checkpoint stored");
+        Ok(CheckpointOutcome { id, workload, pid, left_running: params.leave_running, stats })
+    }
+
+    /// Uploads the images and commits the manifest; on failure removes what was uploaded.
+    async fn store_checkpoint(
+        &self,
+        id: &str,
+        workload: &str,
+        tree: &TreeInfo,
+        images: &std::path::Path,
+        created_unix_ms: u64,
+        timing: &DumpTiming,
+        progress: &ProgressFn,
+    ) -> Result<CheckpointStats, CheckpointError> {
+        self.state
+            .mark_inflight(id)
+            .map_err(|source| CheckpointError::Local { what: "in-flight marker", source })?;
+        let report = {
+            let progress = progress.clone();
+            move |done, total| progress(ProgressUpdate { phase: "upload", done, total })
+        };
+        let result = async {
+            let files = self.store.upload_images(id, images, &[LOG_FILE], &report).await?;
+            let stats = CheckpointStats {
+                frozen_ms: timing.frozen_ms,
+                total_ms: ms(timing.started.elapsed()),
+                bytes_total: files.iter().map(|f| f.size).sum(),
+                dump_ms: ms(timing.dump_done - timing.started),
+                store_ms: ms(timing.dump_done.elapsed()),
+            };
+            let manifest = Manifest {
+                id: id.into(),
+                workload: workload.into(),
+                created_unix_ms,
+                node: proc::node_name(),
+                kernel: proc::kernel_release(),
+                criu_version: self.criu_version.to_string(),
+                root_pid: tree.pids[0],
+                pids: tree.pids.clone(),
+                command: tree.command.clone(),
+                options: Some(dump_options(&tree.options)),
+                parent_id: self.registry.get(workload).and_then(|w| w.last_checkpoint).unwrap_or_default(),
+                files,
+                stats: Some(stored_stats(&stats)),
+            };
+            self.store.commit(&manifest).await?;
+            Ok(stats)
+        }
+        .await;
+        match result {
+            Ok(stats) => {
+                self.state.clear_inflight(id);
+                Ok(stats)
+            }
+            Err(source) => {
+                if let Err(e) = self.store.remove_uncommitted(id).await {
+                    warn!(checkpoint = %id, error = %e, "cannot remove partial upload; the next start retries");
+                } else {
+                    self.state.clear_inflight(id);
+                }
+                Err(CheckpointError::Store { id: id.into(), source })
+            }
+        }
+    }
+
+    fn remember_checkpoint(&self, workload: &str, pid: i32, tree: &TreeInfo, id: &str) {
+        let result = if self.registry.get(workload).is_some() {
+            self.registry.update(workload, |w| w.last_checkpoint = Some(id.into()))
+        } else {
+            self.registry.put(Workload {
+                name: workload.into(),
+                pid,
+                command: tree.command.clone(),
+                managed: false,
+                log_path: None,
+                cgroup: None,
+                last_checkpoint: Some(id.into()),
+            })
+        };
+        if let Err(e) = result {
+            warn!(workload, error = %e, "cannot record checkpoint in the workload registry");
+        }
+    }
+}
+
+/// Continues every process of `pids` that is stopped now but was not before the dump.
+fn resume(pids: &[i32], stopped_before: &[i32]) {
+    for &pid in pids.iter().filter(|p| !stopped_before.contains(p)) {
+        if ProcStat::read(pid).is_ok_and(|s| s.is_stopped()) {
+            proc::signal_all(&[pid], Signal::SIGCONT);
+        }
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    d.as_millis() as u64
+}
+
+pub(super) fn dump_options(t: &TreeOptions) -> DumpOptions {
+    DumpOptions {
+        shell_job: t.shell_job,
+        tcp_established: t.tcp_established,
+        ext_unix_sk: t.ext_unix_sk,
+        file_locks: t.file_locks,
+        external: t.external.clone(),
+    }
+}
+
+pub(super) fn tree_options(d: &DumpOptions) -> TreeOptions {
+    TreeOptions {
+        shell_job: d.shell_job,
+        tcp_established: d.tcp_established,
+        ext_unix_sk: d.ext_unix_sk,
+        file_locks: d.file_locks,
+        external: d.external.clone(),
+    }
+}
+
+fn stored_stats(s: &CheckpointStats) -> StoredStats {
+    StoredStats {
+        frozen_ms: s.frozen_ms,
+        total_ms: s.total_ms,
+        bytes_total: s.bytes_total,
+        dump_ms: s.dump_ms,
+        store_ms: s.store_ms,
+    }
+}

@@ -1,0 +1,145 @@
+//! Errors of the engine's operations. Messages are full sentences meant for the user of the
+//! CLI; the gRPC adapter maps each to a status code.
+
+use std::io;
+use std::path::PathBuf;
+
+use crate::criu::{CriuError, CriuVersion};
+use crate::store::{OpenStoreError, StoreError};
+
+/// The engine could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(
+        "CRIU not found at {0}: run scripts/setup-criu.sh (it installs CRIU 4.x under .stasis/criu \
+         without touching system packages), install CRIU 4.0 or newer, or pass --criu PATH"
+    )]
+    CriuMissing(PathBuf),
+    #[error("cannot query CRIU at {path}")]
+    CriuUnusable {
+        path: PathBuf,
+        #[source]
+        source: CriuError,
+    },
+    #[error(
+        "CRIU {version} at {path} is too old: stasis needs CRIU 4.0 or newer; run \
+         scripts/setup-criu.sh or pass --criu PATH"
+    )]
+    CriuTooOld { path: PathBuf, version: CriuVersion },
+    #[error("`criu check` fails on this kernel with CRIU at {path}; see CRIU's log below")]
+    CriuCheck {
+        path: PathBuf,
+        #[source]
+        source: CriuError,
+    },
+    #[error("cannot open the store")]
+    Store(#[from] OpenStoreError),
+    #[error("cannot use the state directory {path}")]
+    State {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot become the reaper of restored processes")]
+    Reaper(#[source] io::Error),
+}
+
+/// `run` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("no command given")]
+    NoCommand,
+    #[error("invalid workload name {0:?}: use up to 100 letters, digits, '-', '_' or '.'")]
+    BadName(String),
+    #[error("workload {name} is already running as pid {pid}")]
+    AlreadyRunning { name: String, pid: i32 },
+    #[error("cannot prepare {what} for workload {workload}")]
+    Setup {
+        workload: String,
+        what: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot start {program:?}")]
+    Spawn {
+        program: String,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// `checkpoint` failed. Every variant leaves the workload running unless it says otherwise.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("process {0} does not exist")]
+    NoSuchProcess(i32),
+    #[error("unknown workload {0:?}")]
+    UnknownWorkload(String),
+    #[error("workload {workload} is not running (its last pid {pid} is gone)")]
+    NotRunning { workload: String, pid: i32 },
+    #[error("cannot inspect process tree of pid {pid}")]
+    Inspect {
+        pid: i32,
+        #[source]
+        source: io::Error,
+    },
+    #[error("dumping workload {workload} failed; it was left running")]
+    Dump {
+        workload: String,
+        #[source]
+        source: CriuError,
+    },
+    #[error("storing checkpoint {id} failed; the workload was resumed and left running")]
+    Store {
+        id: String,
+        #[source]
+        source: StoreError,
+    },
+    #[error("local {what} failed; the workload was left running")]
+    Local {
+        what: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("stasisd is shutting down; no new jobs are accepted")]
+    ShuttingDown,
+}
+
+/// `restore` failed. Nothing partly restored is left running.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    #[error("{0:?} is not a checkpoint id (expected YYYYMMDD-HHMMSS-xxxxxx)")]
+    BadId(String),
+    #[error("workload {0:?} has no checkpoints")]
+    NoCheckpoints(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(
+        "cannot restore checkpoint {id}: process ids {pids:?} are in use (is the checkpointed \
+         tree still running? stop it first)"
+    )]
+    PidsInUse { id: String, pids: Vec<i32> },
+    #[error("CRIU could not restore checkpoint {id}")]
+    Criu {
+        id: String,
+        #[source]
+        source: CriuError,
+    },
+    #[error("local {what} failed")]
+    Local {
+        what: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("stasisd is shutting down; no new jobs are accepted")]
+    ShuttingDown,
+}
+
+/// `list`, `show` or `delete` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum QueryError {
+    #[error("{0:?} is not a checkpoint id (expected YYYYMMDD-HHMMSS-xxxxxx)")]
+    BadId(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}

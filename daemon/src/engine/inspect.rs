@@ -1,0 +1,76 @@
+//! Working out, from /proc, what a process tree holds and so which CRIU options its dump
+//! needs, so users never have to know CRIU's flags.
+
+use std::collections::HashSet;
+use std::io;
+use std::path::Path;
+
+use crate::criu::TreeOptions;
+use crate::linux::proc::{self, ProcStat};
+
+/// A process tree about to be dumped.
+#[derive(Debug, Clone)]
+pub struct TreeInfo {
+    pub pids: Vec<i32>,
+    pub command: Vec<String>,
+    pub options: TreeOptions,
+}
+
+/// Inspects the tree rooted at `root`.
+pub fn inspect(root: i32) -> io::Result<TreeInfo> {
+    let stat = ProcStat::read(root)?;
+    let pids = proc::process_tree(root)?;
+    let in_tree: HashSet<i32> = pids.iter().copied().collect();
+    let mut options = TreeOptions {
+        // A job started from a shell: its session (and terminal) belong to the shell.
+        shell_job: !in_tree.contains(&stat.session) || !in_tree.contains(&stat.pgrp),
+        file_locks: proc::lock_holders()?.iter().any(|p| in_tree.contains(p)),
+        ..Default::default()
+    };
+    let tcp = proc::established_tcp_inodes(root)?;
+    let unix = unix_socket_inodes(root);
+    for &pid in &pids {
+        let Ok(fds) = proc::fd_targets(pid) else { continue };
+        for (_, target) in fds {
+            let Some(ino) = socket_inode(&target) else { continue };
+            options.tcp_established |= tcp.contains(&ino);
+            options.ext_unix_sk |= unix.contains(&ino);
+        }
+    }
+    Ok(TreeInfo { pids, command: proc::cmdline(root)?, options })
+}
+
+/// The inode of a `socket:[N]` link target.
+fn socket_inode(target: &Path) -> Option<u64> {
+    target.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok()
+}
+
+fn unix_socket_inodes(pid: i32) -> HashSet<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/net/unix"))
+        .map(|t| t.lines().skip(1).filter_map(|l| l.split_whitespace().nth(6)?.parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn socket_links() {
+        assert_eq!(socket_inode(Path::new("socket:[12345]")), Some(12345));
+        assert_eq!(socket_inode(Path::new("/dev/null")), None);
+        assert_eq!(socket_inode(Path::new("pipe:[7]")), None);
+    }
+
+    #[test]
+    fn a_child_started_here_is_a_shell_job_with_its_socket_seen() {
+        // A child in our session and process group: its leaders are outside its tree.
+        let mut child = std::process::Command::new("sleep").arg("5").spawn().unwrap();
+        let info = inspect(child.id() as i32).unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(info.options.shell_job);
+        assert_eq!(info.pids, vec![child.id() as i32]);
+        assert_eq!(info.command, vec!["sleep", "5"]);
+    }
+}

@@ -1,0 +1,111 @@
+//! Read-only and bookkeeping operations: list, show, delete, status.
+
+use super::ids::valid_checkpoint_id;
+use super::{Engine, QueryError, Workload};
+use crate::linux::proc;
+use crate::store::Manifest;
+
+/// A stored checkpoint as the API shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointSummary {
+    pub id: String,
+    pub workload: String,
+    pub pid: i32,
+    pub pids: Vec<i32>,
+    pub created_unix_ms: u64,
+    pub bytes_total: u64,
+    pub node: String,
+    pub kernel: String,
+    pub criu_version: String,
+    pub command: Vec<String>,
+    pub files: Vec<String>,
+    pub criu_options: Vec<String>,
+    pub stats: super::CheckpointStats,
+}
+
+impl From<&Manifest> for CheckpointSummary {
+    fn from(m: &Manifest) -> Self {
+        let s = m.stats.clone().unwrap_or_default();
+        Self {
+            id: m.id.clone(),
+            workload: m.workload.clone(),
+            pid: m.root_pid,
+            pids: m.pids.clone(),
+            created_unix_ms: m.created_unix_ms,
+            bytes_total: m.files.iter().map(|f| f.size).sum(),
+            node: m.node.clone(),
+            kernel: m.kernel.clone(),
+            criu_version: m.criu_version.clone(),
+            command: m.command.clone(),
+            files: m.files.iter().map(|f| f.name.clone()).collect(),
+            criu_options: super::checkpoint::tree_options(&m.options.clone().unwrap_or_default()).describe(),
+            stats: super::CheckpointStats {
+                frozen_ms: s.frozen_ms,
+                total_ms: s.total_ms,
+                bytes_total: s.bytes_total,
+                dump_ms: s.dump_ms,
+                store_ms: s.store_ms,
+            },
+        }
+    }
+}
+
+/// The daemon's state for `stasis status`.
+#[derive(Debug, Clone)]
+pub struct StatusReport {
+    pub daemon_version: String,
+    pub criu_version: String,
+    pub criu_path: String,
+    pub kernel: String,
+    pub gpu_support: String,
+    pub store_url: String,
+    pub state_dir: String,
+    /// Each workload with whether it runs now.
+    pub workloads: Vec<(Workload, bool)>,
+}
+
+impl Engine {
+    /// Checkpoints in the store, oldest first, optionally of one workload only.
+    pub async fn list(&self, workload: Option<&str>) -> Result<Vec<CheckpointSummary>, QueryError> {
+        let manifests = self.store.manifests().await?;
+        Ok(manifests
+            .iter()
+            .filter(|m| workload.is_none_or(|w| m.workload == w))
+            .map(CheckpointSummary::from)
+            .collect())
+    }
+
+    /// One checkpoint, its manifest verified.
+    pub async fn show(&self, id: &str) -> Result<CheckpointSummary, QueryError> {
+        if !valid_checkpoint_id(id) {
+            return Err(QueryError::BadId(id.into()));
+        }
+        Ok(CheckpointSummary::from(&self.store.manifest(id).await?))
+    }
+
+    /// Deletes a checkpoint: its manifest first, then its data.
+    pub async fn delete(&self, id: &str) -> Result<(), QueryError> {
+        if !valid_checkpoint_id(id) {
+            return Err(QueryError::BadId(id.into()));
+        }
+        self.store.delete(id).await?;
+        tracing::info!(checkpoint = %id, "checkpoint deleted");
+        Ok(())
+    }
+
+    pub fn status(&self) -> StatusReport {
+        StatusReport {
+            daemon_version: env!("CARGO_PKG_VERSION").into(),
+            criu_version: self.criu_version.to_string(),
+            criu_path: self.criu.path().display().to_string(),
+            kernel: proc::kernel_release(),
+            gpu_support: "not built: CUDA checkpointing is not part of this version".into(),
+            store_url: self.store.url().into(),
+            state_dir: self.state.root().display().to_string(),
+            workloads: self.registry.all().into_iter().map(|w| {
+                let running = proc::is_running(w.pid);
+                (w, running)
+            }).collect(),
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! The restore job: fetch and verify the checkpoint, then let CRIU recreate the tree.
+//!
+//! ```text
+//! manifest (verified) -> process ids free? -> download images (size + BLAKE3 checked)
+//!   -> CRIU restore (the root becomes stasisd's child) -> workload registry updated
+//! ```
+//! CRIU kills a tree it could not restore completely, so a failed restore leaves nothing
+//! running.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tracing::{info, instrument};
+
+use super::checkpoint::tree_options;
+use super::ids::valid_checkpoint_id;
+use super::workloads::Workload;
+use super::{Engine, ProgressFn, ProgressUpdate, RestoreError};
+use crate::criu::RestoreSpec;
+use crate::store::Manifest;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RestoreTarget {
+    Checkpoint(String),
+    /// The latest checkpoint of this workload.
+    Workload(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct RestoreParams {
+    pub target: RestoreTarget,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RestoreStats {
+    /// From request until the tree runs.
+    pub restore_ms: u64,
+    pub fetch_ms: u64,
+    pub criu_ms: u64,
+    pub bytes_fetched: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RestoreOutcome {
+    pub id: String,
+    pub workload: String,
+    pub pid: i32,
+    pub stats: RestoreStats,
+}
+
+/// How long to wait for the checkpointed tree's old processes to be reaped.
+const PIDS_FREE_WAIT: Duration = Duration::from_secs(3);
+
+impl Engine {
+    /// Restores a checkpoint, as a job that finishes even if the caller goes away.
+    pub async fn restore(
+        self: &Arc<Self>,
+        params: RestoreParams,
+        progress: ProgressFn,
+    ) -> Result<RestoreOutcome, RestoreError> {
+        if self.jobs.is_closed() {
+            return Err(RestoreError::ShuttingDown);
+        }
+        let this = self.clone();
+        let job = self.jobs.spawn(async move { this.restore_job(params, progress).await });
+        job.await.map_err(|e| RestoreError::Local { what: "job", source: std::io::Error::other(e) })?
+    }
+
+    async fn find_manifest(&self, target: &RestoreTarget) -> Result<Manifest, RestoreError> {
+        match target {
+            RestoreTarget::Checkpoint(id) if !valid_checkpoint_id(id) => Err(RestoreError::BadId(id.clone())),
+            RestoreTarget::Checkpoint(id) => Ok(self.store.manifest(id).await?),
+            RestoreTarget::Workload(name) => self
+                .store
+                .manifests()
+                .await?
+                .into_iter()
+                .filter(|m| &m.workload == name)
+                .max_by(|a, b| (a.created_unix_ms, &a.id).cmp(&(b.created_unix_ms, &b.id)))
+                .ok_or_else(|| RestoreError::NoCheckpoints(name.clone())),
+        }
+    }
+
+    #[instrument(skip_all, fields(target = ?params.target))]
+    async fn restore_job(
+        &self,
+        params: RestoreParams,
+        progress: ProgressFn,
+    ) -> Result<RestoreOutcome, RestoreError> {
+        let started = Instant::now();
+        let manifest = self.find_manifest(&params.target).await?;
+        let id = manifest.id.clone();
+        let _guard = self.lock_workload(&manifest.workload).await;
+        let busy = self.reaper.wait_gone(&manifest.pids, PIDS_FREE_WAIT).await;
+        if !busy.is_empty() {
+            return Err(RestoreError::PidsInUse { id, pids: busy });
+        }
+        let local = |what| move |source| RestoreError::Local { what, source };
+        let work = self.state.new_work_dir(&format!("restore-{id}")).map_err(local("work directory"))?;
+
+        let report = {
+            let progress = progress.clone();
+            move |done, total| progress(ProgressUpdate { phase: "download", done, total })
+        };
+        let bytes_fetched = self.store.download_images(&manifest, work.path(), &report).await?;
+        let fetched = Instant::now();
+
+        progress(ProgressUpdate { phase: "restore", done: 0, total: 0 });
+        let spec = RestoreSpec {
+            images_dir: work.path().to_path_buf(),
+            tree: tree_options(&manifest.options.clone().unwrap_or_default()),
+            inherit_fds: Vec::new(),
+        };
+        let criu = self.criu.clone();
+        let restored = tokio::task::spawn_blocking(move || criu.restore(&spec))
+            .await
+            .map_err(|e| local("restore thread")(std::io::Error::other(e)))?;
+        let pid = restored.map_err(|source| RestoreError::Criu { id: id.clone(), source })?;
+        let stats = RestoreStats {
+            restore_ms: started.elapsed().as_millis() as u64,
+            fetch_ms: (fetched - started).as_millis() as u64,
+            criu_ms: fetched.elapsed().as_millis() as u64,
+            bytes_fetched,
+        };
+        self.remember_restore(&manifest, pid).map_err(local("workload registry update"))?;
+        info!(checkpoint = %id, workload = %manifest.workload, pid, ?stats, "restored");
+        Ok(RestoreOutcome { id, workload: manifest.workload, pid, stats })
+    }
+
+    fn remember_restore(&self, manifest: &Manifest, pid: i32) -> std::io::Result<()> {
+        if self.registry.get(&manifest.workload).is_some() {
+            return self.registry.update(&manifest.workload, |w| w.pid = pid);
+        }
+        self.registry.put(Workload {
+            name: manifest.workload.clone(),
+            pid,
+            command: manifest.command.clone(),
+            managed: false,
+            log_path: None,
+            cgroup: None,
+            last_checkpoint: Some(manifest.id.clone()),
+        })
+    }
+}

@@ -1,0 +1,97 @@
+//! Starting workloads under stasisd's management: own session, stdio to a log file in the
+//! state directory, own cgroup.
+
+use std::fs::OpenOptions;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use tracing::info;
+
+use super::workloads::{Workload, derived_name, valid_name};
+use super::{Engine, RunError};
+use crate::linux::cgroup::{WorkloadCgroup, v2_root};
+use crate::linux::proc;
+use crate::linux::sys::{ChildSetup, spawn};
+
+/// What to start.
+#[derive(Debug, Clone, Default)]
+pub struct RunParams {
+    /// Name of the workload; derived from the command when `None`.
+    pub workload: Option<String>,
+    pub argv: Vec<String>,
+    pub cwd: Option<PathBuf>,
+    pub env: Vec<(String, String)>,
+}
+
+/// A started workload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunOutcome {
+    pub workload: String,
+    pub pid: i32,
+    pub log_path: PathBuf,
+}
+
+impl Engine {
+    /// Starts `params.argv` as a new managed workload.
+    pub fn run(&self, params: RunParams) -> Result<RunOutcome, RunError> {
+        let program = params.argv.first().ok_or(RunError::NoCommand)?.clone();
+        let name = match params.workload {
+            Some(name) if valid_name(&name) => name,
+            Some(name) => return Err(RunError::BadName(name)),
+            None => derived_name(&program, &format!("{:06x}", rand::random::<u32>() & 0xff_ffff)),
+        };
+        if let Some(existing) = self.registry.get(&name).filter(|w| proc::is_running(w.pid)) {
+            return Err(RunError::AlreadyRunning { name, pid: existing.pid });
+        }
+        let setup_err = |what| {
+            let workload = name.clone();
+            move |source| RunError::Setup { workload, what, source }
+        };
+        let log_path = self.state.log_file(&name);
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(&log_path)
+            .map_err(setup_err("its log file"))?;
+        let cgroup = match v2_root() {
+            Some(root) => Some(WorkloadCgroup::create(&root, &name).map_err(setup_err("its cgroup"))?),
+            None => None,
+        };
+        let procs = cgroup.as_ref().map(|c| c.open_procs()).transpose().map_err(setup_err("its cgroup"))?;
+
+        let mut cmd = Command::new(&program);
+        cmd.args(&params.argv[1..])
+            .envs(params.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().map_err(setup_err("its log file"))?)
+            .stderr(log);
+        if let Some(cwd) = &params.cwd {
+            cmd.current_dir(cwd);
+        }
+        let setup = ChildSetup {
+            new_session: true,
+            cgroup_procs: procs.as_ref().map(|f| f.as_raw_fd()),
+            keep_fds: Vec::new(),
+        };
+        let child = spawn(&mut cmd, setup).map_err(|source| RunError::Spawn { program, source })?;
+        let pid = child.id() as i32;
+        // The reaper collects its exit status; nothing here waits for it.
+        drop(child);
+        self.registry
+            .put(Workload {
+                name: name.clone(),
+                pid,
+                command: params.argv,
+                managed: true,
+                log_path: Some(log_path.clone()),
+                cgroup: cgroup.map(|c| c.path),
+                last_checkpoint: None,
+            })
+            .map_err(setup_err("the workload registry"))?;
+        info!(workload = %name, pid, "workload started");
+        Ok(RunOutcome { workload: name, pid, log_path })
+    }
+}

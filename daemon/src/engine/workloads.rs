@@ -1,0 +1,139 @@
+//! The registry of workloads: named process trees stasisd started or checkpointed, persisted
+//! in the state directory so a restarted daemon still knows them.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+
+/// What stasisd knows of one workload.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Workload {
+    pub name: String,
+    /// Root pid of the tree's current incarnation.
+    pub pid: i32,
+    pub command: Vec<String>,
+    /// Started by `stasis run` (stasisd owns its stdio and cgroup).
+    pub managed: bool,
+    pub log_path: Option<PathBuf>,
+    pub cgroup: Option<PathBuf>,
+    pub last_checkpoint: Option<String>,
+}
+
+/// Persistent map of workload name to [`Workload`].
+#[derive(Debug)]
+pub struct Registry {
+    file: PathBuf,
+    entries: Mutex<BTreeMap<String, Workload>>,
+}
+
+impl Registry {
+    /// Loads the registry from `file`; a missing file is an empty registry.
+    pub fn load(file: &Path) -> io::Result<Self> {
+        let entries = match std::fs::read(file) {
+            Ok(data) => serde_json::from_slice(&data).map_err(io::Error::other)?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => BTreeMap::new(),
+            Err(e) => return Err(e),
+        };
+        Ok(Self { file: file.to_path_buf(), entries: Mutex::new(entries) })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Workload>> {
+        self.entries.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn get(&self, name: &str) -> Option<Workload> {
+        self.lock().get(name).cloned()
+    }
+
+    /// The workload whose current root is `pid`.
+    pub fn by_pid(&self, pid: i32) -> Option<Workload> {
+        self.lock().values().find(|w| w.pid == pid).cloned()
+    }
+
+    pub fn all(&self) -> Vec<Workload> {
+        self.lock().values().cloned().collect()
+    }
+
+    /// Inserts or replaces a workload and persists the registry.
+    pub fn put(&self, workload: Workload) -> io::Result<()> {
+        let mut entries = self.lock();
+        entries.insert(workload.name.clone(), workload);
+        self.save(&entries)
+    }
+
+    /// Changes a workload in place and persists; does nothing for an unknown name.
+    pub fn update(&self, name: &str, change: impl FnOnce(&mut Workload)) -> io::Result<()> {
+        let mut entries = self.lock();
+        if let Some(w) = entries.get_mut(name) {
+            change(w);
+        }
+        self.save(&entries)
+    }
+
+    fn save(&self, entries: &BTreeMap<String, Workload>) -> io::Result<()> {
+        let tmp = self.file.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(entries).map_err(io::Error::other)?)?;
+        std::fs::rename(&tmp, &self.file)
+    }
+}
+
+/// Whether `name` is usable as a workload name (it becomes a file and cgroup name).
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 100
+        && !name.starts_with('.')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+/// A workload name derived from a command: its program's base name plus `suffix`.
+pub fn derived_name(program: &str, suffix: &str) -> String {
+    let base: String = Path::new(program)
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '-' | '_') { c } else { '_' })
+        .take(40)
+        .collect();
+    if base.is_empty() { format!("pid-{suffix}") } else { format!("{base}-{suffix}") }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn persists_across_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("w.json");
+        let reg = Registry::load(&file).unwrap();
+        let w = Workload {
+            name: "train".into(),
+            pid: 10,
+            command: vec!["python3".into()],
+            managed: true,
+            log_path: None,
+            cgroup: None,
+            last_checkpoint: None,
+        };
+        reg.put(w.clone()).unwrap();
+        reg.update("train", |w| w.pid = 11).unwrap();
+        let again = Registry::load(&file).unwrap();
+        assert_eq!(again.get("train").unwrap().pid, 11);
+        assert_eq!(again.by_pid(11).unwrap().name, "train");
+        assert!(again.by_pid(10).is_none());
+    }
+
+    #[test]
+    fn names() {
+        assert!(valid_name("train-01.v2"));
+        assert!(!valid_name("../etc"));
+        assert!(!valid_name(".hidden"));
+        assert!(!valid_name("a b"));
+        assert_eq!(derived_name("/usr/bin/python3.11", "42"), "python3_11-42");
+        assert_eq!(derived_name("", "7"), "pid-7");
+    }
+}

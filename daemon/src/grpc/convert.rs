@@ -1,0 +1,267 @@
+//! Conversions between the `stasis.v1` messages and the engine's types, and the mapping of
+//! engine errors to gRPC status codes.
+
+use std::error::Error;
+
+use stasis_proto::stasis::v1 as pb;
+use tonic::{Code, Status};
+
+use crate::engine::{
+    CheckpointError, CheckpointOutcome, CheckpointParams, CheckpointStats, CheckpointSummary,
+    ProgressUpdate, QueryError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget,
+    RunError, RunOutcome, RunParams, StatusReport, Target,
+};
+use crate::store::StoreError;
+
+/// The error and all its sources, one per line where the source spans lines (CRIU's log).
+fn message(err: &dyn Error) -> String {
+    let mut out = err.to_string();
+    let mut source = err.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+fn status(code: Code, err: &dyn Error) -> Status {
+    Status::new(code, message(err))
+}
+
+fn store_code(e: &StoreError) -> Code {
+    match e {
+        StoreError::NotFound(_) => Code::NotFound,
+        StoreError::Manifest { .. } | StoreError::Corrupt { .. } => Code::DataLoss,
+        StoreError::Backend { .. } => Code::Unavailable,
+        StoreError::Local { .. } => Code::Internal,
+    }
+}
+
+impl From<RunError> for Status {
+    fn from(e: RunError) -> Self {
+        let code = match &e {
+            RunError::NoCommand | RunError::BadName(_) => Code::InvalidArgument,
+            RunError::AlreadyRunning { .. } => Code::AlreadyExists,
+            RunError::Spawn { source, .. } if source.kind() == std::io::ErrorKind::NotFound => Code::NotFound,
+            RunError::Spawn { .. } | RunError::Setup { .. } => Code::Internal,
+        };
+        status(code, &e)
+    }
+}
+
+impl From<CheckpointError> for Status {
+    fn from(e: CheckpointError) -> Self {
+        let code = match &e {
+            CheckpointError::NoSuchProcess(_) | CheckpointError::UnknownWorkload(_) => Code::NotFound,
+            CheckpointError::NotRunning { .. } => Code::FailedPrecondition,
+            CheckpointError::Dump { .. } => Code::Aborted,
+            CheckpointError::Store { source, .. } => store_code(source),
+            CheckpointError::ShuttingDown => Code::Unavailable,
+            CheckpointError::Inspect { .. } | CheckpointError::Local { .. } => Code::Internal,
+        };
+        status(code, &e)
+    }
+}
+
+impl From<RestoreError> for Status {
+    fn from(e: RestoreError) -> Self {
+        let code = match &e {
+            RestoreError::BadId(_) => Code::InvalidArgument,
+            RestoreError::NoCheckpoints(_) => Code::NotFound,
+            RestoreError::Store(s) => store_code(s),
+            RestoreError::PidsInUse { .. } => Code::FailedPrecondition,
+            RestoreError::Criu { .. } => Code::Aborted,
+            RestoreError::ShuttingDown => Code::Unavailable,
+            RestoreError::Local { .. } => Code::Internal,
+        };
+        status(code, &e)
+    }
+}
+
+impl From<QueryError> for Status {
+    fn from(e: QueryError) -> Self {
+        let code = match &e {
+            QueryError::BadId(_) => Code::InvalidArgument,
+            QueryError::Store(s) => store_code(s),
+        };
+        status(code, &e)
+    }
+}
+
+impl TryFrom<pb::RunRequest> for RunParams {
+    type Error = Status;
+
+    fn try_from(r: pb::RunRequest) -> Result<Self, Status> {
+        let env = r
+            .env
+            .iter()
+            .map(|kv| {
+                kv.split_once('=')
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .ok_or_else(|| Status::invalid_argument(format!("environment entry {kv:?} is not KEY=VALUE")))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            workload: Some(r.workload).filter(|w| !w.is_empty()),
+            argv: r.argv,
+            cwd: Some(r.cwd).filter(|c| !c.is_empty()).map(Into::into),
+            env,
+        })
+    }
+}
+
+impl From<RunOutcome> for pb::RunResponse {
+    fn from(o: RunOutcome) -> Self {
+        Self { workload: o.workload, pid: o.pid, log_path: o.log_path.display().to_string() }
+    }
+}
+
+impl TryFrom<pb::CheckpointRequest> for CheckpointParams {
+    type Error = Status;
+
+    fn try_from(r: pb::CheckpointRequest) -> Result<Self, Status> {
+        let target = match r.target {
+            Some(pb::checkpoint_request::Target::Pid(pid)) if pid > 0 => Target::Pid(pid),
+            Some(pb::checkpoint_request::Target::Pid(pid)) => {
+                return Err(Status::invalid_argument(format!("{pid} is not a valid process id")));
+            }
+            Some(pb::checkpoint_request::Target::Workload(w)) => Target::Workload(w),
+            None => return Err(Status::invalid_argument("give a process id or a workload name")),
+        };
+        Ok(Self { target, leave_running: r.leave_running })
+    }
+}
+
+impl TryFrom<pb::RestoreRequest> for RestoreParams {
+    type Error = Status;
+
+    fn try_from(r: pb::RestoreRequest) -> Result<Self, Status> {
+        let target = match r.target {
+            Some(pb::restore_request::Target::CheckpointId(id)) => RestoreTarget::Checkpoint(id),
+            Some(pb::restore_request::Target::Workload(w)) => RestoreTarget::Workload(w),
+            None => return Err(Status::invalid_argument("give a checkpoint id or a workload name")),
+        };
+        Ok(Self { target })
+    }
+}
+
+impl From<ProgressUpdate> for pb::Progress {
+    fn from(p: ProgressUpdate) -> Self {
+        Self { phase: p.phase.into(), done_bytes: p.done, total_bytes: p.total }
+    }
+}
+
+impl From<&CheckpointStats> for pb::CheckpointStats {
+    fn from(s: &CheckpointStats) -> Self {
+        Self {
+            frozen_ms: s.frozen_ms,
+            total_ms: s.total_ms,
+            bytes_total: s.bytes_total,
+            dump_ms: s.dump_ms,
+            store_ms: s.store_ms,
+        }
+    }
+}
+
+impl From<CheckpointOutcome> for pb::CheckpointResult {
+    fn from(o: CheckpointOutcome) -> Self {
+        Self {
+            stats: Some((&o.stats).into()),
+            id: o.id,
+            workload: o.workload,
+            pid: o.pid,
+            left_running: o.left_running,
+        }
+    }
+}
+
+impl From<RestoreOutcome> for pb::RestoreResult {
+    fn from(o: RestoreOutcome) -> Self {
+        let s = o.stats;
+        Self {
+            id: o.id,
+            workload: o.workload,
+            pid: o.pid,
+            stats: Some(pb::RestoreStats {
+                restore_ms: s.restore_ms,
+                fetch_ms: s.fetch_ms,
+                criu_ms: s.criu_ms,
+                bytes_fetched: s.bytes_fetched,
+            }),
+        }
+    }
+}
+
+impl From<CheckpointSummary> for pb::CheckpointInfo {
+    fn from(c: CheckpointSummary) -> Self {
+        Self {
+            stats: Some((&c.stats).into()),
+            id: c.id,
+            workload: c.workload,
+            pid: c.pid,
+            created_unix_ms: c.created_unix_ms,
+            bytes_total: c.bytes_total,
+            node: c.node,
+            kernel: c.kernel,
+            criu_version: c.criu_version,
+            command: c.command,
+            pids: c.pids,
+            files: c.files,
+            criu_options: c.criu_options,
+        }
+    }
+}
+
+impl From<StatusReport> for pb::StatusResponse {
+    fn from(r: StatusReport) -> Self {
+        Self {
+            daemon_version: r.daemon_version,
+            criu_version: r.criu_version,
+            criu_path: r.criu_path,
+            kernel: r.kernel,
+            gpu_support: r.gpu_support,
+            store_url: r.store_url,
+            state_dir: r.state_dir,
+            workloads: r
+                .workloads
+                .into_iter()
+                .map(|(w, running)| pb::WorkloadStatus { name: w.name, pid: w.pid, running, command: w.command })
+                .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_without_target_are_invalid() {
+        let e = CheckpointParams::try_from(pb::CheckpointRequest::default()).unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument);
+        let e = CheckpointParams::try_from(pb::CheckpointRequest {
+            target: Some(pb::checkpoint_request::Target::Pid(-3)),
+            leave_running: false,
+        })
+        .unwrap_err();
+        assert!(e.message().contains("-3"));
+        assert_eq!(RestoreParams::try_from(pb::RestoreRequest::default()).unwrap_err().code(), Code::InvalidArgument);
+        let bad_env = pb::RunRequest { argv: vec!["x".into()], env: vec!["NOEQUALS".into()], ..Default::default() };
+        assert!(RunParams::try_from(bad_env).unwrap_err().message().contains("NOEQUALS"));
+    }
+
+    #[test]
+    fn errors_map_to_codes_with_their_causes() {
+        let s: Status = RestoreError::Store(StoreError::Corrupt {
+            id: "i".into(),
+            file: "pages-1.img".into(),
+            reason: "truncated".into(),
+        })
+        .into();
+        assert_eq!(s.code(), Code::DataLoss);
+        assert!(s.message().contains("pages-1.img"));
+        let s: Status = CheckpointError::NoSuchProcess(99999).into();
+        assert_eq!((s.code(), s.message()), (Code::NotFound, "process 99999 does not exist"));
+    }
+}

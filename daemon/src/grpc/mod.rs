@@ -1,0 +1,115 @@
+//! The `stasis.v1` gRPC service: a thin adapter that converts messages, calls the engine, and
+//! streams progress of long operations.
+
+mod convert;
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::Stream;
+use stasis_proto::stasis::v1 as pb;
+use stasis_proto::stasis::v1::stasis_server::Stasis;
+pub use stasis_proto::stasis::v1::stasis_server::StasisServer;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::engine::{Engine, ProgressFn, ProgressUpdate};
+
+/// Progress events are sent at most this often (plus every change of phase).
+const PROGRESS_INTERVAL: Duration = Duration::from_millis(200);
+
+type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+/// The service over an [`Engine`].
+pub struct StasisService {
+    engine: Arc<Engine>,
+}
+
+impl StasisService {
+    pub fn new(engine: Arc<Engine>) -> Self {
+        Self { engine }
+    }
+}
+
+/// A progress callback that forwards throttled updates into `tx` as events built by `wrap`.
+fn progress_sender<T: Send + 'static>(
+    tx: mpsc::UnboundedSender<Result<T, Status>>,
+    wrap: fn(pb::Progress) -> T,
+) -> ProgressFn {
+    let last: Mutex<Option<(&'static str, Instant)>> = Mutex::new(None);
+    Arc::new(move |update: ProgressUpdate| {
+        let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
+        let due = match *last {
+            Some((phase, at)) => phase != update.phase || at.elapsed() >= PROGRESS_INTERVAL || update.done == update.total,
+            None => true,
+        };
+        if due {
+            *last = Some((update.phase, Instant::now()));
+            let _ = tx.send(Ok(wrap(update.into())));
+        }
+    })
+}
+
+#[tonic::async_trait]
+impl Stasis for StasisService {
+    type CheckpointStream = EventStream<pb::CheckpointEvent>;
+    type RestoreStream = EventStream<pb::RestoreEvent>;
+
+    async fn run(&self, req: Request<pb::RunRequest>) -> Result<Response<pb::RunResponse>, Status> {
+        let params = req.into_inner().try_into()?;
+        Ok(Response::new(self.engine.run(params)?.into()))
+    }
+
+    async fn checkpoint(
+        &self,
+        req: Request<pb::CheckpointRequest>,
+    ) -> Result<Response<Self::CheckpointStream>, Status> {
+        use pb::checkpoint_event::Event;
+        let params = req.into_inner().try_into()?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let progress = progress_sender(tx.clone(), |p| pb::CheckpointEvent { event: Some(Event::Progress(p)) });
+        let engine = self.engine.clone();
+        tokio::spawn(async move {
+            let result = engine.checkpoint(params, progress).await;
+            let event = result.map(|o| pb::CheckpointEvent { event: Some(Event::Done(o.into())) });
+            let _ = tx.send(event.map_err(Status::from));
+        });
+        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+    }
+
+    async fn restore(&self, req: Request<pb::RestoreRequest>) -> Result<Response<Self::RestoreStream>, Status> {
+        use pb::restore_event::Event;
+        let params = req.into_inner().try_into()?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let progress = progress_sender(tx.clone(), |p| pb::RestoreEvent { event: Some(Event::Progress(p)) });
+        let engine = self.engine.clone();
+        tokio::spawn(async move {
+            let result = engine.restore(params, progress).await;
+            let event = result.map(|o| pb::RestoreEvent { event: Some(Event::Done(o.into())) });
+            let _ = tx.send(event.map_err(Status::from));
+        });
+        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+    }
+
+    async fn list(&self, req: Request<pb::ListRequest>) -> Result<Response<pb::ListResponse>, Status> {
+        let workload = Some(req.into_inner().workload).filter(|w| !w.is_empty());
+        let list = self.engine.list(workload.as_deref()).await?;
+        Ok(Response::new(pb::ListResponse { checkpoints: list.into_iter().map(Into::into).collect() }))
+    }
+
+    async fn show(&self, req: Request<pb::ShowRequest>) -> Result<Response<pb::CheckpointInfo>, Status> {
+        Ok(Response::new(self.engine.show(&req.into_inner().id).await?.into()))
+    }
+
+    async fn delete(&self, req: Request<pb::DeleteRequest>) -> Result<Response<pb::DeleteResponse>, Status> {
+        let id = req.into_inner().id;
+        self.engine.delete(&id).await?;
+        Ok(Response::new(pb::DeleteResponse { id }))
+    }
+
+    async fn status(&self, _req: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
+        Ok(Response::new(self.engine.status().into()))
+    }
+}

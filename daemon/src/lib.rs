@@ -1,0 +1,16 @@
+//! stasis-daemon: the engine behind `stasisd`.
+//!
+//! - [`engine`]: the typed domain API (run, checkpoint, restore, list, delete, status);
+//! - [`grpc`]: the thin `stasis.v1` adapter over the engine;
+//! - [`criu`]: driving CRIU over its swrk RPC;
+//! - [`store`]: manifests and checkpoint data in object storage;
+//! - [`linux`]: /proc, cgroups, spawning and reaping;
+//! - [`config`] and [`server`]: the daemon's settings and lifecycle.
+
+pub mod config;
+pub mod criu;
+pub mod engine;
+pub mod grpc;
+pub mod linux;
+pub mod server;
+pub mod store;

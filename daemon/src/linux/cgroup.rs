@@ -1,0 +1,49 @@
+//! A cgroup (v2) per managed workload, so its whole tree can be found and killed even after
+//! processes re-parent. On a hybrid v1/v2 host the v2 hierarchy at /sys/fs/cgroup/unified is
+//! used; without any v2 hierarchy workloads run without their own cgroup.
+
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::path::{Path, PathBuf};
+
+const PURE_V2: &str = "/sys/fs/cgroup";
+const HYBRID_V2: &str = "/sys/fs/cgroup/unified";
+
+/// The v2 hierarchy mounted on this host, if any.
+pub fn v2_root() -> Option<PathBuf> {
+    if Path::new(PURE_V2).join("cgroup.controllers").exists() {
+        return Some(PURE_V2.into());
+    }
+    Path::new(HYBRID_V2).join("cgroup.procs").exists().then(|| HYBRID_V2.into())
+}
+
+/// The cgroup of one workload: `<v2 root>/stasis/<name>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkloadCgroup {
+    pub path: PathBuf,
+}
+
+impl WorkloadCgroup {
+    /// Creates (or reuses) the workload's cgroup.
+    pub fn create(root: &Path, workload: &str) -> io::Result<Self> {
+        let path = root.join("stasis").join(workload);
+        fs::create_dir_all(&path)?;
+        Ok(Self { path })
+    }
+
+    /// Opens `cgroup.procs` for a child to write itself into before exec.
+    pub fn open_procs(&self) -> io::Result<File> {
+        OpenOptions::new().write(true).open(self.path.join("cgroup.procs"))
+    }
+
+    /// The pids currently in the cgroup.
+    pub fn pids(&self) -> io::Result<Vec<i32>> {
+        let text = fs::read_to_string(self.path.join("cgroup.procs"))?;
+        Ok(text.lines().filter_map(|l| l.trim().parse().ok()).collect())
+    }
+
+    /// Removes the cgroup if it is empty; a busy or missing cgroup is left alone.
+    pub fn remove_if_empty(&self) {
+        let _ = fs::remove_dir(&self.path);
+    }
+}

@@ -1,0 +1,8 @@
+//! Linux boundaries: /proc inspection, process spawning, cgroups, signals and child reaping.
+//!
+//! All unsafe code of this area lives in [`sys`].
+
+pub mod cgroup;
+pub mod proc;
+pub mod reaper;
+pub mod sys;

@@ -1,0 +1,210 @@
+//! Reading process state from /proc.
+
+use std::collections::{BTreeSet, HashSet};
+use std::fs;
+use std::io;
+use std::path::PathBuf;
+
+use nix::unistd::Pid;
+
+/// The fields of `/proc/PID/stat` stasis uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcStat {
+    pub pid: i32,
+    pub comm: String,
+    /// R, S, D, T, t, Z, X, ...
+    pub state: char,
+    pub ppid: i32,
+    pub pgrp: i32,
+    pub session: i32,
+    pub tty_nr: i32,
+}
+
+impl ProcStat {
+    /// Reads `/proc/PID/stat`.
+    pub fn read(pid: i32) -> io::Result<Self> {
+        let text = fs::read_to_string(format!("/proc/{pid}/stat"))?;
+        Self::parse(&text).ok_or_else(|| {
+            io::Error::new(io::ErrorKind::InvalidData, format!("malformed /proc/{pid}/stat"))
+        })
+    }
+
+    /// Parses the contents of a stat file. The command name is in parentheses and may itself
+    /// contain spaces and parentheses, so fields are counted from the last ')'.
+    pub fn parse(text: &str) -> Option<Self> {
+        let open = text.find('(')?;
+        let close = text.rfind(')')?;
+        let pid = text[..open].trim().parse().ok()?;
+        let comm = text[open + 1..close].to_string();
+        let mut rest = text[close + 1..].split_whitespace();
+        let state = rest.next()?.chars().next()?;
+        let mut num = || rest.next()?.parse::<i32>().ok();
+        let ppid = num()?;
+        let pgrp = num()?;
+        let session = num()?;
+        let tty_nr = num()?;
+        Some(Self { pid, comm, state, ppid, pgrp, session, tty_nr })
+    }
+
+    /// A zombie or dead task: it holds its pid but runs no more.
+    pub fn is_dead(&self) -> bool {
+        matches!(self.state, 'Z' | 'X' | 'x')
+    }
+
+    /// Stopped by a signal (or a tracer).
+    pub fn is_stopped(&self) -> bool {
+        matches!(self.state, 'T' | 't')
+    }
+}
+
+/// Whether `pid` exists and is not a zombie.
+pub fn is_running(pid: i32) -> bool {
+    ProcStat::read(pid).is_ok_and(|s| !s.is_dead())
+}
+
+/// The root and all its descendants, in breadth-first order.
+pub fn process_tree(root: i32) -> io::Result<Vec<i32>> {
+    let mut seen = vec![root];
+    let mut next = 0;
+    while next < seen.len() {
+        let pid = seen[next];
+        next += 1;
+        for child in children(pid)? {
+            if !seen.contains(&child) {
+                seen.push(child);
+            }
+        }
+    }
+    Ok(seen)
+}
+
+fn children(pid: i32) -> io::Result<Vec<i32>> {
+    let mut out = Vec::new();
+    let tasks = match fs::read_dir(format!("/proc/{pid}/task")) {
+        Ok(t) => t,
+        // The process exited while we walked the tree.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(e),
+    };
+    for task in tasks {
+        let path = task?.path().join("children");
+        let Ok(text) = fs::read_to_string(&path) else { continue };
+        out.extend(text.split_whitespace().filter_map(|p| p.parse::<i32>().ok()));
+    }
+    Ok(out)
+}
+
+/// The command line of `pid`, split at NULs.
+pub fn cmdline(pid: i32) -> io::Result<Vec<String>> {
+    let raw = fs::read(format!("/proc/{pid}/cmdline"))?;
+    Ok(raw
+        .split(|b| *b == 0)
+        .filter(|s| !s.is_empty())
+        .map(|s| String::from_utf8_lossy(s).into_owned())
+        .collect())
+}
+
+/// Where each open descriptor of `pid` points (`readlink /proc/PID/fd/N`).
+pub fn fd_targets(pid: i32) -> io::Result<Vec<(i32, PathBuf)>> {
+    let mut out = Vec::new();
+    for entry in fs::read_dir(format!("/proc/{pid}/fd"))? {
+        let entry = entry?;
+        let Some(fd) = entry.file_name().to_str().and_then(|s| s.parse().ok()) else { continue };
+        if let Ok(target) = fs::read_link(entry.path()) {
+            out.push((fd, target));
+        }
+    }
+    Ok(out)
+}
+
+/// Socket inodes of TCP connections in ESTABLISHED state, as seen from `pid`'s network
+/// namespace.
+pub fn established_tcp_inodes(pid: i32) -> io::Result<HashSet<u64>> {
+    let mut out = HashSet::new();
+    for table in ["tcp", "tcp6"] {
+        let Ok(text) = fs::read_to_string(format!("/proc/{pid}/net/{table}")) else { continue };
+        out.extend(parse_tcp_table(&text, "01"));
+    }
+    Ok(out)
+}
+
+/// The socket inodes of the rows of a `/proc/net/tcp` table whose state is `state` (hex).
+pub fn parse_tcp_table(text: &str, state: &str) -> impl Iterator<Item = u64> {
+    text.lines().skip(1).filter_map(move |line| {
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        (cols.get(3) == Some(&state)).then(|| cols.get(9)?.parse().ok()).flatten()
+    })
+}
+
+/// Pids holding POSIX or flock locks, from `/proc/locks`.
+pub fn lock_holders() -> io::Result<BTreeSet<i32>> {
+    Ok(parse_locks(&fs::read_to_string("/proc/locks")?))
+}
+
+/// Parses `/proc/locks` lines like `1: POSIX  ADVISORY  WRITE 1234 00:2a:5 0 EOF`.
+pub fn parse_locks(text: &str) -> BTreeSet<i32> {
+    text.lines()
+        .filter(|l| !l.contains("->")) // blocked waiters, not holders
+        .filter_map(|l| l.split_whitespace().nth(4)?.parse().ok())
+        .collect()
+}
+
+/// The running kernel's release string.
+pub fn kernel_release() -> String {
+    nix::sys::utsname::uname()
+        .map(|u| u.release().to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// This machine's host name.
+pub fn node_name() -> String {
+    nix::sys::utsname::uname()
+        .map(|u| u.nodename().to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// Sends `signal` to every pid, ignoring ones that are already gone.
+pub fn signal_all(pids: &[i32], signal: nix::sys::signal::Signal) {
+    for &pid in pids {
+        let _ = nix::sys::signal::kill(Pid::from_raw(pid), signal);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_parses_names_with_spaces_and_parens() {
+        let s = ProcStat::parse("42 (my (odd) prog) S 1 42 42 34816 0 4194560 0").unwrap();
+        assert_eq!(s.pid, 42);
+        assert_eq!(s.comm, "my (odd) prog");
+        assert_eq!((s.state, s.ppid, s.pgrp, s.session, s.tty_nr), ('S', 1, 42, 42, 34816));
+        assert!(!s.is_dead());
+        assert!(ProcStat::parse("garbage").is_none());
+    }
+
+    #[test]
+    fn tcp_table_picks_established_rows() {
+        let text = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
+   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 111 1\n\
+   1: 0100007F:1F90 0100007F:C350 01 00000000:00000000 00:00000000 00000000     0        0 222 1\n";
+        assert_eq!(parse_tcp_table(text, "01").collect::<Vec<_>>(), vec![222]);
+    }
+
+    #[test]
+    fn locks_lists_holders_not_waiters() {
+        let text = "1: POSIX  ADVISORY  WRITE 1234 00:2a:5 0 EOF\n\
+1: -> POSIX  ADVISORY  WRITE 999 00:2a:5 0 EOF\n\
+2: FLOCK  ADVISORY  WRITE 77 00:2a:6 0 EOF\n";
+        assert_eq!(parse_locks(text).into_iter().collect::<Vec<_>>(), vec![77, 1234]);
+    }
+
+    #[test]
+    fn own_process_is_visible() {
+        let me = std::process::id() as i32;
+        assert!(is_running(me));
+        assert_eq!(process_tree(me).unwrap()[0], me);
+        assert!(!fd_targets(me).unwrap().is_empty());
+    }
+}

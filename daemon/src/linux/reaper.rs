@@ -1,0 +1,101 @@
+//! stasisd is a child subreaper: it adopts the trees CRIU restores and the orphans of the
+//! workloads it starts, and it alone reaps children (`waitpid(-1)`), so no exited workload
+//! lingers as a zombie holding a pid that a restore needs.
+//!
+//! Because every child is reaped here, nothing else in the daemon may `wait` for a child.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::errno::Errno;
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::Pid;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::Notify;
+use tracing::{debug, info};
+
+/// How a child ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitKind {
+    Exited(i32),
+    Signaled(i32),
+}
+
+/// Collects the exit of every child of stasisd.
+#[derive(Debug, Default, Clone)]
+pub struct Reaper {
+    inner: Arc<ReaperInner>,
+}
+
+#[derive(Debug, Default)]
+struct ReaperInner {
+    exits: Mutex<HashMap<i32, ExitKind>>,
+    changed: Notify,
+}
+
+impl Reaper {
+    /// Makes this process a child subreaper and starts reaping on SIGCHLD.
+    pub fn start() -> std::io::Result<Self> {
+        nix::sys::prctl::set_child_subreaper(true).map_err(std::io::Error::from)?;
+        let reaper = Self::default();
+        let mut sigchld = signal(SignalKind::child())?;
+        let this = reaper.clone();
+        tokio::spawn(async move {
+            loop {
+                this.reap_all();
+                // A periodic sweep as well: signals coalesce and may race with our start.
+                let _ = tokio::time::timeout(Duration::from_secs(1), sigchld.recv()).await;
+            }
+        });
+        Ok(reaper)
+    }
+
+    fn reap_all(&self) {
+        loop {
+            match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::Exited(pid, code)) => self.record(pid.as_raw(), ExitKind::Exited(code)),
+                Ok(WaitStatus::Signaled(pid, sig, _)) => {
+                    self.record(pid.as_raw(), ExitKind::Signaled(sig as i32))
+                }
+                Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => break,
+                Ok(_) => continue,
+                Err(Errno::EINTR) => continue,
+                Err(e) => {
+                    debug!(error = %e, "waitpid failed");
+                    break;
+                }
+            }
+        }
+    }
+
+    fn record(&self, pid: i32, kind: ExitKind) {
+        info!(pid, ?kind, "child exited");
+        let mut exits = self.inner.exits.lock().unwrap_or_else(|p| p.into_inner());
+        exits.insert(pid, kind);
+        drop(exits);
+        self.inner.changed.notify_waiters();
+    }
+
+    /// Takes the recorded exit of `pid`, if it has been reaped.
+    pub fn take_exit(&self, pid: i32) -> Option<ExitKind> {
+        let mut exits = self.inner.exits.lock().unwrap_or_else(|p| p.into_inner());
+        exits.remove(&pid)
+    }
+
+    /// Waits until none of `pids` is a zombie waiting to be reaped by us, or `timeout` passes.
+    /// Returns the pids still present (running, or zombies of another parent).
+    pub async fn wait_gone(&self, pids: &[i32], timeout: Duration) -> Vec<i32> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.inner.changed.notified();
+            self.reap_all();
+            let present: Vec<i32> =
+                pids.iter().copied().filter(|p| super::proc::ProcStat::read(*p).is_ok()).collect();
+            if present.is_empty() || tokio::time::Instant::now() >= deadline {
+                return present;
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
+        }
+    }
+}

@@ -1,0 +1,85 @@
+//! The daemon's lifecycle: start the engine, serve the API on a root-only Unix socket, and on
+//! SIGTERM or SIGINT stop taking requests and let running jobs finish.
+
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use tokio::net::UnixListener;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_stream::wrappers::UnixListenerStream;
+use tracing::info;
+
+use crate::config::DaemonConfig;
+use crate::engine::{Engine, EngineConfig, StartError};
+use crate::grpc::{StasisServer, StasisService};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Start(#[from] StartError),
+    #[error("another stasisd is already serving on {0}")]
+    SocketInUse(PathBuf),
+    #[error("cannot listen on {path}")]
+    Socket {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot watch for termination signals")]
+    Signals(#[source] io::Error),
+    #[error("the API server failed")]
+    Transport(#[source] tonic::transport::Error),
+}
+
+/// Runs stasisd until SIGTERM or SIGINT, then drains running jobs.
+pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
+    let engine = Engine::start(EngineConfig {
+        state_dir: config.state_dir.clone(),
+        store_url: config.store_url.clone(),
+        criu_path: config.criu_path.clone(),
+    })
+    .await?;
+    let listener = bind(&config.socket)?;
+    let mut term = signal(SignalKind::terminate()).map_err(ServeError::Signals)?;
+    let mut int = signal(SignalKind::interrupt()).map_err(ServeError::Signals)?;
+    let stop = async move {
+        tokio::select! {
+            _ = term.recv() => info!("SIGTERM received, shutting down"),
+            _ = int.recv() => info!("SIGINT received, shutting down"),
+        }
+    };
+    info!(socket = %config.socket.display(), "serving");
+    let served = tonic::transport::Server::builder()
+        .add_service(StasisServer::new(StasisService::new(engine.clone())))
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop)
+        .await;
+    engine.jobs().close();
+    if !engine.jobs().is_empty() {
+        info!(jobs = engine.jobs().len(), "waiting for running jobs to finish");
+    }
+    engine.jobs().wait().await;
+    let _ = std::fs::remove_file(&config.socket);
+    info!("stopped");
+    served.map_err(ServeError::Transport)
+}
+
+/// Binds the API socket with mode 0600, replacing a stale socket file but never a live one.
+fn bind(path: &Path) -> Result<UnixListener, ServeError> {
+    let err = |source| ServeError::Socket { path: path.to_path_buf(), source };
+    if let Some(parent) = path.parent() {
+        std::fs::DirBuilder::new().recursive(true).mode(0o755).create(parent).map_err(err)?;
+    }
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(err(io::Error::new(io::ErrorKind::AlreadyExists, "a non-socket file is in the way")));
+        }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(ServeError::SocketInUse(path.to_path_buf()));
+        }
+        std::fs::remove_file(path).map_err(err)?;
+    }
+    let listener = UnixListener::bind(path).map_err(err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
+    Ok(listener)
+}

@@ -1,0 +1,87 @@
+//! Choosing an `object_store` backend from a store URL.
+
+use std::sync::Arc;
+
+use object_store::ObjectStore;
+use object_store::aws::AmazonS3Builder;
+use object_store::azure::MicrosoftAzureBuilder;
+use object_store::gcp::GoogleCloudStorageBuilder;
+use object_store::local::LocalFileSystem;
+use object_store::memory::InMemory;
+use object_store::path::Path as ObjPath;
+use url::Url;
+
+/// A store URL could not be turned into a backend.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenStoreError {
+    #[error("invalid store URL {url:?}")]
+    BadUrl {
+        url: String,
+        #[source]
+        source: url::ParseError,
+    },
+    #[error("store URL {0:?} has an unsupported scheme (use file://, s3://, gs://, az:// or memory://)")]
+    UnsupportedScheme(String),
+    #[error("cannot create the local store directory {path}")]
+    LocalDir {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot configure the store backend for {url}")]
+    Backend {
+        url: String,
+        #[source]
+        source: object_store::Error,
+    },
+}
+
+/// Opens the backend for `url` and returns it with the key prefix all objects go under.
+///
+/// S3, GCS and Azure take credentials and settings from the standard environment variables
+/// (`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT` for S3-compatible servers, `AWS_ALLOW_HTTP`, ...).
+pub fn open(url: &str) -> Result<(Arc<dyn ObjectStore>, ObjPath), OpenStoreError> {
+    let parsed = Url::parse(url).map_err(|source| OpenStoreError::BadUrl { url: url.into(), source })?;
+    let backend_err = |source| OpenStoreError::Backend { url: url.into(), source };
+    let prefix = || ObjPath::from(parsed.path().trim_matches('/'));
+    match parsed.scheme() {
+        "file" => {
+            let dir = parsed.path();
+            std::fs::create_dir_all(dir)
+                .map_err(|source| OpenStoreError::LocalDir { path: dir.into(), source })?;
+            let fs = LocalFileSystem::new_with_prefix(dir).map_err(backend_err)?;
+            Ok((Arc::new(fs), ObjPath::default()))
+        }
+        "memory" => Ok((Arc::new(InMemory::new()), prefix())),
+        "s3" | "s3a" => {
+            let s3 = AmazonS3Builder::from_env().with_url(url).build().map_err(backend_err)?;
+            Ok((Arc::new(s3), prefix()))
+        }
+        "gs" => {
+            let gcs = GoogleCloudStorageBuilder::from_env().with_url(url).build().map_err(backend_err)?;
+            Ok((Arc::new(gcs), prefix()))
+        }
+        "az" | "azure" | "abfs" | "abfss" => {
+            let az = MicrosoftAzureBuilder::from_env().with_url(url).build().map_err(backend_err)?;
+            Ok((Arc::new(az), prefix()))
+        }
+        other => Err(OpenStoreError::UnsupportedScheme(other.into())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schemes() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("file://{}/store", dir.path().display());
+        assert!(open(&url).is_ok());
+        assert!(dir.path().join("store").is_dir());
+        assert!(matches!(open("ftp://x/y"), Err(OpenStoreError::UnsupportedScheme(_))));
+        assert!(matches!(open("not a url"), Err(OpenStoreError::BadUrl { .. })));
+        let (_, prefix) = open("memory:///tenant/a").unwrap();
+        assert_eq!(prefix.as_ref(), "tenant/a");
+    }
+}
