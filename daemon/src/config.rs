@@ -115,7 +115,8 @@ impl DaemonConfig {
 }
 
 fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+    let text =
+        std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
     toml::from_str(&text).map_err(|source| ConfigError::Parse { path: path.into(), source })
 }
 
@@ -141,8 +142,10 @@ mod tests {
     fn flags_override_file_which_overrides_defaults() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("c.toml");
-        std::fs::write(&file, "store = \"s3://b/p\"\nsocket = \"/tmp/file.sock\"\nlog_format = \"json\"\n").unwrap();
-        let args = Args { config: Some(file.clone()), socket: Some("/tmp/flag.sock".into()), ..Default::default() };
+        std::fs::write(&file, "store = \"s3://b/p\"\nsocket = \"/tmp/file.sock\"\nlog_format = \"json\"\n")
+            .unwrap();
+        let args =
+            Args { config: Some(file.clone()), socket: Some("/tmp/flag.sock".into()), ..Default::default() };
         let c = DaemonConfig::resolve(args).unwrap();
         assert_eq!(c.socket, PathBuf::from("/tmp/flag.sock"));
         assert_eq!(c.store_url, "s3://b/p");

@@ -14,7 +14,5 @@ fn main() -> anyhow::Result<()> {
         LogFormat::Text => logs.init(),
     }
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
-    runtime
-        .block_on(stasis_daemon::server::serve(config))
-        .context("stasisd failed")
+    runtime.block_on(stasis_daemon::server::serve(config)).context("stasisd failed")
 }

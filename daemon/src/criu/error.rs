@@ -56,7 +56,8 @@ pub(super) fn check_success(
     if resp.success.unwrap_or(false) {
         return Ok(());
     }
-    let mut message = resp.cr_errmsg.clone().unwrap_or_default();
+    let reported = resp.cr_errmsg.clone().filter(|m| !super::log::is_benign(m));
+    let mut message = reported.or_else(|| super::log::first_error(log_dir)).unwrap_or_default();
     if let Some(errno) = resp.cr_errno.filter(|e| *e != 0) {
         let errno = nix::errno::Errno::from_raw(errno);
         message = if message.is_empty() { errno.to_string() } else { format!("{message} ({errno})") };

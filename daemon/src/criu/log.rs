@@ -11,17 +11,47 @@ const ERROR_LINES: usize = 12;
 /// Plain last lines kept.
 const LAST_LINES: usize = 6;
 
+/// Errors CRIU reports that do not make an operation fail.
+const BENIGN: &[&str] = &["Can't setup RLIMIT_NOFILE"];
+
 /// The last error lines of `dir/criu.log` followed by its last few lines; empty when there is
 /// no log.
 pub fn tail(dir: &Path) -> String {
-    let Ok(mut file) = File::open(dir.join(super::LOG_FILE)) else { return String::new() };
+    select(&read_end(dir))
+}
+
+/// The first error in `dir/criu.log` that is not a known harmless one, without its time
+/// stamp: usually the cause, where later errors are its consequences.
+pub fn first_error(dir: &Path) -> Option<String> {
+    read_end(dir).lines().find_map(|line| {
+        let line = line.trim();
+        (is_error(line) && !line.contains("Warn  (") && !is_benign(line))
+            .then(|| strip_timestamp(line).to_string())
+    })
+}
+
+pub fn is_benign(message: &str) -> bool {
+    BENIGN.iter().any(|b| message.contains(b))
+}
+
+fn strip_timestamp(line: &str) -> &str {
+    match line.strip_prefix('(').and_then(|l| l.split_once(") ")) {
+        Some((stamp, rest)) if stamp.chars().all(|c| c.is_ascii_digit() || c == '.') => rest,
+        _ => line,
+    }
+}
+
+fn read_end(dir: &Path) -> String {
+    let Ok(mut file) = File::open(dir.join(super::LOG_FILE)) else {
+        return String::new();
+    };
     let len = file.metadata().map(|m| m.len()).unwrap_or(0);
     let _ = file.seek(SeekFrom::Start(len.saturating_sub(READ_BYTES)));
     let mut raw = Vec::new();
     if file.read_to_end(&mut raw).is_err() {
         return String::new();
     }
-    select(&String::from_utf8_lossy(&raw))
+    String::from_utf8_lossy(&raw).into_owned()
 }
 
 fn select(text: &str) -> String {
@@ -41,6 +71,22 @@ fn is_error(line: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn first_error_skips_benign_ones_and_time_stamps() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = "(00.03) Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE for self\n\
+                   (00.04) Warn  (criu/x.c:1): something odd\n\
+                   pie: 7: Error (criu/pie/parasite.c:588): send_fds failed (-22)\n\
+                   (00.05) Error (criu/cr-dump.c:2111): Dumping FAILED.\n";
+        std::fs::write(dir.path().join(crate::criu::LOG_FILE), log).unwrap();
+        assert_eq!(
+            first_error(dir.path()).as_deref(),
+            Some("pie: 7: Error (criu/pie/parasite.c:588): send_fds failed (-22)")
+        );
+        assert_eq!(strip_timestamp("(00.05) Error (a): b"), "Error (a): b");
+        assert!(first_error(&dir.path().join("missing")).is_none());
+    }
 
     #[test]
     fn keeps_errors_and_the_last_lines() {

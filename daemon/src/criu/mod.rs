@@ -55,7 +55,8 @@ impl Criu {
     /// Asks CRIU for its version.
     pub fn version(&self) -> Result<CriuVersion, CriuError> {
         let mut session = Session::start(&self.path, &[])?;
-        let resp = session.call(&Request { r#type: Some(RequestType::Version as i32), ..Default::default() })?;
+        let resp =
+            session.call(&Request { r#type: Some(RequestType::Version as i32), ..Default::default() })?;
         let v = resp.version.ok_or(CriuError::Protocol("VERSION answer without a version"))?;
         Ok(CriuVersion {
             major: v.major.unwrap_or(0),
@@ -109,9 +110,7 @@ impl Criu {
         let mut session = Session::start(&self.path, &keep)?;
         let resp = session.call_with_notify(&req, &mut |_| Ok(()))?;
         error::check_success(&resp, &spec.images_dir, "restore")?;
-        resp.restore
-            .and_then(|r| r.pid)
-            .ok_or(CriuError::Protocol("RESTORE answer without a pid"))
+        resp.restore.and_then(|r| r.pid).ok_or(CriuError::Protocol("RESTORE answer without a pid"))
     }
 }
 

@@ -36,8 +36,7 @@ impl TreeOptions {
             (self.ext_unix_sk, "ext-unix-sk"),
             (self.file_locks, "file-locks"),
         ];
-        let mut out: Vec<String> =
-            flags.iter().filter(|(on, _)| *on).map(|(_, n)| n.to_string()).collect();
+        let mut out: Vec<String> = flags.iter().filter(|(on, _)| *on).map(|(_, n)| n.to_string()).collect();
         out.extend(self.external.iter().map(|e| format!("external {e}")));
         out
     }

@@ -22,13 +22,9 @@ impl Session {
     /// Starts `criu swrk` with one end of a fresh socketpair; `keep_fds` are passed on to CRIU
     /// under the same numbers (for `ps.fd` and `inherit_fd`).
     pub(super) fn start(criu: &Path, keep_fds: &[RawFd]) -> Result<Self, CriuError> {
-        let (ours, theirs) = socketpair(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            None,
-            SockFlag::SOCK_CLOEXEC,
-        )
-        .map_err(|e| CriuError::Io(e.into()))?;
+        let (ours, theirs) =
+            socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
+                .map_err(|e| CriuError::Io(e.into()))?;
         let mut cmd = Command::new(criu);
         // CRIU writes its log to a file in the images directory; its stderr carries only
         // duplicates of that, or "Looks good." from a check.
@@ -87,8 +83,7 @@ impl Session {
 
     fn send(&self, req: &Request) -> Result<(), CriuError> {
         let buf = req.encode_to_vec();
-        send(self.sock.as_raw_fd(), &buf, MsgFlags::MSG_NOSIGNAL)
-            .map_err(|e| CriuError::Io(e.into()))?;
+        send(self.sock.as_raw_fd(), &buf, MsgFlags::MSG_NOSIGNAL).map_err(|e| CriuError::Io(e.into()))?;
         Ok(())
     }
 

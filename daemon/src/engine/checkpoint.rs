@@ -57,6 +57,15 @@ pub struct CheckpointOutcome {
     pub stats: CheckpointStats,
 }
 
+/// A tree CRIU has dumped, about to be stored as checkpoint `id`.
+struct Dumped<'a> {
+    id: &'a str,
+    workload: &'a str,
+    tree: &'a TreeInfo,
+    created_unix_ms: u64,
+    timing: DumpTiming,
+}
+
 /// When the dump started and ended, and how long CRIU kept the tree frozen.
 struct DumpTiming {
     started: Instant,
@@ -98,10 +107,8 @@ impl Engine {
                 Ok((name, *pid))
             }
             Target::Workload(name) => {
-                let w = self
-                    .registry
-                    .get(name)
-                    .ok_or_else(|| CheckpointError::UnknownWorkload(name.clone()))?;
+                let w =
+                    self.registry.get(name).ok_or_else(|| CheckpointError::UnknownWorkload(name.clone()))?;
                 if !proc::is_running(w.pid) {
                     return Err(CheckpointError::NotRunning { workload: w.name, pid: w.pid });
                 }
@@ -167,8 +174,8 @@ impl Engine {
             dump_done,
             frozen_ms: frozen_at.map(|t| ms(dump_done - t)).unwrap_or_else(|| ms(dump_done - started)),
         };
-        let stored =
-            self.store_checkpoint(&id, &workload, &tree, work.path(), created_unix_ms, &timing, &progress).await;
+        let dumped = Dumped { id: &id, workload: &workload, tree: &tree, created_unix_ms, timing };
+        let stored = self.store_checkpoint(&dumped, work.path(), &progress).await;
         let mut stats = match stored {
             Ok(stats) => stats,
             Err(e) => {
@@ -194,14 +201,11 @@ impl Engine {
     /// Uploads the images and commits the manifest; on failure removes what was uploaded.
     async fn store_checkpoint(
         &self,
-        id: &str,
-        workload: &str,
-        tree: &TreeInfo,
+        dumped: &Dumped<'_>,
         images: &std::path::Path,
-        created_unix_ms: u64,
-        timing: &DumpTiming,
         progress: &ProgressFn,
     ) -> Result<CheckpointStats, CheckpointError> {
+        let Dumped { id, workload, tree, created_unix_ms, ref timing } = *dumped;
         self.state
             .mark_inflight(id)
             .map_err(|source| CheckpointError::Local { what: "in-flight marker", source })?;

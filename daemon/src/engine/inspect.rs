@@ -7,6 +7,7 @@ use std::path::Path;
 
 use crate::criu::TreeOptions;
 use crate::linux::proc::{self, ProcStat};
+use crate::linux::pty;
 
 /// A process tree about to be dumped.
 #[derive(Debug, Clone)]
@@ -30,9 +31,17 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
     let tcp = proc::established_tcp_inodes(root)?;
     let unix = unix_socket_inodes(root);
     for &pid in &pids {
-        let Ok(fds) = proc::fd_targets(pid) else { continue };
+        let Ok(fds) = proc::fd_targets(pid) else {
+            continue;
+        };
         for (_, target) in fds {
-            let Some(ino) = socket_inode(&target) else { continue };
+            if let Some(key) = pty::tty_key(&target).filter(|k| !options.external.contains(k)) {
+                // A terminal outside the tree: restore gives the job a new one.
+                options.external.push(key);
+            }
+            let Some(ino) = socket_inode(&target) else {
+                continue;
+            };
             options.tcp_established |= tcp.contains(&ino);
             options.ext_unix_sk |= unix.contains(&ino);
         }

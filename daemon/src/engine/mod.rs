@@ -126,7 +126,9 @@ impl Engine {
                     info!(checkpoint = %id, "removed data of an interrupted checkpoint");
                     self.state.clear_inflight(&id);
                 }
-                Err(e) => warn!(checkpoint = %id, error = %e, "cannot remove interrupted checkpoint"),
+                Err(e) => {
+                    warn!(checkpoint = %id, error = %e, "cannot remove interrupted checkpoint")
+                }
             }
         }
     }

@@ -25,7 +25,7 @@ pub struct CheckpointSummary {
 
 impl From<&Manifest> for CheckpointSummary {
     fn from(m: &Manifest) -> Self {
-        let s = m.stats.clone().unwrap_or_default();
+        let s = m.stats.unwrap_or_default();
         Self {
             id: m.id.clone(),
             workload: m.workload.clone(),
@@ -102,10 +102,15 @@ impl Engine {
             gpu_support: "not built: CUDA checkpointing is not part of this version".into(),
             store_url: self.store.url().into(),
             state_dir: self.state.root().display().to_string(),
-            workloads: self.registry.all().into_iter().map(|w| {
-                let running = proc::is_running(w.pid);
-                (w, running)
-            }).collect(),
+            workloads: self
+                .registry
+                .all()
+                .into_iter()
+                .map(|w| {
+                    let running = proc::is_running(w.pid);
+                    (w, running)
+                })
+                .collect(),
         }
     }
 }

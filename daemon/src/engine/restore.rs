@@ -16,7 +16,10 @@ use super::checkpoint::tree_options;
 use super::ids::valid_checkpoint_id;
 use super::workloads::Workload;
 use super::{Engine, ProgressFn, ProgressUpdate, RestoreError};
+use std::os::fd::OwnedFd;
+
 use crate::criu::RestoreSpec;
+use crate::linux::pty;
 use crate::store::Manifest;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,11 +109,10 @@ impl Engine {
         let fetched = Instant::now();
 
         progress(ProgressUpdate { phase: "restore", done: 0, total: 0 });
-        let spec = RestoreSpec {
-            images_dir: work.path().to_path_buf(),
-            tree: tree_options(&manifest.options.clone().unwrap_or_default()),
-            inherit_fds: Vec::new(),
-        };
+        let tree = tree_options(&manifest.options.clone().unwrap_or_default());
+        let inherit_fds =
+            self.replacement_terminals(&manifest.workload, &tree.external).map_err(local("terminal"))?;
+        let spec = RestoreSpec { images_dir: work.path().to_path_buf(), tree, inherit_fds };
         let criu = self.criu.clone();
         let restored = tokio::task::spawn_blocking(move || criu.restore(&spec))
             .await
@@ -127,6 +129,24 @@ impl Engine {
         Ok(RestoreOutcome { id, workload: manifest.workload, pid, stats })
     }
 
+    /// A new terminal, logged to the workload's log, for each terminal the tree had.
+    fn replacement_terminals(
+        &self,
+        workload: &str,
+        external: &[String],
+    ) -> std::io::Result<Vec<(String, OwnedFd)>> {
+        let log = self
+            .registry
+            .get(workload)
+            .and_then(|w| w.log_path)
+            .unwrap_or_else(|| self.state.log_file(workload));
+        external
+            .iter()
+            .filter(|k| pty::is_tty_key(k))
+            .map(|key| Ok((key.clone(), pty::terminal_to_log(&log)?)))
+            .collect()
+    }
+
     fn remember_restore(&self, manifest: &Manifest, pid: i32) -> std::io::Result<()> {
         if self.registry.get(&manifest.workload).is_some() {
             return self.registry.update(&manifest.workload, |w| w.pid = pid);
@@ -136,7 +156,7 @@ impl Engine {
             pid,
             command: manifest.command.clone(),
             managed: false,
-            log_path: None,
+            log_path: Some(self.state.log_file(&manifest.workload)),
             cgroup: None,
             last_checkpoint: Some(manifest.id.clone()),
         })

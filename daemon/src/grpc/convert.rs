@@ -7,9 +7,9 @@ use stasis_proto::stasis::v1 as pb;
 use tonic::{Code, Status};
 
 use crate::engine::{
-    CheckpointError, CheckpointOutcome, CheckpointParams, CheckpointStats, CheckpointSummary,
-    ProgressUpdate, QueryError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget,
-    RunError, RunOutcome, RunParams, StatusReport, Target,
+    CheckpointError, CheckpointOutcome, CheckpointParams, CheckpointStats, CheckpointSummary, ProgressUpdate,
+    QueryError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget, RunError, RunOutcome, RunParams,
+    StatusReport, Target,
 };
 use crate::store::StoreError;
 
@@ -97,9 +97,9 @@ impl TryFrom<pb::RunRequest> for RunParams {
             .env
             .iter()
             .map(|kv| {
-                kv.split_once('=')
-                    .map(|(k, v)| (k.to_string(), v.to_string()))
-                    .ok_or_else(|| Status::invalid_argument(format!("environment entry {kv:?} is not KEY=VALUE")))
+                kv.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).ok_or_else(|| {
+                    Status::invalid_argument(format!("environment entry {kv:?} is not KEY=VALUE"))
+                })
             })
             .collect::<Result<_, _>>()?;
         Ok(Self {
@@ -127,7 +127,9 @@ impl TryFrom<pb::CheckpointRequest> for CheckpointParams {
                 return Err(Status::invalid_argument(format!("{pid} is not a valid process id")));
             }
             Some(pb::checkpoint_request::Target::Workload(w)) => Target::Workload(w),
-            None => return Err(Status::invalid_argument("give a process id or a workload name")),
+            None => {
+                return Err(Status::invalid_argument("give a process id or a workload name"));
+            }
         };
         Ok(Self { target, leave_running: r.leave_running })
     }
@@ -140,7 +142,9 @@ impl TryFrom<pb::RestoreRequest> for RestoreParams {
         let target = match r.target {
             Some(pb::restore_request::Target::CheckpointId(id)) => RestoreTarget::Checkpoint(id),
             Some(pb::restore_request::Target::Workload(w)) => RestoreTarget::Workload(w),
-            None => return Err(Status::invalid_argument("give a checkpoint id or a workload name")),
+            None => {
+                return Err(Status::invalid_argument("give a checkpoint id or a workload name"));
+            }
         };
         Ok(Self { target })
     }
@@ -226,7 +230,12 @@ impl From<StatusReport> for pb::StatusResponse {
             workloads: r
                 .workloads
                 .into_iter()
-                .map(|(w, running)| pb::WorkloadStatus { name: w.name, pid: w.pid, running, command: w.command })
+                .map(|(w, running)| pb::WorkloadStatus {
+                    name: w.name,
+                    pid: w.pid,
+                    running,
+                    command: w.command,
+                })
                 .collect(),
         }
     }
@@ -246,8 +255,12 @@ mod tests {
         })
         .unwrap_err();
         assert!(e.message().contains("-3"));
-        assert_eq!(RestoreParams::try_from(pb::RestoreRequest::default()).unwrap_err().code(), Code::InvalidArgument);
-        let bad_env = pb::RunRequest { argv: vec!["x".into()], env: vec!["NOEQUALS".into()], ..Default::default() };
+        assert_eq!(
+            RestoreParams::try_from(pb::RestoreRequest::default()).unwrap_err().code(),
+            Code::InvalidArgument
+        );
+        let bad_env =
+            pb::RunRequest { argv: vec!["x".into()], env: vec!["NOEQUALS".into()], ..Default::default() };
         assert!(RunParams::try_from(bad_env).unwrap_err().message().contains("NOEQUALS"));
     }
 

@@ -42,7 +42,9 @@ fn progress_sender<T: Send + 'static>(
     Arc::new(move |update: ProgressUpdate| {
         let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
         let due = match *last {
-            Some((phase, at)) => phase != update.phase || at.elapsed() >= PROGRESS_INTERVAL || update.done == update.total,
+            Some((phase, at)) => {
+                phase != update.phase || at.elapsed() >= PROGRESS_INTERVAL || update.done == update.total
+            }
             None => true,
         };
         if due {
@@ -69,7 +71,8 @@ impl Stasis for StasisService {
         use pb::checkpoint_event::Event;
         let params = req.into_inner().try_into()?;
         let (tx, rx) = mpsc::unbounded_channel();
-        let progress = progress_sender(tx.clone(), |p| pb::CheckpointEvent { event: Some(Event::Progress(p)) });
+        let progress =
+            progress_sender(tx.clone(), |p| pb::CheckpointEvent { event: Some(Event::Progress(p)) });
         let engine = self.engine.clone();
         tokio::spawn(async move {
             let result = engine.checkpoint(params, progress).await;
@@ -79,7 +82,10 @@ impl Stasis for StasisService {
         Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
     }
 
-    async fn restore(&self, req: Request<pb::RestoreRequest>) -> Result<Response<Self::RestoreStream>, Status> {
+    async fn restore(
+        &self,
+        req: Request<pb::RestoreRequest>,
+    ) -> Result<Response<Self::RestoreStream>, Status> {
         use pb::restore_event::Event;
         let params = req.into_inner().try_into()?;
         let (tx, rx) = mpsc::unbounded_channel();

@@ -4,5 +4,6 @@
 
 pub mod cgroup;
 pub mod proc;
+pub mod pty;
 pub mod reaper;
 pub mod sys;

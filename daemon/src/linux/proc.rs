@@ -24,9 +24,8 @@ impl ProcStat {
     /// Reads `/proc/PID/stat`.
     pub fn read(pid: i32) -> io::Result<Self> {
         let text = fs::read_to_string(format!("/proc/{pid}/stat"))?;
-        Self::parse(&text).ok_or_else(|| {
-            io::Error::new(io::ErrorKind::InvalidData, format!("malformed /proc/{pid}/stat"))
-        })
+        Self::parse(&text)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("malformed /proc/{pid}/stat")))
     }
 
     /// Parses the contents of a stat file. The command name is in parentheses and may itself
@@ -88,7 +87,9 @@ fn children(pid: i32) -> io::Result<Vec<i32>> {
     };
     for task in tasks {
         let path = task?.path().join("children");
-        let Ok(text) = fs::read_to_string(&path) else { continue };
+        let Ok(text) = fs::read_to_string(&path) else {
+            continue;
+        };
         out.extend(text.split_whitespace().filter_map(|p| p.parse::<i32>().ok()));
     }
     Ok(out)
@@ -109,7 +110,9 @@ pub fn fd_targets(pid: i32) -> io::Result<Vec<(i32, PathBuf)>> {
     let mut out = Vec::new();
     for entry in fs::read_dir(format!("/proc/{pid}/fd"))? {
         let entry = entry?;
-        let Some(fd) = entry.file_name().to_str().and_then(|s| s.parse().ok()) else { continue };
+        let Some(fd) = entry.file_name().to_str().and_then(|s| s.parse().ok()) else {
+            continue;
+        };
         if let Ok(target) = fs::read_link(entry.path()) {
             out.push((fd, target));
         }
@@ -122,7 +125,9 @@ pub fn fd_targets(pid: i32) -> io::Result<Vec<(i32, PathBuf)>> {
 pub fn established_tcp_inodes(pid: i32) -> io::Result<HashSet<u64>> {
     let mut out = HashSet::new();
     for table in ["tcp", "tcp6"] {
-        let Ok(text) = fs::read_to_string(format!("/proc/{pid}/net/{table}")) else { continue };
+        let Ok(text) = fs::read_to_string(format!("/proc/{pid}/net/{table}")) else {
+            continue;
+        };
         out.extend(parse_tcp_table(&text, "01"));
     }
     Ok(out)

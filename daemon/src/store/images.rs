@@ -52,11 +52,12 @@ impl Store {
         let mut out = Vec::with_capacity(files.len());
         for (name, _) in files {
             let key = self.image_key(id, &name);
-            let (size, hash) = self.upload_file(&dir.join(&name), &key, &mut |n| {
-                done += n;
-                progress(done, total);
-            })
-            .await?;
+            let (size, hash) = self
+                .upload_file(&dir.join(&name), &key, &mut |n| {
+                    done += n;
+                    progress(done, total);
+                })
+                .await?;
             out.push(ImageFile { name, size, blake3: hash.to_vec(), object: key.to_string() });
         }
         Ok(out)
@@ -131,7 +132,9 @@ impl Store {
                 Err(object_store::Error::NotFound { .. }) => {
                     return Err(corrupt("its object is missing from the store".into()));
                 }
-                Err(source) => return Err(StoreError::Backend { key: key.to_string(), source }),
+                Err(source) => {
+                    return Err(StoreError::Backend { key: key.to_string(), source });
+                }
             };
             let mut out = tokio::fs::File::create(&path).await.map_err(local_err(&path))?;
             let mut hasher = blake3::Hasher::new();

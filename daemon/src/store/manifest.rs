@@ -29,8 +29,12 @@ pub enum ManifestError {
     BadMagic,
     #[error("manifest is truncated: {got} bytes, expected {expected}")]
     Truncated { got: usize, expected: u64 },
-    #[error("manifest format {major}.{minor} is not supported (this stasisd reads {MAJOR}.0 to {MAJOR}.{MINOR})")]
+    #[error(
+        "manifest format {major}.{minor} is not supported (this stasisd reads {MAJOR}.0 to {MAJOR}.{MINOR})"
+    )]
     UnsupportedVersion { major: u16, minor: u16 },
+    #[error("manifest uses format flags {0:#x} this stasisd does not know")]
+    UnknownFlags(u32),
     #[error("manifest payload of {0} bytes exceeds the limit")]
     TooLarge(u64),
     #[error("manifest checksum mismatch: the object is corrupted")]
@@ -70,6 +74,10 @@ pub fn decode(data: &[u8]) -> Result<Manifest, ManifestError> {
     if major != MAJOR || minor > MINOR {
         return Err(ManifestError::UnsupportedVersion { major, minor });
     }
+    let flags = u32::from_le_bytes(data[12..16].try_into().expect("4-byte slice"));
+    if flags != 0 {
+        return Err(ManifestError::UnknownFlags(flags));
+    }
     let len = u64::from_le_bytes(data[16..24].try_into().expect("8-byte slice"));
     if len > MAX_PAYLOAD {
         return Err(ManifestError::TooLarge(len));
@@ -89,7 +97,12 @@ mod tests {
     use super::*;
 
     fn sample() -> Manifest {
-        Manifest { id: "20261122-101010-abcdef".into(), workload: "w".into(), root_pid: 7, ..Default::default() }
+        Manifest {
+            id: "20261122-101010-abcdef".into(),
+            workload: "w".into(),
+            root_pid: 7,
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -115,6 +128,9 @@ mod tests {
         let mut newer = good.clone();
         newer[10] = 9;
         assert_eq!(decode(&newer), Err(ManifestError::UnsupportedVersion { major: 1, minor: 9 }));
-        assert_eq!(decode(b"NOTAMANIFEST-at-all-but-long-enough-to-have-a-full-header-here"), Err(ManifestError::BadMagic));
+        assert_eq!(
+            decode(b"NOTAMANIFEST-at-all-but-long-enough-to-have-a-full-header-here"),
+            Err(ManifestError::BadMagic)
+        );
     }
 }

@@ -97,11 +97,14 @@ impl Store {
         let key = self.manifest_key(id);
         let data = match self.backend.get(&key).await {
             Ok(r) => r.bytes().await.map_err(Self::backend_err(&key))?,
-            Err(object_store::Error::NotFound { .. }) => return Err(StoreError::NotFound(id.into())),
-            Err(source) => return Err(StoreError::Backend { key: key.to_string(), source }),
+            Err(object_store::Error::NotFound { .. }) => {
+                return Err(StoreError::NotFound(id.into()));
+            }
+            Err(source) => {
+                return Err(StoreError::Backend { key: key.to_string(), source });
+            }
         };
-        let m = manifest::decode(&data)
-            .map_err(|source| StoreError::Manifest { id: id.into(), source })?;
+        let m = manifest::decode(&data).map_err(|source| StoreError::Manifest { id: id.into(), source })?;
         if m.id != id {
             return Err(StoreError::Manifest {
                 id: id.into(),
@@ -141,8 +144,12 @@ impl Store {
         let key = self.manifest_key(id);
         match self.backend.delete(&key).await {
             Ok(()) => {}
-            Err(object_store::Error::NotFound { .. }) => return Err(StoreError::NotFound(id.into())),
-            Err(source) => return Err(StoreError::Backend { key: key.to_string(), source }),
+            Err(object_store::Error::NotFound { .. }) => {
+                return Err(StoreError::NotFound(id.into()));
+            }
+            Err(source) => {
+                return Err(StoreError::Backend { key: key.to_string(), source });
+            }
         }
         self.remove_uncommitted(id).await
     }

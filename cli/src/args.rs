@@ -1,0 +1,223 @@
+//! Command-line arguments: clap structures only, no behaviour.
+
+use std::path::PathBuf;
+
+use clap::{ArgGroup, Args, Parser, Subcommand};
+
+/// stasis: checkpoint and restore process trees managed by stasisd.
+#[derive(Debug, Parser)]
+#[command(name = "stasis", version)]
+pub struct Cli {
+    /// Path of stasisd's Unix socket.
+    #[arg(
+        long,
+        global = true,
+        value_name = "PATH",
+        env = "STASIS_SOCKET",
+        default_value = "/run/stasis/stasisd.sock"
+    )]
+    pub socket: PathBuf,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Start a command as a workload managed by stasisd.
+    Run(RunArgs),
+    /// Checkpoint a process tree, by pid or by workload name.
+    Checkpoint(CheckpointArgs),
+    /// Restore a checkpoint, by id or the latest of a workload.
+    Restore(RestoreArgs),
+    /// List stored checkpoints.
+    List(ListArgs),
+    /// Show the details of one checkpoint.
+    Show(ShowArgs),
+    /// Delete a checkpoint.
+    Delete(DeleteArgs),
+    /// Show stasisd's version, configuration and workloads.
+    Status(StatusArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Workload name; stasisd derives one from the command when omitted.
+    #[arg(long, value_name = "NAME")]
+    pub workload: Option<String>,
+    /// Working directory of the command [default: the current directory].
+    #[arg(long, value_name = "DIR")]
+    pub cwd: Option<PathBuf>,
+    /// Extra environment variable for the command; repeatable.
+    #[arg(long, value_name = "KEY=VALUE", value_parser = parse_env_var)]
+    pub env: Vec<String>,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// The command and its arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub command: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("target").required(true).args(["pid", "workload"])))]
+pub struct CheckpointArgs {
+    /// Pid of the root of the process tree to checkpoint.
+    pub pid: Option<i32>,
+    /// Checkpoint this workload's process tree instead of a pid.
+    #[arg(long, value_name = "NAME")]
+    pub workload: Option<String>,
+    /// Keep the tree running after the checkpoint (it is stopped by default).
+    #[arg(long)]
+    pub leave_running: bool,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("target").required(true).args(["checkpoint_id", "workload"])))]
+pub struct RestoreArgs {
+    /// Id of the checkpoint to restore.
+    pub checkpoint_id: Option<String>,
+    /// Restore the latest checkpoint of this workload instead of an id.
+    #[arg(long, value_name = "NAME")]
+    pub workload: Option<String>,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    /// Only list checkpoints of this workload.
+    #[arg(long, value_name = "NAME")]
+    pub workload: Option<String>,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ShowArgs {
+    /// Id of the checkpoint.
+    pub id: String,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct DeleteArgs {
+    /// Id of the checkpoint.
+    pub id: String,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Accepts `KEY=VALUE` with a non-empty key.
+fn parse_env_var(s: &str) -> Result<String, String> {
+    match s.split_once('=') {
+        Some((key, _)) if !key.is_empty() => Ok(s.to_owned()),
+        _ => Err(format!("expected KEY=VALUE, got `{s}`")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::error::ErrorKind;
+
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("stasis").chain(args.iter().copied()))
+    }
+
+    fn command(args: &[&str]) -> Command {
+        match parse(args) {
+            Ok(cli) => cli.command,
+            Err(e) => panic!("{args:?} should parse: {e}"),
+        }
+    }
+
+    fn error_kind(args: &[&str]) -> ErrorKind {
+        match parse(args) {
+            Ok(cli) => panic!("{args:?} should not parse, got {cli:?}"),
+            Err(e) => e.kind(),
+        }
+    }
+
+    #[test]
+    fn run_passes_everything_after_double_dash_to_the_command() {
+        let args = "run --workload w --env A=1 --env B=x=y --json -- python -u --json train.py";
+        let Command::Run(run) = command(&args.split(' ').collect::<Vec<_>>()) else {
+            panic!("expected run");
+        };
+        assert_eq!(run.workload.as_deref(), Some("w"));
+        assert_eq!(run.env, ["A=1", "B=x=y"]);
+        assert!(run.json);
+        assert_eq!(run.cwd, None);
+        assert_eq!(run.command, ["python", "-u", "--json", "train.py"]);
+    }
+
+    #[test]
+    fn run_requires_a_command_after_double_dash() {
+        assert_eq!(error_kind(&["run", "--workload", "w"]), ErrorKind::MissingRequiredArgument);
+        assert_eq!(error_kind(&["run", "sleep", "1"]), ErrorKind::UnknownArgument);
+    }
+
+    #[test]
+    fn run_rejects_env_without_equals_or_key() {
+        assert_eq!(error_kind(&["run", "--env", "NOPE", "--", "true"]), ErrorKind::ValueValidation);
+        assert_eq!(error_kind(&["run", "--env", "=v", "--", "true"]), ErrorKind::ValueValidation);
+    }
+
+    #[test]
+    fn checkpoint_takes_a_pid_or_a_workload_but_not_both() {
+        let Command::Checkpoint(c) = command(&["checkpoint", "42", "--leave-running"]) else {
+            panic!("expected checkpoint");
+        };
+        assert_eq!((c.pid, c.workload, c.leave_running), (Some(42), None, true));
+
+        let Command::Checkpoint(c) = command(&["checkpoint", "--workload", "w", "--json"]) else {
+            panic!("expected checkpoint");
+        };
+        assert_eq!((c.pid, c.workload.as_deref(), c.json), (None, Some("w"), true));
+
+        assert_eq!(error_kind(&["checkpoint", "42", "--workload", "w"]), ErrorKind::ArgumentConflict);
+        assert_eq!(error_kind(&["checkpoint", "--json"]), ErrorKind::MissingRequiredArgument);
+        assert_eq!(error_kind(&["checkpoint", "abc"]), ErrorKind::ValueValidation);
+    }
+
+    #[test]
+    fn restore_takes_an_id_or_a_workload_but_not_both() {
+        let Command::Restore(r) = command(&["restore", "ck-1"]) else {
+            panic!("expected restore");
+        };
+        assert_eq!((r.checkpoint_id.as_deref(), r.workload), (Some("ck-1"), None));
+
+        assert_eq!(error_kind(&["restore", "ck-1", "--workload", "w"]), ErrorKind::ArgumentConflict);
+        assert_eq!(error_kind(&["restore"]), ErrorKind::MissingRequiredArgument);
+    }
+
+    #[test]
+    fn socket_flag_is_accepted_after_the_subcommand() {
+        let cli = parse(&["status", "--socket", "/tmp/s.sock"]).map_err(|e| e.to_string());
+        assert_eq!(cli.map(|c| c.socket), Ok(PathBuf::from("/tmp/s.sock")));
+    }
+
+    #[test]
+    fn show_and_delete_require_an_id() {
+        assert_eq!(error_kind(&["show", "--json"]), ErrorKind::MissingRequiredArgument);
+        assert_eq!(error_kind(&["delete"]), ErrorKind::MissingRequiredArgument);
+        let Command::Delete(d) = command(&["delete", "ck-1"]) else {
+            panic!("expected delete");
+        };
+        assert_eq!(d.id, "ck-1");
+    }
+}

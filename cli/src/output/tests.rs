@@ -1,0 +1,182 @@
+use super::*;
+
+fn stats() -> CheckpointStats {
+    CheckpointStats { frozen_ms: 12, total_ms: 340, bytes_total: 5 << 20, dump_ms: 200, store_ms: 120 }
+}
+
+fn info() -> CheckpointInfo {
+    CheckpointInfo {
+        id: "ck-1".into(),
+        workload: "train".into(),
+        pid: 4242,
+        created_unix_ms: 1_700_000_000_123,
+        bytes_total: 5 << 20,
+        node: "node-a".into(),
+        kernel: "6.8.0".into(),
+        criu_version: "4.1".into(),
+        command: vec!["python".into(), "-u".into()],
+        pids: vec![4242, 4243],
+        files: vec!["pages-1.img".into()],
+        stats: Some(stats()),
+        criu_options: vec!["tcp_established".into()],
+    }
+}
+
+#[test]
+fn run_response_renames_log_path_to_log() {
+    let r = RunResponse { workload: "w".into(), pid: 7, log_path: "/var/log/w.log".into() };
+    assert_eq!(run_response(&r), json!({ "workload": "w", "pid": 7, "log": "/var/log/w.log" }));
+}
+
+#[test]
+fn checkpoint_result_nests_its_stats() {
+    let r = CheckpointResult {
+        id: "ck-1".into(),
+        workload: "train".into(),
+        pid: 4242,
+        stats: Some(stats()),
+        left_running: true,
+    };
+    assert_eq!(
+        checkpoint_result(&r),
+        json!({
+            "id": "ck-1",
+            "workload": "train",
+            "pid": 4242,
+            "left_running": true,
+            "stats": {
+                "frozen_ms": 12,
+                "total_ms": 340,
+                "bytes_total": 5 << 20,
+                "dump_ms": 200,
+                "store_ms": 120,
+            },
+        })
+    );
+}
+
+#[test]
+fn missing_stats_are_null() {
+    let r = RestoreResult { id: "ck-1".into(), workload: "train".into(), pid: 9, stats: None };
+    assert_eq!(restore_result(&r)["stats"], Value::Null);
+}
+
+#[test]
+fn restore_result_nests_its_stats() {
+    let r = RestoreResult {
+        id: "ck-1".into(),
+        workload: "train".into(),
+        pid: 9,
+        stats: Some(RestoreStats { restore_ms: 80, fetch_ms: 30, criu_ms: 45, bytes_fetched: 1024 }),
+    };
+    assert_eq!(
+        restore_result(&r),
+        json!({
+            "id": "ck-1",
+            "workload": "train",
+            "pid": 9,
+            "stats": { "restore_ms": 80, "fetch_ms": 30, "criu_ms": 45, "bytes_fetched": 1024 },
+        })
+    );
+}
+
+#[test]
+fn checkpoint_info_has_every_field() {
+    let v = checkpoint_info(&info());
+    let Some(object) = v.as_object() else {
+        panic!("not an object: {v}");
+    };
+    let mut keys: Vec<&str> = object.keys().map(String::as_str).collect();
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        [
+            "bytes_total",
+            "command",
+            "created_unix_ms",
+            "criu_options",
+            "criu_version",
+            "files",
+            "id",
+            "kernel",
+            "node",
+            "pid",
+            "pids",
+            "stats",
+            "workload",
+        ]
+    );
+    assert_eq!(v["created_unix_ms"], 1_700_000_000_123_u64);
+    assert_eq!(v["command"], json!(["python", "-u"]));
+    assert_eq!(v["pids"], json!([4242, 4243]));
+    assert_eq!(v["criu_options"], json!(["tcp_established"]));
+    assert_eq!(v["stats"]["frozen_ms"], 12);
+}
+
+#[test]
+fn list_response_wraps_checkpoint_infos() {
+    let l = ListResponse { checkpoints: vec![info(), info()] };
+    let v = list_response(&l);
+    assert_eq!(v["checkpoints"].as_array().map(Vec::len), Some(2));
+    assert_eq!(v["checkpoints"][1], checkpoint_info(&info()));
+    assert_eq!(list_response(&ListResponse::default()), json!({ "checkpoints": [] }));
+}
+
+#[test]
+fn status_response_lists_workloads() {
+    let s = StatusResponse {
+        daemon_version: "0.1.0".into(),
+        criu_version: "4.1".into(),
+        criu_path: "/usr/sbin/criu".into(),
+        kernel: "6.8.0".into(),
+        gpu_support: "none".into(),
+        store_url: "file:///var/lib/stasis/store".into(),
+        state_dir: "/var/lib/stasis".into(),
+        workloads: vec![WorkloadStatus {
+            name: "train".into(),
+            pid: 4242,
+            running: false,
+            command: vec!["sleep".into(), "100".into()],
+        }],
+    };
+    assert_eq!(
+        status_response(&s),
+        json!({
+            "daemon_version": "0.1.0",
+            "criu_version": "4.1",
+            "criu_path": "/usr/sbin/criu",
+            "kernel": "6.8.0",
+            "gpu_support": "none",
+            "store_url": "file:///var/lib/stasis/store",
+            "state_dir": "/var/lib/stasis",
+            "workloads": [
+                { "name": "train", "pid": 4242, "running": false, "command": ["sleep", "100"] },
+            ],
+        })
+    );
+}
+
+#[test]
+fn sizes_use_binary_units() {
+    assert_eq!(size(0), "0 B");
+    assert_eq!(size(1023), "1023 B");
+    assert_eq!(size(1536), "1.5 KiB");
+    assert_eq!(size(5 << 20), "5.0 MiB");
+    assert_eq!(size(3 << 30), "3.0 GiB");
+    assert_eq!(mib(3 << 19), "1.5 MiB");
+}
+
+#[test]
+fn utc_formats_epoch_milliseconds() {
+    assert_eq!(utc(0), "1970-01-01T00:00:00Z");
+    assert_eq!(utc(1_700_000_000_123), "2023-11-14T22:13:20Z");
+    // A leap day, and the last second of a leap year.
+    assert_eq!(utc(951_782_400_000), "2000-02-29T00:00:00Z");
+    assert_eq!(utc(1_735_689_599_999), "2024-12-31T23:59:59Z");
+}
+
+#[test]
+fn table_aligns_columns() {
+    let rows = vec![vec!["ck-1".to_owned(), "a".to_owned()], vec!["c".to_owned(), "long".to_owned()]];
+    assert_eq!(table(&["ID", "NAME"], &rows), "ID    NAME\nck-1  a\nc     long");
+}

@@ -1,0 +1,157 @@
+//! An in-process fake stasisd on a Unix socket, and a harness that runs the `stasis` binary
+//! against it.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use serde_json::Value;
+use stasis_proto::stasis::v1::stasis_server::{Stasis, StasisServer};
+use stasis_proto::stasis::v1::*;
+use stasis_proto::tonic::{self, Request, Response, Status};
+use tokio_stream::wrappers::UnixListenerStream;
+
+type Events<T> = tokio_stream::Iter<std::vec::IntoIter<Result<T, Status>>>;
+
+/// Answers every call with fixed data; records `run` requests.
+#[derive(Default)]
+struct FakeDaemon {
+    runs: Arc<Mutex<Vec<RunRequest>>>,
+}
+
+fn progress(phase: &str, done_bytes: u64, total_bytes: u64) -> Progress {
+    Progress { phase: phase.to_owned(), done_bytes, total_bytes }
+}
+
+fn info(id: &str) -> CheckpointInfo {
+    CheckpointInfo {
+        id: id.into(),
+        workload: "train".into(),
+        pid: 4242,
+        created_unix_ms: 1_700_000_000_000,
+        bytes_total: 3 << 20,
+        command: vec!["sleep".into(), "100".into()],
+        ..Default::default()
+    }
+}
+
+#[tonic::async_trait]
+impl Stasis for FakeDaemon {
+    type CheckpointStream = Events<CheckpointEvent>;
+    type RestoreStream = Events<RestoreEvent>;
+
+    async fn run(&self, req: Request<RunRequest>) -> Result<Response<RunResponse>, Status> {
+        let req = req.into_inner();
+        let workload = req.workload.clone();
+        self.runs.lock().map_err(|_| Status::internal("poisoned"))?.push(req);
+        let log_path = format!("/logs/{workload}.log");
+        Ok(Response::new(RunResponse { workload, pid: 100, log_path }))
+    }
+
+    async fn checkpoint(
+        &self,
+        req: Request<CheckpointRequest>,
+    ) -> Result<Response<Self::CheckpointStream>, Status> {
+        use checkpoint_event::Event;
+        if req.get_ref().target == Some(checkpoint_request::Target::Pid(13)) {
+            return Err(Status::not_found("process 13 does not exist."));
+        }
+        let stats =
+            CheckpointStats { frozen_ms: 12, total_ms: 340, bytes_total: 3 << 20, ..Default::default() };
+        let done = CheckpointResult {
+            id: "ck-1".into(),
+            workload: "train".into(),
+            pid: 4242,
+            stats: Some(stats),
+            left_running: req.get_ref().leave_running,
+        };
+        let events = [Event::Progress(progress("dump", 1, 2)), Event::Done(done)];
+        let events = events.map(|e| Ok(CheckpointEvent { event: Some(e) }));
+        Ok(Response::new(tokio_stream::iter(events.to_vec())))
+    }
+
+    async fn restore(&self, req: Request<RestoreRequest>) -> Result<Response<Self::RestoreStream>, Status> {
+        use restore_event::Event;
+        let mut events = vec![Event::Progress(progress("fetch", 5, 10))];
+        // Workload "cut" ends the stream without a result.
+        if req.get_ref().target != Some(restore_request::Target::Workload("cut".into())) {
+            let stats = RestoreStats { restore_ms: 80, ..Default::default() };
+            let done =
+                RestoreResult { id: "ck-1".into(), workload: "train".into(), pid: 777, stats: Some(stats) };
+            events.push(Event::Done(done));
+        }
+        let events = events.into_iter().map(|e| Ok(RestoreEvent { event: Some(e) }));
+        Ok(Response::new(tokio_stream::iter(events.collect::<Vec<_>>())))
+    }
+
+    async fn list(&self, _: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
+        let checkpoints = vec![info("ck-1"), info("ck-2")];
+        Ok(Response::new(ListResponse { checkpoints }))
+    }
+
+    async fn show(&self, req: Request<ShowRequest>) -> Result<Response<CheckpointInfo>, Status> {
+        match req.into_inner().id.as_str() {
+            "ck-1" => Ok(Response::new(info("ck-1"))),
+            id => Err(Status::not_found(format!("checkpoint {id} does not exist."))),
+        }
+    }
+
+    async fn delete(&self, req: Request<DeleteRequest>) -> Result<Response<DeleteResponse>, Status> {
+        Ok(Response::new(DeleteResponse { id: req.into_inner().id }))
+    }
+
+    async fn status(&self, _: Request<StatusRequest>) -> Result<Response<StatusResponse>, Status> {
+        let workloads = vec![WorkloadStatus {
+            name: "train".into(),
+            pid: 4242,
+            running: true,
+            command: vec!["sleep".into()],
+        }];
+        Ok(Response::new(StatusResponse { daemon_version: "9.9".into(), workloads, ..Default::default() }))
+    }
+}
+
+pub struct Output {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Starts a fake daemon, runs `stasis ARGS` against it (`args` split at spaces), and
+/// returns what it printed along with the `run` requests the daemon saw.
+pub async fn stasis(args: &str) -> (Output, Vec<RunRequest>) {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let socket = dir.path().join("stasisd.sock");
+    let listener = tokio::net::UnixListener::bind(&socket).expect("bind the socket");
+    let daemon = FakeDaemon::default();
+    let runs = Arc::clone(&daemon.runs);
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(StasisServer::new(daemon))
+            .serve_with_incoming(UnixListenerStream::new(listener)),
+    );
+    let output = run_binary(&socket, args).await;
+    server.abort();
+    let runs = runs.lock().expect("run requests").clone();
+    (output, runs)
+}
+
+async fn run_binary(socket: &Path, args: &str) -> Output {
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_stasis"))
+        .arg("--socket")
+        .arg(socket)
+        .args(args.split(' '))
+        .output()
+        .await
+        .expect("run stasis");
+    Output {
+        code: output.status.code(),
+        stdout: String::from_utf8(output.stdout).expect("UTF-8 stdout"),
+        stderr: String::from_utf8(output.stderr).expect("UTF-8 stderr"),
+    }
+}
+
+/// `--json` output: exactly one JSON value on stdout, nothing on stderr.
+pub fn json_of(out: &Output) -> Value {
+    assert_eq!((out.code, out.stderr.as_str()), (Some(0), ""), "{}", out.stdout);
+    serde_json::from_str(&out.stdout).expect("stdout is one JSON value")
+}

@@ -1,0 +1,86 @@
+//! Runs the `stasis` binary against a fake stasisd: checks the connection, progress
+//! streams, stdout discipline of `--json`, human output and errors.
+
+mod fake_daemon;
+
+use std::path::Path;
+
+use fake_daemon::{json_of, stasis};
+use serde_json::json;
+
+#[tokio::test]
+async fn checkpoint_json_prints_only_the_result() {
+    let (out, _) = stasis("checkpoint --workload train --leave-running --json").await;
+    let v = json_of(&out);
+    assert_eq!((v["id"].clone(), v["left_running"].clone()), (json!("ck-1"), json!(true)));
+    assert_eq!(v["stats"]["frozen_ms"], 12);
+}
+
+#[tokio::test]
+async fn checkpoint_prints_a_summary_line() {
+    let (out, _) = stasis("checkpoint 4242").await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert_eq!(
+        out.stdout,
+        "checkpoint ck-1 of workload train (pid 4242): 3.0 MiB, frozen 12 ms, total 340 ms\n"
+    );
+}
+
+#[tokio::test]
+async fn daemon_errors_exit_1_with_the_daemon_message() {
+    let (out, _) = stasis("checkpoint 13 --json").await;
+    assert_eq!(out.code, Some(1));
+    assert_eq!(out.stdout, "");
+    assert_eq!(out.stderr, "error: process 13 does not exist.\n");
+}
+
+#[tokio::test]
+async fn restore_reports_the_new_pid() {
+    let (out, _) = stasis("restore ck-1").await;
+    assert_eq!(out.stdout, "restored ck-1 as pid 777 in 80 ms\n");
+    let (out, _) = stasis("restore --workload train --json").await;
+    assert_eq!(json_of(&out)["pid"], 777);
+}
+
+#[tokio::test]
+async fn restore_without_a_result_is_an_error() {
+    let (out, _) = stasis("restore --workload cut").await;
+    assert_eq!(out.code, Some(1));
+    assert_eq!(out.stderr, "error: stasisd ended the operation without a result\n");
+}
+
+#[tokio::test]
+async fn run_sends_the_command_and_an_absolute_cwd() {
+    let (out, runs) = stasis("run --workload w --env A=1 --cwd sub --json -- ls -l").await;
+    assert_eq!(json_of(&out), json!({ "workload": "w", "pid": 100, "log": "/logs/w.log" }));
+    let cwd = std::env::current_dir().expect("current dir").join("sub");
+    let [req] = runs.as_slice() else { panic!("expected one run request, got {runs:?}") };
+    assert_eq!(req.argv, ["ls", "-l"]);
+    assert_eq!(req.env, ["A=1"]);
+    assert_eq!(Path::new(&req.cwd), cwd);
+}
+
+#[tokio::test]
+async fn list_prints_a_table_or_json() {
+    let (out, _) = stasis("list").await;
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(lines.len(), 3, "{}", out.stdout);
+    assert!(lines[0].starts_with("ID    WORKLOAD  PID   CREATED"), "{}", lines[0]);
+    assert!(lines[1].contains("2023-11-14T22:13:20Z  3.0 MiB"), "{}", lines[1]);
+    let (out, _) = stasis("list --json").await;
+    assert_eq!(json_of(&out)["checkpoints"][1]["id"], "ck-2");
+}
+
+#[tokio::test]
+async fn show_delete_and_status() {
+    let (out, _) = stasis("show ck-1 --json").await;
+    assert_eq!(json_of(&out)["command"], json!(["sleep", "100"]));
+    let (out, _) = stasis("delete ck-2").await;
+    assert_eq!(out.stdout, "deleted ck-2\n");
+    let (out, _) = stasis("status --json").await;
+    let v = json_of(&out);
+    assert_eq!(
+        (v["daemon_version"].clone(), v["workloads"][0]["running"].clone()),
+        (json!("9.9"), json!(true))
+    );
+}
