@@ -20,6 +20,11 @@ pub fn checkpoint_stats(s: &CheckpointStats) -> Value {
         "bytes_total": s.bytes_total,
         "dump_ms": s.dump_ms,
         "store_ms": s.store_ms,
+        "durable_ms": s.durable_ms,
+        "bytes_uploaded": s.bytes_uploaded,
+        "chunks_total": s.chunks_total,
+        "chunks_new": s.chunks_new,
+        "chunks_zero": s.chunks_zero,
     })
 }
 

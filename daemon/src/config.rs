@@ -7,6 +7,7 @@
 //! state_dir = "/var/lib/stasis/state"
 //! criu = "/usr/local/sbin/criu"
 //! log_format = "text"                       # or "json"
+//! staging_mib = 4096                        # dumped pages held in memory before spilling
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -50,6 +51,10 @@ pub struct Args {
     /// Log format: text or json.
     #[arg(long)]
     pub log_format: Option<LogFormat>,
+    /// MiB of dumped pages held in memory before spilling to a staging file (default: a
+    /// quarter of RAM).
+    #[arg(long)]
+    pub staging_mib: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
@@ -68,6 +73,7 @@ struct FileConfig {
     state_dir: Option<PathBuf>,
     criu: Option<PathBuf>,
     log_format: Option<LogFormat>,
+    staging_mib: Option<u64>,
 }
 
 /// The settings in effect.
@@ -78,6 +84,7 @@ pub struct DaemonConfig {
     pub state_dir: PathBuf,
     pub criu_path: PathBuf,
     pub log_format: LogFormat,
+    pub staging_mib: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -110,6 +117,7 @@ impl DaemonConfig {
             state_dir: args.state_dir.or(file.state_dir).unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
             criu_path: args.criu.or(file.criu).unwrap_or_else(default_criu),
             log_format: args.log_format.or(file.log_format).unwrap_or_default(),
+            staging_mib: args.staging_mib.or(file.staging_mib),
         })
     }
 }

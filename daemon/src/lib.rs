@@ -9,6 +9,7 @@
 
 pub mod config;
 pub mod criu;
+pub mod cuda;
 pub mod engine;
 pub mod grpc;
 pub mod linux;

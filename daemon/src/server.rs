@@ -38,6 +38,7 @@ pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
         state_dir: config.state_dir.clone(),
         store_url: config.store_url.clone(),
         criu_path: config.criu_path.clone(),
+        staging_limit: config.staging_mib.map(|m| m << 20),
     })
     .await?;
     let listener = bind(&config.socket)?;

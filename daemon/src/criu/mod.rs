@@ -5,8 +5,10 @@
 //! carry the relevant tail of CRIU's own log.
 
 mod error;
+pub mod images;
 mod log;
 mod options;
+pub mod pageserver;
 mod swrk;
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};

@@ -18,6 +18,12 @@
 //! Nothing is rolled back on error: a caller must unlock (after restore, if checkpointed) on
 //! every error path.
 //!
+//! With CRIU (checked on an H100, driver 580, CRIU 4.1.1): lock and checkpoint, then
+//! `criu dump` (no `/dev/nvidia*` descriptor is left open, so CRIU needs no CUDA plugin); on
+//! `criu restore` the process comes back CHECKPOINTED with its restore thread, and restore
+//! then unlock resume it. The restore thread must be able to run during checkpoint and
+//! restore: do not call them while the tree is frozen or ptrace-stopped.
+//!
 //! Every [`GpuCheckpointer`] call blocks, lock and checkpoint and restore for as long as the
 //! GPU work or the copy takes (seconds per GiB at worst): call them from a blocking thread.
 
@@ -27,6 +33,7 @@ mod sys;
 mod uuid;
 
 use std::fmt;
+use std::path::Path;
 use std::time::Instant;
 
 use tracing::{debug, info};
@@ -128,22 +135,33 @@ const MIN_CHECKPOINT_VERSION: i32 = 12080;
 /// The CUDA version from which restore takes GPU pairs (driver 580).
 const MIN_GPU_PAIRS_VERSION: i32 = 13000;
 
-/// Driver answers of `cuCheckpointProcessGetState` that mean "this pid has no CUDA state".
+/// Driver answers of `cuCheckpointProcessGetState` and `cuCheckpointProcessGetRestoreThreadId`
+/// that mean "this pid has no CUDA state".
 ///
-/// The driver documents only SUCCESS, INVALID_VALUE, NOT_INITIALIZED and NOT_SUPPORTED for
-/// this call. NOT_INITIALIZED ("initialization error") is what processes without a CUDA
-/// context get: NVIDIA's own ai-dynamo snapshot helper treats NOT_INITIALIZED and
-/// INVALID_VALUE from the checkpoint probes as "the pid does not own CUDA checkpoint state",
-/// and `cuCheckpointProcessLock` on a process that opened /dev/nvidiactl without a context
-/// fails with "initialization error" (llm-d-rl-time-slicing#148). INVALID_VALUE also covers
-/// a pid that does not exist. NOT_SUPPORTED is *not* in the set: it is what an unsupported
-/// platform or driver answers, which must not read as "no CUDA here".
+/// Measured on driver 580.159.04 (CUDA 13.0, H100): a process that never loaded libcuda, and
+/// one that loaded it without calling `cuInit`, both get CUDA_ERROR_NOT_INITIALIZED (3), from
+/// GetState, Lock, Checkpoint and Unlock alike. A process that called `cuInit` (even without a
+/// context) is RUNNING and has a restore thread. A pid that does not exist gets
+/// CUDA_ERROR_OPERATING_SYSTEM (304), which is mapped to "no CUDA state" only when
+/// `/proc/PID` is gone (304 is also how the driver reports real failures, CC#44).
+/// INVALID_VALUE (1) is not seen on 580, but the documented answer set of these calls is
+/// SUCCESS, INVALID_VALUE, NOT_INITIALIZED, NOT_SUPPORTED, and NVIDIA's ai-dynamo snapshot
+/// helper treats NOT_INITIALIZED and INVALID_VALUE from these probes as "the pid does not own
+/// CUDA checkpoint state", so it is included for other drivers. NOT_SUPPORTED is not: it is
+/// what an unsupported platform answers, which must not read as "no CUDA here".
 const NO_CUDA_STATE: [u32; 2] = [code::CUDA_ERROR_NOT_INITIALIZED, code::CUDA_ERROR_INVALID_VALUE];
+
+/// Whether a failed per-pid probe means "no CUDA state" (see [`NO_CUDA_STATE`]).
+fn means_no_cuda(pid: i32, rc: u32) -> bool {
+    NO_CUDA_STATE.contains(&rc)
+        || (rc == code::CUDA_ERROR_OPERATING_SYSTEM && !Path::new(&format!("/proc/{pid}")).exists())
+}
 
 /// The CUDA driver, loaded at run time.
 ///
-/// `state` returns `Ok(None)` for the driver answers in `NO_CUDA_STATE`:
-/// `CUDA_ERROR_NOT_INITIALIZED` (3) and `CUDA_ERROR_INVALID_VALUE` (1).
+/// [`GpuCheckpointer::state`] and [`CudaDriver::restore_thread_id`] return `Ok(None)` for
+/// CUDA_ERROR_NOT_INITIALIZED (3) and CUDA_ERROR_INVALID_VALUE (1), and for
+/// CUDA_ERROR_OPERATING_SYSTEM (304) when the pid no longer exists.
 pub struct CudaDriver {
     api: sys::Api,
     version: i32,
@@ -203,7 +221,7 @@ impl CudaDriver {
     pub fn restore_thread_id(&self, pid: i32) -> Result<Option<i32>, CudaError> {
         match self.api.restore_thread_id(pid) {
             Ok(tid) => Ok(Some(tid)),
-            Err(c) if NO_CUDA_STATE.contains(&c) => Ok(None),
+            Err(c) if means_no_cuda(pid, c) => Ok(None),
             Err(c) => Err(self.err("cuCheckpointProcessGetRestoreThreadId", CallTarget::Pid(pid), c)),
         }
     }
@@ -265,7 +283,7 @@ impl GpuCheckpointer for CudaDriver {
     fn state(&self, pid: i32) -> Result<Option<ProcessState>, CudaError> {
         match self.api.process_state(pid) {
             Ok(raw) => Ok(Some(ProcessState::from_raw(raw))),
-            Err(c) if NO_CUDA_STATE.contains(&c) => {
+            Err(c) if means_no_cuda(pid, c) => {
                 debug!(pid, code = c, name = error_name(c), "process has no CUDA state");
                 Ok(None)
             }
@@ -328,8 +346,6 @@ impl GpuCheckpointer for CudaDriver {
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
-
     use super::*;
 
     #[test]
@@ -373,6 +389,18 @@ mod tests {
             }
             other => panic!("expected NotInstalled, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn no_cuda_answers() {
+        let me = i32::try_from(std::process::id()).unwrap();
+        assert!(means_no_cuda(me, code::CUDA_ERROR_NOT_INITIALIZED));
+        assert!(means_no_cuda(me, code::CUDA_ERROR_INVALID_VALUE));
+        // 304 for a live pid is a real failure; for a vanished one it means "gone".
+        assert!(!means_no_cuda(me, code::CUDA_ERROR_OPERATING_SYSTEM));
+        assert!(means_no_cuda(i32::MAX, code::CUDA_ERROR_OPERATING_SYSTEM));
+        assert!(!means_no_cuda(me, code::CUDA_ERROR_NOT_SUPPORTED));
+        assert!(!means_no_cuda(me, code::CUDA_ERROR_ILLEGAL_STATE));
     }
 
     /// The trait is object-safe and shareable across threads, as the engine holds it.

@@ -13,14 +13,15 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 use tracing::{info, instrument, warn};
 
+use super::dump::{self, Dump};
 use super::ids::{checkpoint_id, now_unix_ms};
 use super::inspect::{TreeInfo, inspect};
 use super::workloads::{Workload, derived_name};
 use super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
 use crate::criu::{DumpSpec, LOG_FILE, TreeOptions};
 use crate::linux::proc::{self, ProcStat};
-use crate::store::Manifest;
-use stasis_proto::stasis::v1::{CheckpointStats as StoredStats, DumpOptions};
+use crate::store::{Manifest, Staged};
+use stasis_proto::stasis::v1::DumpOptions;
 
 /// Which tree to checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,17 +37,8 @@ pub struct CheckpointParams {
     pub leave_running: bool,
 }
 
-/// Timings and sizes of one checkpoint.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CheckpointStats {
-    /// How long the tree was frozen by CRIU.
-    pub frozen_ms: u64,
-    /// From request to durable (and, for eviction, the tree stopped).
-    pub total_ms: u64,
-    pub bytes_total: u64,
-    pub dump_ms: u64,
-    pub store_ms: u64,
-}
+/// Timings and sizes of one checkpoint (the API's message: plain data).
+pub use stasis_proto::stasis::v1::CheckpointStats;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckpointOutcome {
@@ -64,6 +56,7 @@ struct Dumped<'a> {
     tree: &'a TreeInfo,
     created_unix_ms: u64,
     timing: DumpTiming,
+    staged: Staged,
 }
 
 /// When the dump started and ended, and how long CRIU kept the tree frozen.
@@ -147,35 +140,27 @@ impl Engine {
             leave_stopped: !params.leave_running,
             page_server_fd: None,
         };
-        let criu = self.criu.clone();
-        let dumped = tokio::task::spawn_blocking(move || {
-            let mut frozen_at = None;
-            criu.dump(&spec, |script| {
-                if script == "pre-dump" {
-                    frozen_at = Some(Instant::now());
-                }
-                Ok(())
-            })
-            .map(|()| frozen_at)
-        })
-        .await
-        .map_err(|e| local("dump thread")(std::io::Error::other(e)))?;
+        let (criu, version, limit) = (self.criu.clone(), self.criu_version, self.staging_limit);
+        let dumped = tokio::task::spawn_blocking(move || dump::dump(&criu, version, spec, limit))
+            .await
+            .map_err(|e| local("dump thread")(std::io::Error::other(e)))?;
         let dump_done = Instant::now();
-        let frozen_at = match dumped {
-            Ok(at) => at,
-            Err(source) => {
+        let Dump { frozen_at, staged } = match dumped {
+            Ok(dump) => dump,
+            Err(failure) => {
                 resume(&tree.pids, &stopped_before);
-                return Err(CheckpointError::Dump { workload, source });
+                return Err(failure.into_error(workload));
             }
         };
+        progress(ProgressUpdate { phase: "resumed", done: 0, total: 0 });
 
         let timing = DumpTiming {
             started,
             dump_done,
             frozen_ms: frozen_at.map(|t| ms(dump_done - t)).unwrap_or_else(|| ms(dump_done - started)),
         };
-        let dumped = Dumped { id: &id, workload: &workload, tree: &tree, created_unix_ms, timing };
-        let stored = self.store_checkpoint(&dumped, work.path(), &progress).await;
+        let dumped = Dumped { id: &id, workload: &workload, tree: &tree, created_unix_ms, timing, staged };
+        let stored = self.store_checkpoint(dumped, work.path(), &progress).await;
         let mut stats = match stored {
             Ok(stats) => stats,
             Err(e) => {
@@ -198,63 +183,58 @@ impl Engine {
         Ok(CheckpointOutcome { id, workload, pid, left_running: params.leave_running, stats })
     }
 
-    /// Uploads the images and commits the manifest; on failure removes what was uploaded.
+    /// Stores the dump's chunks and commits the manifest. Packs of a failed attempt stay
+    /// unreferenced until garbage collection (another checkpoint may already share them).
     async fn store_checkpoint(
         &self,
-        dumped: &Dumped<'_>,
+        dumped: Dumped<'_>,
         images: &std::path::Path,
         progress: &ProgressFn,
     ) -> Result<CheckpointStats, CheckpointError> {
-        let Dumped { id, workload, tree, created_unix_ms, ref timing } = *dumped;
+        let Dumped { id, workload, tree, created_unix_ms, timing, staged } = dumped;
+        let store_err = |source| CheckpointError::Store { id: id.into(), source };
         self.state
             .mark_inflight(id)
             .map_err(|source| CheckpointError::Local { what: "in-flight marker", source })?;
-        let report = {
+        let report: crate::store::Progress = {
             let progress = progress.clone();
-            move |done, total| progress(ProgressUpdate { phase: "upload", done, total })
+            Arc::new(move |done, total| progress(ProgressUpdate { phase: "upload", done, total }))
         };
-        let result = async {
-            let files = self.store.upload_images(id, images, &[LOG_FILE], &report).await?;
-            let stats = CheckpointStats {
-                frozen_ms: timing.frozen_ms,
-                total_ms: ms(timing.started.elapsed()),
-                bytes_total: files.iter().map(|f| f.size).sum(),
-                dump_ms: ms(timing.dump_done - timing.started),
-                store_ms: ms(timing.dump_done.elapsed()),
-            };
-            let manifest = Manifest {
-                id: id.into(),
-                workload: workload.into(),
-                created_unix_ms,
-                node: proc::node_name(),
-                kernel: proc::kernel_release(),
-                criu_version: self.criu_version.to_string(),
-                root_pid: tree.pids[0],
-                pids: tree.pids.clone(),
-                command: tree.command.clone(),
-                options: Some(dump_options(&tree.options)),
-                parent_id: self.registry.get(workload).and_then(|w| w.last_checkpoint).unwrap_or_default(),
-                files,
-                stats: Some(stored_stats(&stats)),
-            };
-            self.store.commit(&manifest).await?;
-            Ok(stats)
-        }
-        .await;
-        match result {
-            Ok(stats) => {
-                self.state.clear_inflight(id);
-                Ok(stats)
-            }
-            Err(source) => {
-                if let Err(e) = self.store.remove_uncommitted(id).await {
-                    warn!(checkpoint = %id, error = %e, "cannot remove partial upload; the next start retries");
-                } else {
-                    self.state.clear_inflight(id);
-                }
-                Err(CheckpointError::Store { id: id.into(), source })
-            }
-        }
+        let guard = self.store.begin_commit().await;
+        let stored =
+            self.store.store_dump(Arc::new(staged), images, &[LOG_FILE], report).await.map_err(store_err)?;
+        let stats = CheckpointStats {
+            frozen_ms: timing.frozen_ms,
+            total_ms: ms(timing.started.elapsed()),
+            durable_ms: ms(timing.started.elapsed()),
+            bytes_total: stored.chunks.bytes_total,
+            bytes_uploaded: stored.bytes_uploaded,
+            chunks_total: stored.chunks.chunks_total,
+            chunks_new: stored.chunks.chunks_new,
+            chunks_zero: stored.chunks.chunks_zero,
+            dump_ms: ms(timing.dump_done - timing.started),
+            store_ms: ms(timing.dump_done.elapsed()),
+        };
+        let manifest = Manifest {
+            id: id.into(),
+            workload: workload.into(),
+            created_unix_ms,
+            node: proc::node_name(),
+            kernel: proc::kernel_release(),
+            criu_version: self.criu_version.to_string(),
+            root_pid: tree.pids[0],
+            pids: tree.pids.clone(),
+            command: tree.command.clone(),
+            options: Some(dump_options(&tree.options)),
+            parent_id: self.registry.get(workload).and_then(|w| w.last_checkpoint).unwrap_or_default(),
+            files: stored.files,
+            memory: stored.memory,
+            stats: Some(stats),
+        };
+        self.store.commit(&manifest, &guard).await.map_err(store_err)?;
+        drop(guard);
+        self.state.clear_inflight(id);
+        Ok(stats)
     }
 
     fn remember_checkpoint(&self, workload: &str, pid: i32, tree: &TreeInfo, id: &str) {
@@ -307,15 +287,5 @@ pub(super) fn tree_options(d: &DumpOptions) -> TreeOptions {
         ext_unix_sk: d.ext_unix_sk,
         file_locks: d.file_locks,
         external: d.external.clone(),
-    }
-}
-
-fn stored_stats(s: &CheckpointStats) -> StoredStats {
-    StoredStats {
-        frozen_ms: s.frozen_ms,
-        total_ms: s.total_ms,
-        bytes_total: s.bytes_total,
-        dump_ms: s.dump_ms,
-        store_ms: s.store_ms,
     }
 }

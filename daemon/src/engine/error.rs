@@ -89,6 +89,12 @@ pub enum CheckpointError {
         #[source]
         source: CriuError,
     },
+    #[error("receiving the pages of workload {workload} failed; it was left running")]
+    PageServer {
+        workload: String,
+        #[source]
+        source: crate::criu::pageserver::PageServerError,
+    },
     #[error("storing checkpoint {id} failed; the workload was resumed and left running")]
     Store {
         id: String,

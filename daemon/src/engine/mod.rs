@@ -5,6 +5,7 @@
 //! back, also when its client goes away.
 
 mod checkpoint;
+mod dump;
 mod error;
 mod ids;
 mod inspect;
@@ -40,7 +41,12 @@ pub struct EngineConfig {
     pub state_dir: PathBuf,
     pub store_url: String,
     pub criu_path: PathBuf,
+    /// Bytes of dumped pages held in memory before spilling to disk (default: RAM / 4).
+    pub staging_limit: Option<u64>,
 }
+
+/// Packs of other nodes younger than this may belong to checkpoints still uploading.
+const ORPHAN_GRACE: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// A progress report of a long operation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,6 +68,7 @@ pub struct Engine {
     registry: Registry,
     reaper: Reaper,
     jobs: TaskTracker,
+    staging_limit: u64,
     /// One job at a time per workload.
     workload_locks: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -96,7 +103,7 @@ impl Engine {
                 .map_err(|source| StartError::CriuCheck { path: config.criu_path.clone(), source })?;
         }
         drop(check_dir);
-        let store = Store::open(&config.store_url)?;
+        let store = Store::open(&config.store_url)?.with_node_tag(&node_tag(&config.state_dir));
         let registry = Registry::load(&state.registry_file())
             .map_err(|source| StartError::State { path: state.registry_file(), source })?;
         let reaper = Reaper::start().map_err(StartError::Reaper)?;
@@ -108,6 +115,7 @@ impl Engine {
             registry,
             reaper,
             jobs: TaskTracker::new(),
+            staging_limit: config.staging_limit.unwrap_or_else(dump::default_staging_limit),
             workload_locks: Default::default(),
         };
         engine.recover().await;
@@ -115,20 +123,22 @@ impl Engine {
         Ok(Arc::new(engine))
     }
 
-    /// Removes uploads and work directories a crashed previous run left behind.
+    /// Removes work directories and the packs of uploads that a crash interrupted.
     async fn recover(&self) {
         if let Err(e) = self.state.clear_work() {
             warn!(error = %e, "cannot clear old work directories");
         }
-        for id in self.state.inflight().unwrap_or_default() {
-            match self.store.remove_uncommitted(&id).await {
-                Ok(()) => {
-                    info!(checkpoint = %id, "removed data of an interrupted checkpoint");
-                    self.state.clear_inflight(&id);
-                }
-                Err(e) => {
-                    warn!(checkpoint = %id, error = %e, "cannot remove interrupted checkpoint")
-                }
+        let interrupted = self.state.inflight().unwrap_or_default();
+        if interrupted.is_empty() {
+            return;
+        }
+        match self.store.gc(None, ORPHAN_GRACE, true).await {
+            Ok(report) => {
+                info!(checkpoints = ?interrupted, packs = report.packs_deleted, "removed data of interrupted checkpoints");
+                interrupted.iter().for_each(|id| self.state.clear_inflight(id));
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot remove data of interrupted checkpoints; the next start retries")
             }
         }
     }
@@ -142,4 +152,10 @@ impl Engine {
         let lock = self.workload_locks.lock().await.entry(name.to_string()).or_default().clone();
         lock.lock_owned().await
     }
+}
+
+/// A short tag for this node (host name and state directory), prefixed to its pack ids.
+fn node_tag(state_dir: &std::path::Path) -> String {
+    let seed = format!("{}:{}", crate::linux::proc::node_name(), state_dir.display());
+    hex::encode(&blake3::hash(seed.as_bytes()).as_bytes()[..4])
 }

@@ -2,6 +2,7 @@
 
 use super::ids::valid_checkpoint_id;
 use super::{Engine, QueryError, Workload};
+use crate::criu::images::{pagemap_file_name, pages_file_name};
 use crate::linux::proc;
 use crate::store::Manifest;
 
@@ -25,29 +26,33 @@ pub struct CheckpointSummary {
 
 impl From<&Manifest> for CheckpointSummary {
     fn from(m: &Manifest) -> Self {
-        let s = m.stats.unwrap_or_default();
         Self {
             id: m.id.clone(),
             workload: m.workload.clone(),
             pid: m.root_pid,
             pids: m.pids.clone(),
             created_unix_ms: m.created_unix_ms,
-            bytes_total: m.files.iter().map(|f| f.size).sum(),
+            bytes_total: m.stats.map(|s| s.bytes_total).unwrap_or_default(),
             node: m.node.clone(),
             kernel: m.kernel.clone(),
             criu_version: m.criu_version.clone(),
             command: m.command.clone(),
-            files: m.files.iter().map(|f| f.name.clone()).collect(),
+            files: image_names(m),
             criu_options: super::checkpoint::tree_options(&m.options.clone().unwrap_or_default()).describe(),
-            stats: super::CheckpointStats {
-                frozen_ms: s.frozen_ms,
-                total_ms: s.total_ms,
-                bytes_total: s.bytes_total,
-                dump_ms: s.dump_ms,
-                store_ms: s.store_ms,
-            },
+            stats: m.stats.unwrap_or_default(),
         }
     }
+}
+
+/// The image files a restore of `m` writes: CRIU's own images, then each memory image's
+/// pagemap and pages files.
+fn image_names(m: &Manifest) -> Vec<String> {
+    let mut names: Vec<String> = m.files.iter().map(|f| f.name.clone()).collect();
+    for (i, image) in m.memory.iter().enumerate() {
+        names.extend(pagemap_file_name(image.dst_id));
+        names.push(pages_file_name(i as u32 + 1));
+    }
+    names
 }
 
 /// The daemon's state for `stasis status`.

@@ -101,11 +101,13 @@ impl Engine {
         let local = |what| move |source| RestoreError::Local { what, source };
         let work = self.state.new_work_dir(&format!("restore-{id}")).map_err(local("work directory"))?;
 
-        let report = {
+        let report: crate::store::Progress = {
             let progress = progress.clone();
-            move |done, total| progress(ProgressUpdate { phase: "download", done, total })
+            Arc::new(move |done, total| progress(ProgressUpdate { phase: "download", done, total }))
         };
-        let bytes_fetched = self.store.download_images(&manifest, work.path(), &report).await?;
+        let guard = self.store.begin_commit().await;
+        let bytes_fetched = self.store.materialize(&manifest, work.path(), report).await?;
+        drop(guard);
         let fetched = Instant::now();
 
         progress(ProgressUpdate { phase: "restore", done: 0, total: 0 });

@@ -7,8 +7,8 @@ use stasis_proto::stasis::v1 as pb;
 use tonic::{Code, Status};
 
 use crate::engine::{
-    CheckpointError, CheckpointOutcome, CheckpointParams, CheckpointStats, CheckpointSummary, ProgressUpdate,
-    QueryError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget, RunError, RunOutcome, RunParams,
+    CheckpointError, CheckpointOutcome, CheckpointParams, CheckpointSummary, ProgressUpdate, QueryError,
+    RestoreError, RestoreOutcome, RestoreParams, RestoreTarget, RunError, RunOutcome, RunParams,
     StatusReport, Target,
 };
 use crate::store::StoreError;
@@ -32,7 +32,11 @@ fn status(code: Code, err: &dyn Error) -> Status {
 fn store_code(e: &StoreError) -> Code {
     match e {
         StoreError::NotFound(_) => Code::NotFound,
-        StoreError::Manifest { .. } | StoreError::Corrupt { .. } => Code::DataLoss,
+        StoreError::Envelope { .. }
+        | StoreError::Corrupt { .. }
+        | StoreError::CorruptChunk { .. }
+        | StoreError::MissingChunk { .. }
+        | StoreError::MissingPack { .. } => Code::DataLoss,
         StoreError::Backend { .. } => Code::Unavailable,
         StoreError::Local { .. } => Code::Internal,
     }
@@ -55,7 +59,7 @@ impl From<CheckpointError> for Status {
         let code = match &e {
             CheckpointError::NoSuchProcess(_) | CheckpointError::UnknownWorkload(_) => Code::NotFound,
             CheckpointError::NotRunning { .. } => Code::FailedPrecondition,
-            CheckpointError::Dump { .. } => Code::Aborted,
+            CheckpointError::Dump { .. } | CheckpointError::PageServer { .. } => Code::Aborted,
             CheckpointError::Store { source, .. } => store_code(source),
             CheckpointError::ShuttingDown => Code::Unavailable,
             CheckpointError::Inspect { .. } | CheckpointError::Local { .. } => Code::Internal,
@@ -156,22 +160,10 @@ impl From<ProgressUpdate> for pb::Progress {
     }
 }
 
-impl From<&CheckpointStats> for pb::CheckpointStats {
-    fn from(s: &CheckpointStats) -> Self {
-        Self {
-            frozen_ms: s.frozen_ms,
-            total_ms: s.total_ms,
-            bytes_total: s.bytes_total,
-            dump_ms: s.dump_ms,
-            store_ms: s.store_ms,
-        }
-    }
-}
-
 impl From<CheckpointOutcome> for pb::CheckpointResult {
     fn from(o: CheckpointOutcome) -> Self {
         Self {
-            stats: Some((&o.stats).into()),
+            stats: Some(o.stats),
             id: o.id,
             workload: o.workload,
             pid: o.pid,
@@ -200,7 +192,7 @@ impl From<RestoreOutcome> for pb::RestoreResult {
 impl From<CheckpointSummary> for pb::CheckpointInfo {
     fn from(c: CheckpointSummary) -> Self {
         Self {
-            stats: Some((&c.stats).into()),
+            stats: Some(c.stats),
             id: c.id,
             workload: c.workload,
             pid: c.pid,

@@ -1,4 +1,5 @@
-//! The few operations that need `unsafe`: code that runs in a forked child before `exec`.
+//! The few operations that need `unsafe`: code that runs in a forked child before `exec`, and
+//! mapping a private file.
 //!
 //! Between `fork` and `exec` only async-signal-safe calls are allowed, so these closures use
 //! raw `libc` calls on values prepared beforehand and never allocate.
@@ -45,4 +46,14 @@ pub fn spawn(cmd: &mut Command, setup: ChildSetup) -> io::Result<Child> {
         })
     };
     cmd.spawn()
+}
+
+/// Maps a file that only this process writes, for reading.
+///
+/// The caller promises the file is private to it (created exclusively, mode 0600, in the
+/// daemon's state directory) and no longer written.
+pub fn map_private_file(file: &std::fs::File) -> io::Result<memmap2::Mmap> {
+    // SAFETY: mapping is unsound only if the file changes while mapped; per this function's
+    // contract nobody writes the file any more, so the mapped bytes stay as they are.
+    unsafe { memmap2::Mmap::map(file) }
 }

@@ -1,18 +1,26 @@
 //! Where checkpoints live: an `object_store` backend (local directory, S3, GCS, Azure) under a
-//! key prefix.
+//! key prefix, content-addressed and deduplicated.
 //!
 //! ```text
-//! <prefix>/checkpoints/<id>/<image file>   CRIU image files of checkpoint <id>
-//! <prefix>/manifests/<id>.manifest         written last: the checkpoint exists once it does
+//! <prefix>/packs/<pack>.pack           chunk bytes (zstd or raw), ~32 MiB per pack
+//! <prefix>/packs/<pack>.idx            which chunks the pack holds (written after the pack)
+//! <prefix>/manifests/<id>.manifest     written last: the checkpoint exists once it does
 //! ```
 //!
-//! A checkpoint is uploaded file by file and becomes visible only when its manifest is
-//! written, so a crash mid-upload leaves no half checkpoint behind, only unreferenced objects
-//! that [`Store::remove_uncommitted`] deletes.
+//! A checkpoint's memory and image files are cut into chunks (64 KiB, at aligned addresses);
+//! all-zero chunks are never stored, and chunks the store already holds are referenced, not
+//! uploaded, so a checkpoint costs what changed. Every manifest lists all chunks it needs:
+//! any checkpoint restores by itself, and deleting one never breaks another. Unreferenced
+//! packs are reclaimed by [`Store::gc`]. Dedup never crosses store prefixes (tenants).
 
+mod assemble;
 mod backend;
-mod images;
-pub mod manifest;
+mod chunks;
+pub mod envelope;
+mod gc;
+mod index;
+mod staging;
+mod upload;
 
 use std::sync::Arc;
 
@@ -22,9 +30,17 @@ use object_store::{ObjectStore, PutPayload};
 use tracing::warn;
 
 pub use backend::OpenStoreError;
-pub use images::Progress;
-pub use manifest::{Manifest, ManifestError};
-pub use stasis_proto::stasis::v1::ImageFile;
+pub use chunks::{CHUNK, ChunkStats};
+pub use envelope::EnvelopeError;
+pub use gc::{GcReport, Retention};
+pub use staging::{Staged, Staging};
+pub use stasis_proto::stasis::v1::Manifest;
+pub use upload::StoredDump;
+
+use index::ChunkIndex;
+
+/// A progress callback: `(bytes done, bytes in total)`.
+pub type Progress = Arc<dyn Fn(u64, u64) + Send + Sync>;
 
 /// A store operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -37,14 +53,20 @@ pub enum StoreError {
         #[source]
         source: object_store::Error,
     },
-    #[error("manifest of checkpoint {id} is unreadable")]
-    Manifest {
-        id: String,
+    #[error("{what} is unreadable")]
+    Envelope {
+        what: String,
         #[source]
-        source: ManifestError,
+        source: EnvelopeError,
     },
-    #[error("image file {file} of checkpoint {id} is corrupted: {reason}")]
+    #[error("checkpoint {id} is corrupted: {file}: {reason}")]
     Corrupt { id: String, file: String, reason: String },
+    #[error("checkpoint {id} needs chunk {chunk}, which is in no pack of the store")]
+    MissingChunk { id: String, chunk: String },
+    #[error("checkpoint {id} needs pack {pack}, which is missing from the store")]
+    MissingPack { id: String, pack: String },
+    #[error("chunk {chunk} of checkpoint {id} (pack {pack}) is corrupted: {reason}")]
+    CorruptChunk { id: String, chunk: String, pack: String, reason: String },
     #[error("local file {path} could not be read or written")]
     Local {
         path: String,
@@ -59,13 +81,35 @@ pub struct Store {
     backend: Arc<dyn ObjectStore>,
     prefix: ObjPath,
     url: String,
+    index: Arc<ChunkIndex>,
+    /// Commits (which reference chunks) share it; garbage collection takes it alone, so a
+    /// chunk a committing checkpoint relies on is never swept underneath it.
+    gc_lock: Arc<tokio::sync::RwLock<()>>,
+    /// Prefix of the ids of packs this node writes.
+    node_tag: Arc<str>,
 }
+
+/// Held while a checkpoint decides which chunks to reference and commits its manifest.
+pub type CommitGuard = tokio::sync::OwnedRwLockReadGuard<()>;
 
 impl Store {
     /// Opens the store at `url` (`file:///dir`, `s3://bucket/prefix`, `gs://…`, `az://…`).
     pub fn open(url: &str) -> Result<Self, OpenStoreError> {
         let (backend, prefix) = backend::open(url)?;
-        Ok(Self { backend, prefix, url: url.into() })
+        Ok(Self {
+            backend,
+            prefix,
+            url: url.into(),
+            index: Default::default(),
+            gc_lock: Default::default(),
+            node_tag: "local".into(),
+        })
+    }
+
+    /// Names the packs this store writes `<tag>-<random>`; the tag identifies this node.
+    pub fn with_node_tag(mut self, tag: &str) -> Self {
+        self.node_tag = tag.into();
+        self
     }
 
     pub fn url(&self) -> &str {
@@ -84,10 +128,40 @@ impl Store {
         move |source| StoreError::Backend { key: key.to_string(), source }
     }
 
+    /// Starts a commit: keeps garbage collection out until the guard is dropped.
+    pub async fn begin_commit(&self) -> CommitGuard {
+        self.gc_lock.clone().read_owned().await
+    }
+
+    /// Loads the indexes of packs this store has not seen yet (written by other nodes, or
+    /// before a restart).
+    pub async fn refresh_index(&self) -> Result<(), StoreError> {
+        let dir = self.key("packs");
+        let metas: Vec<_> =
+            self.backend.list(Some(&dir)).try_collect().await.map_err(Self::backend_err(&dir))?;
+        for meta in metas {
+            let Some(pack) = meta.location.filename().and_then(|f| f.strip_suffix(".idx")) else { continue };
+            if self.index.knows_pack(pack) {
+                continue;
+            }
+            let data = match self.backend.get(&meta.location).await {
+                Ok(r) => r.bytes().await.map_err(Self::backend_err(&meta.location))?,
+                // Removed by a concurrent garbage collection.
+                Err(object_store::Error::NotFound { .. }) => continue,
+                Err(source) => return Err(StoreError::Backend { key: meta.location.to_string(), source }),
+            };
+            match envelope::decode(envelope::PACK_INDEX, &data) {
+                Ok(index) => self.index.add(&index),
+                Err(e) => warn!(pack, error = %e, "skipping unreadable pack index"),
+            }
+        }
+        Ok(())
+    }
+
     /// Writes the manifest: the step that makes the checkpoint exist.
-    pub async fn commit(&self, manifest: &Manifest) -> Result<(), StoreError> {
+    pub async fn commit(&self, manifest: &Manifest, _guard: &CommitGuard) -> Result<(), StoreError> {
         let key = self.manifest_key(&manifest.id);
-        let payload = PutPayload::from(manifest::encode(manifest));
+        let payload = PutPayload::from(envelope::encode(envelope::MANIFEST, manifest));
         self.backend.put(&key, payload).await.map_err(Self::backend_err(&key))?;
         Ok(())
     }
@@ -97,19 +171,15 @@ impl Store {
         let key = self.manifest_key(id);
         let data = match self.backend.get(&key).await {
             Ok(r) => r.bytes().await.map_err(Self::backend_err(&key))?,
-            Err(object_store::Error::NotFound { .. }) => {
-                return Err(StoreError::NotFound(id.into()));
-            }
-            Err(source) => {
-                return Err(StoreError::Backend { key: key.to_string(), source });
-            }
+            Err(object_store::Error::NotFound { .. }) => return Err(StoreError::NotFound(id.into())),
+            Err(source) => return Err(StoreError::Backend { key: key.to_string(), source }),
         };
-        let m = manifest::decode(&data).map_err(|source| StoreError::Manifest { id: id.into(), source })?;
+        let what = || format!("manifest of checkpoint {id}");
+        let m: Manifest = envelope::decode(envelope::MANIFEST, &data)
+            .map_err(|source| StoreError::Envelope { what: what(), source })?;
         if m.id != id {
-            return Err(StoreError::Manifest {
-                id: id.into(),
-                source: ManifestError::Decode(format!("manifest names checkpoint {}", m.id)),
-            });
+            let source = EnvelopeError::Decode(format!("it names checkpoint {}", m.id));
+            return Err(StoreError::Envelope { what: what(), source });
         }
         Ok(m)
     }
@@ -136,37 +206,19 @@ impl Store {
                 Err(e) => warn!(checkpoint = %id, error = %e, "skipping unreadable manifest"),
             }
         }
+        // Ids sort by second only; within a second the creation time orders them.
+        out.sort_by(|a, b| (a.created_unix_ms, &a.id).cmp(&(b.created_unix_ms, &b.id)));
         Ok(out)
     }
 
-    /// Deletes checkpoint `id`: the manifest first (it stops existing at once), then its data.
+    /// Deletes checkpoint `id` (its manifest). Its chunks stay until garbage collection finds
+    /// no other checkpoint referencing them.
     pub async fn delete(&self, id: &str) -> Result<(), StoreError> {
         let key = self.manifest_key(id);
         match self.backend.delete(&key).await {
-            Ok(()) => {}
-            Err(object_store::Error::NotFound { .. }) => {
-                return Err(StoreError::NotFound(id.into()));
-            }
-            Err(source) => {
-                return Err(StoreError::Backend { key: key.to_string(), source });
-            }
+            Ok(()) => Ok(()),
+            Err(object_store::Error::NotFound { .. }) => Err(StoreError::NotFound(id.into())),
+            Err(source) => Err(StoreError::Backend { key: key.to_string(), source }),
         }
-        self.remove_uncommitted(id).await
-    }
-
-    /// Deletes the data objects of a checkpoint that has no manifest (an interrupted upload).
-    pub async fn remove_uncommitted(&self, id: &str) -> Result<(), StoreError> {
-        let dir = self.key(&format!("checkpoints/{id}"));
-        let metas: Vec<_> =
-            self.backend.list(Some(&dir)).try_collect().await.map_err(Self::backend_err(&dir))?;
-        for meta in metas {
-            match self.backend.delete(&meta.location).await {
-                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
-                Err(source) => {
-                    return Err(StoreError::Backend { key: meta.location.to_string(), source });
-                }
-            }
-        }
-        Ok(())
     }
 }

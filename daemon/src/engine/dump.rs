@@ -1,0 +1,98 @@
+//! Running a CRIU dump with stasisd's in-process page server: CRIU gets one end of a stream
+//! socketpair as its page-server connection, a thread on the other end stages every page
+//! (memory up to a bound, then a spill file), so no page data becomes an image file.
+
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Instant;
+
+use super::CheckpointError;
+use crate::criu::pageserver::{self, HeaderLayout, PageServerError};
+use crate::criu::{Criu, CriuError, CriuVersion, DumpSpec};
+use crate::store::{Staged, Staging};
+
+/// Name of the spill file in the job's work directory.
+const SPILL_FILE: &str = "pages.spill";
+
+/// Why a dump failed.
+#[derive(Debug)]
+pub(super) enum DumpFailure {
+    Criu(CriuError),
+    PageServer(PageServerError),
+    Local(&'static str, std::io::Error),
+}
+
+impl DumpFailure {
+    pub(super) fn into_error(self, workload: String) -> CheckpointError {
+        match self {
+            Self::Criu(source) => CheckpointError::Dump { workload, source },
+            Self::PageServer(source) => CheckpointError::PageServer { workload, source },
+            Self::Local(what, source) => CheckpointError::Local { what, source },
+        }
+    }
+}
+
+/// A finished dump: when CRIU froze the tree (its "pre-dump" notification), and the pages.
+pub(super) struct Dump {
+    pub frozen_at: Option<Instant>,
+    pub staged: Staged,
+}
+
+/// Dumps `spec` (its images directory gets the non-page images) and stages its pages, at most
+/// `staging_limit` bytes of them in memory. Blocking.
+pub(super) fn dump(
+    criu: &Criu,
+    version: CriuVersion,
+    mut spec: DumpSpec,
+    staging_limit: u64,
+) -> Result<Dump, DumpFailure> {
+    let layout = HeaderLayout::for_version(version.major, version.minor);
+    let (mut ours, theirs) = UnixStream::pair().map_err(|e| DumpFailure::Local("page-server socket", e))?;
+    let mut staging = Staging::new(staging_limit, &spec.images_dir.join(SPILL_FILE));
+    let server = std::thread::Builder::new()
+        .name("stasis-pageserver".into())
+        .spawn(move || pageserver::serve(&mut ours, layout, &mut staging).map(|_| staging))
+        .map_err(|e| DumpFailure::Local("page-server thread", e))?;
+    spec.page_server_fd = Some(theirs.as_raw_fd());
+    let mut frozen_at = None;
+    let dumped = criu.dump(&spec, |script| {
+        if script == "pre-dump" {
+            frozen_at = Some(Instant::now());
+        }
+        Ok(())
+    });
+    // CRIU has exited; dropping our copy of its end lets the server see the end of the stream.
+    drop(theirs);
+    let served = server
+        .join()
+        .map_err(|_| DumpFailure::Local("page-server thread", std::io::Error::other("panicked")))?;
+    dumped.map_err(DumpFailure::Criu)?;
+    let staging = served.map_err(DumpFailure::PageServer)?;
+    let staged = staging.finish().map_err(|e| DumpFailure::Local("page staging", e))?;
+    Ok(Dump { frozen_at, staged })
+}
+
+/// A default bound for staged pages: a quarter of this machine's memory.
+pub fn default_staging_limit() -> u64 {
+    meminfo_total(Path::new("/proc/meminfo")).map(|total| total / 4).unwrap_or(1 << 30)
+}
+
+fn meminfo_total(path: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staging_default_is_a_quarter_of_memory() {
+        let total = meminfo_total(Path::new("/proc/meminfo")).unwrap();
+        assert_eq!(default_staging_limit(), total / 4);
+        assert!(meminfo_total(Path::new("/nonexistent")).is_none());
+    }
+}

@@ -1,0 +1,231 @@
+//! Turning content into chunk references: cut, hash, drop zero chunks, skip chunks the store
+//! already has, compress and pack the new ones.
+//!
+//! This runs on a blocking thread (hashing and compression in parallel with rayon); finished
+//! packs go to the async uploader through a bounded channel, which bounds the memory held in
+//! packs waiting for upload.
+
+use std::collections::HashSet;
+
+use rayon::prelude::*;
+use stasis_proto::stasis::v1::{ChunkRef, Codec, PackEntry, PackIndex};
+use tokio::sync::mpsc;
+
+use super::index::{ChunkHash, ChunkIndex};
+
+/// Chunk size: content is cut at multiples of this (addresses for memory, offsets for files).
+pub const CHUNK: usize = 64 << 10;
+/// Packs are uploaded once they reach this size.
+pub const PACK_TARGET: usize = 32 << 20;
+/// Chunks handled per parallel batch.
+const BATCH: usize = 256;
+/// zstd level: fast, and on memory images close to higher levels in ratio.
+const ZSTD_LEVEL: i32 = 1;
+
+/// Counts of one checkpoint's chunks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChunkStats {
+    /// Bytes of all chunks, zero ones included.
+    pub bytes_total: u64,
+    pub chunks_total: u64,
+    pub chunks_new: u64,
+    pub chunks_zero: u64,
+    /// Bytes of new chunks before compression.
+    pub bytes_new: u64,
+}
+
+/// A pack ready for upload.
+#[derive(Debug)]
+pub struct FinishedPack {
+    pub data: Vec<u8>,
+    pub index: PackIndex,
+}
+
+/// Cuts `data`, which starts at address (or offset) `start`, at multiples of [`CHUNK`].
+pub fn split_aligned(start: u64, data: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut pos = 0usize;
+    std::iter::from_fn(move || {
+        if pos >= data.len() {
+            return None;
+        }
+        let addr = start + pos as u64;
+        let boundary = ((addr / CHUNK as u64 + 1) * CHUNK as u64 - addr) as usize;
+        let end = (pos + boundary).min(data.len());
+        let piece = &data[pos..end];
+        pos = end;
+        Some(piece)
+    })
+}
+
+fn is_zero(data: &[u8]) -> bool {
+    let words = data.chunks_exact(8);
+    let rest = words.remainder();
+    rest.iter().all(|b| *b == 0)
+        && words.map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes"))).all(|w| w == 0)
+}
+
+/// Writes chunks for one checkpoint.
+pub struct ChunkWriter<'a> {
+    index: &'a ChunkIndex,
+    /// New chunks already packed by this checkpoint.
+    packed: HashSet<ChunkHash>,
+    pack: Option<FinishedPack>,
+    packs: mpsc::Sender<FinishedPack>,
+    node_tag: &'a str,
+    pub stats: ChunkStats,
+}
+
+impl<'a> ChunkWriter<'a> {
+    /// Packs get ids starting with `node_tag`, so a node can tell its own leftovers.
+    pub fn new(index: &'a ChunkIndex, packs: mpsc::Sender<FinishedPack>, node_tag: &'a str) -> Self {
+        Self { index, packed: HashSet::new(), pack: None, packs, node_tag, stats: ChunkStats::default() }
+    }
+
+    /// Stores `pieces` (each at most [`CHUNK`] bytes) and returns their references in order.
+    /// Fails only when the uploader has gone away (its error is reported there).
+    pub fn write(&mut self, pieces: &[&[u8]]) -> Result<Vec<ChunkRef>, UploaderGone> {
+        let mut refs = Vec::with_capacity(pieces.len());
+        for batch in pieces.chunks(BATCH) {
+            let hashes: Vec<Option<ChunkHash>> =
+                batch.par_iter().map(|p| (!is_zero(p)).then(|| *blake3::hash(p).as_bytes())).collect();
+            let mut fresh = Vec::new();
+            for (i, hash) in hashes.iter().enumerate() {
+                self.stats.chunks_total += 1;
+                self.stats.bytes_total += batch[i].len() as u64;
+                match hash {
+                    None => self.stats.chunks_zero += 1,
+                    Some(h) if self.index.contains(h) || self.packed.contains(h) => {}
+                    Some(h) => {
+                        self.packed.insert(*h);
+                        fresh.push(i);
+                    }
+                }
+                refs.push(ChunkRef {
+                    hash: hash.map(|h| h.to_vec()).unwrap_or_default(),
+                    len: batch[i].len() as u32,
+                });
+            }
+            let compressed: Vec<(usize, Codec, Vec<u8>)> = fresh
+                .par_iter()
+                .map(|&i| {
+                    let raw = batch[i];
+                    match zstd::bulk::compress(raw, ZSTD_LEVEL) {
+                        // Keep the compressed form only where it saves at least 1/32.
+                        Ok(z) if z.len() < raw.len() - raw.len() / 32 => (i, Codec::Zstd, z),
+                        _ => (i, Codec::Raw, raw.to_vec()),
+                    }
+                })
+                .collect();
+            for (i, codec, stored) in compressed {
+                self.stats.chunks_new += 1;
+                self.stats.bytes_new += batch[i].len() as u64;
+                let hash = hashes[i].expect("fresh chunks are not zero");
+                self.append(hash, batch[i].len(), codec, &stored)?;
+            }
+        }
+        Ok(refs)
+    }
+
+    fn append(
+        &mut self,
+        hash: ChunkHash,
+        len: usize,
+        codec: Codec,
+        stored: &[u8],
+    ) -> Result<(), UploaderGone> {
+        let pack = self.pack.get_or_insert_with(|| FinishedPack {
+            data: Vec::with_capacity(PACK_TARGET + CHUNK),
+            index: PackIndex { pack: new_pack_id(self.node_tag), entries: Vec::new() },
+        });
+        pack.index.entries.push(PackEntry {
+            hash: hash.to_vec(),
+            offset: pack.data.len() as u64,
+            stored_len: stored.len() as u32,
+            len: len as u32,
+            codec: codec as i32,
+        });
+        pack.data.extend_from_slice(stored);
+        if pack.data.len() >= PACK_TARGET {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Sends the current pack, if any, to the uploader.
+    pub fn flush(&mut self) -> Result<(), UploaderGone> {
+        match self.pack.take() {
+            Some(pack) => self.packs.blocking_send(pack).map_err(|_| UploaderGone),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The uploader stopped (because an upload failed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UploaderGone;
+
+pub(super) fn new_pack_id(node_tag: &str) -> String {
+    format!("{node_tag}-{}", hex::encode(rand::random::<[u8; 12]>()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_respects_alignment() {
+        let data = vec![7u8; 3 * CHUNK];
+        let start = (5 * CHUNK - 4096) as u64;
+        let lens: Vec<usize> = split_aligned(start, &data).map(<[u8]>::len).collect();
+        assert_eq!(lens, vec![4096, CHUNK, CHUNK, CHUNK - 4096]);
+        assert_eq!(split_aligned(0, &data[..100]).count(), 1);
+        assert_eq!(split_aligned(0, &[]).count(), 0);
+    }
+
+    #[test]
+    fn zero_detection() {
+        assert!(is_zero(&[0; 4096]));
+        assert!(is_zero(&[0; 13]));
+        let mut d = vec![0u8; 4099];
+        d[4098] = 1;
+        assert!(!is_zero(&d));
+        d[4098] = 0;
+        d[3] = 1;
+        assert!(!is_zero(&d));
+    }
+
+    #[test]
+    fn dedup_zero_and_compression() {
+        let index = ChunkIndex::default();
+        let (tx, mut rx) = mpsc::channel(4);
+        let random: Vec<u8> =
+            (0..CHUNK).map(|i| (i as u64).wrapping_mul(0x9e3779b97f4a7c15).to_le_bytes()[7]).collect();
+        let text = b"abcabcabc".repeat(CHUNK / 9 + 1)[..CHUNK].to_vec();
+        let zero = vec![0u8; CHUNK];
+        let mut w = ChunkWriter::new(&index, tx, "t");
+        let refs = w.write(&[&random, &text, &zero, &random]).unwrap();
+        w.flush().unwrap();
+        assert_eq!(
+            w.stats,
+            ChunkStats {
+                bytes_total: 4 * CHUNK as u64,
+                chunks_total: 4,
+                chunks_new: 2,
+                chunks_zero: 1,
+                bytes_new: 2 * CHUNK as u64
+            }
+        );
+        assert!(refs[2].hash.is_empty());
+        assert_eq!(refs[0].hash, refs[3].hash);
+        let pack = rx.try_recv().unwrap();
+        assert_eq!(pack.index.entries.len(), 2);
+        let codecs: Vec<i32> = pack.index.entries.iter().map(|e| e.codec).collect();
+        assert_eq!(codecs, vec![Codec::Raw as i32, Codec::Zstd as i32]);
+        assert!(pack.data.len() < 2 * CHUNK);
+        index.add(&pack.index);
+        let (tx, _rx) = mpsc::channel(4);
+        let mut again = ChunkWriter::new(&index, tx, "t");
+        again.write(&[&random, &text]).unwrap();
+        assert_eq!(again.stats.chunks_new, 0, "chunks in the index are not stored again");
+    }
+}

@@ -1,0 +1,205 @@
+//! Retention and garbage collection: delete old manifests, then reclaim packs no manifest
+//! references, and repack packs that are mostly garbage.
+//!
+//! GC holds the store's lock exclusively, while commits and restores share it, so a chunk
+//! that a committing checkpoint has decided to reference is never swept underneath it. Packs
+//! written by other nodes (sharing the bucket) may be in flight without a manifest yet, so an
+//! unreferenced pack is deleted only once it is older than a grace period, unless it is one of
+//! this node's own (its id starts with the node's tag) and the caller asks for those.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use futures::TryStreamExt;
+use stasis_proto::stasis::v1::{Manifest, PackIndex};
+use tracing::info;
+
+use super::chunks::FinishedPack;
+use super::index::ChunkHash;
+use super::{Store, StoreError, envelope};
+
+/// Packs whose live bytes are below this fraction are rewritten.
+const REPACK_BELOW: f64 = 0.5;
+
+/// How many checkpoints to keep per workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    pub keep_last: usize,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GcReport {
+    pub manifests_deleted: Vec<String>,
+    pub packs_deleted: u64,
+    pub packs_repacked: u64,
+    pub bytes_freed: u64,
+}
+
+/// How long ago `at` was (zero for times in the future).
+fn age(at: std::time::SystemTime) -> Duration {
+    std::time::SystemTime::now().duration_since(at).unwrap_or_default()
+}
+
+impl Store {
+    /// Applies `retention` (if any), then reclaims unreferenced packs older than `grace` (or,
+    /// with `own_too`, any of this node's), and repacks mostly-dead packs.
+    pub async fn gc(
+        &self,
+        retention: Option<Retention>,
+        grace: Duration,
+        own_too: bool,
+    ) -> Result<GcReport, StoreError> {
+        let _exclusive = self.gc_lock.write().await;
+        let mut report = GcReport::default();
+        let mut manifests = self.manifests().await?;
+        if let Some(r) = retention {
+            for id in expired(&manifests, r) {
+                self.delete(&id).await?;
+                report.manifests_deleted.push(id);
+            }
+            manifests.retain(|m| !report.manifests_deleted.contains(&m.id));
+        }
+        let live = live_chunks(&manifests);
+        self.refresh_index().await?;
+
+        let dir = self.key("packs");
+        let objects: Vec<_> =
+            self.backend.list(Some(&dir)).try_collect().await.map_err(Self::backend_err(&dir))?;
+        let mut packs: HashMap<String, (u64, std::time::SystemTime, bool)> = HashMap::new();
+        for meta in &objects {
+            let Some(name) = meta.location.filename() else { continue };
+            if let Some(pack) = name.strip_suffix(".pack") {
+                let e = packs.entry(pack.to_string()).or_insert((0, meta.last_modified.into(), false));
+                (e.0, e.1) = (meta.size, meta.last_modified.into());
+            } else if let Some(pack) = name.strip_suffix(".idx") {
+                packs.entry(pack.to_string()).or_insert((0, meta.last_modified.into(), false)).2 = true;
+            }
+        }
+        for (pack, (size, modified, has_index)) in packs {
+            let own = own_too && pack.starts_with(&format!("{}-", self.node_tag));
+            let reclaimable = own || age(modified) >= grace;
+            if !has_index {
+                // An upload that died before its index was written.
+                if reclaimable {
+                    self.delete_pack(&pack).await?;
+                    report.packs_deleted += 1;
+                    report.bytes_freed += size;
+                }
+                continue;
+            }
+            let index = self.read_pack_index(&pack).await?;
+            let total: u64 = index.entries.iter().map(|e| u64::from(e.stored_len)).sum();
+            let live_entries: Vec<_> =
+                index.entries.iter().filter(|e| is_live(&live, &e.hash)).cloned().collect();
+            let live_bytes: u64 = live_entries.iter().map(|e| u64::from(e.stored_len)).sum();
+            if live_entries.is_empty() && reclaimable {
+                self.delete_pack(&pack).await?;
+                report.packs_deleted += 1;
+                report.bytes_freed += size;
+            } else if !live_entries.is_empty() && (live_bytes as f64) < REPACK_BELOW * total as f64 {
+                self.repack(&pack, live_entries).await?;
+                report.packs_repacked += 1;
+                report.bytes_freed += size.saturating_sub(live_bytes);
+            }
+        }
+        info!(?report, "garbage collection done");
+        Ok(report)
+    }
+
+    async fn read_pack_index(&self, pack: &str) -> Result<PackIndex, StoreError> {
+        let key = self.pack_index_key(pack);
+        let data = self
+            .backend
+            .get(&key)
+            .await
+            .map_err(Self::backend_err(&key))?
+            .bytes()
+            .await
+            .map_err(Self::backend_err(&key))?;
+        envelope::decode(envelope::PACK_INDEX, &data)
+            .map_err(|source| StoreError::Envelope { what: format!("index of pack {pack}"), source })
+    }
+
+    /// Removes a pack: from the in-memory index first, then its index object (so nobody
+    /// dedups against it any more), then its data.
+    async fn delete_pack(&self, pack: &str) -> Result<(), StoreError> {
+        self.index.remove_pack(pack);
+        for key in [self.pack_index_key(pack), self.pack_key(pack)] {
+            match self.backend.delete(&key).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(source) => return Err(StoreError::Backend { key: key.to_string(), source }),
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies the live chunks of `pack` into a new pack, then deletes the old one.
+    async fn repack(
+        &self,
+        pack: &str,
+        live: Vec<stasis_proto::stasis::v1::PackEntry>,
+    ) -> Result<(), StoreError> {
+        let key = self.pack_key(pack);
+        let ranges: Vec<_> = live.iter().map(|e| e.offset..e.offset + u64::from(e.stored_len)).collect();
+        let blobs = self.backend.get_ranges(&key, &ranges).await.map_err(Self::backend_err(&key))?;
+        let mut fresh = FinishedPack {
+            data: Vec::new(),
+            index: PackIndex {
+                pack: super::chunks::new_pack_id(&self.node_tag),
+                entries: Vec::with_capacity(live.len()),
+            },
+        };
+        for (mut entry, blob) in live.into_iter().zip(blobs) {
+            entry.offset = fresh.data.len() as u64;
+            fresh.data.extend_from_slice(&blob);
+            fresh.index.entries.push(entry);
+        }
+        // The old pack leaves the in-memory index first, so the new locations take effect.
+        self.index.remove_pack(pack);
+        self.upload_pack(fresh).await?;
+        self.delete_pack(pack).await
+    }
+}
+
+/// Checkpoints beyond the newest `keep_last` of each workload.
+fn expired(manifests: &[Manifest], retention: Retention) -> Vec<String> {
+    let mut by_workload: HashMap<&str, Vec<&Manifest>> = HashMap::new();
+    for m in manifests {
+        by_workload.entry(&m.workload).or_default().push(m);
+    }
+    let mut out = Vec::new();
+    for mut list in by_workload.into_values() {
+        list.sort_by(|a, b| (b.created_unix_ms, &b.id).cmp(&(a.created_unix_ms, &a.id)));
+        out.extend(list.iter().skip(retention.keep_last).map(|m| m.id.clone()));
+    }
+    out.sort();
+    out
+}
+
+fn live_chunks(manifests: &[Manifest]) -> HashSet<ChunkHash> {
+    let refs = manifests
+        .iter()
+        .flat_map(|m| m.files.iter().flat_map(|f| &f.chunks).chain(m.memory.iter().flat_map(|i| &i.chunks)));
+    refs.filter_map(|c| ChunkHash::try_from(c.hash.as_slice()).ok()).collect()
+}
+
+fn is_live(live: &HashSet<ChunkHash>, hash: &[u8]) -> bool {
+    ChunkHash::try_from(hash).is_ok_and(|h| live.contains(&h))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(id: &str, workload: &str, at: u64) -> Manifest {
+        Manifest { id: id.into(), workload: workload.into(), created_unix_ms: at, ..Default::default() }
+    }
+
+    #[test]
+    fn retention_keeps_the_newest_per_workload() {
+        let all = [m("a1", "a", 1), m("a2", "a", 2), m("a3", "a", 3), m("b1", "b", 1)];
+        assert_eq!(expired(&all, Retention { keep_last: 2 }), vec!["a1"]);
+        assert_eq!(expired(&all, Retention { keep_last: 1 }), vec!["a1", "a2"]);
+        assert!(expired(&all, Retention { keep_last: 3 }).is_empty());
+    }
+}

@@ -1,0 +1,81 @@
+//! Which chunks the store holds, and where: the union of the pack index objects, cached in
+//! memory and refreshed from the store (other nodes may have added packs).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, RwLock};
+
+use stasis_proto::stasis::v1::{Codec, PackIndex};
+
+pub type ChunkHash = [u8; 32];
+
+/// Where a chunk is stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkLoc {
+    pub pack: Arc<str>,
+    pub offset: u64,
+    pub stored_len: u32,
+    pub len: u32,
+    pub codec: Codec,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    chunks: HashMap<ChunkHash, ChunkLoc>,
+    packs: HashSet<Arc<str>>,
+}
+
+/// The chunk index of a store.
+#[derive(Debug, Default)]
+pub struct ChunkIndex {
+    inner: RwLock<Inner>,
+}
+
+impl ChunkIndex {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
+        self.inner.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Inner> {
+        self.inner.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn contains(&self, hash: &ChunkHash) -> bool {
+        self.read().chunks.contains_key(hash)
+    }
+
+    pub fn get(&self, hash: &ChunkHash) -> Option<ChunkLoc> {
+        self.read().chunks.get(hash).cloned()
+    }
+
+    pub fn knows_pack(&self, pack: &str) -> bool {
+        self.read().packs.contains(pack)
+    }
+
+    /// Adds the chunks of one pack. Entries with a malformed hash or codec are skipped.
+    pub fn add(&self, index: &PackIndex) {
+        let pack: Arc<str> = index.pack.as_str().into();
+        let mut inner = self.write();
+        for e in &index.entries {
+            let (Ok(hash), Ok(codec)) = (ChunkHash::try_from(e.hash.as_slice()), Codec::try_from(e.codec))
+            else {
+                continue;
+            };
+            let loc = ChunkLoc {
+                pack: pack.clone(),
+                offset: e.offset,
+                stored_len: e.stored_len,
+                len: e.len,
+                codec,
+            };
+            inner.chunks.entry(hash).or_insert(loc);
+        }
+        inner.packs.insert(pack);
+    }
+
+    /// Forgets a pack and the chunks located in it.
+    pub fn remove_pack(&self, pack: &str) {
+        let mut inner = self.write();
+        inner.chunks.retain(|_, loc| &*loc.pack != pack);
+        inner.packs.remove(pack);
+    }
+}

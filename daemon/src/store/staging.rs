@@ -1,0 +1,192 @@
+//! Staging of the pages CRIU hands over during a dump.
+//!
+//! The page server must never make CRIU wait, or the tree stays frozen longer: received pages
+//! go into memory segments up to a configured bound, and beyond it into a local spill file,
+//! which is mapped (memmap2) once the dump is over. Hashing, compression and upload read the
+//! staged pages afterwards, while the tree already runs again.
+
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use crate::criu::pageserver::{PageRun, PageSink};
+use crate::linux::sys::map_private_file;
+
+/// Size of one memory segment; a run never spans two.
+const SEGMENT: usize = 64 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Loc {
+    None,
+    Memory { segment: usize, offset: usize },
+    Spill { offset: u64 },
+}
+
+/// A received run and where its bytes are staged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StagedRun {
+    pub run: PageRun,
+    loc: Loc,
+}
+
+/// Collects a dump's pages (the [`PageSink`] of the page server).
+#[derive(Debug)]
+pub struct Staging {
+    memory_limit: u64,
+    in_memory: u64,
+    segments: Vec<Vec<u8>>,
+    spill_path: PathBuf,
+    spill: Option<File>,
+    spilled: u64,
+    runs: Vec<StagedRun>,
+}
+
+impl Staging {
+    /// Stages at most `memory_limit` bytes in memory, the rest in a file at `spill_path`.
+    pub fn new(memory_limit: u64, spill_path: &Path) -> Self {
+        Self {
+            memory_limit,
+            in_memory: 0,
+            segments: Vec::new(),
+            spill_path: spill_path.to_path_buf(),
+            spill: None,
+            spilled: 0,
+            runs: Vec::new(),
+        }
+    }
+
+    /// Ends reception; the spill file, if any, is mapped for reading.
+    pub fn finish(self) -> io::Result<Staged> {
+        let spill = match self.spill {
+            Some(mut file) => {
+                file.flush()?;
+                Some(map_private_file(&file)?)
+            }
+            None => None,
+        };
+        Ok(Staged { segments: self.segments, spill, spill_path: self.spill_path, runs: self.runs })
+    }
+
+    fn stage_in_memory(&mut self, len: usize, data: &mut dyn Read) -> io::Result<Loc> {
+        let fits = self.segments.last().is_some_and(|s| s.capacity() - s.len() >= len);
+        if !fits {
+            self.segments.push(Vec::with_capacity(SEGMENT.max(len)));
+        }
+        let segment = self.segments.len() - 1;
+        let buf = &mut self.segments[segment];
+        let offset = buf.len();
+        let got = data.take(len as u64).read_to_end(buf)?;
+        if got != len {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "page data cut short"));
+        }
+        self.in_memory += len as u64;
+        Ok(Loc::Memory { segment, offset })
+    }
+
+    fn stage_in_file(&mut self, len: u64, data: &mut dyn Read) -> io::Result<Loc> {
+        if self.spill.is_none() {
+            use std::os::unix::fs::OpenOptionsExt;
+            let file =
+                File::options().read(true).write(true).create_new(true).mode(0o600).open(&self.spill_path)?;
+            self.spill = Some(file);
+        }
+        let file = self.spill.as_mut().expect("spill file just opened");
+        let offset = self.spilled;
+        let got = io::copy(&mut data.take(len), file)?;
+        if got != len {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "page data cut short"));
+        }
+        self.spilled += len;
+        Ok(Loc::Spill { offset })
+    }
+}
+
+impl PageSink for Staging {
+    fn run(&mut self, run: PageRun, data: &mut dyn Read) -> io::Result<()> {
+        let loc = if !run.has_data() {
+            Loc::None
+        } else if self.in_memory + run.len() <= self.memory_limit {
+            self.stage_in_memory(run.len() as usize, data)?
+        } else {
+            self.stage_in_file(run.len(), data)?
+        };
+        self.runs.push(StagedRun { run, loc });
+        Ok(())
+    }
+}
+
+/// The staged pages of one dump.
+#[derive(Debug)]
+pub struct Staged {
+    segments: Vec<Vec<u8>>,
+    spill: Option<Mmap>,
+    spill_path: PathBuf,
+    runs: Vec<StagedRun>,
+}
+
+impl Staged {
+    /// The runs, in the order CRIU sent them.
+    pub fn runs(&self) -> &[StagedRun] {
+        &self.runs
+    }
+
+    /// The bytes of a run (empty for runs without data).
+    pub fn bytes(&self, run: &StagedRun) -> &[u8] {
+        let len = if run.run.has_data() { run.run.len() as usize } else { 0 };
+        match run.loc {
+            Loc::None => &[],
+            Loc::Memory { segment, offset } => &self.segments[segment][offset..offset + len],
+            Loc::Spill { offset } => {
+                let map = self.spill.as_ref().expect("spilled run has a spill map");
+                &map[offset as usize..offset as usize + len]
+            }
+        }
+    }
+
+    /// Bytes staged in total.
+    pub fn len(&self) -> u64 {
+        self.runs.iter().filter(|r| r.run.has_data()).map(|r| r.run.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if self.spill.take().is_some() {
+            let _ = std::fs::remove_file(&self.spill_path);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::criu::pageserver::{PAGE_SIZE, PE_PRESENT};
+
+    #[test]
+    fn memory_then_spill_and_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let spill = dir.path().join("spill");
+        let mut staging = Staging::new(2 * PAGE_SIZE, &spill);
+        let run = |vaddr, nr_pages| PageRun { dst_id: 257, vaddr, nr_pages, flags: PE_PRESENT };
+        let a = vec![1u8; 2 * PAGE_SIZE as usize];
+        let b = vec![2u8; 3 * PAGE_SIZE as usize];
+        staging.run(run(0x1000, 2), &mut &a[..]).unwrap();
+        staging.run(run(0x9000, 3), &mut &b[..]).unwrap();
+        staging.run(PageRun { flags: 0, ..run(0xf000, 1) }, &mut &[][..]).unwrap();
+        assert!(staging.run(run(0x20000, 1), &mut &[0u8; 10][..]).is_err(), "short data is an error");
+        let staged = staging.finish().unwrap();
+        assert!(spill.exists());
+        assert_eq!(staged.bytes(&staged.runs()[0]), &a[..]);
+        assert_eq!(staged.bytes(&staged.runs()[1]), &b[..]);
+        assert!(staged.bytes(&staged.runs()[2]).is_empty());
+        assert_eq!(staged.len(), 5 * PAGE_SIZE);
+        drop(staged);
+        assert!(!spill.exists(), "spill file removed with the staged pages");
+    }
+}

@@ -1,0 +1,300 @@
+//! A real stasisd in a temporary directory, and the real CLI talking to it.
+
+use std::cell::RefCell;
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use serde_json::Value;
+use tempfile::TempDir;
+
+use crate::workload::Workload;
+use crate::{TIMEOUT, bin, procfs};
+
+/// How long one CLI command may take before the test fails (a checkpoint of a few dozen MiB
+/// takes well under a second; this is for a slow, loaded machine).
+const CLI_TIMEOUT: Duration = Duration::from_secs(120);
+
+static DAEMONS: AtomicUsize = AtomicUsize::new(0);
+
+/// A running stasisd with its socket, state directory and file store in a fresh temporary
+/// directory. Dropping it kills every workload it knows of and stops it.
+pub struct Daemon {
+    dir: TempDir,
+    child: Child,
+    socket: PathBuf,
+    log: PathBuf,
+    /// Makes workload names unique on this machine: workloads get a cgroup named after them,
+    /// shared by every daemon, and tests run in parallel.
+    tag: String,
+    /// Workloads started through [`Daemon::run`], killed on drop even if `status` fails.
+    started: RefCell<Vec<Workload>>,
+}
+
+impl Daemon {
+    /// Starts stasisd and waits until it serves on its socket.
+    pub fn start() -> Daemon {
+        let dir = tempfile::Builder::new().prefix("stasis-e2e-").tempdir().expect("temporary directory");
+        let socket = dir.path().join("stasisd.sock");
+        let state = dir.path().join("state");
+        let store = dir.path().join("store");
+        let log = dir.path().join("stasisd.log");
+        let log_file = File::create(&log).expect("daemon log file");
+        let child = Command::new(bin("stasisd"))
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--state-dir")
+            .arg(&state)
+            .arg("--store")
+            .arg(format!("file://{}", store.display()))
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().expect("daemon log file"))
+            .stderr(log_file)
+            .spawn()
+            .expect("starting stasisd");
+        let n = DAEMONS.fetch_add(1, Ordering::Relaxed);
+        let mut daemon = Daemon {
+            tag: format!("{}-{n}", std::process::id()),
+            dir,
+            child,
+            socket,
+            log,
+            started: RefCell::new(Vec::new()),
+        };
+        let deadline = Instant::now() + TIMEOUT;
+        while !daemon.socket.exists() {
+            if let Ok(Some(status)) = daemon.child.try_wait() {
+                panic!("stasisd exited before serving ({status}):\n{}", daemon.log_tail(50));
+            }
+            assert!(
+                Instant::now() < deadline,
+                "stasisd did not create its socket within {TIMEOUT:?}:\n{}",
+                daemon.log_tail(50)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        daemon
+    }
+
+    /// The temporary directory holding everything of this daemon (a place for test files).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The file store's directory.
+    pub fn store_dir(&self) -> PathBuf {
+        self.dir.path().join("store")
+    }
+
+    /// The daemon's pid.
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// `base` made unique on this machine, for a workload name.
+    pub fn workload_name(&self, base: &str) -> String {
+        format!("{base}-{}", self.tag)
+    }
+
+    /// The last `n` lines of the daemon's log.
+    pub fn log_tail(&self, n: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(bin("stasis"));
+        cmd.arg("--socket").arg(&self.socket).args(args);
+        cmd
+    }
+
+    /// Runs `stasis --socket S <args>` and returns what it did.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        run_with_timeout(self.command(args), CLI_TIMEOUT).unwrap_or_else(|e| {
+            panic!("`stasis {}`: {e}\n--- stasisd log (tail) ---\n{}", args.join(" "), self.log_tail(40))
+        })
+    }
+
+    /// Runs a CLI command that must succeed and print one JSON object; returns the object.
+    pub fn json(&self, args: &[&str]) -> Value {
+        let out = self.cli(args);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "`stasis {}` failed ({}):\n--- stderr ---\n{}\n--- stdout ---\n{stdout}\n--- stasisd log (tail) ---\n{}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            self.log_tail(40)
+        );
+        serde_json::from_str(stdout.trim())
+            .unwrap_or_else(|e| panic!("`stasis {}` printed no JSON object ({e}):\n{stdout}", args.join(" ")))
+    }
+
+    /// Runs a CLI command that must succeed (output not JSON).
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.cli(args);
+        assert!(
+            out.status.success(),
+            "`stasis {}` failed ({}):\n--- stderr ---\n{}\n--- stasisd log (tail) ---\n{}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            self.log_tail(40)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Runs a CLI command that must fail with exit status 1 and `error: ...` on stderr;
+    /// returns stderr.
+    pub fn cli_err(&self, args: &[&str]) -> String {
+        let out = self.cli(args);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "`stasis {}` should have failed with exit status 1, got {}:\n--- stdout ---\n{}\n--- stderr ---\n{stderr}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+        );
+        assert!(
+            stderr.starts_with("error: "),
+            "`stasis {}`: stderr should start with `error: `:\n{stderr}",
+            args.join(" ")
+        );
+        stderr
+    }
+
+    /// Starts `argv` as workload `<base>-<tag>` (see [`Daemon::workload_name`]).
+    pub fn run(&self, base: &str, argv: &[String]) -> Workload {
+        let name = self.workload_name(base);
+        let mut args = vec!["run", "--workload", &name, "--json", "--"];
+        args.extend(argv.iter().map(String::as_str));
+        let out = self.json(&args);
+        assert_eq!(out["workload"], name.as_str(), "run result: {out}");
+        let workload = Workload {
+            name,
+            pid: pid_of(&out),
+            log: PathBuf::from(out["log"].as_str().expect("run result has a log path")),
+            argv: argv.to_vec(),
+        };
+        self.started.borrow_mut().push(workload.clone());
+        workload
+    }
+
+    /// The `workloads` of `status --json`.
+    pub fn workloads(&self) -> Vec<Value> {
+        match self.json(&["status", "--json"])["workloads"].as_array() {
+            Some(list) => list.clone(),
+            None => panic!("status --json has no workloads array"),
+        }
+    }
+
+    /// Kills (SIGKILL) every process tree this daemon knows of: the workloads of
+    /// `status --json` and those started by [`Daemon::run`]. A pid is only killed while it
+    /// still runs the workload's command, so a reused pid is left alone.
+    fn kill_workloads(&self) {
+        let mut roots: Vec<(i32, Vec<String>)> =
+            self.started.borrow().iter().map(|w| (w.pid, w.argv.clone())).collect();
+        if let Ok(out) = run_with_timeout(self.command(&["status", "--json"]), TIMEOUT) {
+            let status: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+            for w in status["workloads"].as_array().into_iter().flatten() {
+                let command = w["command"].as_array().into_iter().flatten();
+                let argv = command.filter_map(|a| a.as_str().map(str::to_owned));
+                if let Some(pid) = w["pid"].as_i64() {
+                    roots.push((pid as i32, argv.collect()));
+                }
+            }
+        }
+        let mut doomed = Vec::new();
+        for (pid, argv) in roots {
+            if pid > 1 && procfs::cmdline(pid).as_ref() == Some(&argv) {
+                doomed.push(pid);
+                doomed.extend(procfs::descendants(pid));
+            }
+        }
+        for pid in &doomed {
+            procfs::kill9(*pid);
+        }
+    }
+
+    fn stop(&mut self) -> Option<ExitStatus> {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!("stasisd did not stop within 15 s of SIGTERM; killing it");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        None
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "--- stasisd log ({}) ---\n{}\n--- end of stasisd log ---",
+                self.log.display(),
+                self.log_tail(200)
+            );
+        }
+        self.kill_workloads();
+        self.stop();
+    }
+}
+
+/// The `pid` field of a CLI result.
+pub fn pid_of(value: &Value) -> i32 {
+    value["pid"].as_i64().unwrap_or_else(|| panic!("no pid in {value}")) as i32
+}
+
+/// Runs `cmd` with captured stdout and stderr; kills it after `timeout`.
+fn run_with_timeout(mut cmd: Command, timeout: Duration) -> Result<Output, String> {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start: {e}"))?;
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut buf);
+            }
+            buf
+        })
+    };
+    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("still running after {timeout:?}; killed"));
+            }
+            Err(e) => return Err(format!("waiting for it: {e}")),
+        }
+    };
+    Ok(Output {
+        status,
+        stdout: stdout.join().unwrap_or_default(),
+        stderr: stderr.join().unwrap_or_default(),
+    })
+}

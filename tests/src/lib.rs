@@ -1,0 +1,131 @@
+//! Harness of the end-to-end tests: a real `stasisd` in a temporary directory, driven through
+//! the real `stasis` CLI, checkpointing and restoring real processes with real CRIU.
+//!
+//! Every test starts with [`skip_unless_ready!`]: without root or without CRIU it says so on
+//! stderr and returns (a visible skip, never a silent pass); without the workspace's binaries
+//! it panics, because that is a build problem and not a property of the machine.
+
+#![forbid(unsafe_code)]
+
+mod daemon;
+mod logs;
+pub mod procfs;
+mod workload;
+
+use std::path::{Path, PathBuf};
+
+pub use daemon::Daemon;
+pub use logs::{complete_lines, expect_within, numbered, wait_for};
+pub use workload::Workload;
+
+/// Generous bound for anything a test waits on: the CI machine has two slow cores.
+pub const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// Returns from the calling test, after saying why on stderr, unless this machine can run
+/// end-to-end tests (root and CRIU); panics when the workspace's binaries were not built.
+#[macro_export]
+macro_rules! skip_unless_ready {
+    () => {{
+        fn here() {}
+        let test = $crate::test_name(::std::any::type_name_of_val(&here));
+        if let Err(why) = $crate::readiness() {
+            eprintln!("skipping {test}: {why}");
+            return;
+        }
+    }};
+}
+
+/// The test's function name, from the type name of a function nested in it
+/// (`crate::module::test_fn::here`).
+pub fn test_name(nested_fn_type_name: &str) -> &str {
+    let path = nested_fn_type_name.strip_suffix("::here").unwrap_or(nested_fn_type_name);
+    path.rsplit("::").next().unwrap_or(path)
+}
+
+/// `Err(why)` when end-to-end tests cannot run on this machine. Panics when they could but
+/// the binaries under test are missing.
+pub fn readiness() -> Result<(), String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Err("end-to-end tests need root (CRIU dumps and restores process trees)".into());
+    }
+    let criu = criu_path();
+    if !criu.exists() {
+        return Err(format!("no CRIU at {} (run scripts/setup-criu.sh)", criu.display()));
+    }
+    for bin in ["stasisd", "stasis"] {
+        let path = bin_dir().join(bin);
+        assert!(
+            path.exists(),
+            "{} is missing: build the workspace first (cargo build --workspace)",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// The CRIU stasisd will use: `STASIS_CRIU` when set, else the one `scripts/setup-criu.sh`
+/// installs under `.stasis/criu`.
+pub fn criu_path() -> PathBuf {
+    match std::env::var_os("STASIS_CRIU") {
+        Some(path) => PathBuf::from(path),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../.stasis/criu/bin/criu"),
+    }
+}
+
+/// `target/<profile>/`, where cargo puts the workspace's binaries: the test executable is
+/// `target/<profile>/deps/<name>-<hash>`.
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("path of the test executable");
+    let deps = exe.parent().expect("the test executable has a directory");
+    let dir = if deps.ends_with("deps") { deps.parent().expect("deps has a parent") } else { deps };
+    dir.to_path_buf()
+}
+
+/// Path of a binary of the workspace (`stasisd`, `stasis`, `stasis-memtest`).
+pub fn bin(name: &str) -> PathBuf {
+    let path = bin_dir().join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the workspace first (cargo build --workspace)",
+        path.display()
+    );
+    path
+}
+
+/// Path of a test workload script in `tests/workloads/`.
+pub fn workload_script(name: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("workloads").join(name);
+    assert!(path.exists(), "missing workload {}", path.display());
+    path.to_string_lossy().into_owned()
+}
+
+/// An absolute Python 3 interpreter: the system's when there is one (so that no shim or
+/// wrapper sits in the checkpointed tree), else the first `python3` on `PATH`.
+pub fn python() -> String {
+    let system = Path::new("/usr/bin/python3");
+    if system.exists() {
+        return system.to_string_lossy().into_owned();
+    }
+    std::env::var_os("PATH")
+        .and_then(|paths| std::env::split_paths(&paths).map(|dir| dir.join("python3")).find(|p| p.exists()))
+        .map(|p| p.to_string_lossy().into_owned())
+        .expect("python3 is needed by the test workloads")
+}
+
+/// The command line running workload script `script` with `args`.
+pub fn python_workload(script: &str, args: &[&str]) -> Vec<String> {
+    let mut argv = vec![python(), workload_script(script)];
+    argv.extend(args.iter().map(|a| a.to_string()));
+    argv
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_name_is_the_last_path_segment_before_here() {
+        assert_eq!(test_name("restore::counter_continues::here"), "counter_continues");
+        assert_eq!(test_name("plain"), "plain");
+    }
+}

@@ -1,0 +1,98 @@
+//! What the tests look at in /proc, and signals.
+
+use std::collections::BTreeSet;
+use std::fs;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+/// The fields of /proc/PID/stat after the command name (which may contain spaces and
+/// parentheses, hence the split after the last ')').
+fn stat_fields(pid: i32) -> Option<Vec<String>> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    Some(rest.split_whitespace().map(str::to_owned).collect())
+}
+
+/// The scheduler state of `pid` (`R`, `S`, `D`, `T`, `t`, `Z`, ...), `None` when there is no
+/// such process.
+pub fn proc_state(pid: i32) -> Option<char> {
+    stat_fields(pid)?.first()?.chars().next()
+}
+
+/// The parent pid of `pid`.
+pub fn ppid(pid: i32) -> Option<i32> {
+    stat_fields(pid)?.get(1)?.parse().ok()
+}
+
+/// Whether `pid` is a live process: it exists and is neither a zombie nor dead.
+pub fn alive(pid: i32) -> bool {
+    matches!(proc_state(pid), Some(state) if !matches!(state, 'Z' | 'X' | 'x'))
+}
+
+/// Whether `pid` exists and is neither stopped (`T`, `t`: frozen or traced) nor a zombie.
+pub fn running(pid: i32) -> bool {
+    matches!(proc_state(pid), Some(state) if !matches!(state, 'T' | 't' | 'Z' | 'X' | 'x'))
+}
+
+/// The pid of the process ptrace-attached to `pid` (0 when none).
+pub fn tracer(pid: i32) -> Option<i32> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix("TracerPid:")?.trim().parse().ok())
+}
+
+/// Whether /proc/PID exists at all (zombies included).
+pub fn exists(pid: i32) -> bool {
+    fs::metadata(format!("/proc/{pid}")).is_ok()
+}
+
+/// The argv of `pid`.
+pub fn cmdline(pid: i32) -> Option<Vec<String>> {
+    let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    Some(
+        raw.split(|b| *b == 0)
+            .filter(|arg| !arg.is_empty())
+            .map(|arg| String::from_utf8_lossy(arg).into_owned())
+            .collect(),
+    )
+}
+
+/// The thread ids of `pid`.
+pub fn tids(pid: i32) -> BTreeSet<i32> {
+    fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|dir| dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+/// The children of every thread of `pid`.
+pub fn children(pid: i32) -> BTreeSet<i32> {
+    tids(pid)
+        .into_iter()
+        .filter_map(|tid| fs::read_to_string(format!("/proc/{pid}/task/{tid}/children")).ok())
+        .flat_map(|text| text.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<i32>>())
+        .collect()
+}
+
+/// Every descendant of `pid` (not `pid` itself).
+pub fn descendants(pid: i32) -> BTreeSet<i32> {
+    let mut found = BTreeSet::new();
+    let mut todo = vec![pid];
+    while let Some(p) = todo.pop() {
+        for child in children(p) {
+            if found.insert(child) {
+                todo.push(child);
+            }
+        }
+    }
+    found
+}
+
+/// Sends `signal` to `pid`, panicking when that fails.
+pub fn signal(pid: i32, signal: Signal) {
+    kill(Pid::from_raw(pid), signal).unwrap_or_else(|e| panic!("kill -{signal} {pid}: {e}"));
+}
+
+/// Sends SIGKILL to `pid`, ignoring a process that is already gone.
+pub fn kill9(pid: i32) {
+    let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+}

@@ -1,0 +1,226 @@
+//! A checkpointed and evicted workload, once restored, goes on from where it was: same pids,
+//! same memory, same pipes, same file offsets. Each test: run, checkpoint (the tree is killed
+//! once the checkpoint is stored), restore, and check what the workload prints afterwards.
+
+#![forbid(unsafe_code)]
+
+use std::fmt::Write as _;
+
+use nix::sys::signal::Signal;
+use stasis_tests::{
+    Daemon, TIMEOUT, Workload, bin, expect_within, procfs, python_workload, skip_unless_ready,
+};
+
+/// Checkpoints `w` by workload name without --leave-running; checks the result and that the
+/// tree is gone afterwards.
+fn evict(d: &Daemon, w: &Workload, tree: &[i32]) -> serde_json::Value {
+    let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
+    assert_eq!(ck["workload"], w.name.as_str(), "checkpoint result: {ck}");
+    assert_eq!(ck["pid"], w.pid, "checkpoint result: {ck}");
+    assert_eq!(ck["left_running"], false, "checkpoint result: {ck}");
+    assert!(ck["id"].as_str().is_some_and(|id| !id.is_empty()), "checkpoint result: {ck}");
+    assert!(ck["stats"]["bytes_total"].as_u64().is_some_and(|b| b > 0), "checkpoint result: {ck}");
+    for pid in tree {
+        expect_within(TIMEOUT, &format!("pid {pid} to be gone after the checkpoint"), || {
+            (!procfs::exists(*pid)).then_some(())
+        });
+    }
+    ck
+}
+
+/// Restores the latest checkpoint of `w`; checks it is `ck` and comes back with `w`'s pid.
+fn restore(d: &Daemon, w: &Workload, ck: &serde_json::Value) -> serde_json::Value {
+    let r = d.json(&["restore", "--workload", &w.name, "--json"]);
+    assert_eq!(r["id"], ck["id"], "restore result: {r}");
+    assert_eq!(r["workload"], w.name.as_str(), "restore result: {r}");
+    assert_eq!(r["pid"], w.pid, "the restored tree must have the checkpointed pid: {r}");
+    assert!(
+        procfs::running(w.pid),
+        "restored pid {} is not running: state {:?}",
+        w.pid,
+        procfs::proc_state(w.pid)
+    );
+    assert_eq!(procfs::tracer(w.pid), Some(0), "the restored process is still traced");
+    assert_eq!(
+        procfs::ppid(w.pid),
+        Some(d.pid()),
+        "stasisd should have adopted the restored tree (it reaps its workloads)"
+    );
+    r
+}
+
+/// Numbers printed with `prefix` in `w`'s log after its first `skip` lines.
+fn numbers_after(w: &Workload, skip: usize, prefix: &str) -> Vec<u64> {
+    let lines = w.lines();
+    stasis_tests::numbered(&lines[skip.min(lines.len())..], prefix)
+}
+
+fn assert_consecutive(numbers: &[u64], what: &str) {
+    for pair in numbers.windows(2) {
+        assert_eq!(pair[1], pair[0] + 1, "{what}: not consecutive at {pair:?} in {numbers:?}");
+    }
+}
+
+#[test]
+fn counter_continues_after_eviction_and_restore() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let w = d.run("counter", &python_workload("counter.py", &[]));
+    w.wait_number("count ", 10);
+
+    let ck = evict(&d, &w, &[w.pid]);
+    let before = w.lines().len();
+    let last = w.last_number("count ").expect("counts before the checkpoint");
+    assert!(last >= 10);
+    assert_consecutive(&w.numbers("count "), "counts before the checkpoint");
+
+    restore(&d, &w, &ck);
+    w.wait_number("count ", last + 10);
+    let after = numbers_after(&w, before, "count ");
+    let first = after[0];
+    assert!(
+        first == last + 1 || first == last,
+        "the restored counter should go on from {last}, but printed {first} first (then {after:?})"
+    );
+    assert_consecutive(&after, "counts after the restore");
+    assert!(procfs::alive(w.pid));
+}
+
+#[test]
+fn memtest_memory_is_identical_after_restore_and_threads_go_on() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let memtest = bin("stasis-memtest").to_string_lossy().into_owned();
+    let w = d.run("memtest", &[memtest, "4".into(), "16".into()]);
+    w.wait_line_after(0, "memtest `ready`", |l| l == "ready");
+    let tids = procfs::tids(w.pid);
+    assert_eq!(tids.len(), 5, "main thread and 4 workers: {tids:?}");
+
+    procfs::signal(w.pid, Signal::SIGUSR1);
+    let (at, paused) = w.wait_line_after(0, "`paused ...`", |l| l.starts_with("paused "));
+    let (sum, iterations) = parse_paused(&paused);
+
+    let ck = evict(&d, &w, &[w.pid]);
+    assert!(
+        ck["stats"]["bytes_total"].as_u64().unwrap() >= 64 << 20,
+        "64 MiB of written memory should be in the checkpoint: {ck}"
+    );
+    restore(&d, &w, &ck);
+    assert_eq!(procfs::tids(w.pid), tids, "the restored process must have the same threads");
+
+    let seen = w.lines().len();
+    procfs::signal(w.pid, Signal::SIGUSR2);
+    let (_, line) =
+        w.wait_line_after(seen, "`checksum=...` after the restore", |l| l.starts_with("checksum="));
+    let restored_sum = line.strip_prefix("checksum=").unwrap();
+    assert_eq!(restored_sum, sum, "memory after the restore differs from memory at the checkpoint");
+
+    let seen = w.lines().len();
+    procfs::signal(w.pid, Signal::SIGUSR1);
+    w.wait_line_after(seen, "`resumed`", |l| l == "resumed");
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let seen = w.lines().len();
+    procfs::signal(w.pid, Signal::SIGUSR1);
+    let (_, paused_again) = w.wait_line_after(seen, "second `paused ...`", |l| l.starts_with("paused "));
+    let (_, iterations_again) = parse_paused(&paused_again);
+    assert!(
+        iterations_again > iterations,
+        "the restored threads should keep working: iterations {iterations} at the checkpoint, \
+         {iterations_again} after resuming (log line {at}: {paused})"
+    );
+}
+
+/// `paused checksum=<hex> iterations=<n>` -> (hex, n).
+fn parse_paused(line: &str) -> (String, u64) {
+    let mut sum = None;
+    let mut iterations = None;
+    for field in line.split_whitespace() {
+        if let Some(v) = field.strip_prefix("checksum=") {
+            sum = Some(v.to_owned());
+        } else if let Some(v) = field.strip_prefix("iterations=") {
+            iterations = v.parse().ok();
+        }
+    }
+    match (sum, iterations) {
+        (Some(sum), Some(iterations)) => (sum, iterations),
+        _ => panic!("malformed memtest line: {line}"),
+    }
+}
+
+#[test]
+fn pipes_between_two_processes_work_after_restore() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let w = d.run("pipes", &python_workload("pipes.py", &[]));
+    w.wait_number("roundtrip ", 10);
+    let child = w.numbers("child ")[0] as i32;
+    assert_eq!(procfs::children(w.pid).into_iter().collect::<Vec<_>>(), [child]);
+    assert_eq!(procfs::ppid(child), Some(w.pid));
+
+    let ck = evict(&d, &w, &[w.pid, child]);
+    let before = w.lines().len();
+    let last = w.last_number("roundtrip ").unwrap();
+
+    restore(&d, &w, &ck);
+    assert!(procfs::alive(child), "the restored tree should have its child {child} again");
+    assert_eq!(procfs::ppid(child), Some(w.pid), "child {child} should be the restored root's child");
+    w.wait_number("roundtrip ", last + 10);
+
+    let new: Vec<String> = w.lines()[before..].to_vec();
+    let rounds = stasis_tests::numbered(&new, "roundtrip ");
+    assert!(rounds[0] == last + 1 || rounds[0] == last, "roundtrips should go on after {last}: {new:?}");
+    assert_consecutive(&rounds, "roundtrips after the restore");
+    for line in new.iter().filter(|l| l.starts_with("roundtrip ")) {
+        let n = line.split_whitespace().nth(1).unwrap();
+        assert_eq!(*line, format!("roundtrip {n} PING {n}"), "wrong reply through the pipes");
+    }
+}
+
+#[test]
+fn file_offsets_are_kept_across_restore() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    const LINE_LEN: u64 = "line 00001\n".len() as u64;
+    let data = d.dir().join("data.txt");
+    let mut text = String::with_capacity(99_999 * LINE_LEN as usize);
+    for i in 1..=99_999 {
+        writeln!(text, "line {i:05}").unwrap();
+    }
+    std::fs::write(&data, text).unwrap();
+    let copy = d.dir().join("copy.txt");
+
+    let w = d.run("reader", &python_workload("reader.py", &[data.to_str().unwrap(), copy.to_str().unwrap()]));
+    w.wait_number("read line ", 10);
+
+    let ck = evict(&d, &w, &[w.pid]);
+    let before = w.lines().len();
+    let last = w.last_number("read line ").unwrap();
+    // The reader prints a line, then appends it to the copy: the checkpoint may have come
+    // between the two.
+    let copied = stasis_tests::complete_lines(&copy);
+    let upto = if copied.len() as u64 == last { last } else { last - 1 };
+    let expected: Vec<String> = (1..=upto).map(|i| format!("line {i:05}")).collect();
+    assert_eq!(copied, expected, "the copy at checkpoint time should be lines 1..={last}");
+
+    restore(&d, &w, &ck);
+    w.wait_number("read line ", last + 5);
+    let new = w.lines()[before..].to_vec();
+    let first = new.first().expect("lines after the restore");
+    assert_eq!(
+        *first,
+        format!("read line {:05} at {}", last + 1, (last + 1) * LINE_LEN),
+        "the reader should go on with the line after {last} at its offset (lines after restore: {new:?})"
+    );
+    for line in &new {
+        let n: u64 = line.split_whitespace().nth(2).and_then(|n| n.parse().ok()).unwrap_or_else(|| {
+            panic!("unexpected line after the restore: {line}");
+        });
+        assert_eq!(*line, format!("read line {n:05} at {}", n * LINE_LEN), "offset of line {n}");
+    }
+    assert_consecutive(&stasis_tests::numbered(&new, "read line "), "lines read after the restore");
+
+    let copied = stasis_tests::complete_lines(&copy);
+    let upto = stasis_tests::numbered(&copied, "line ").last().copied().unwrap();
+    let expected: Vec<String> = (1..=upto).map(|i| format!("line {i:05}")).collect();
+    assert_eq!(copied, expected, "the copy should be every line once, in order, across the restore");
+}
