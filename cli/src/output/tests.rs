@@ -1,7 +1,18 @@
 use super::*;
 
 fn stats() -> CheckpointStats {
-    CheckpointStats { frozen_ms: 12, total_ms: 340, bytes_total: 5 << 20, dump_ms: 200, store_ms: 120 }
+    CheckpointStats {
+        frozen_ms: 12,
+        total_ms: 340,
+        bytes_total: 5 << 20,
+        dump_ms: 200,
+        store_ms: 120,
+        durable_ms: 330,
+        bytes_uploaded: 1 << 20,
+        chunks_total: 80,
+        chunks_new: 16,
+        chunks_zero: 4,
+    }
 }
 
 fn info() -> CheckpointInfo {

@@ -88,14 +88,14 @@ impl PageRun {
         self.flags & PE_PRESENT != 0
     }
 
-    pub fn len(&self) -> u64 {
+    pub fn byte_len(&self) -> u64 {
         self.nr_pages * PAGE_SIZE
     }
 }
 
 /// Where received pages go.
 pub trait PageSink {
-    /// Takes a run; when it has data, exactly `run.len()` bytes must be read from `data`.
+    /// Takes a run; when it has data, exactly `run.byte_len()` bytes must be read from `data`.
     fn run(&mut self, run: PageRun, data: &mut dyn Read) -> io::Result<()>;
 }
 
@@ -157,7 +157,7 @@ pub fn serve<C: Read + Write>(
                 sink.run(run, conn).map_err(PageServerError::Sink)?;
                 stats.runs += 1;
                 if run.has_data() {
-                    stats.bytes += run.len();
+                    stats.bytes += run.byte_len();
                 }
             }
             IOV_CLOSE | IOV_FORCE_CLOSE => {
@@ -231,7 +231,7 @@ mod tests {
 
     impl PageSink for Collect {
         fn run(&mut self, run: PageRun, data: &mut dyn Read) -> io::Result<()> {
-            let mut bytes = vec![0; if run.has_data() { run.len() as usize } else { 0 }];
+            let mut bytes = vec![0; if run.has_data() { run.byte_len() as usize } else { 0 }];
             data.read_exact(&mut bytes)?;
             self.0.push((run, bytes));
             Ok(())

@@ -192,7 +192,7 @@ impl Engine {
         progress: &ProgressFn,
     ) -> Result<CheckpointStats, CheckpointError> {
         let Dumped { id, workload, tree, created_unix_ms, timing, staged } = dumped;
-        let store_err = |source| CheckpointError::Store { id: id.into(), source };
+        let store_err = |source| CheckpointError::Store { id: id.into(), source: Box::new(source) };
         self.state
             .mark_inflight(id)
             .map_err(|source| CheckpointError::Local { what: "in-flight marker", source })?;

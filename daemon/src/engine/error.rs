@@ -99,7 +99,7 @@ pub enum CheckpointError {
     Store {
         id: String,
         #[source]
-        source: StoreError,
+        source: Box<StoreError>,
     },
     #[error("local {what} failed; the workload was left running")]
     Local {

@@ -73,7 +73,7 @@ impl Store {
                     flags: r.flags,
                 })
                 .collect();
-            let present: u64 = runs.iter().filter(|r| r.has_data()).map(PageRun::len).sum();
+            let present: u64 = runs.iter().filter(|r| r.has_data()).map(PageRun::byte_len).sum();
             let pagemap = dir.join(&name);
             write_pagemap(&pagemap, pages_id, &runs).map_err(local(&pagemap))?;
             let pages = dir.join(pages_file_name(pages_id));

@@ -107,10 +107,10 @@ impl PageSink for Staging {
     fn run(&mut self, run: PageRun, data: &mut dyn Read) -> io::Result<()> {
         let loc = if !run.has_data() {
             Loc::None
-        } else if self.in_memory + run.len() <= self.memory_limit {
-            self.stage_in_memory(run.len() as usize, data)?
+        } else if self.in_memory + run.byte_len() <= self.memory_limit {
+            self.stage_in_memory(run.byte_len() as usize, data)?
         } else {
-            self.stage_in_file(run.len(), data)?
+            self.stage_in_file(run.byte_len(), data)?
         };
         self.runs.push(StagedRun { run, loc });
         Ok(())
@@ -134,7 +134,7 @@ impl Staged {
 
     /// The bytes of a run (empty for runs without data).
     pub fn bytes(&self, run: &StagedRun) -> &[u8] {
-        let len = if run.run.has_data() { run.run.len() as usize } else { 0 };
+        let len = if run.run.has_data() { run.run.byte_len() as usize } else { 0 };
         match run.loc {
             Loc::None => &[],
             Loc::Memory { segment, offset } => &self.segments[segment][offset..offset + len],
@@ -147,7 +147,7 @@ impl Staged {
 
     /// Bytes staged in total.
     pub fn len(&self) -> u64 {
-        self.runs.iter().filter(|r| r.run.has_data()).map(|r| r.run.len()).sum()
+        self.runs.iter().filter(|r| r.run.has_data()).map(|r| r.run.byte_len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
