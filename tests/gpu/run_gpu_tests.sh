@@ -95,9 +95,9 @@ trap 'exit 130' INT TERM
 
 stasis() { timeout "$CLI_TIMEOUT" "$STASIS" --socket "$SOCK" "$@"; }
 
-# json_get FIELD < JSON: prints a top-level field (nested with dots: stats.bytes_total).
+# json_get FIELD < JSON: prints a field (nested with dots: stats.bytes_total); fails when absent.
 json_get() {
-    "$PYTHON" -c '
+    python3 -c '
 import json, sys
 v = json.load(sys.stdin)
 for k in sys.argv[1].split("."):
@@ -145,7 +145,10 @@ run_workload() {
         echo "stasis run --workload $name failed: $out" >&2
         return 1
     fi
-    W_PID=$(printf '%s' "$out" | json_get pid) && W_LOG=$(printf '%s' "$out" | json_get log) || return 1
+    W_PID=$(printf '%s' "$out" | json_get pid) && W_LOG=$(printf '%s' "$out" | json_get log) || {
+        echo "stasis run --workload $name printed no pid and log: $out" >&2
+        return 1
+    }
     WORKLOAD_PIDS="$WORKLOAD_PIDS $W_PID"
     say "started $name: pid $W_PID, log $W_LOG"
 }

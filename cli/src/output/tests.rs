@@ -61,6 +61,11 @@ fn checkpoint_result_nests_its_stats() {
                 "bytes_total": 5 << 20,
                 "dump_ms": 200,
                 "store_ms": 120,
+                "durable_ms": 330,
+                "bytes_uploaded": 1 << 20,
+                "chunks_total": 80,
+                "chunks_new": 16,
+                "chunks_zero": 4,
             },
         })
     );
