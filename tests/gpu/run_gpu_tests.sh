@@ -145,10 +145,10 @@ run_workload() {
         echo "stasis run --workload $name failed: $out" >&2
         return 1
     fi
-    W_PID=$(printf '%s' "$out" | json_get pid) && W_LOG=$(printf '%s' "$out" | json_get log) || {
+    if ! W_PID=$(printf '%s' "$out" | json_get pid) || ! W_LOG=$(printf '%s' "$out" | json_get log); then
         echo "stasis run --workload $name printed no pid and log: $out" >&2
         return 1
-    }
+    fi
     WORKLOAD_PIDS="$WORKLOAD_PIDS $W_PID"
     say "started $name: pid $W_PID, log $W_LOG"
 }

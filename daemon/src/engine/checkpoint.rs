@@ -14,11 +14,13 @@ use nix::sys::signal::Signal;
 use tracing::{info, instrument, warn};
 
 use super::dump::{self, Dump};
+use super::gpu::{self, GpuError, GpuTimes, Suspended};
 use super::ids::{checkpoint_id, now_unix_ms};
 use super::inspect::{TreeInfo, inspect};
 use super::workloads::{Workload, derived_name};
 use super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
 use crate::criu::{DumpSpec, LOG_FILE, TreeOptions};
+use crate::cuda;
 use crate::linux::proc::{self, ProcStat};
 use crate::store::{Manifest, Staged};
 use stasis_proto::stasis::v1::DumpOptions;
@@ -57,6 +59,8 @@ struct Dumped<'a> {
     created_unix_ms: u64,
     timing: DumpTiming,
     staged: Staged,
+    gpu_pids: &'a [i32],
+    gpu_times: GpuTimes,
 }
 
 /// When the dump started and ended, and how long CRIU kept the tree frozen.
@@ -131,6 +135,7 @@ impl Engine {
             tree.pids.iter().copied().filter(|p| ProcStat::read(*p).is_ok_and(|s| s.is_stopped())).collect();
         info!(checkpoint = %id, workload = %workload, pid, pids = tree.pids.len(), options = ?tree.options.describe(), "dumping");
 
+        let suspended = self.suspend_gpu(&tree.pids, &progress).await?;
         progress(ProgressUpdate { phase: "dump", done: 0, total: 0 });
         let spec = DumpSpec {
             pid,
@@ -149,9 +154,11 @@ impl Engine {
             Ok(dump) => dump,
             Err(failure) => {
                 resume(&tree.pids, &stopped_before);
+                self.resume_gpu(&suspended).await?;
                 return Err(failure.into_error(workload));
             }
         };
+        let gpu_restore_ms = if params.leave_running { self.resume_gpu(&suspended).await? } else { 0 };
         progress(ProgressUpdate { phase: "resumed", done: 0, total: 0 });
 
         let timing = DumpTiming {
@@ -159,17 +166,33 @@ impl Engine {
             dump_done,
             frozen_ms: frozen_at.map(|t| ms(dump_done - t)).unwrap_or_else(|| ms(dump_done - started)),
         };
-        let dumped = Dumped { id: &id, workload: &workload, tree: &tree, created_unix_ms, timing, staged };
+        let gpu_pids = suspended.as_ref().map(|s| s.pids.clone()).unwrap_or_default();
+        let gpu_times = GpuTimes {
+            restore_ms: gpu_restore_ms,
+            ..suspended.as_ref().map(|s| s.times).unwrap_or_default()
+        };
+        let dumped = Dumped {
+            id: &id,
+            workload: &workload,
+            tree: &tree,
+            created_unix_ms,
+            timing,
+            staged,
+            gpu_pids: &gpu_pids,
+            gpu_times,
+        };
         let stored = self.store_checkpoint(dumped, work.path(), &progress).await;
         let mut stats = match stored {
             Ok(stats) => stats,
             Err(e) => {
                 if !params.leave_running {
                     resume(&tree.pids, &stopped_before);
+                    self.resume_gpu(&suspended).await?;
                 }
                 return Err(e);
             }
         };
+
         if !params.leave_running {
             proc::signal_all(&tree.pids, Signal::SIGKILL);
             let left = self.reaper.wait_gone(&tree.pids, KILL_WAIT).await;
@@ -191,7 +214,7 @@ impl Engine {
         images: &std::path::Path,
         progress: &ProgressFn,
     ) -> Result<CheckpointStats, CheckpointError> {
-        let Dumped { id, workload, tree, created_unix_ms, timing, staged } = dumped;
+        let Dumped { id, workload, tree, created_unix_ms, timing, staged, gpu_pids, gpu_times } = dumped;
         let store_err = |source| CheckpointError::Store { id: id.into(), source: Box::new(source) };
         self.state
             .mark_inflight(id)
@@ -212,6 +235,9 @@ impl Engine {
             chunks_total: stored.chunks.chunks_total,
             chunks_new: stored.chunks.chunks_new,
             chunks_zero: stored.chunks.chunks_zero,
+            gpu_lock_ms: gpu_times.lock_ms,
+            gpu_checkpoint_ms: gpu_times.checkpoint_ms,
+            gpu_restore_ms: gpu_times.restore_ms,
             dump_ms: ms(timing.dump_done - timing.started),
             store_ms: ms(timing.dump_done.elapsed()),
         };
@@ -229,12 +255,46 @@ impl Engine {
             parent_id: self.registry.get(workload).and_then(|w| w.last_checkpoint).unwrap_or_default(),
             files: stored.files,
             memory: stored.memory,
+            gpu_pids: gpu_pids.to_vec(),
+            cuda_driver: self.gpu.as_ref().map(|g| g.driver_version()).unwrap_or_default(),
             stats: Some(stats),
         };
         self.store.commit(&manifest, &guard).await.map_err(store_err)?;
         drop(guard);
         self.state.clear_inflight(id);
         Ok(stats)
+    }
+
+    /// Moves the device memory of the tree's CUDA processes into host memory, if it has any.
+    async fn suspend_gpu(
+        &self,
+        pids: &[i32],
+        progress: &ProgressFn,
+    ) -> Result<Option<Suspended>, CheckpointError> {
+        let candidates = cuda::cuda_candidates(pids);
+        if candidates.is_empty() {
+            return Ok(None);
+        }
+        let gpu = self.gpu.clone().ok_or_else(|| GpuError::NoDriver(candidates.clone()))?;
+        progress(ProgressUpdate { phase: "gpu checkpoint", done: 0, total: 0 });
+        let suspended = tokio::task::spawn_blocking(move || {
+            let users: Vec<i32> =
+                candidates.into_iter().filter(|p| gpu.state(*p).is_ok_and(|s| s.is_some())).collect();
+            gpu::suspend(&gpu, &users)
+        })
+        .await
+        .map_err(|e| CheckpointError::Local { what: "GPU thread", source: std::io::Error::other(e) })??;
+        Ok(Some(suspended))
+    }
+
+    /// Puts device memory back and unlocks CUDA; returns how long it took.
+    async fn resume_gpu(&self, suspended: &Option<Suspended>) -> Result<u64, CheckpointError> {
+        let (Some(gpu), Some(s)) = (self.gpu.clone(), suspended) else { return Ok(0) };
+        let pids = s.pids.clone();
+        let took = tokio::task::spawn_blocking(move || gpu::resume(&gpu, &pids))
+            .await
+            .map_err(|e| CheckpointError::Local { what: "GPU thread", source: std::io::Error::other(e) })??;
+        Ok(took)
     }
 
     fn remember_checkpoint(&self, workload: &str, pid: i32, tree: &TreeInfo, id: &str) {

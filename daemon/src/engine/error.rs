@@ -107,6 +107,8 @@ pub enum CheckpointError {
         #[source]
         source: io::Error,
     },
+    #[error(transparent)]
+    Gpu(#[from] super::gpu::GpuError),
     #[error("stasisd is shutting down; no new jobs are accepted")]
     ShuttingDown,
 }
@@ -136,6 +138,12 @@ pub enum RestoreError {
         what: &'static str,
         #[source]
         source: io::Error,
+    },
+    #[error("GPU restore of checkpoint {id} failed; the restored tree was stopped")]
+    Gpu {
+        id: String,
+        #[source]
+        source: super::gpu::GpuError,
     },
     #[error("stasisd is shutting down; no new jobs are accepted")]
     ShuttingDown,

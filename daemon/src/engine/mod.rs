@@ -7,6 +7,7 @@
 mod checkpoint;
 mod dump;
 mod error;
+mod gpu;
 mod ids;
 mod inspect;
 mod query;
@@ -30,6 +31,7 @@ use tracing::{info, warn};
 pub use workloads::Workload;
 
 use crate::criu::{Criu, CriuVersion, MIN_VERSION};
+use crate::cuda::{CudaDriver, CudaError, GpuCheckpointer};
 use crate::linux::reaper::Reaper;
 use crate::store::Store;
 use state::StateDir;
@@ -69,6 +71,8 @@ pub struct Engine {
     reaper: Reaper,
     jobs: TaskTracker,
     staging_limit: u64,
+    /// The NVIDIA driver's checkpoint API, when a driver is installed.
+    gpu: Option<Arc<dyn GpuCheckpointer>>,
     /// One job at a time per workload.
     workload_locks: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -116,6 +120,7 @@ impl Engine {
             reaper,
             jobs: TaskTracker::new(),
             staging_limit: config.staging_limit.unwrap_or_else(dump::default_staging_limit),
+            gpu: load_gpu(),
             workload_locks: Default::default(),
         };
         engine.recover().await;
@@ -158,4 +163,22 @@ impl Engine {
 fn node_tag(state_dir: &std::path::Path) -> String {
     let seed = format!("{}:{}", crate::linux::proc::node_name(), state_dir.display());
     hex::encode(&blake3::hash(seed.as_bytes()).as_bytes()[..4])
+}
+
+/// Loads the NVIDIA driver's checkpoint API; without a driver stasis checkpoints CPU-only trees.
+fn load_gpu() -> Option<Arc<dyn GpuCheckpointer>> {
+    match CudaDriver::load() {
+        Ok(driver) => {
+            info!(driver = driver.driver_version(), "GPU checkpointing available");
+            Some(Arc::new(driver))
+        }
+        Err(CudaError::NotInstalled { .. }) => {
+            info!("no NVIDIA driver: GPU checkpointing unavailable");
+            None
+        }
+        Err(e) => {
+            warn!(error = %e, "NVIDIA driver unusable for checkpointing");
+            None
+        }
+    }
 }

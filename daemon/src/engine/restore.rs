@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use tracing::{info, instrument};
 
 use super::checkpoint::tree_options;
+use super::gpu::{self, GpuError};
 use super::ids::valid_checkpoint_id;
 use super::workloads::Workload;
 use super::{Engine, ProgressFn, ProgressUpdate, RestoreError};
@@ -41,6 +42,7 @@ pub struct RestoreStats {
     pub fetch_ms: u64,
     pub criu_ms: u64,
     pub bytes_fetched: u64,
+    pub gpu_restore_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,15 +122,40 @@ impl Engine {
             .await
             .map_err(|e| local("restore thread")(std::io::Error::other(e)))?;
         let pid = restored.map_err(|source| RestoreError::Criu { id: id.clone(), source })?;
+        let gpu_restore_ms = self.reattach_gpu(&manifest, &progress).await?;
         let stats = RestoreStats {
             restore_ms: started.elapsed().as_millis() as u64,
             fetch_ms: (fetched - started).as_millis() as u64,
             criu_ms: fetched.elapsed().as_millis() as u64,
             bytes_fetched,
+            gpu_restore_ms,
         };
         self.remember_restore(&manifest, pid).map_err(local("workload registry update"))?;
         info!(checkpoint = %id, workload = %manifest.workload, pid, ?stats, "restored");
         Ok(RestoreOutcome { id, workload: manifest.workload, pid, stats })
+    }
+
+    /// Puts the device memory of the restored CUDA processes back and unlocks them. On failure
+    /// the restored tree is killed: a job without its GPU state must not run on.
+    async fn reattach_gpu(&self, manifest: &Manifest, progress: &ProgressFn) -> Result<u64, RestoreError> {
+        if manifest.gpu_pids.is_empty() {
+            return Ok(0);
+        }
+        let id = manifest.id.clone();
+        let kill = |pids: &[i32]| crate::linux::proc::signal_all(pids, nix::sys::signal::Signal::SIGKILL);
+        let Some(gpu) = self.gpu.clone() else {
+            kill(&manifest.pids);
+            return Err(RestoreError::Gpu { id, source: GpuError::NoDriver(manifest.gpu_pids.clone()) });
+        };
+        progress(ProgressUpdate { phase: "gpu restore", done: 0, total: 0 });
+        let pids = manifest.gpu_pids.clone();
+        let result = tokio::task::spawn_blocking(move || gpu::reattach(&gpu, &pids, &[]))
+            .await
+            .map_err(|e| RestoreError::Local { what: "GPU thread", source: std::io::Error::other(e) })?;
+        result.map_err(|source| {
+            kill(&manifest.pids);
+            RestoreError::Gpu { id, source }
+        })
     }
 
     /// A new terminal, logged to the workload's log, for each terminal the tree had.

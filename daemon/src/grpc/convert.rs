@@ -62,6 +62,7 @@ impl From<CheckpointError> for Status {
             CheckpointError::Dump { .. } | CheckpointError::PageServer { .. } => Code::Aborted,
             CheckpointError::Store { source, .. } => store_code(source),
             CheckpointError::ShuttingDown => Code::Unavailable,
+            CheckpointError::Gpu(_) => Code::FailedPrecondition,
             CheckpointError::Inspect { .. } | CheckpointError::Local { .. } => Code::Internal,
         };
         status(code, &e)
@@ -77,6 +78,7 @@ impl From<RestoreError> for Status {
             RestoreError::PidsInUse { .. } => Code::FailedPrecondition,
             RestoreError::Criu { .. } => Code::Aborted,
             RestoreError::ShuttingDown => Code::Unavailable,
+            RestoreError::Gpu { .. } => Code::Internal,
             RestoreError::Local { .. } => Code::Internal,
         };
         status(code, &e)
@@ -184,6 +186,7 @@ impl From<RestoreOutcome> for pb::RestoreResult {
                 fetch_ms: s.fetch_ms,
                 criu_ms: s.criu_ms,
                 bytes_fetched: s.bytes_fetched,
+                gpu_restore_ms: s.gpu_restore_ms,
             }),
         }
     }

@@ -198,8 +198,8 @@ mod tests {
     fn dedup_zero_and_compression() {
         let index = ChunkIndex::default();
         let (tx, mut rx) = mpsc::channel(4);
-        let random: Vec<u8> =
-            (0..CHUNK).map(|i| (i as u64).wrapping_mul(0x9e3779b97f4a7c15).to_le_bytes()[7]).collect();
+        let mut random = vec![0u8; CHUNK];
+        blake3::Hasher::new().update(b"seed").finalize_xof().fill(&mut random);
         let text = b"abcabcabc".repeat(CHUNK / 9 + 1)[..CHUNK].to_vec();
         let zero = vec![0u8; CHUNK];
         let mut w = ChunkWriter::new(&index, tx, "t");
