@@ -25,6 +25,9 @@ pub fn checkpoint_stats(s: &CheckpointStats) -> Value {
         "chunks_total": s.chunks_total,
         "chunks_new": s.chunks_new,
         "chunks_zero": s.chunks_zero,
+        "gpu_lock_ms": s.gpu_lock_ms,
+        "gpu_checkpoint_ms": s.gpu_checkpoint_ms,
+        "gpu_restore_ms": s.gpu_restore_ms,
     })
 }
 
@@ -44,6 +47,7 @@ pub fn restore_stats(s: &RestoreStats) -> Value {
         "fetch_ms": s.fetch_ms,
         "criu_ms": s.criu_ms,
         "bytes_fetched": s.bytes_fetched,
+        "gpu_restore_ms": s.gpu_restore_ms,
     })
 }
 

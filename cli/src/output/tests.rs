@@ -12,6 +12,9 @@ fn stats() -> CheckpointStats {
         chunks_total: 80,
         chunks_new: 16,
         chunks_zero: 4,
+        gpu_lock_ms: 1,
+        gpu_checkpoint_ms: 900,
+        gpu_restore_ms: 450,
     }
 }
 
@@ -66,6 +69,9 @@ fn checkpoint_result_nests_its_stats() {
                 "chunks_total": 80,
                 "chunks_new": 16,
                 "chunks_zero": 4,
+                "gpu_lock_ms": 1,
+                "gpu_checkpoint_ms": 900,
+                "gpu_restore_ms": 450,
             },
         })
     );
@@ -83,7 +89,13 @@ fn restore_result_nests_its_stats() {
         id: "ck-1".into(),
         workload: "train".into(),
         pid: 9,
-        stats: Some(RestoreStats { restore_ms: 80, fetch_ms: 30, criu_ms: 45, bytes_fetched: 1024 }),
+        stats: Some(RestoreStats {
+            restore_ms: 80,
+            fetch_ms: 30,
+            criu_ms: 45,
+            bytes_fetched: 1024,
+            gpu_restore_ms: 0,
+        }),
     };
     assert_eq!(
         restore_result(&r),
@@ -91,7 +103,7 @@ fn restore_result_nests_its_stats() {
             "id": "ck-1",
             "workload": "train",
             "pid": 9,
-            "stats": { "restore_ms": 80, "fetch_ms": 30, "criu_ms": 45, "bytes_fetched": 1024 },
+            "stats": { "restore_ms": 80, "fetch_ms": 30, "criu_ms": 45, "bytes_fetched": 1024, "gpu_restore_ms": 0 },
         })
     );
 }
