@@ -38,6 +38,18 @@ pub enum Command {
     Delete(DeleteArgs),
     /// Show stasisd's version, configuration and workloads.
     Status(StatusArgs),
+    /// Apply retention and reclaim store space no checkpoint references.
+    Gc(GcArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct GcArgs {
+    /// Keep this many newest checkpoints per workload and delete the older ones.
+    #[arg(long, value_name = "N")]
+    pub keep_last: Option<u32>,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -70,6 +82,9 @@ pub struct CheckpointArgs {
     /// Keep the tree running after the checkpoint (it is stopped by default).
     #[arg(long)]
     pub leave_running: bool,
+    /// Return once the tree is resumed (or stopped), before the checkpoint is durable.
+    #[arg(long)]
+    pub no_wait: bool,
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,

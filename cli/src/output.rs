@@ -5,7 +5,7 @@ use std::io::Write as _;
 use anyhow::Context as _;
 use serde_json::{Value, json};
 use stasis_proto::stasis::v1::{
-    CheckpointInfo, CheckpointResult, CheckpointStats, ListResponse, RestoreResult, RestoreStats,
+    CheckpointInfo, CheckpointResult, CheckpointStats, GcResponse, ListResponse, RestoreResult, RestoreStats,
     RunResponse, StatusResponse, WorkloadStatus,
 };
 
@@ -37,6 +37,7 @@ pub fn checkpoint_result(r: &CheckpointResult) -> Value {
         "workload": r.workload,
         "pid": r.pid,
         "left_running": r.left_running,
+        "durable": r.durable,
         "stats": r.stats.as_ref().map(checkpoint_stats),
     })
 }
@@ -102,6 +103,15 @@ pub fn status_response(s: &StatusResponse) -> Value {
 }
 
 /// Prints `value` as the single JSON object of the command's stdout.
+pub fn gc_response(r: &GcResponse) -> Value {
+    json!({
+        "checkpoints_deleted": r.checkpoints_deleted,
+        "packs_deleted": r.packs_deleted,
+        "packs_repacked": r.packs_repacked,
+        "bytes_freed": r.bytes_freed,
+    })
+}
+
 pub fn print_json(value: &Value) -> anyhow::Result<()> {
     print(&value.to_string())
 }

@@ -84,3 +84,19 @@ async fn show_delete_and_status() {
         (json!("9.9"), json!(true))
     );
 }
+
+#[tokio::test]
+async fn no_wait_answers_before_durable_and_gc_reports() {
+    let (out, _) = stasis("checkpoint --workload train --no-wait --json").await;
+    assert_eq!(json_of(&out)["durable"], json!(false));
+    let (out, _) = stasis("checkpoint --workload train").await;
+    assert!(out.stdout.contains("total 340 ms"), "{}", out.stdout);
+    let (out, _) = stasis("checkpoint --workload train --no-wait").await;
+    assert!(out.stdout.contains("still being stored"), "{}", out.stdout);
+    let (out, _) = stasis("gc --keep-last 1 --json").await;
+    let v = json_of(&out);
+    assert_eq!(v["checkpoints_deleted"], json!(["ck-0", "ck-1"]));
+    assert_eq!((v["packs_deleted"].clone(), v["bytes_freed"].clone()), (json!(2), json!(5 << 20)));
+    let (out, _) = stasis("gc").await;
+    assert_eq!(out.stdout, "deleted 3 checkpoints, 2 packs, repacked 1; freed 5.0 MiB\n");
+}

@@ -8,6 +8,8 @@
 //! criu = "/usr/local/sbin/criu"
 //! log_format = "text"                       # or "json"
 //! staging_mib = 4096                        # dumped pages held in memory before spilling
+//! keep_last = 3                             # checkpoints kept per workload (0: all)
+//! gc_grace_secs = 3600                      # age before an unreferenced pack is reclaimed
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -19,6 +21,8 @@ pub const DEFAULT_SOCKET: &str = "/run/stasis/stasisd.sock";
 pub const DEFAULT_STORE: &str = "file:///var/lib/stasis/store";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/stasis/state";
 pub const DEFAULT_CONFIG: &str = "/etc/stasis/stasisd.toml";
+pub const DEFAULT_KEEP_LAST: usize = 3;
+pub const DEFAULT_GC_GRACE_SECS: u64 = 3600;
 
 /// Where scripts/setup-criu.sh installs CRIU, relative to the source tree stasisd was built
 /// from (overridable at build time with STASIS_CRIU_PREFIX).
@@ -55,6 +59,14 @@ pub struct Args {
     /// quarter of RAM).
     #[arg(long)]
     pub staging_mib: Option<u64>,
+    /// Checkpoints kept per workload; older ones are deleted after each checkpoint (0 keeps
+    /// all; default 3).
+    #[arg(long)]
+    pub keep_last: Option<usize>,
+    /// Unreferenced packs younger than this many seconds are not reclaimed (another node may
+    /// be uploading the checkpoint that uses them; default 3600).
+    #[arg(long)]
+    pub gc_grace_secs: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
@@ -74,6 +86,8 @@ struct FileConfig {
     criu: Option<PathBuf>,
     log_format: Option<LogFormat>,
     staging_mib: Option<u64>,
+    keep_last: Option<usize>,
+    gc_grace_secs: Option<u64>,
 }
 
 /// The settings in effect.
@@ -85,6 +99,8 @@ pub struct DaemonConfig {
     pub criu_path: PathBuf,
     pub log_format: LogFormat,
     pub staging_mib: Option<u64>,
+    pub keep_last: usize,
+    pub gc_grace_secs: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -118,6 +134,8 @@ impl DaemonConfig {
             criu_path: args.criu.or(file.criu).unwrap_or_else(default_criu),
             log_format: args.log_format.or(file.log_format).unwrap_or_default(),
             staging_mib: args.staging_mib.or(file.staging_mib),
+            keep_last: args.keep_last.or(file.keep_last).unwrap_or(DEFAULT_KEEP_LAST),
+            gc_grace_secs: args.gc_grace_secs.or(file.gc_grace_secs).unwrap_or(DEFAULT_GC_GRACE_SECS),
         })
     }
 }

@@ -39,6 +39,8 @@ pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
         store_url: config.store_url.clone(),
         criu_path: config.criu_path.clone(),
         staging_limit: config.staging_mib.map(|m| m << 20),
+        keep_last: (config.keep_last > 0).then_some(config.keep_last),
+        gc_grace: std::time::Duration::from_secs(config.gc_grace_secs),
     })
     .await?;
     let listener = bind(&config.socket)?;

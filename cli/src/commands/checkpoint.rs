@@ -13,7 +13,8 @@ pub async fn run(client: &mut Client, args: CheckpointArgs) -> anyhow::Result<()
         (Some(pid), _) => Target::Pid(pid),
         (None, workload) => Target::Workload(workload.unwrap_or_default()),
     };
-    let request = CheckpointRequest { target: Some(target), leave_running: args.leave_running };
+    let request =
+        CheckpointRequest { target: Some(target), leave_running: args.leave_running, no_wait: args.no_wait };
     let stream = client.rpc.checkpoint(request).await.map_err(|s| client.error(s))?.into_inner();
     let result = follow(client, stream, args.json, |e| match e.event? {
         Event::Progress(p) => Some(Step::Progress(p)),
@@ -24,6 +25,12 @@ pub async fn run(client: &mut Client, args: CheckpointArgs) -> anyhow::Result<()
         return output::print_json(&output::checkpoint_result(&result));
     }
     let stats = result.stats.unwrap_or_default();
+    if !result.durable {
+        return output::print(&format!(
+            "checkpoint {} of workload {} (pid {}): frozen {} ms; still being stored",
+            result.id, result.workload, result.pid, stats.frozen_ms
+        ));
+    }
     output::print(&format!(
         "checkpoint {} of workload {} (pid {}): {}, frozen {} ms, total {} ms",
         result.id,

@@ -12,6 +12,7 @@ use crate::progress::ProgressLine;
 
 mod checkpoint;
 mod delete;
+mod gc;
 mod list;
 mod restore;
 mod run;
@@ -28,6 +29,7 @@ pub async fn execute(socket: &Path, command: Command) -> anyhow::Result<()> {
         Command::List(args) => list::run(&mut client, args).await,
         Command::Show(args) => show::run(&mut client, args).await,
         Command::Delete(args) => delete::run(&mut client, args).await,
+        Command::Gc(args) => gc::run(&mut client, args).await,
         Command::Status(args) => status::run(&mut client, args).await,
     }
 }

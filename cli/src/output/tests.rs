@@ -50,6 +50,7 @@ fn checkpoint_result_nests_its_stats() {
         pid: 4242,
         stats: Some(stats()),
         left_running: true,
+        durable: true,
     };
     assert_eq!(
         checkpoint_result(&r),
@@ -58,6 +59,7 @@ fn checkpoint_result_nests_its_stats() {
             "workload": "train",
             "pid": 4242,
             "left_running": true,
+            "durable": true,
             "stats": {
                 "frozen_ms": 12,
                 "total_ms": 340,

@@ -63,6 +63,8 @@ impl Stasis for FakeDaemon {
             pid: 4242,
             stats: Some(stats),
             left_running: req.get_ref().leave_running,
+            // An early (no-wait) answer is not durable yet.
+            durable: !req.get_ref().no_wait,
         };
         let events = [Event::Progress(progress("dump", 1, 2)), Event::Done(done)];
         let events = events.map(|e| Ok(CheckpointEvent { event: Some(e) }));
@@ -97,6 +99,18 @@ impl Stasis for FakeDaemon {
 
     async fn delete(&self, req: Request<DeleteRequest>) -> Result<Response<DeleteResponse>, Status> {
         Ok(Response::new(DeleteResponse { id: req.into_inner().id }))
+    }
+
+    async fn gc(&self, req: Request<GcRequest>) -> Result<Response<GcResponse>, Status> {
+        let keep = req.into_inner().keep_last as usize;
+        let deleted =
+            ["ck-0", "ck-1", "ck-2"].into_iter().take(3usize.saturating_sub(keep)).map(String::from);
+        Ok(Response::new(GcResponse {
+            checkpoints_deleted: deleted.collect(),
+            packs_deleted: 2,
+            packs_repacked: 1,
+            bytes_freed: 5 << 20,
+        }))
     }
 
     async fn status(&self, _: Request<StatusRequest>) -> Result<Response<StatusResponse>, Status> {

@@ -32,11 +32,23 @@ pub enum Target {
     Workload(String),
 }
 
-#[derive(Debug, Clone)]
 pub struct CheckpointParams {
     pub target: Target,
     /// Keep the tree running afterwards; otherwise it is stopped once the checkpoint is stored.
     pub leave_running: bool,
+    /// Called once the tree is resumed (or stopped, for eviction) and before the checkpoint
+    /// is stored, with what is known then; for callers that do not wait until durable.
+    pub on_resumed: Option<Box<dyn FnOnce(CheckpointOutcome) + Send>>,
+}
+
+impl std::fmt::Debug for CheckpointParams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CheckpointParams")
+            .field("target", &self.target)
+            .field("leave_running", &self.leave_running)
+            .field("on_resumed", &self.on_resumed.is_some())
+            .finish()
+    }
 }
 
 /// Timings and sizes of one checkpoint (the API's message: plain data).
@@ -48,6 +60,8 @@ pub struct CheckpointOutcome {
     pub workload: String,
     pub pid: i32,
     pub left_running: bool,
+    /// Whether the checkpoint is stored (false only in an early answer, see `on_resumed`).
+    pub durable: bool,
     pub stats: CheckpointStats,
 }
 
@@ -160,6 +174,17 @@ impl Engine {
         };
         let gpu_restore_ms = if params.leave_running { self.resume_gpu(&suspended).await? } else { 0 };
         progress(ProgressUpdate { phase: "resumed", done: 0, total: 0 });
+        if let Some(notify) = params.on_resumed {
+            let frozen_ms = frozen_at.map(|t| ms(dump_done - t)).unwrap_or_default();
+            notify(CheckpointOutcome {
+                id: id.clone(),
+                workload: workload.clone(),
+                pid,
+                left_running: params.leave_running,
+                durable: false,
+                stats: CheckpointStats { frozen_ms, dump_ms: ms(dump_done - started), ..Default::default() },
+            });
+        }
 
         let timing = DumpTiming {
             started,
@@ -203,7 +228,8 @@ impl Engine {
         stats.total_ms = ms(started.elapsed());
         self.remember_checkpoint(&workload, pid, &tree, &id);
         info!(checkpoint = %id, workload = %workload, ?stats, "checkpoint stored");
-        Ok(CheckpointOutcome { id, workload, pid, left_running: params.leave_running, stats })
+        self.apply_retention().await;
+        Ok(CheckpointOutcome { id, workload, pid, left_running: params.leave_running, durable: true, stats })
     }
 
     /// Stores the dump's chunks and commits the manifest. Packs of a failed attempt stay

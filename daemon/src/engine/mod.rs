@@ -45,10 +45,12 @@ pub struct EngineConfig {
     pub criu_path: PathBuf,
     /// Bytes of dumped pages held in memory before spilling to disk (default: RAM / 4).
     pub staging_limit: Option<u64>,
+    /// Checkpoints kept per workload by the retention policy; `None` keeps all.
+    pub keep_last: Option<usize>,
+    /// Unreferenced packs younger than this are left alone: another node may be uploading
+    /// the checkpoint that will reference them.
+    pub gc_grace: std::time::Duration,
 }
-
-/// Packs of other nodes younger than this may belong to checkpoints still uploading.
-const ORPHAN_GRACE: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// A progress report of a long operation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,6 +73,8 @@ pub struct Engine {
     reaper: Reaper,
     jobs: TaskTracker,
     staging_limit: u64,
+    keep_last: Option<usize>,
+    gc_grace: std::time::Duration,
     /// The NVIDIA driver's checkpoint API, when a driver is installed.
     gpu: Option<Arc<dyn GpuCheckpointer>>,
     /// One job at a time per workload.
@@ -121,6 +125,8 @@ impl Engine {
             jobs: TaskTracker::new(),
             staging_limit: config.staging_limit.unwrap_or_else(dump::default_staging_limit),
             gpu: load_gpu(),
+            keep_last: config.keep_last,
+            gc_grace: config.gc_grace,
             workload_locks: Default::default(),
         };
         engine.recover().await;
@@ -137,7 +143,7 @@ impl Engine {
         if interrupted.is_empty() {
             return;
         }
-        match self.store.gc(None, ORPHAN_GRACE, true).await {
+        match self.store.gc(None, self.gc_grace, true).await {
             Ok(report) => {
                 info!(checkpoints = ?interrupted, packs = report.packs_deleted, "removed data of interrupted checkpoints");
                 interrupted.iter().for_each(|id| self.state.clear_inflight(id));

@@ -5,6 +5,7 @@ use super::{Engine, QueryError, Workload};
 use crate::criu::images::{pagemap_file_name, pages_file_name};
 use crate::linux::proc;
 use crate::store::Manifest;
+use crate::store::{GcReport, Retention};
 
 /// A stored checkpoint as the API shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,6 +97,20 @@ impl Engine {
         self.store.delete(id).await?;
         tracing::info!(checkpoint = %id, "checkpoint deleted");
         Ok(())
+    }
+
+    /// Applies `keep_last` (if any) and reclaims unreferenced store space.
+    pub async fn gc(&self, keep_last: Option<usize>) -> Result<GcReport, QueryError> {
+        Ok(self.store.gc(keep_last.map(|keep_last| Retention { keep_last }), self.gc_grace, false).await?)
+    }
+
+    /// The retention policy, run after each checkpoint; failures are logged, not returned:
+    /// the checkpoint itself is stored.
+    pub(super) async fn apply_retention(&self) {
+        let Some(keep_last) = self.keep_last else { return };
+        if let Err(e) = self.gc(Some(keep_last)).await {
+            tracing::warn!(error = %e, "retention policy failed; the next checkpoint retries");
+        }
     }
 
     pub fn status(&self) -> StatusReport {

@@ -11,7 +11,7 @@ use crate::engine::{
     RestoreError, RestoreOutcome, RestoreParams, RestoreTarget, RunError, RunOutcome, RunParams,
     StatusReport, Target,
 };
-use crate::store::StoreError;
+use crate::store::{GcReport, StoreError};
 
 /// The error and all its sources, one per line where the source spans lines (CRIU's log).
 fn message(err: &dyn Error) -> String {
@@ -137,7 +137,7 @@ impl TryFrom<pb::CheckpointRequest> for CheckpointParams {
                 return Err(Status::invalid_argument("give a process id or a workload name"));
             }
         };
-        Ok(Self { target, leave_running: r.leave_running })
+        Ok(Self { target, leave_running: r.leave_running, on_resumed: None })
     }
 }
 
@@ -170,6 +170,7 @@ impl From<CheckpointOutcome> for pb::CheckpointResult {
             workload: o.workload,
             pid: o.pid,
             left_running: o.left_running,
+            durable: o.durable,
         }
     }
 }
@@ -212,6 +213,17 @@ impl From<CheckpointSummary> for pb::CheckpointInfo {
     }
 }
 
+impl From<GcReport> for pb::GcResponse {
+    fn from(r: GcReport) -> Self {
+        Self {
+            checkpoints_deleted: r.manifests_deleted,
+            packs_deleted: r.packs_deleted,
+            packs_repacked: r.packs_repacked,
+            bytes_freed: r.bytes_freed,
+        }
+    }
+}
+
 impl From<StatusReport> for pb::StatusResponse {
     fn from(r: StatusReport) -> Self {
         Self {
@@ -247,6 +259,7 @@ mod tests {
         let e = CheckpointParams::try_from(pb::CheckpointRequest {
             target: Some(pb::checkpoint_request::Target::Pid(-3)),
             leave_running: false,
+            no_wait: false,
         })
         .unwrap_err();
         assert!(e.message().contains("-3"));

@@ -69,8 +69,17 @@ impl Stasis for StasisService {
         req: Request<pb::CheckpointRequest>,
     ) -> Result<Response<Self::CheckpointStream>, Status> {
         use pb::checkpoint_event::Event;
-        let params = req.into_inner().try_into()?;
+        let req = req.into_inner();
+        let no_wait = req.no_wait;
+        let mut params: crate::engine::CheckpointParams = req.try_into()?;
         let (tx, rx) = mpsc::unbounded_channel();
+        if no_wait {
+            // The early answer is the stream's result; the job goes on after it.
+            let early = tx.clone();
+            params.on_resumed = Some(Box::new(move |o| {
+                let _ = early.send(Ok(pb::CheckpointEvent { event: Some(Event::Done(o.into())) }));
+            }));
+        }
         let progress =
             progress_sender(tx.clone(), |p| pb::CheckpointEvent { event: Some(Event::Progress(p)) });
         let engine = self.engine.clone();
@@ -113,6 +122,14 @@ impl Stasis for StasisService {
         let id = req.into_inner().id;
         self.engine.delete(&id).await?;
         Ok(Response::new(pb::DeleteResponse { id }))
+    }
+
+    async fn gc(&self, req: Request<pb::GcRequest>) -> Result<Response<pb::GcResponse>, Status> {
+        let keep_last = match req.into_inner().keep_last {
+            0 => None,
+            n => Some(n as usize),
+        };
+        Ok(Response::new(self.engine.gc(keep_last).await?.into()))
     }
 
     async fn status(&self, _req: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
