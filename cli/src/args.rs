@@ -98,6 +98,10 @@ pub struct RestoreArgs {
     /// Restore the latest checkpoint of this workload instead of an id.
     #[arg(long, value_name = "NAME")]
     pub workload: Option<String>,
+    /// Move GPU state to other GPUs: OLD-UUID=NEW-UUID, comma-separated or repeated. GPUs not
+    /// named go to the same UUID, or else to a free GPU of the same model.
+    #[arg(long, value_name = "OLD=NEW", value_delimiter = ',')]
+    pub gpu_map: Vec<String>,
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,

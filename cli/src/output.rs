@@ -27,7 +27,8 @@ pub fn checkpoint_stats(s: &CheckpointStats) -> Value {
         "chunks_zero": s.chunks_zero,
         "gpu_lock_ms": s.gpu_lock_ms,
         "gpu_checkpoint_ms": s.gpu_checkpoint_ms,
-        "gpu_restore_ms": s.gpu_restore_ms,
+                "gpu_restore_ms": s.gpu_restore_ms,
+        "gpu_bytes": s.gpu_bytes,
     })
 }
 

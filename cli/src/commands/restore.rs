@@ -13,7 +13,7 @@ pub async fn run(client: &mut Client, args: RestoreArgs) -> anyhow::Result<()> {
         (Some(id), _) => Target::CheckpointId(id),
         (None, workload) => Target::Workload(workload.unwrap_or_default()),
     };
-    let request = RestoreRequest { target: Some(target) };
+    let request = RestoreRequest { target: Some(target), gpu_map: args.gpu_map };
     let stream = client.rpc.restore(request).await.map_err(|s| client.error(s))?.into_inner();
     let result = follow(client, stream, args.json, |e| match e.event? {
         Event::Progress(p) => Some(Step::Progress(p)),

@@ -15,6 +15,7 @@ fn stats() -> CheckpointStats {
         gpu_lock_ms: 1,
         gpu_checkpoint_ms: 900,
         gpu_restore_ms: 450,
+        gpu_bytes: 1 << 30,
     }
 }
 
@@ -73,7 +74,8 @@ fn checkpoint_result_nests_its_stats() {
                 "chunks_zero": 4,
                 "gpu_lock_ms": 1,
                 "gpu_checkpoint_ms": 900,
-                "gpu_restore_ms": 450,
+                                "gpu_restore_ms": 450,
+                "gpu_bytes": 1 << 30,
             },
         })
     );

@@ -23,7 +23,7 @@ use crate::criu::{DumpSpec, LOG_FILE, TreeOptions};
 use crate::cuda;
 use crate::linux::proc::{self, ProcStat};
 use crate::store::{Manifest, Staged};
-use stasis_proto::stasis::v1::DumpOptions;
+use stasis_proto::stasis::v1::{DumpOptions, GpuDevice};
 
 /// Which tree to checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,7 +74,9 @@ struct Dumped<'a> {
     timing: DumpTiming,
     staged: Staged,
     gpu_pids: &'a [i32],
+    gpu_devices: Vec<GpuDevice>,
     gpu_times: GpuTimes,
+    gpu_bytes: u64,
 }
 
 /// When the dump started and ended, and how long CRIU kept the tree frozen.
@@ -192,6 +194,8 @@ impl Engine {
             frozen_ms: frozen_at.map(|t| ms(dump_done - t)).unwrap_or_else(|| ms(dump_done - started)),
         };
         let gpu_pids = suspended.as_ref().map(|s| s.pids.clone()).unwrap_or_default();
+        let gpu_devices = suspended.as_ref().map(|s| s.devices.clone()).unwrap_or_default();
+        let gpu_bytes = suspended.as_ref().map(|s| s.bytes).unwrap_or_default();
         let gpu_times = GpuTimes {
             restore_ms: gpu_restore_ms,
             ..suspended.as_ref().map(|s| s.times).unwrap_or_default()
@@ -204,7 +208,9 @@ impl Engine {
             timing,
             staged,
             gpu_pids: &gpu_pids,
+            gpu_devices,
             gpu_times,
+            gpu_bytes,
         };
         let stored = self.store_checkpoint(dumped, work.path(), &progress).await;
         let mut stats = match stored {
@@ -240,7 +246,18 @@ impl Engine {
         images: &std::path::Path,
         progress: &ProgressFn,
     ) -> Result<CheckpointStats, CheckpointError> {
-        let Dumped { id, workload, tree, created_unix_ms, timing, staged, gpu_pids, gpu_times } = dumped;
+        let Dumped {
+            id,
+            workload,
+            tree,
+            created_unix_ms,
+            timing,
+            staged,
+            gpu_pids,
+            gpu_devices,
+            gpu_times,
+            gpu_bytes,
+        } = dumped;
         let store_err = |source| CheckpointError::Store { id: id.into(), source: Box::new(source) };
         self.state
             .mark_inflight(id)
@@ -264,6 +281,7 @@ impl Engine {
             gpu_lock_ms: gpu_times.lock_ms,
             gpu_checkpoint_ms: gpu_times.checkpoint_ms,
             gpu_restore_ms: gpu_times.restore_ms,
+            gpu_bytes,
             dump_ms: ms(timing.dump_done - timing.started),
             store_ms: ms(timing.dump_done.elapsed()),
         };
@@ -282,6 +300,7 @@ impl Engine {
             files: stored.files,
             memory: stored.memory,
             gpu_pids: gpu_pids.to_vec(),
+            gpus: gpu_devices,
             cuda_driver: self.gpu.as_ref().map(|g| g.driver_version()).unwrap_or_default(),
             stats: Some(stats),
         };
@@ -306,7 +325,13 @@ impl Engine {
         let suspended = tokio::task::spawn_blocking(move || {
             let users: Vec<i32> =
                 candidates.into_iter().filter(|p| gpu.state(*p).is_ok_and(|s| s.is_some())).collect();
-            gpu::suspend(&gpu, &users)
+            let devices = gpu_devices(&gpu, &users);
+            let rss_before: u64 = users.iter().map(|p| proc::resident_bytes(*p)).sum();
+            let mut suspended = gpu::suspend(&gpu, &users)?;
+            let rss_after: u64 = users.iter().map(|p| proc::resident_bytes(*p)).sum();
+            suspended.bytes = rss_after.saturating_sub(rss_before);
+            suspended.devices = devices;
+            Ok::<_, GpuError>(suspended)
         })
         .await
         .map_err(|e| CheckpointError::Local { what: "GPU thread", source: std::io::Error::other(e) })??;
@@ -374,4 +399,17 @@ pub(super) fn tree_options(d: &DumpOptions) -> TreeOptions {
         file_locks: d.file_locks,
         external: d.external.clone(),
     }
+}
+
+/// The GPUs the CUDA processes have open (all GPUs when that cannot be told), for the manifest.
+fn gpu_devices(gpu: &Arc<dyn cuda::GpuCheckpointer>, pids: &[i32]) -> Vec<GpuDevice> {
+    let all = gpu.gpus().unwrap_or_default();
+    let open: Vec<cuda::GpuUuid> = super::gpu_map::open_gpu_minors(pids)
+        .into_iter()
+        .filter_map(|m| cuda::parse_uuid(&super::gpu_map::uuid_of_minor(m)?).ok())
+        .collect();
+    all.into_iter()
+        .filter(|g| open.is_empty() || open.contains(&g.uuid))
+        .map(|g| GpuDevice { uuid: g.uuid.to_vec(), name: g.name, total_memory: g.total_memory })
+        .collect()
 }

@@ -139,6 +139,12 @@ pub enum RestoreError {
         #[source]
         source: io::Error,
     },
+    #[error("checkpoint {id} cannot be restored on this node's GPUs; nothing was restored")]
+    GpuPlacement {
+        id: String,
+        #[source]
+        source: Box<super::gpu_map::GpuMapError>,
+    },
     #[error("GPU restore of checkpoint {id} failed; the restored tree was stopped")]
     Gpu {
         id: String,

@@ -24,6 +24,8 @@ pub const LOCK_TIMEOUT: Duration = Duration::from_secs(30);
 pub enum GpuError {
     #[error("process tree uses CUDA (pids {0:?}) but no NVIDIA driver is loaded in stasisd")]
     NoDriver(Vec<i32>),
+    #[error("cannot list this node's GPUs")]
+    Query(#[source] CudaError),
     #[error("GPU checkpoint of pid {pid} failed; the process was rolled back and runs on")]
     Suspend {
         pid: i32,
@@ -55,6 +57,10 @@ pub struct GpuTimes {
 pub struct Suspended {
     pub pids: Vec<i32>,
     pub times: GpuTimes,
+    /// Device memory moved into host memory.
+    pub bytes: u64,
+    /// The GPUs the processes had open.
+    pub devices: Vec<stasis_proto::stasis::v1::GpuDevice>,
 }
 
 /// Locks and checkpoints every process of `pids` (those using CUDA). On failure everything

@@ -8,6 +8,7 @@ mod checkpoint;
 mod dump;
 mod error;
 mod gpu;
+mod gpu_map;
 mod ids;
 mod inspect;
 mod query;

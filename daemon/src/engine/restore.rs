@@ -14,9 +14,11 @@ use tracing::{info, instrument};
 
 use super::checkpoint::tree_options;
 use super::gpu::{self, GpuError};
+use super::gpu_map;
 use super::ids::valid_checkpoint_id;
 use super::workloads::Workload;
 use super::{Engine, ProgressFn, ProgressUpdate, RestoreError};
+use crate::cuda::GpuUuid;
 use std::os::fd::OwnedFd;
 
 use crate::criu::RestoreSpec;
@@ -33,6 +35,8 @@ pub enum RestoreTarget {
 #[derive(Debug, Clone)]
 pub struct RestoreParams {
     pub target: RestoreTarget,
+    /// GPUs to move the checkpoint's GPU state to: (checkpoint GPU, this node's GPU).
+    pub gpu_map: Vec<(GpuUuid, GpuUuid)>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -100,6 +104,7 @@ impl Engine {
         if !busy.is_empty() {
             return Err(RestoreError::PidsInUse { id, pids: busy });
         }
+        let gpu_pairs = self.place_gpus(&manifest, &params.gpu_map)?;
         let local = |what| move |source| RestoreError::Local { what, source };
         let work = self.state.new_work_dir(&format!("restore-{id}")).map_err(local("work directory"))?;
 
@@ -122,7 +127,7 @@ impl Engine {
             .await
             .map_err(|e| local("restore thread")(std::io::Error::other(e)))?;
         let pid = restored.map_err(|source| RestoreError::Criu { id: id.clone(), source })?;
-        let gpu_restore_ms = self.reattach_gpu(&manifest, &progress).await?;
+        let gpu_restore_ms = self.reattach_gpu(&manifest, gpu_pairs, &progress).await?;
         let stats = RestoreStats {
             restore_ms: started.elapsed().as_millis() as u64,
             fetch_ms: (fetched - started).as_millis() as u64,
@@ -137,7 +142,12 @@ impl Engine {
 
     /// Puts the device memory of the restored CUDA processes back and unlocks them. On failure
     /// the restored tree is killed: a job without its GPU state must not run on.
-    async fn reattach_gpu(&self, manifest: &Manifest, progress: &ProgressFn) -> Result<u64, RestoreError> {
+    async fn reattach_gpu(
+        &self,
+        manifest: &Manifest,
+        pairs: Vec<(GpuUuid, GpuUuid)>,
+        progress: &ProgressFn,
+    ) -> Result<u64, RestoreError> {
         if manifest.gpu_pids.is_empty() {
             return Ok(0);
         }
@@ -149,13 +159,34 @@ impl Engine {
         };
         progress(ProgressUpdate { phase: "gpu restore", done: 0, total: 0 });
         let pids = manifest.gpu_pids.clone();
-        let result = tokio::task::spawn_blocking(move || gpu::reattach(&gpu, &pids, &[]))
+        let result = tokio::task::spawn_blocking(move || gpu::reattach(&gpu, &pids, &pairs))
             .await
             .map_err(|e| RestoreError::Local { what: "GPU thread", source: std::io::Error::other(e) })?;
         result.map_err(|source| {
             kill(&manifest.pids);
             RestoreError::Gpu { id, source }
         })
+    }
+
+    /// Where the checkpoint's GPU state goes on this node; refuses an incompatible node
+    /// before anything is restored.
+    fn place_gpus(
+        &self,
+        manifest: &Manifest,
+        explicit: &[(GpuUuid, GpuUuid)],
+    ) -> Result<Vec<(GpuUuid, GpuUuid)>, RestoreError> {
+        if manifest.gpu_pids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let id = manifest.id.clone();
+        let gpu = self.gpu.as_ref().ok_or_else(|| RestoreError::Gpu {
+            id: id.clone(),
+            source: GpuError::NoDriver(manifest.gpu_pids.clone()),
+        })?;
+        let present =
+            gpu.gpus().map_err(|e| RestoreError::Gpu { id: id.clone(), source: GpuError::Query(e) })?;
+        gpu_map::plan(&manifest.gpus, &present, explicit)
+            .map_err(|source| RestoreError::GpuPlacement { id, source: Box::new(source) })
     }
 
     /// A new terminal, logged to the workload's log, for each terminal the tree had.

@@ -6,6 +6,7 @@ use std::error::Error;
 use stasis_proto::stasis::v1 as pb;
 use tonic::{Code, Status};
 
+use crate::cuda::{GpuUuid, parse_uuid};
 use crate::engine::{
     CheckpointError, CheckpointOutcome, CheckpointParams, CheckpointSummary, ProgressUpdate, QueryError,
     RestoreError, RestoreOutcome, RestoreParams, RestoreTarget, RunError, RunOutcome, RunParams,
@@ -79,6 +80,7 @@ impl From<RestoreError> for Status {
             RestoreError::Criu { .. } => Code::Aborted,
             RestoreError::ShuttingDown => Code::Unavailable,
             RestoreError::Gpu { .. } => Code::Internal,
+            RestoreError::GpuPlacement { .. } => Code::FailedPrecondition,
             RestoreError::Local { .. } => Code::Internal,
         };
         status(code, &e)
@@ -152,8 +154,16 @@ impl TryFrom<pb::RestoreRequest> for RestoreParams {
                 return Err(Status::invalid_argument("give a checkpoint id or a workload name"));
             }
         };
-        Ok(Self { target })
+        let gpu_map = r.gpu_map.iter().map(|pair| parse_gpu_pair(pair)).collect::<Result<_, _>>()?;
+        Ok(Self { target, gpu_map })
     }
+}
+
+/// Parses "OLD-UUID=NEW-UUID".
+fn parse_gpu_pair(pair: &str) -> Result<(GpuUuid, GpuUuid), Status> {
+    let bad = |why: String| Status::invalid_argument(format!("--gpu-map entry {pair:?}: {why}"));
+    let (old, new) = pair.split_once('=').ok_or_else(|| bad("expected OLD=NEW".into()))?;
+    Ok((parse_uuid(old).map_err(|e| bad(e.to_string()))?, parse_uuid(new).map_err(|e| bad(e.to_string()))?))
 }
 
 impl From<ProgressUpdate> for pb::Progress {

@@ -154,6 +154,15 @@ pub fn parse_locks(text: &str) -> BTreeSet<i32> {
         .collect()
 }
 
+/// Resident memory of `pid` in bytes (`VmRSS`), 0 when unknown.
+pub fn resident_bytes(pid: i32) -> u64 {
+    let Ok(text) = fs::read_to_string(format!("/proc/{pid}/status")) else { return 0 };
+    text.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024)
+}
+
 /// The running kernel's release string.
 pub fn kernel_release() -> String {
     nix::sys::utsname::uname()
@@ -211,5 +220,7 @@ mod tests {
         assert!(is_running(me));
         assert_eq!(process_tree(me).unwrap()[0], me);
         assert!(!fd_targets(me).unwrap().is_empty());
+        assert!(resident_bytes(me) > 0);
+        assert_eq!(resident_bytes(-1), 0);
     }
 }
