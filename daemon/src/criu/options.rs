@@ -23,6 +23,9 @@ pub struct TreeOptions {
     pub ext_unix_sk: bool,
     /// The tree holds file locks.
     pub file_locks: bool,
+    /// The tree holds deleted files open or mapped (e.g. POSIX semaphores in /dev/shm); CRIU
+    /// keeps them by linking them back under a temporary name.
+    pub link_remap: bool,
     /// External resources (CRIU `--external` keys), e.g. a terminal `tty[rdev:dev]`.
     pub external: Vec<String>,
 }
@@ -35,6 +38,7 @@ impl TreeOptions {
             (self.tcp_established, "tcp-established"),
             (self.ext_unix_sk, "ext-unix-sk"),
             (self.file_locks, "file-locks"),
+            (self.link_remap, "link-remap"),
         ];
         let mut out: Vec<String> = flags.iter().filter(|(on, _)| *on).map(|(_, n)| n.to_string()).collect();
         out.extend(self.external.iter().map(|e| format!("external {e}")));
@@ -46,6 +50,7 @@ impl TreeOptions {
         opts.tcp_established = Some(self.tcp_established);
         opts.ext_unix_sk = Some(self.ext_unix_sk);
         opts.file_locks = Some(self.file_locks);
+        opts.link_remap = Some(self.link_remap);
     }
 }
 

@@ -323,8 +323,14 @@ impl Engine {
         let gpu = self.gpu.clone().ok_or_else(|| GpuError::NoDriver(candidates.clone()))?;
         progress(ProgressUpdate { phase: "gpu checkpoint", done: 0, total: 0 });
         let suspended = tokio::task::spawn_blocking(move || {
-            let users: Vec<i32> =
-                candidates.into_iter().filter(|p| gpu.state(*p).is_ok_and(|s| s.is_some())).collect();
+            let (users, others): (Vec<i32>, Vec<i32>) =
+                candidates.into_iter().partition(|p| gpu.state(*p).is_ok_and(|s| s.is_some()));
+            // Children forked from a CUDA process keep its device files without a context of
+            // their own; CRIU cannot dump those, so refuse before anything is frozen.
+            let orphans: Vec<i32> = others.into_iter().filter(|p| holds_nvidia_files(*p)).collect();
+            if !orphans.is_empty() {
+                return Err(GpuError::DeviceFilesWithoutContext(orphans));
+            }
             let devices = gpu_devices(&gpu, &users);
             let rss_before: u64 = users.iter().map(|p| proc::resident_bytes(*p)).sum();
             let mut suspended = gpu::suspend(&gpu, &users)?;
@@ -388,6 +394,7 @@ pub(super) fn dump_options(t: &TreeOptions) -> DumpOptions {
         ext_unix_sk: t.ext_unix_sk,
         file_locks: t.file_locks,
         external: t.external.clone(),
+        link_remap: t.link_remap,
     }
 }
 
@@ -398,6 +405,7 @@ pub(super) fn tree_options(d: &DumpOptions) -> TreeOptions {
         ext_unix_sk: d.ext_unix_sk,
         file_locks: d.file_locks,
         external: d.external.clone(),
+        link_remap: d.link_remap,
     }
 }
 
@@ -412,4 +420,10 @@ fn gpu_devices(gpu: &Arc<dyn cuda::GpuCheckpointer>, pids: &[i32]) -> Vec<GpuDev
         .filter(|g| open.is_empty() || open.contains(&g.uuid))
         .map(|g| GpuDevice { uuid: g.uuid.to_vec(), name: g.name, total_memory: g.total_memory })
         .collect()
+}
+
+/// Whether `pid` has an NVIDIA device file open or mapped.
+fn holds_nvidia_files(pid: i32) -> bool {
+    let open = proc::fd_targets(pid).is_ok_and(|fds| fds.iter().any(|(_, t)| t.starts_with("/dev/nvidia")));
+    open || proc::mapped_paths(pid).iter().any(|p| p.starts_with("/dev/nvidia"))
 }

@@ -24,6 +24,13 @@ pub const LOCK_TIMEOUT: Duration = Duration::from_secs(30);
 pub enum GpuError {
     #[error("process tree uses CUDA (pids {0:?}) but no NVIDIA driver is loaded in stasisd")]
     NoDriver(Vec<i32>),
+    #[error(
+        "pids {0:?} hold NVIDIA device files but have no CUDA context of their own (children \
+         forked from a CUDA process, such as PyTorch DataLoader workers started with 'fork'); \
+         CRIU cannot dump them. Nothing was frozen. Start such workers with the 'spawn' or \
+         'forkserver' method"
+    )]
+    DeviceFilesWithoutContext(Vec<i32>),
     #[error("cannot list this node's GPUs")]
     Query(#[source] CudaError),
     #[error("GPU checkpoint of pid {pid} failed; the process was rolled back and runs on")]

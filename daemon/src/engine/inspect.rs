@@ -31,10 +31,12 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
     let tcp = proc::established_tcp_inodes(root)?;
     let unix = unix_socket_inodes(root);
     for &pid in &pids {
+        options.link_remap |= proc::mapped_paths(pid).iter().any(|p| p.ends_with(DELETED));
         let Ok(fds) = proc::fd_targets(pid) else {
             continue;
         };
         for (_, target) in fds {
+            options.link_remap |= target.to_str().is_some_and(|t| t.ends_with(DELETED));
             if let Some(key) = pty::tty_key(&target).filter(|k| !options.external.contains(k)) {
                 // A terminal outside the tree: restore gives the job a new one.
                 options.external.push(key);
@@ -48,6 +50,9 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
     }
     Ok(TreeInfo { pids, command: proc::cmdline(root)?, options })
 }
+
+/// How /proc marks a path whose file was unlinked.
+const DELETED: &str = " (deleted)";
 
 /// The inode of a `socket:[N]` link target.
 fn socket_inode(target: &Path) -> Option<u64> {
@@ -69,6 +74,26 @@ mod tests {
         assert_eq!(socket_inode(Path::new("socket:[12345]")), Some(12345));
         assert_eq!(socket_inode(Path::new("/dev/null")), None);
         assert_eq!(socket_inode(Path::new("pipe:[7]")), None);
+    }
+
+    #[test]
+    fn a_deleted_open_file_asks_for_link_remap() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sem");
+        std::fs::write(&path, b"x").unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .stdin(std::fs::File::open(&path).unwrap())
+            .spawn()
+            .unwrap();
+        let before = inspect(child.id() as i32).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let after = inspect(child.id() as i32).unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!before.options.link_remap);
+        assert!(after.options.link_remap);
+        assert!(after.options.describe().contains(&"link-remap".to_string()));
     }
 
     #[test]

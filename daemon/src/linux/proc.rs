@@ -120,6 +120,22 @@ pub fn fd_targets(pid: i32) -> io::Result<Vec<(i32, PathBuf)>> {
     Ok(out)
 }
 
+/// The paths of the files `pid` has mapped, from `/proc/PID/maps` (deleted ones keep their
+/// " (deleted)" suffix); empty when unreadable.
+pub fn mapped_paths(pid: i32) -> Vec<String> {
+    let Ok(text) = fs::read_to_string(format!("/proc/{pid}/maps")) else { return Vec::new() };
+    let mut paths: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.splitn(6, ' ').nth(5))
+        .map(str::trim)
+        .filter(|p| p.starts_with('/'))
+        .map(String::from)
+        .collect();
+    paths.sort_unstable();
+    paths.dedup();
+    paths
+}
+
 /// Socket inodes of TCP connections in ESTABLISHED state, as seen from `pid`'s network
 /// namespace.
 pub fn established_tcp_inodes(pid: i32) -> io::Result<HashSet<u64>> {
@@ -221,6 +237,7 @@ mod tests {
         assert_eq!(process_tree(me).unwrap()[0], me);
         assert!(!fd_targets(me).unwrap().is_empty());
         assert!(resident_bytes(me) > 0);
+        assert!(mapped_paths(me).iter().any(|p| p.contains("stasis_daemon")), "own executable is mapped");
         assert_eq!(resident_bytes(-1), 0);
     }
 }
