@@ -227,7 +227,9 @@ impl Engine {
         if !params.leave_running {
             proc::signal_all(&tree.pids, Signal::SIGKILL);
             let left = self.reaper.wait_gone(&tree.pids, KILL_WAIT).await;
-            if !left.is_empty() {
+            if left.is_empty() {
+                self.release_cgroup(&workload);
+            } else {
                 warn!(checkpoint = %id, pids = ?left, "evicted processes still present (not our children?)");
             }
         }

@@ -33,6 +33,7 @@ pub use workloads::Workload;
 
 use crate::criu::{Criu, CriuVersion, MIN_VERSION};
 use crate::cuda::{CudaDriver, CudaError, GpuCheckpointer};
+use crate::linux::cgroup::WorkloadCgroup;
 use crate::linux::reaper::Reaper;
 use crate::store::Store;
 use state::StateDir;
@@ -135,8 +136,19 @@ impl Engine {
         Ok(Arc::new(engine))
     }
 
-    /// Removes work directories and the packs of uploads that a crash interrupted.
+    /// Removes the cgroup of a workload whose tree is gone (CRIU recreates it on restore).
+    fn release_cgroup(&self, workload: &str) {
+        if let Some(path) = self.registry.get(workload).and_then(|w| w.cgroup) {
+            WorkloadCgroup { path }.remove_if_empty();
+        }
+    }
+
+    /// Removes work directories, cgroups of workloads that are gone, and the packs of uploads
+    /// that a crash interrupted.
     async fn recover(&self) {
+        for w in self.registry.all().iter().filter(|w| !crate::linux::proc::is_running(w.pid)) {
+            self.release_cgroup(&w.name);
+        }
         if let Err(e) = self.state.clear_work() {
             warn!(error = %e, "cannot clear old work directories");
         }
