@@ -10,6 +10,7 @@
 //! staging_mib = 4096                        # dumped pages held in memory before spilling
 //! keep_last = 3                             # checkpoints kept per workload (0: all)
 //! gc_grace_secs = 3600                      # age before an unreferenced pack is reclaimed
+//! store_retry_secs = 30                     # retries of a failing remote store request
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -23,6 +24,7 @@ pub const DEFAULT_STATE_DIR: &str = "/var/lib/stasis/state";
 pub const DEFAULT_CONFIG: &str = "/etc/stasis/stasisd.toml";
 pub const DEFAULT_KEEP_LAST: usize = 3;
 pub const DEFAULT_GC_GRACE_SECS: u64 = 3600;
+pub const DEFAULT_STORE_RETRY_SECS: u64 = 30;
 
 /// Where scripts/setup-criu.sh installs CRIU, relative to the source tree stasisd was built
 /// from (overridable at build time with STASIS_CRIU_PREFIX).
@@ -67,6 +69,10 @@ pub struct Args {
     /// be uploading the checkpoint that uses them; default 3600).
     #[arg(long)]
     pub gc_grace_secs: Option<u64>,
+    /// Seconds a failing request to a remote store is retried before the operation fails
+    /// (default 30: an evicted tree stays stopped while its checkpoint is stored).
+    #[arg(long)]
+    pub store_retry_secs: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
@@ -88,6 +94,7 @@ struct FileConfig {
     staging_mib: Option<u64>,
     keep_last: Option<usize>,
     gc_grace_secs: Option<u64>,
+    store_retry_secs: Option<u64>,
 }
 
 /// The settings in effect.
@@ -101,6 +108,7 @@ pub struct DaemonConfig {
     pub staging_mib: Option<u64>,
     pub keep_last: usize,
     pub gc_grace_secs: u64,
+    pub store_retry_secs: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -136,6 +144,10 @@ impl DaemonConfig {
             staging_mib: args.staging_mib.or(file.staging_mib),
             keep_last: args.keep_last.or(file.keep_last).unwrap_or(DEFAULT_KEEP_LAST),
             gc_grace_secs: args.gc_grace_secs.or(file.gc_grace_secs).unwrap_or(DEFAULT_GC_GRACE_SECS),
+            store_retry_secs: args
+                .store_retry_secs
+                .or(file.store_retry_secs)
+                .unwrap_or(DEFAULT_STORE_RETRY_SECS),
         })
     }
 }

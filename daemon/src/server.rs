@@ -41,6 +41,7 @@ pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
         staging_limit: config.staging_mib.map(|m| m << 20),
         keep_last: (config.keep_last > 0).then_some(config.keep_last),
         gc_grace: std::time::Duration::from_secs(config.gc_grace_secs),
+        store_retry: std::time::Duration::from_secs(config.store_retry_secs),
     })
     .await?;
     let listener = bind(&config.socket)?;

@@ -52,6 +52,8 @@ pub struct EngineConfig {
     /// Unreferenced packs younger than this are left alone: another node may be uploading
     /// the checkpoint that will reference them.
     pub gc_grace: std::time::Duration,
+    /// How long requests to a remote store are retried before they fail.
+    pub store_retry: std::time::Duration,
 }
 
 /// A progress report of a long operation.
@@ -113,7 +115,8 @@ impl Engine {
                 .map_err(|source| StartError::CriuCheck { path: config.criu_path.clone(), source })?;
         }
         drop(check_dir);
-        let store = Store::open(&config.store_url)?.with_node_tag(&node_tag(&config.state_dir));
+        let store =
+            Store::open(&config.store_url, config.store_retry)?.with_node_tag(&node_tag(&config.state_dir));
         let registry = Registry::load(&state.registry_file())
             .map_err(|source| StartError::State { path: state.registry_file(), source })?;
         let reaper = Reaper::start().map_err(StartError::Reaper)?;

@@ -119,7 +119,18 @@ impl Engine {
             criu_version: self.criu_version.to_string(),
             criu_path: self.criu.path().display().to_string(),
             kernel: proc::kernel_release(),
-            gpu_support: "not built: CUDA checkpointing is not part of this version".into(),
+            gpu_support: match &self.gpu {
+                Some(gpu) => match gpu.gpus() {
+                    Ok(gpus) => format!(
+                        "available: CUDA {} driver API, {} GPU(s){}",
+                        crate::cuda::format_driver_version(gpu.driver_version()),
+                        gpus.len(),
+                        gpus.first().map(|g| format!(" ({})", g.name)).unwrap_or_default()
+                    ),
+                    Err(e) => format!("driver loaded, GPUs not listable: {e}"),
+                },
+                None => "unavailable: no NVIDIA driver (CPU-only trees are checkpointed)".into(),
+            },
             store_url: self.store.url().into(),
             state_dir: self.state.root().display().to_string(),
             workloads: self

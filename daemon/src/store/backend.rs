@@ -2,13 +2,13 @@
 
 use std::sync::Arc;
 
-use object_store::ObjectStore;
 use object_store::aws::AmazonS3Builder;
 use object_store::azure::MicrosoftAzureBuilder;
 use object_store::gcp::GoogleCloudStorageBuilder;
 use object_store::local::LocalFileSystem;
 use object_store::memory::InMemory;
 use object_store::path::Path as ObjPath;
+use object_store::{ObjectStore, RetryConfig};
 use url::Url;
 
 /// A store URL could not be turned into a backend.
@@ -36,11 +36,17 @@ pub enum OpenStoreError {
     },
 }
 
+/// How long a request to a remote store is retried before it fails. A checkpoint that evicts
+/// its tree keeps it stopped while storing, so a dead store must fail in bounded time.
+pub fn retry_config(timeout: std::time::Duration) -> RetryConfig {
+    RetryConfig { max_retries: 10, retry_timeout: timeout, backoff: Default::default() }
+}
+
 /// Opens the backend for `url` and returns it with the key prefix all objects go under.
 ///
 /// S3, GCS and Azure take credentials and settings from the standard environment variables
 /// (`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT` for S3-compatible servers, `AWS_ALLOW_HTTP`, ...).
-pub fn open(url: &str) -> Result<(Arc<dyn ObjectStore>, ObjPath), OpenStoreError> {
+pub fn open(url: &str, retry: RetryConfig) -> Result<(Arc<dyn ObjectStore>, ObjPath), OpenStoreError> {
     let parsed = Url::parse(url).map_err(|source| OpenStoreError::BadUrl { url: url.into(), source })?;
     let backend_err = |source| OpenStoreError::Backend { url: url.into(), source };
     let prefix = || ObjPath::from(parsed.path().trim_matches('/'));
@@ -54,15 +60,24 @@ pub fn open(url: &str) -> Result<(Arc<dyn ObjectStore>, ObjPath), OpenStoreError
         }
         "memory" => Ok((Arc::new(InMemory::new()), prefix())),
         "s3" | "s3a" => {
-            let s3 = AmazonS3Builder::from_env().with_url(url).build().map_err(backend_err)?;
+            let s3 =
+                AmazonS3Builder::from_env().with_url(url).with_retry(retry).build().map_err(backend_err)?;
             Ok((Arc::new(s3), prefix()))
         }
         "gs" => {
-            let gcs = GoogleCloudStorageBuilder::from_env().with_url(url).build().map_err(backend_err)?;
+            let gcs = GoogleCloudStorageBuilder::from_env()
+                .with_url(url)
+                .with_retry(retry)
+                .build()
+                .map_err(backend_err)?;
             Ok((Arc::new(gcs), prefix()))
         }
         "az" | "azure" | "abfs" | "abfss" => {
-            let az = MicrosoftAzureBuilder::from_env().with_url(url).build().map_err(backend_err)?;
+            let az = MicrosoftAzureBuilder::from_env()
+                .with_url(url)
+                .with_retry(retry)
+                .build()
+                .map_err(backend_err)?;
             Ok((Arc::new(az), prefix()))
         }
         other => Err(OpenStoreError::UnsupportedScheme(other.into())),
@@ -73,15 +88,19 @@ pub fn open(url: &str) -> Result<(Arc<dyn ObjectStore>, ObjPath), OpenStoreError
 mod tests {
     use super::*;
 
+    fn retry() -> RetryConfig {
+        retry_config(std::time::Duration::from_secs(1))
+    }
+
     #[test]
     fn schemes() {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("file://{}/store", dir.path().display());
-        assert!(open(&url).is_ok());
+        assert!(open(&url, retry()).is_ok());
         assert!(dir.path().join("store").is_dir());
-        assert!(matches!(open("ftp://x/y"), Err(OpenStoreError::UnsupportedScheme(_))));
-        assert!(matches!(open("not a url"), Err(OpenStoreError::BadUrl { .. })));
-        let (_, prefix) = open("memory:///tenant/a").unwrap();
+        assert!(matches!(open("ftp://x/y", retry()), Err(OpenStoreError::UnsupportedScheme(_))));
+        assert!(matches!(open("not a url", retry()), Err(OpenStoreError::BadUrl { .. })));
+        let (_, prefix) = open("memory:///tenant/a", retry()).unwrap();
         assert_eq!(prefix.as_ref(), "tenant/a");
     }
 }

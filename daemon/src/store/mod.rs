@@ -93,9 +93,10 @@ pub struct Store {
 pub type CommitGuard = tokio::sync::OwnedRwLockReadGuard<()>;
 
 impl Store {
-    /// Opens the store at `url` (`file:///dir`, `s3://bucket/prefix`, `gs://…`, `az://…`).
-    pub fn open(url: &str) -> Result<Self, OpenStoreError> {
-        let (backend, prefix) = backend::open(url)?;
+    /// Opens the store at `url` (`file:///dir`, `s3://bucket/prefix`, `gs://…`, `az://…`);
+    /// requests to remote stores are retried for at most `retry_timeout`.
+    pub fn open(url: &str, retry_timeout: std::time::Duration) -> Result<Self, OpenStoreError> {
+        let (backend, prefix) = backend::open(url, backend::retry_config(retry_timeout))?;
         Ok(Self {
             backend,
             prefix,
