@@ -21,6 +21,15 @@ const CLI_TIMEOUT: Duration = Duration::from_secs(120);
 
 static DAEMONS: AtomicUsize = AtomicUsize::new(0);
 
+/// How to start a test daemon: another store URL (default: a file store in the daemon's
+/// directory), extra flags, extra environment.
+#[derive(Debug, Clone, Default)]
+pub struct DaemonOptions {
+    pub store: Option<String>,
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+}
+
 /// A running stasisd with its socket, state directory and file store in a fresh temporary
 /// directory. Dropping it kills every workload it knows of and stops it.
 pub struct Daemon {
@@ -36,12 +45,18 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    /// Starts stasisd and waits until it serves on its socket.
+    /// Starts stasisd on a file store in its directory and waits until it serves.
     pub fn start() -> Daemon {
+        Daemon::start_with(&DaemonOptions::default())
+    }
+
+    /// Starts stasisd with `options` and waits until it serves on its socket.
+    pub fn start_with(options: &DaemonOptions) -> Daemon {
         let dir = tempfile::Builder::new().prefix("stasis-e2e-").tempdir().expect("temporary directory");
         let socket = dir.path().join("stasisd.sock");
         let state = dir.path().join("state");
-        let store = dir.path().join("store");
+        let store =
+            options.store.clone().unwrap_or_else(|| format!("file://{}", dir.path().join("store").display()));
         let log = dir.path().join("stasisd.log");
         let log_file = File::create(&log).expect("daemon log file");
         let child = Command::new(bin("stasisd"))
@@ -50,7 +65,9 @@ impl Daemon {
             .arg("--state-dir")
             .arg(&state)
             .arg("--store")
-            .arg(format!("file://{}", store.display()))
+            .arg(store)
+            .args(&options.args)
+            .envs(options.env.iter().map(|(k, v)| (k, v)))
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(log_file.try_clone().expect("daemon log file"))

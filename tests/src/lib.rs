@@ -14,7 +14,7 @@ mod workload;
 
 use std::path::{Path, PathBuf};
 
-pub use daemon::Daemon;
+pub use daemon::{Daemon, DaemonOptions};
 pub use logs::{complete_lines, expect_within, numbered, wait_for};
 pub use workload::Workload;
 

@@ -1,0 +1,116 @@
+//! The content-addressed store: a second checkpoint uploads about what changed, every
+//! checkpoint restores by itself (the first after the second exists, the second after the first
+//! is deleted), and garbage collection reclaims dead data without breaking a live checkpoint.
+
+#![forbid(unsafe_code)]
+
+use nix::sys::signal::Signal;
+use stasis_tests::{
+    Daemon, DaemonOptions, TIMEOUT, Workload, expect_within, procfs, python_workload, skip_unless_ready,
+};
+
+fn daemon() -> Daemon {
+    let args = ["--gc-grace-secs", "0", "--keep-last", "0"].map(String::from).to_vec();
+    Daemon::start_with(&DaemonOptions { args, ..Default::default() })
+}
+
+/// Asks the memhog workload for the SHA-256 of its buffer.
+fn checksum(w: &Workload) -> String {
+    let skip = w.lines().len();
+    procfs::signal(w.pid, Signal::SIGUSR2);
+    let (_, line) = w.wait_line_after(skip, "a checksum line", |l| l.starts_with("checksum "));
+    line["checksum ".len()..].to_string()
+}
+
+fn dirty(w: &Workload) {
+    let skip = w.lines().len();
+    procfs::signal(w.pid, Signal::SIGUSR1);
+    w.wait_line_after(skip, "`dirtied`", |l| l == "dirtied");
+}
+
+fn kill_and_wait(pid: i32) {
+    procfs::kill9(pid);
+    expect_within(TIMEOUT, "the killed workload to be gone", || (!procfs::exists(pid)).then_some(()));
+}
+
+fn stat(ck: &serde_json::Value, key: &str) -> u64 {
+    ck["stats"][key].as_u64().unwrap_or_else(|| panic!("no stats.{key} in {ck}"))
+}
+
+fn restore_and_check(d: &Daemon, w: &Workload, id: &str, expected: &str) {
+    let r = d.json(&["restore", id, "--json"]);
+    assert_eq!(r["pid"].as_i64(), Some(i64::from(w.pid)), "{r}");
+    assert_eq!(checksum(w), expected, "memory of checkpoint {id} after restore");
+}
+
+#[test]
+fn second_checkpoint_uploads_what_changed_and_each_restores_alone() {
+    skip_unless_ready!();
+    let d = daemon();
+    let w = d.run("memhog", &python_workload("memhog.py", &[]));
+    w.wait_line_after(0, "`ready`", |l| l == "ready");
+
+    let c1 = checksum(&w);
+    let ck1 = d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
+    dirty(&w);
+    let c2 = checksum(&w);
+    assert_ne!(c1, c2, "dirtying changed the memory");
+    let ck2 = d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
+
+    let (up1, up2) = (stat(&ck1, "bytes_uploaded"), stat(&ck2, "bytes_uploaded"));
+    assert!(up1 >= 60 << 20, "the first checkpoint uploads the 64 MiB of random memory: {ck1}");
+    // 4 MiB were rewritten; the rest is referenced, not uploaded again.
+    assert!(up2 * 4 <= up1, "second upload {up2} is not small against the first {up1}: {ck2}");
+    assert!(stat(&ck2, "chunks_new") * 4 < stat(&ck2, "chunks_total"), "{ck2}");
+
+    let id1 = ck1["id"].as_str().unwrap().to_owned();
+    let id2 = ck2["id"].as_str().unwrap().to_owned();
+    kill_and_wait(w.pid);
+    restore_and_check(&d, &w, &id1, &c1);
+    kill_and_wait(w.pid);
+    restore_and_check(&d, &w, &id2, &c2);
+
+    // Delete the first and collect garbage: the second does not depend on it.
+    kill_and_wait(w.pid);
+    d.ok(&["delete", &id1]);
+    d.json(&["gc", "--json"]);
+    restore_and_check(&d, &w, &id2, &c2);
+}
+
+#[test]
+fn gc_reclaims_dead_checkpoints_and_keeps_live_ones() {
+    skip_unless_ready!();
+    let d = daemon();
+    let live = d.run("live", &python_workload("memhog.py", &[]));
+    let dead = d.run("dead", &python_workload("memhog.py", &[]));
+    for w in [&live, &dead] {
+        w.wait_line_after(0, "`ready`", |l| l == "ready");
+    }
+    let live_sum = checksum(&live);
+    let live_ck = d.json(&["checkpoint", "--workload", &live.name, "--json"]);
+    let dead_ck = d.json(&["checkpoint", "--workload", &dead.name, "--json"]);
+    let packs = || std::fs::read_dir(d.store_dir().join("packs")).map(|r| r.count()).unwrap_or(0);
+    let before = packs();
+
+    d.ok(&["delete", dead_ck["id"].as_str().unwrap()]);
+    let report = d.json(&["gc", "--json"]);
+    assert!(report["bytes_freed"].as_u64().unwrap() >= 60 << 20, "the dead 64 MiB are reclaimed: {report}");
+    assert!(packs() < before, "pack objects were deleted: {report}");
+
+    expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(live.pid)).then_some(()));
+    restore_and_check(&d, &live, live_ck["id"].as_str().unwrap(), &live_sum);
+
+    // Retention: three checkpoints, keep the newest one.
+    let more: Vec<String> = (0..2)
+        .map(|_| {
+            let ck = d.json(&["checkpoint", "--workload", &live.name, "--leave-running", "--json"]);
+            ck["id"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    let report = d.json(&["gc", "--keep-last", "1", "--json"]);
+    let deleted: Vec<&str> =
+        report["checkpoints_deleted"].as_array().unwrap().iter().filter_map(|v| v.as_str()).collect();
+    assert_eq!(deleted, [live_ck["id"].as_str().unwrap(), more[0].as_str()], "{report}");
+    kill_and_wait(live.pid);
+    restore_and_check(&d, &live, &more[1], &live_sum);
+}

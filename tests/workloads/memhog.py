@@ -1,0 +1,23 @@
+"""Holds 64 MiB of random memory. SIGUSR1 rewrites 1/16 of it (prints `dirtied`), SIGUSR2
+prints `checksum <sha256 of the buffer>`; otherwise it only sleeps, so its memory is still."""
+import hashlib
+import os
+import signal
+import time
+
+SIZE = 64 << 20
+buf = bytearray(os.urandom(SIZE))
+pending = []
+signal.signal(signal.SIGUSR1, lambda *_: pending.append("dirty"))
+signal.signal(signal.SIGUSR2, lambda *_: pending.append("sum"))
+print("ready", flush=True)
+while True:
+    while pending:
+        what = pending.pop(0)
+        if what == "dirty":
+            start = SIZE // 3
+            buf[start:start + SIZE // 16] = os.urandom(SIZE // 16)
+            print("dirtied", flush=True)
+        else:
+            print("checksum", hashlib.sha256(buf).hexdigest(), flush=True)
+    time.sleep(0.02)
