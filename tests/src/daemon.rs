@@ -40,8 +40,31 @@ pub struct Daemon {
     /// Makes workload names unique on this machine: workloads get a cgroup named after them,
     /// shared by every daemon, and tests run in parallel.
     tag: String,
+    options: DaemonOptions,
     /// Workloads started through [`Daemon::run`], killed on drop even if `status` fails.
     started: RefCell<Vec<Workload>>,
+}
+
+/// Starts stasisd on `dir`'s socket, state directory and (by default) file store, appending
+/// its output to `log`.
+fn spawn_stasisd(dir: &Path, options: &DaemonOptions, log: &Path) -> Child {
+    let store = options.store.clone().unwrap_or_else(|| format!("file://{}", dir.join("store").display()));
+    let log_file = File::options().create(true).append(true).open(log).expect("daemon log file");
+    Command::new(bin("stasisd"))
+        .arg("--socket")
+        .arg(dir.join("stasisd.sock"))
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .arg("--store")
+        .arg(store)
+        .args(&options.args)
+        .envs(options.env.iter().map(|(k, v)| (k, v)))
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stdout(log_file.try_clone().expect("daemon log file"))
+        .stderr(log_file)
+        .spawn()
+        .expect("starting stasisd")
 }
 
 impl Daemon {
@@ -54,26 +77,8 @@ impl Daemon {
     pub fn start_with(options: &DaemonOptions) -> Daemon {
         let dir = tempfile::Builder::new().prefix("stasis-e2e-").tempdir().expect("temporary directory");
         let socket = dir.path().join("stasisd.sock");
-        let state = dir.path().join("state");
-        let store =
-            options.store.clone().unwrap_or_else(|| format!("file://{}", dir.path().join("store").display()));
         let log = dir.path().join("stasisd.log");
-        let log_file = File::create(&log).expect("daemon log file");
-        let child = Command::new(bin("stasisd"))
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--state-dir")
-            .arg(&state)
-            .arg("--store")
-            .arg(store)
-            .args(&options.args)
-            .envs(options.env.iter().map(|(k, v)| (k, v)))
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(log_file.try_clone().expect("daemon log file"))
-            .stderr(log_file)
-            .spawn()
-            .expect("starting stasisd");
+        let child = spawn_stasisd(dir.path(), options, &log);
         let n = DAEMONS.fetch_add(1, Ordering::Relaxed);
         let mut daemon = Daemon {
             tag: format!("{}-{n}", std::process::id()),
@@ -81,21 +86,35 @@ impl Daemon {
             child,
             socket,
             log,
+            options: options.clone(),
             started: RefCell::new(Vec::new()),
         };
+        daemon.wait_serving();
+        daemon
+    }
+
+    /// Kills stasisd with SIGKILL (a crash) and starts it again on the same state and store.
+    pub fn kill9_and_restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = spawn_stasisd(self.dir.path(), &self.options, &self.log);
+        self.wait_serving();
+    }
+
+    fn wait_serving(&mut self) {
         let deadline = Instant::now() + TIMEOUT;
-        while !daemon.socket.exists() {
-            if let Ok(Some(status)) = daemon.child.try_wait() {
-                panic!("stasisd exited before serving ({status}):\n{}", daemon.log_tail(50));
+        // A socket file left by a killed daemon is replaced by the new one.
+        while self.cli(&["status"]).status.code() != Some(0) {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("stasisd exited before serving ({status}):\n{}", self.log_tail(50));
             }
             assert!(
                 Instant::now() < deadline,
-                "stasisd did not create its socket within {TIMEOUT:?}:\n{}",
-                daemon.log_tail(50)
+                "stasisd did not serve within {TIMEOUT:?}:\n{}",
+                self.log_tail(50)
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        daemon
     }
 
     /// The temporary directory holding everything of this daemon (a place for test files).
@@ -125,7 +144,8 @@ impl Daemon {
         lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
-    fn command(&self, args: &[&str]) -> Command {
+    /// The `stasis --socket S <args>` command, to run as the caller likes (e.g. in the background).
+    pub fn command(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new(bin("stasis"));
         cmd.arg("--socket").arg(&self.socket).args(args);
         cmd

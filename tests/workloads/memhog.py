@@ -1,11 +1,12 @@
-"""Holds 64 MiB of random memory. SIGUSR1 rewrites 1/16 of it (prints `dirtied`), SIGUSR2
+"""Holds 64 MiB (or argv[1] MiB) of random memory. SIGUSR1 rewrites 1/16 of it (prints `dirtied`), SIGUSR2
 prints `checksum <sha256 of the buffer>`; otherwise it only sleeps, so its memory is still."""
 import hashlib
 import os
 import signal
+import sys
 import time
 
-SIZE = 64 << 20
+SIZE = (int(sys.argv[1]) if len(sys.argv) > 1 else 64) << 20
 buf = bytearray(os.urandom(SIZE))
 pending = []
 signal.signal(signal.SIGUSR1, lambda *_: pending.append("dirty"))

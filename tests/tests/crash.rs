@@ -1,0 +1,58 @@
+//! `kill -9` of stasisd in the middle of an upload: no partial checkpoint becomes visible, the
+//! workload is not left stopped, and the next start removes the interrupted upload's data.
+
+#![forbid(unsafe_code)]
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use stasis_tests::{Daemon, TIMEOUT, expect_within, procfs, python_workload, skip_unless_ready};
+
+fn files_with(dir: &std::path::Path, suffix: &str) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    entries.filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.ends_with(suffix)).collect()
+}
+
+#[test]
+fn a_crash_mid_upload_leaves_no_checkpoint_and_the_next_start_cleans_up() {
+    skip_unless_ready!();
+    let mut d = Daemon::start();
+    // 512 MiB of random memory: its upload takes long enough to be interrupted.
+    let w = d.run("big", &python_workload("memhog.py", &["512"]));
+    expect_within(Duration::from_secs(60), "the workload to be ready", || {
+        w.lines().iter().any(|l| l == "ready").then_some(())
+    });
+    let mut checkpoint = d
+        .command(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("starting the checkpoint");
+    let inflight = d.dir().join("state/inflight");
+    let packs = d.store_dir().join("packs");
+    // Wait until the upload is under way (a marker and a first pack), then crash stasisd.
+    let id = expect_within(TIMEOUT, "an upload in flight", || {
+        let ids = files_with(&inflight, "");
+        (!ids.is_empty() && !files_with(&packs, ".pack").is_empty()).then(|| ids[0].clone())
+    });
+    d.kill9_and_restart();
+    let _ = checkpoint.wait();
+
+    assert!(
+        !d.store_dir().join("manifests").join(format!("{id}.manifest")).exists(),
+        "the interrupted checkpoint {id} became visible"
+    );
+    let listed = d.json(&["list", "--json"]);
+    assert_eq!(listed["checkpoints"].as_array().map(Vec::len), Some(0), "{listed}");
+    assert!(files_with(&inflight, "").is_empty(), "the in-flight marker was not cleared");
+    assert!(files_with(&packs, ".pack").is_empty(), "the interrupted upload's packs were not removed");
+    assert!(files_with(&packs, ".idx").is_empty(), "the interrupted upload's pack indexes were not removed");
+    assert!(
+        procfs::running(w.pid),
+        "the workload was left stopped or killed: {:?}",
+        procfs::proc_state(w.pid)
+    );
+
+    // The restarted daemon still works: a checkpoint of the same workload commits.
+    d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
+}
