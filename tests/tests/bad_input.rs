@@ -107,14 +107,16 @@ fn bad_input_is_a_clean_error_and_the_daemon_keeps_serving() {
     assert_mentions(&err, &["corrupted", "checksum"], "show of a flipped manifest");
     still_serving(&d, "show of a flipped manifest");
 
-    // Damaged packs: a flipped byte, a lost last byte, a deleted pack. Each checkpoint's new
-    // packs are the ones that appeared with it (older packs are shared with other checkpoints).
+    // Damaged packs: a flipped byte, a lost last byte, a deleted pack. Each case gets a store of
+    // its own: checkpoints share chunks, so damage to one pack shows in every checkpoint that
+    // references a chunk in it, whichever is read first.
     let damages: [(&str, Damage, &[&str]); 3] = [
         ("corrupt", flip_byte_in_the_middle, &["corrupted"]),
         ("truncated", truncate_by_one, &["truncated"]),
         ("missing", |p: &Path| std::fs::remove_file(p).unwrap(), &["missing"]),
     ];
     for (base, damage, expected) in damages {
+        let d = Daemon::start();
         let before = pack_files(&d);
         let (id, pid) = evicted_counter(&d, base);
         let fresh: Vec<_> = pack_files(&d).into_iter().filter(|p| !before.contains(p)).collect();

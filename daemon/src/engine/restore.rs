@@ -106,7 +106,8 @@ impl Engine {
         }
         let gpu_pairs = self.place_gpus(&manifest, &params.gpu_map)?;
         let local = |what| move |source| RestoreError::Local { what, source };
-        let work = self.state.new_work_dir(&format!("restore-{id}")).map_err(local("work directory"))?;
+        let bytes = manifest.stats.map(|s| s.bytes_total).unwrap_or_default();
+        let work = self.state.new_restore_dir(bytes).map_err(local("restore scratch directory"))?;
 
         let report: crate::store::Progress = {
             let progress = progress.clone();

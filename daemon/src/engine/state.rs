@@ -5,11 +5,15 @@
 //! <state>/logs/<name>.log     stdout and stderr of managed workloads
 //! <state>/work/<job>/         CRIU image directories of running jobs, removed afterwards
 //! <state>/inflight/<id>       checkpoints being uploaded; any found at start are orphans
+//! /dev/shm/stasis-restore-<daemon>-<random>/   restore scratch, when memory has room
 //! ```
 
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
+
+/// Shared memory: a tmpfs on Linux systems.
+const SHM: &str = "/dev/shm";
 
 #[derive(Debug, Clone)]
 pub struct StateDir {
@@ -64,10 +68,39 @@ impl StateDir {
         Ok(ids)
     }
 
+    /// A scratch directory for rebuilding `bytes` of images for a restore: in memory
+    /// (/dev/shm) when it has room for twice that, as CRIU then reads them at memory speed;
+    /// else a work directory in the state directory.
+    pub fn new_restore_dir(&self, bytes: u64) -> io::Result<WorkDir> {
+        use std::os::unix::fs::DirBuilderExt;
+        let shm = Path::new(SHM);
+        let room =
+            nix::sys::statvfs::statvfs(shm).map(|s| s.blocks_available() * s.fragment_size()).unwrap_or(0);
+        if room < bytes.saturating_mul(2) {
+            return self.new_work_dir(&format!("restore-{:08x}", rand::random::<u32>()));
+        }
+        let path = shm.join(format!("{}{:016x}", self.shm_prefix(), rand::random::<u64>()));
+        // A fresh private directory: creation fails rather than reuse anything in the way.
+        fs::DirBuilder::new().mode(0o700).create(&path)?;
+        Ok(WorkDir { path })
+    }
+
+    /// Names of this daemon's scratch directories in /dev/shm start with this.
+    fn shm_prefix(&self) -> String {
+        let tag = blake3::hash(self.root.as_os_str().as_encoded_bytes());
+        format!("stasis-restore-{}-", hex::encode(&tag.as_bytes()[..4]))
+    }
+
     /// Removes work directories left by a previous run.
     pub fn clear_work(&self) -> io::Result<()> {
         for entry in fs::read_dir(self.root.join("work"))? {
             fs::remove_dir_all(entry?.path())?;
+        }
+        let prefix = self.shm_prefix();
+        for entry in fs::read_dir(SHM).into_iter().flatten().flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                fs::remove_dir_all(entry.path())?;
+            }
         }
         Ok(())
     }
@@ -88,5 +121,24 @@ impl WorkDir {
 impl Drop for WorkDir {
     fn drop(&mut self) {
         let _ = fs::remove_dir_all(&self.path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restore_scratch_goes_to_memory_when_it_fits_and_is_cleaned() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::open(dir.path()).unwrap();
+        let small = state.new_restore_dir(1 << 20).unwrap();
+        assert!(small.path().starts_with(SHM), "{:?}", small.path());
+        let huge = state.new_restore_dir(u64::MAX / 4).unwrap();
+        assert!(huge.path().starts_with(dir.path()), "{:?}", huge.path());
+        let left = small.path().to_path_buf();
+        std::mem::forget(small);
+        state.clear_work().unwrap();
+        assert!(!left.exists(), "a leftover scratch directory is removed at start");
     }
 }

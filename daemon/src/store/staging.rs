@@ -9,7 +9,7 @@ use std::fs::File;
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
+use memmap2::{Advice, Mmap, MmapMut, MmapOptions};
 
 use crate::criu::pageserver::{PageRun, PageSink};
 use crate::linux::sys::map_private_file;
@@ -36,7 +36,7 @@ pub struct StagedRun {
 pub struct Staging {
     memory_limit: u64,
     in_memory: u64,
-    segments: Vec<Vec<u8>>,
+    segments: Vec<Segment>,
     spill_path: PathBuf,
     spill: Option<File>,
     spilled: u64,
@@ -70,17 +70,15 @@ impl Staging {
     }
 
     fn stage_in_memory(&mut self, len: usize, data: &mut dyn Read) -> io::Result<Loc> {
-        let fits = self.segments.last().is_some_and(|s| s.capacity() - s.len() >= len);
+        let fits = self.segments.last().is_some_and(|s| s.map.len() - s.used >= len);
         if !fits {
-            self.segments.push(Vec::with_capacity(SEGMENT.max(len)));
+            self.segments.push(Segment::new(SEGMENT.max(len))?);
         }
         let segment = self.segments.len() - 1;
-        let buf = &mut self.segments[segment];
-        let offset = buf.len();
-        let got = data.take(len as u64).read_to_end(buf)?;
-        if got != len {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "page data cut short"));
-        }
+        let seg = &mut self.segments[segment];
+        let offset = seg.used;
+        data.read_exact(&mut seg.map[offset..offset + len])?;
+        seg.used += len;
         self.in_memory += len as u64;
         Ok(Loc::Memory { segment, offset })
     }
@@ -117,10 +115,28 @@ impl PageSink for Staging {
     }
 }
 
+/// An anonymous mapping that received pages are copied into. It is advised to use huge pages:
+/// a dump writes gigabytes into fresh memory while the tree is frozen, and 4 KiB page faults
+/// would dominate that time.
+#[derive(Debug)]
+struct Segment {
+    map: MmapMut,
+    used: usize,
+}
+
+impl Segment {
+    fn new(len: usize) -> io::Result<Self> {
+        let map = MmapOptions::new().len(len).map_anon()?;
+        // Only advice: without transparent huge pages the mapping still works.
+        let _ = map.advise(Advice::HugePage);
+        Ok(Self { map, used: 0 })
+    }
+}
+
 /// The staged pages of one dump.
 #[derive(Debug)]
 pub struct Staged {
-    segments: Vec<Vec<u8>>,
+    segments: Vec<Segment>,
     spill: Option<Mmap>,
     spill_path: PathBuf,
     runs: Vec<StagedRun>,
@@ -137,7 +153,7 @@ impl Staged {
         let len = if run.run.has_data() { run.run.byte_len() as usize } else { 0 };
         match run.loc {
             Loc::None => &[],
-            Loc::Memory { segment, offset } => &self.segments[segment][offset..offset + len],
+            Loc::Memory { segment, offset } => &self.segments[segment].map[offset..offset + len],
             Loc::Spill { offset } => {
                 let map = self.spill.as_ref().expect("spilled run has a spill map");
                 &map[offset as usize..offset as usize + len]
