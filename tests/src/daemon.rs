@@ -262,7 +262,8 @@ impl Daemon {
         }
     }
 
-    fn stop(&mut self) -> Option<ExitStatus> {
+    /// Sends SIGTERM and waits up to 15 s for stasisd to exit; `None` if it had to be killed.
+    pub fn stop(&mut self) -> Option<ExitStatus> {
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), Signal::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(15);
         while Instant::now() < deadline {

@@ -56,3 +56,31 @@ fn a_crash_mid_upload_leaves_no_checkpoint_and_the_next_start_cleans_up() {
     // The restarted daemon still works: a checkpoint of the same workload commits.
     d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
 }
+
+#[test]
+fn sigterm_lets_a_running_checkpoint_finish() {
+    skip_unless_ready!();
+    let mut d = Daemon::start();
+    let w = d.run("big", &python_workload("memhog.py", &["512"]));
+    expect_within(Duration::from_secs(60), "the workload to be ready", || {
+        w.lines().iter().any(|l| l == "ready").then_some(())
+    });
+    let checkpoint = d
+        .command(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting the checkpoint");
+    let inflight = d.dir().join("state/inflight");
+    expect_within(TIMEOUT, "the checkpoint to be under way", || {
+        (!files_with(&inflight, "").is_empty()).then_some(())
+    });
+    let status = d.stop().expect("stasisd exits after SIGTERM");
+    assert!(status.success(), "stasisd exited with {status}");
+    let out = checkpoint.wait_with_output().unwrap();
+    assert!(out.status.success(), "the checkpoint was cut short: {}", String::from_utf8_lossy(&out.stderr));
+    let result: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let id = result["id"].as_str().unwrap();
+    assert!(d.store_dir().join("manifests").join(format!("{id}.manifest")).exists(), "{result}");
+    assert!(procfs::running(w.pid), "the workload runs on after stasisd stopped");
+}
