@@ -114,3 +114,21 @@ fn gc_reclaims_dead_checkpoints_and_keeps_live_ones() {
     kill_and_wait(live.pid);
     restore_and_check(&d, &live, &more[1], &live_sum);
 }
+
+#[test]
+fn pages_beyond_the_staging_bound_spill_and_restore_intact() {
+    skip_unless_ready!();
+    let args = ["--staging-mib", "8"].map(String::from).to_vec();
+    let d = Daemon::start_with(&DaemonOptions { args, ..Default::default() });
+    let w = d.run("spill", &python_workload("memhog.py", &[]));
+    w.wait_line_after(0, "`ready`", |l| l == "ready");
+    let sum = checksum(&w);
+    let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
+    // 64 MiB of random memory plus the interpreter; the spill file itself is not a CRIU image.
+    assert!(stat(&ck, "bytes_uploaded") < 100 << 20, "the upload is inflated: {ck}");
+    let id = ck["id"].as_str().unwrap();
+    let shown = d.json(&["show", id, "--json"]);
+    assert!(!shown["files"].to_string().contains("spill"), "{shown}");
+    expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    restore_and_check(&d, &w, id, &sum);
+}

@@ -269,8 +269,11 @@ impl Engine {
             Arc::new(move |done, total| progress(ProgressUpdate { phase: "upload", done, total }))
         };
         let guard = self.store.begin_commit().await;
-        let stored =
-            self.store.store_dump(Arc::new(staged), images, &[LOG_FILE], report).await.map_err(store_err)?;
+        let stored = self
+            .store
+            .store_dump(Arc::new(staged), images, &[LOG_FILE, dump::SPILL_FILE], report)
+            .await
+            .map_err(store_err)?;
         let stats = CheckpointStats {
             frozen_ms: timing.frozen_ms,
             total_ms: ms(timing.started.elapsed()),

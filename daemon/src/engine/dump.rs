@@ -17,8 +17,9 @@ use crate::store::{Staged, Staging};
 /// Send and receive buffer of the page-server socketpair.
 const SOCKET_BUFFER: usize = 8 << 20;
 
-/// Name of the spill file in the job's work directory.
-const SPILL_FILE: &str = "pages.spill";
+/// Name of the spill file in the job's work directory (which is CRIU's images directory: the
+/// file must be left out when the images are stored).
+pub(super) const SPILL_FILE: &str = "pages.spill";
 
 /// Why a dump failed.
 #[derive(Debug)]
