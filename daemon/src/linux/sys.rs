@@ -57,3 +57,13 @@ pub fn map_private_file(file: &std::fs::File) -> io::Result<memmap2::Mmap> {
     // contract nobody writes the file any more, so the mapped bytes stay as they are.
     unsafe { memmap2::Mmap::map(file) }
 }
+
+/// Drops this process's mapping of `len` bytes at `offset` of a read-only file mapping, so
+/// pages already read stop counting as its resident memory; reading them again faults the same
+/// file contents back in. Errors are ignored: this only saves memory.
+pub fn release_mapped_range(map: &memmap2::Mmap, offset: usize, len: usize) {
+    // SAFETY: `map` is a read-only shared mapping of a file. MADV_DONTNEED on such a mapping
+    // only discards page-table entries; the data stays in the file and later accesses read it
+    // back unchanged, so no reference into the mapping can observe different bytes.
+    let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, len) };
+}

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use memmap2::{Advice, Mmap, MmapMut, MmapOptions};
 
 use crate::criu::pageserver::{PageRun, PageSink};
-use crate::linux::sys::map_private_file;
+use crate::linux::sys::{map_private_file, release_mapped_range};
 
 /// Size of one memory segment; a run never spans two.
 const SEGMENT: usize = 64 << 20;
@@ -158,6 +158,14 @@ impl Staged {
                 let map = self.spill.as_ref().expect("spilled run has a spill map");
                 &map[offset as usize..offset as usize + len]
             }
+        }
+    }
+
+    /// Lets go of the memory a spilled run occupies once it has been processed (memory-staged
+    /// runs stay: they are within the bound).
+    pub fn release(&self, run: &StagedRun) {
+        if let (Loc::Spill { offset }, Some(map)) = (run.loc, &self.spill) {
+            release_mapped_range(map, offset as usize, run.run.byte_len() as usize);
         }
     }
 

@@ -176,6 +176,7 @@ fn memory_images(
             let bytes = staged.bytes(staged_run);
             let pieces: Vec<&[u8]> = split_aligned(run.vaddr, bytes).collect();
             image.chunks.extend(writer.write(&pieces)?);
+            staged.release(staged_run);
             advance(bytes.len() as u64);
         }
         images.push(image);
