@@ -15,44 +15,33 @@ mod run;
 
 use std::path::PathBuf;
 
-use anyhow::{Context, bail};
+use clap::Parser;
 
+/// Measures stasis and the peer pipeline on one synthetic workload.
+#[derive(Debug, Parser)]
 pub struct Args {
+    /// Resident memory of the workload, MiB.
+    #[arg(long, default_value_t = 2048)]
     pub rss_mib: u64,
+    /// Fraction of random (incompressible) memory.
+    #[arg(long, default_value_t = 0.5)]
     pub random: f64,
+    /// Fraction of compressible memory; the rest is zero pages.
+    #[arg(long, default_value_t = 0.5)]
     pub compressible: f64,
+    /// Fraction of memory rewritten between the two checkpoints.
+    #[arg(long, default_value_t = 0.1)]
     pub dirty: f64,
+    /// stasisd's staging bound, MiB (default: stasisd's own, a quarter of RAM).
+    #[arg(long)]
     pub staging_mib: Option<u64>,
+    /// Where the stores and scratch of the run go (a disk, not tmpfs).
+    #[arg(long, default_value = "/var/tmp/stasis-bench")]
     pub store_dir: PathBuf,
 }
 
-fn parse() -> anyhow::Result<Args> {
-    let mut a = Args {
-        rss_mib: 2048,
-        random: 0.5,
-        compressible: 0.5,
-        dirty: 0.1,
-        staging_mib: None,
-        store_dir: "/var/tmp/stasis-bench".into(),
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let value = it.next().with_context(|| format!("{flag} needs a value"))?;
-        match flag.as_str() {
-            "--rss-mib" => a.rss_mib = value.parse()?,
-            "--random" => a.random = value.parse()?,
-            "--compressible" => a.compressible = value.parse()?,
-            "--dirty" => a.dirty = value.parse()?,
-            "--staging-mib" => a.staging_mib = Some(value.parse()?),
-            "--store-dir" => a.store_dir = value.into(),
-            other => bail!("unknown flag {other}"),
-        }
-    }
-    Ok(a)
-}
-
 fn main() -> anyhow::Result<()> {
-    let args = parse()?;
+    let args = Args::parse();
     let result = run::run(&args)?;
     println!("{}", result.table(&args));
     Ok(())

@@ -8,36 +8,28 @@
 use std::io::Write;
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
+use clap::Parser;
 use signal_hook::consts::SIGUSR1;
 use signal_hook::iterator::Signals;
 
 const BLOCK: usize = 1 << 20;
 
+/// A process holding memory with given fractions of random, compressible and zero bytes.
+#[derive(Debug, Parser)]
 struct Args {
+    /// Resident memory to hold, MiB.
+    #[arg(long, default_value_t = 2048)]
     rss_mib: usize,
+    /// Fraction of random (incompressible) bytes.
+    #[arg(long, default_value_t = 0.5)]
     random: f64,
+    /// Fraction of compressible (text-like) bytes; the rest is zero pages.
+    #[arg(long, default_value_t = 0.5)]
     compressible: f64,
+    /// Fraction rewritten on SIGUSR1.
+    #[arg(long, default_value_t = 0.1)]
     dirty: f64,
-}
-
-fn parse() -> anyhow::Result<Args> {
-    let mut a = Args { rss_mib: 2048, random: 0.5, compressible: 0.5, dirty: 0.1 };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let value = it.next().with_context(|| format!("{flag} needs a value"))?;
-        match flag.as_str() {
-            "--rss-mib" => a.rss_mib = value.parse()?,
-            "--random" => a.random = value.parse()?,
-            "--compressible" => a.compressible = value.parse()?,
-            "--dirty" => a.dirty = value.parse()?,
-            other => bail!("unknown flag {other}"),
-        }
-    }
-    if a.random + a.compressible > 1.0 || a.rss_mib == 0 {
-        bail!("fractions must add up to at most 1 and the size must be positive");
-    }
-    Ok(a)
 }
 
 /// xorshift64*: fast, and random enough that zstd cannot compress it.
@@ -65,7 +57,10 @@ fn fill_text(buf: &mut [u8], state: &mut u64) {
 }
 
 fn main() -> anyhow::Result<()> {
-    let args = parse()?;
+    let args = Args::parse();
+    if args.random + args.compressible > 1.0 || args.rss_mib == 0 {
+        bail!("fractions must add up to at most 1 and the size must be positive");
+    }
     let size = args.rss_mib << 20;
     let mut seed = u64::from(std::process::id()) | 1;
     let mut memory = vec![0u8; size];
