@@ -14,13 +14,12 @@ use nix::sys::signal::Signal;
 use tracing::{info, instrument, warn};
 
 use super::dump::{self, Dump};
-use super::gpu::{self, GpuError, GpuTimes, Suspended};
+use super::gpu::GpuTimes;
 use super::ids::{checkpoint_id, now_unix_ms};
 use super::inspect::{TreeInfo, inspect};
 use super::workloads::{Workload, derived_name};
 use super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
 use crate::criu::{DumpSpec, LOG_FILE, TreeOptions};
-use crate::cuda;
 use crate::linux::proc::{self, ProcStat};
 use crate::store::{Manifest, Staged};
 use stasis_proto::stasis::v1::{DumpOptions, GpuDevice};
@@ -315,50 +314,6 @@ impl Engine {
         Ok(stats)
     }
 
-    /// Moves the device memory of the tree's CUDA processes into host memory, if it has any.
-    async fn suspend_gpu(
-        &self,
-        pids: &[i32],
-        progress: &ProgressFn,
-    ) -> Result<Option<Suspended>, CheckpointError> {
-        let candidates = cuda::cuda_candidates(pids);
-        if candidates.is_empty() {
-            return Ok(None);
-        }
-        let gpu = self.gpu.clone().ok_or_else(|| GpuError::NoDriver(candidates.clone()))?;
-        progress(ProgressUpdate { phase: "gpu checkpoint", done: 0, total: 0 });
-        let suspended = tokio::task::spawn_blocking(move || {
-            let (users, others): (Vec<i32>, Vec<i32>) =
-                candidates.into_iter().partition(|p| gpu.state(*p).is_ok_and(|s| s.is_some()));
-            // Children forked from a CUDA process keep its device files without a context of
-            // their own; CRIU cannot dump those, so refuse before anything is frozen.
-            let orphans: Vec<i32> = others.into_iter().filter(|p| holds_nvidia_files(*p)).collect();
-            if !orphans.is_empty() {
-                return Err(GpuError::DeviceFilesWithoutContext(orphans));
-            }
-            let devices = gpu_devices(&gpu, &users);
-            let rss_before: u64 = users.iter().map(|p| proc::resident_bytes(*p)).sum();
-            let mut suspended = gpu::suspend(&gpu, &users)?;
-            let rss_after: u64 = users.iter().map(|p| proc::resident_bytes(*p)).sum();
-            suspended.bytes = rss_after.saturating_sub(rss_before);
-            suspended.devices = devices;
-            Ok::<_, GpuError>(suspended)
-        })
-        .await
-        .map_err(|e| CheckpointError::Local { what: "GPU thread", source: std::io::Error::other(e) })??;
-        Ok(Some(suspended))
-    }
-
-    /// Puts device memory back and unlocks CUDA; returns how long it took.
-    async fn resume_gpu(&self, suspended: &Option<Suspended>) -> Result<u64, CheckpointError> {
-        let (Some(gpu), Some(s)) = (self.gpu.clone(), suspended) else { return Ok(0) };
-        let pids = s.pids.clone();
-        let took = tokio::task::spawn_blocking(move || gpu::resume(&gpu, &pids))
-            .await
-            .map_err(|e| CheckpointError::Local { what: "GPU thread", source: std::io::Error::other(e) })??;
-        Ok(took)
-    }
-
     fn remember_checkpoint(&self, workload: &str, pid: i32, tree: &TreeInfo, id: &str) {
         let result = if self.registry.get(workload).is_some() {
             self.registry.update(workload, |w| w.last_checkpoint = Some(id.into()))
@@ -412,23 +367,4 @@ pub(super) fn tree_options(d: &DumpOptions) -> TreeOptions {
         external: d.external.clone(),
         link_remap: d.link_remap,
     }
-}
-
-/// The GPUs the CUDA processes have open (all GPUs when that cannot be told), for the manifest.
-fn gpu_devices(gpu: &Arc<dyn cuda::GpuCheckpointer>, pids: &[i32]) -> Vec<GpuDevice> {
-    let all = gpu.gpus().unwrap_or_default();
-    let open: Vec<cuda::GpuUuid> = super::gpu_map::open_gpu_minors(pids)
-        .into_iter()
-        .filter_map(|m| cuda::parse_uuid(&super::gpu_map::uuid_of_minor(m)?).ok())
-        .collect();
-    all.into_iter()
-        .filter(|g| open.is_empty() || open.contains(&g.uuid))
-        .map(|g| GpuDevice { uuid: g.uuid.to_vec(), name: g.name, total_memory: g.total_memory })
-        .collect()
-}
-
-/// Whether `pid` has an NVIDIA device file open or mapped.
-fn holds_nvidia_files(pid: i32) -> bool {
-    let open = proc::fd_targets(pid).is_ok_and(|fds| fds.iter().any(|(_, t)| t.starts_with("/dev/nvidia")));
-    open || proc::mapped_paths(pid).iter().any(|p| p.starts_with("/dev/nvidia"))
 }

@@ -14,7 +14,11 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
-use crate::cuda::{CudaError, GpuCheckpointer, ProcessState};
+use stasis_proto::stasis::v1::GpuDevice;
+
+use super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
+use crate::cuda::{self, CudaError, GpuCheckpointer, ProcessState};
+use crate::linux::proc;
 
 /// How long a lock may wait for in-flight GPU work before the checkpoint gives up.
 pub const LOCK_TIMEOUT: Duration = Duration::from_secs(30);
@@ -134,6 +138,71 @@ fn rollback(gpu: &Arc<dyn GpuCheckpointer>, checkpointed: &[i32], locked: &[i32]
             warn!(pid, error = %e, "GPU rollback: unlock failed");
         }
     }
+}
+
+impl Engine {
+    /// Moves the device memory of the tree's CUDA processes into host memory, if it has any.
+    pub(super) async fn suspend_gpu(
+        &self,
+        pids: &[i32],
+        progress: &ProgressFn,
+    ) -> Result<Option<Suspended>, CheckpointError> {
+        let candidates = cuda::cuda_candidates(pids);
+        if candidates.is_empty() {
+            return Ok(None);
+        }
+        let gpu = self.gpu.clone().ok_or_else(|| GpuError::NoDriver(candidates.clone()))?;
+        progress(ProgressUpdate { phase: "gpu checkpoint", done: 0, total: 0 });
+        let suspended = tokio::task::spawn_blocking(move || {
+            let (users, others): (Vec<i32>, Vec<i32>) =
+                candidates.into_iter().partition(|p| gpu.state(*p).is_ok_and(|s| s.is_some()));
+            // Children forked from a CUDA process keep its device files without a context of
+            // their own; CRIU cannot dump those, so refuse before anything is frozen.
+            let orphans: Vec<i32> = others.into_iter().filter(|p| holds_nvidia_files(*p)).collect();
+            if !orphans.is_empty() {
+                return Err(GpuError::DeviceFilesWithoutContext(orphans));
+            }
+            let devices = gpu_devices(&gpu, &users);
+            let rss_before: u64 = users.iter().map(|p| proc::resident_bytes(*p)).sum();
+            let mut suspended = suspend(&gpu, &users)?;
+            let rss_after: u64 = users.iter().map(|p| proc::resident_bytes(*p)).sum();
+            suspended.bytes = rss_after.saturating_sub(rss_before);
+            suspended.devices = devices;
+            Ok::<_, GpuError>(suspended)
+        })
+        .await
+        .map_err(|e| CheckpointError::Local { what: "GPU thread", source: std::io::Error::other(e) })??;
+        Ok(Some(suspended))
+    }
+
+    /// Puts device memory back and unlocks CUDA; returns how long it took.
+    pub(super) async fn resume_gpu(&self, suspended: &Option<Suspended>) -> Result<u64, CheckpointError> {
+        let (Some(gpu), Some(s)) = (self.gpu.clone(), suspended) else { return Ok(0) };
+        let pids = s.pids.clone();
+        let took = tokio::task::spawn_blocking(move || resume(&gpu, &pids))
+            .await
+            .map_err(|e| CheckpointError::Local { what: "GPU thread", source: std::io::Error::other(e) })??;
+        Ok(took)
+    }
+}
+
+/// The GPUs the CUDA processes have open (all GPUs when that cannot be told), for the manifest.
+fn gpu_devices(gpu: &Arc<dyn cuda::GpuCheckpointer>, pids: &[i32]) -> Vec<GpuDevice> {
+    let all = gpu.gpus().unwrap_or_default();
+    let open: Vec<cuda::GpuUuid> = super::gpu_map::open_gpu_minors(pids)
+        .into_iter()
+        .filter_map(|m| cuda::parse_uuid(&super::gpu_map::uuid_of_minor(m)?).ok())
+        .collect();
+    all.into_iter()
+        .filter(|g| open.is_empty() || open.contains(&g.uuid))
+        .map(|g| GpuDevice { uuid: g.uuid.to_vec(), name: g.name, total_memory: g.total_memory })
+        .collect()
+}
+
+/// Whether `pid` has an NVIDIA device file open or mapped.
+fn holds_nvidia_files(pid: i32) -> bool {
+    let open = proc::fd_targets(pid).is_ok_and(|fds| fds.iter().any(|(_, t)| t.starts_with("/dev/nvidia")));
+    open || proc::mapped_paths(pid).iter().any(|p| p.starts_with("/dev/nvidia"))
 }
 
 #[cfg(test)]
