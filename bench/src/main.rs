@@ -1,48 +1,84 @@
-//! stasis-bench: measures stasis and the peer pipeline on the same synthetic workload in one
-//! run and prints a table with ratios against issue 3's targets.
+//! stasis-bench: measures stasis and the peer pipeline (`criu dump` to tmpfs, then
+//! `tar | zstd -1 -T0` into the same store) on the same synthetic workload in one run, and
+//! prints a Markdown table with ratios against issue 3's targets.
 //!
 //! Run as root from the repository root after `cargo build --release --workspace` and
 //! `scripts/setup-criu.sh`:
 //!
 //! ```text
-//! target/release/stasis-bench [--rss-mib 2048] [--random 0.5] [--compressible 0.5]
-//!                             [--dirty 0.1] [--staging-mib N] [--store-dir /var/tmp/stasis-bench]
+//! target/release/stasis-bench [--rss-mib 2048] [--random 0.5] [--compressible 0.5] [--zero F]
+//!     [--dirty 0.1] [--dirty-block-kib 1024] [--rounds 3] [--staging-mib M]
+//!     [--store-dir /var/tmp/stasis-bench] [--no-settle] [--keep]
 //! ```
 #![forbid(unsafe_code)]
 
+mod daemon;
 mod peer;
+mod report;
 mod run;
 
 use std::path::PathBuf;
 
+use anyhow::ensure;
 use clap::Parser;
 
 /// Measures stasis and the peer pipeline on one synthetic workload.
 #[derive(Debug, Parser)]
 pub struct Args {
-    /// Resident memory of the workload, MiB.
+    /// Memory of the workload, MiB.
     #[arg(long, default_value_t = 2048)]
     pub rss_mib: u64,
     /// Fraction of random (incompressible) memory.
     #[arg(long, default_value_t = 0.5)]
     pub random: f64,
-    /// Fraction of compressible memory; the rest is zero pages.
+    /// Fraction of compressible (text-like, ~4x with zstd -1) memory.
     #[arg(long, default_value_t = 0.5)]
     pub compressible: f64,
-    /// Fraction of memory rewritten between the two checkpoints.
+    /// Fraction of zero pages, resident [default: the rest].
+    #[arg(long)]
+    pub zero: Option<f64>,
+    /// Fraction of memory rewritten with new random bytes before each incremental checkpoint.
     #[arg(long, default_value_t = 0.1)]
     pub dirty: f64,
-    /// stasisd's staging bound, MiB (default: stasisd's own, a quarter of RAM).
+    /// Incremental checkpoints and restores measured each way (the order alternates; the table
+    /// shows medians: this machine is noisy).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rounds: u32,
+    /// Size of each rewritten block, KiB: 1024 rewrites whole 1 MiB blocks spread evenly,
+    /// 4 every k-th page.
+    #[arg(long, default_value_t = 1024)]
+    pub dirty_block_kib: u64,
+    /// stasisd's staging bound, MiB [default: stasisd's own, a quarter of RAM].
     #[arg(long)]
     pub staging_mib: Option<u64>,
-    /// Where the stores and scratch of the run go (a disk, not tmpfs).
+    /// Where the store, stasisd's state and the peer's tarballs go (a disk, not tmpfs); the
+    /// peer's image directories go to /dev/shm.
     #[arg(long, default_value = "/var/tmp/stasis-bench")]
     pub store_dir: PathBuf,
+    /// Measure back to back instead of letting the machine settle (flush writeback, wait 3 s)
+    /// before each measured step.
+    #[arg(long)]
+    pub no_settle: bool,
+    /// Keep the run's directory (stasisd's log and state, the store, the tarballs) afterwards.
+    #[arg(long)]
+    pub keep: bool,
+}
+
+impl Args {
+    /// The fraction of zero pages: given, or what random and compressible leave.
+    pub fn zero(&self) -> f64 {
+        self.zero.unwrap_or((1.0 - self.random - self.compressible).max(0.0))
+    }
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let result = run::run(&args)?;
-    println!("{}", result.table(&args));
+    ensure!(args.random + args.compressible + args.zero() <= 1.0 + 1e-9, "fractions add up to more than 1");
+    ensure!(args.dirty_block_kib >= 4 && args.dirty_block_kib % 4 == 0, "--dirty-block-kib: whole pages");
+    ensure!(nix::unistd::geteuid().is_root(), "stasis-bench runs stasisd and CRIU: run it as root");
+    daemon::SETTLE.store(!args.no_settle, std::sync::atomic::Ordering::Relaxed);
+    daemon::undo_on_signals()?;
+    let results = run::run(&args)?;
+    println!("{}", results.table(&args));
     Ok(())
 }

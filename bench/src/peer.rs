@@ -1,69 +1,101 @@
 //! The peer pipeline, what a user scripts today: `criu dump` into a tmpfs directory, then
-//! `tar | zstd -1 -T0` into the store; restore is the reverse and `criu restore`.
+//! `tar | zstd -1 -T0` into the store; restore is the reverse, then `criu restore`.
 
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
-/// Runs a shell pipeline, failing with its stderr.
+use crate::daemon::settle;
+
+/// Runs a bash pipeline (with pipefail: a failing `tar` fails it), failing with its stderr.
 fn sh(script: &str) -> anyhow::Result<()> {
-    let out = Command::new("sh").arg("-c").arg(script).output().context("running sh")?;
+    let out = Command::new("bash").args(["-o", "pipefail", "-c", script]).output().context("running bash")?;
     if !out.status.success() {
-        bail!("`{script}` failed: {}", String::from_utf8_lossy(&out.stderr));
+        bail!("`{script}` failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr));
     }
     Ok(())
 }
 
-/// Timings and size of one peer checkpoint.
+/// The last lines of a CRIU log (the scratch directory holding it is removed on exit).
+fn log_tail(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+/// Timings (from the start of `criu dump`) and size of one peer checkpoint.
 pub struct PeerCheckpoint {
+    /// `criu dump` to tmpfs, start to exit: the tree is frozen within it.
     pub dump: Duration,
-    pub durable: Duration,
+    /// The tarball written into the store directory (in the page cache, as stasis's
+    /// `file://` store writes its packs).
+    pub written: Duration,
+    /// `written`, then fsync of the tarball and its directory.
+    pub fsynced: Duration,
     pub bytes: u64,
     pub tarball: PathBuf,
+}
+
+/// Timings of one peer restore.
+pub struct PeerRestore {
+    /// `zstd -d | tar -x` into tmpfs.
+    pub unpack: Duration,
+    /// Unpack, then `criu restore -d`.
+    pub total: Duration,
 }
 
 pub struct Peer {
     pub criu: PathBuf,
     /// A tmpfs directory for image directories.
     pub scratch: PathBuf,
-    /// Where tarballs are "uploaded": a directory of the same file system as the stasis store.
+    /// Where tarballs are "uploaded": a directory beside the stasis store, same file system.
     pub store: PathBuf,
 }
 
 impl Peer {
-    /// Dumps `pid` (left running) and stores the tarball `name`.
+    /// Dumps `pid` (left running) into tmpfs, then stores the tarball `<name>.tar.zst`.
     pub fn checkpoint(&self, pid: i32, name: &str) -> anyhow::Result<PeerCheckpoint> {
         let dir = self.scratch.join(name);
         std::fs::create_dir_all(&dir)?;
         std::fs::create_dir_all(&self.store)?;
         let tarball = self.store.join(format!("{name}.tar.zst"));
+        settle();
         let started = Instant::now();
         let criu = self.criu.display();
-        sh(&format!("{criu} dump -t {pid} -D {} --leave-running -o dump.log", dir.display()))?;
+        sh(&format!("{criu} dump -t {pid} -D {} --leave-running -o dump.log", dir.display()))
+            .with_context(|| format!("peer dump; end of dump.log:\n{}", log_tail(&dir.join("dump.log"))))?;
         let dump = started.elapsed();
         sh(&format!(
-            "tar -C {dir} -cf - . | zstd -q -1 -T0 -o {tar} && sync -f {tar}",
+            "tar -C {dir} -cf - . | zstd -q -f -1 -T0 -o {tar}",
             dir = dir.display(),
             tar = tarball.display()
         ))?;
-        let durable = started.elapsed();
+        let written = started.elapsed();
+        File::open(&tarball)?.sync_all().context("fsync of the tarball")?;
+        File::open(&self.store)?.sync_all().context("fsync of the tarball's directory")?;
+        let fsynced = started.elapsed();
         std::fs::remove_dir_all(&dir)?;
         let bytes = std::fs::metadata(&tarball)?.len();
-        Ok(PeerCheckpoint { dump, durable, bytes, tarball })
+        Ok(PeerCheckpoint { dump, written, fsynced, bytes, tarball })
     }
 
-    /// Fetches, unpacks and restores a tarball (detached); returns the time it took.
-    pub fn restore(&self, tarball: &Path) -> anyhow::Result<Duration> {
+    /// Reads back, unpacks into tmpfs and restores a tarball (detached).
+    pub fn restore(&self, tarball: &Path) -> anyhow::Result<PeerRestore> {
         let dir = self.scratch.join("restore");
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)?;
+        settle();
         let started = Instant::now();
         sh(&format!("zstd -q -d -c {} | tar -C {} -xf -", tarball.display(), dir.display()))?;
-        sh(&format!("{} restore -D {} -d -o restore.log", self.criu.display(), dir.display()))?;
-        let took = started.elapsed();
+        let unpack = started.elapsed();
+        sh(&format!("{} restore -D {} -d -o restore.log", self.criu.display(), dir.display())).with_context(
+            || format!("peer restore; end of restore.log:\n{}", log_tail(&dir.join("restore.log"))),
+        )?;
+        let total = started.elapsed();
         std::fs::remove_dir_all(&dir)?;
-        Ok(took)
+        Ok(PeerRestore { unpack, total })
     }
 }

@@ -1,35 +1,42 @@
-//! stasis-bench-workload: a process holding `--rss-mib` MiB of memory, a fraction random
-//! (incompressible), a fraction compressible (text-like), the rest zero pages (touched, so
-//! resident). It prints `ready`, then sleeps; on SIGUSR1 it rewrites `--dirty` of its memory
-//! with new random bytes, in 1 MiB blocks spread evenly over the whole range (a training step
-//! rewrites whole tensors, not scattered bytes), and prints `dirtied <bytes>`.
+//! stasis-bench-workload: a process holding `--rss-mib` MiB of memory: a fraction random
+//! (incompressible), a fraction compressible (text-like, ~4x with zstd -1), a fraction zero
+//! pages (written, so resident); any rest is allocated but never touched. It prints `ready`,
+//! then sleeps. On each SIGUSR1 it rewrites `--dirty` of its memory with new random bytes, in
+//! contiguous blocks of `--dirty-block-kib` (default 1 MiB: a training step rewrites whole
+//! tensors) spread evenly over the whole range, and prints `dirtied <N> pages`.
 #![forbid(unsafe_code)]
 
 use std::io::Write;
-use std::time::Duration;
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use anyhow::bail;
+use anyhow::{bail, ensure};
 use clap::Parser;
 use signal_hook::consts::SIGUSR1;
 use signal_hook::iterator::Signals;
 
-const BLOCK: usize = 1 << 20;
+const PAGE: usize = 4096;
 
 /// A process holding memory with given fractions of random, compressible and zero bytes.
 #[derive(Debug, Parser)]
 struct Args {
-    /// Resident memory to hold, MiB.
+    /// Memory to hold, MiB.
     #[arg(long, default_value_t = 2048)]
     rss_mib: usize,
     /// Fraction of random (incompressible) bytes.
     #[arg(long, default_value_t = 0.5)]
     random: f64,
-    /// Fraction of compressible (text-like) bytes; the rest is zero pages.
+    /// Fraction of compressible (text-like) bytes.
     #[arg(long, default_value_t = 0.5)]
     compressible: f64,
-    /// Fraction rewritten on SIGUSR1.
+    /// Fraction of zero pages, touched so they are resident [default: the rest].
+    #[arg(long)]
+    zero: Option<f64>,
+    /// Fraction of the memory rewritten on each SIGUSR1.
     #[arg(long, default_value_t = 0.1)]
     dirty: f64,
+    /// Size of each contiguous rewritten block, KiB (4: every k-th page).
+    #[arg(long, default_value_t = 1024)]
+    dirty_block_kib: usize,
 }
 
 /// xorshift64*: fast, and random enough that zstd cannot compress it.
@@ -43,50 +50,76 @@ fn fill_random(buf: &mut [u8], state: &mut u64) {
     }
 }
 
+/// Words from a small vocabulary, each followed by a number `0.ddd`: compresses about 4x with
+/// zstd -1 (like text, logs or sparse tables).
 fn fill_text(buf: &mut [u8], state: &mut u64) {
     const WORDS: [&[u8]; 8] =
-        [b"tensor ", b"gradient ", b"layer ", b"weight ", b"0.0125 ", b"step ", b"loss ", b"\n"];
+        [b"tensor ", b"gradient ", b"layer ", b"weight ", b"step ", b"loss ", b"bias ", b"\n"];
+    let mut item = [0u8; 16];
     let mut pos = 0;
     while pos < buf.len() {
         *state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-        let w = WORDS[(*state >> 61) as usize];
-        let n = w.len().min(buf.len() - pos);
-        buf[pos..pos + n].copy_from_slice(&w[..n]);
+        let word = WORDS[(*state >> 61) as usize];
+        let num = ((*state >> 32) % 1000) as u32;
+        let digit = |d: u32| b'0' + (d % 10) as u8;
+        item[..word.len()].copy_from_slice(word);
+        let n = word.len() + 6;
+        item[word.len()..n].copy_from_slice(&[
+            b'0',
+            b'.',
+            digit(num / 100),
+            digit(num / 10),
+            digit(num),
+            b' ',
+        ]);
+        let n = n.min(buf.len() - pos);
+        buf[pos..pos + n].copy_from_slice(&item[..n]);
         pos += n;
     }
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    if args.random + args.compressible > 1.0 || args.rss_mib == 0 {
+    let zero = args.zero.unwrap_or((1.0 - args.random - args.compressible).max(0.0));
+    for f in [args.random, args.compressible, zero, args.dirty] {
+        ensure!((0.0..=1.0).contains(&f), "fractions must be within 0..=1");
+    }
+    if args.random + args.compressible + zero > 1.0 + 1e-9 || args.rss_mib == 0 {
         bail!("fractions must add up to at most 1 and the size must be positive");
     }
+    ensure!(args.dirty_block_kib >= 4 && args.dirty_block_kib % 4 == 0, "blocks are whole pages");
     let size = args.rss_mib << 20;
-    let mut seed = u64::from(std::process::id()) | 1;
+    let pages = |f: f64| (size as f64 * f / PAGE as f64) as usize * PAGE;
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let mut seed = (u64::from(std::process::id()) << 32 ^ nanos) | 1;
+    // Allocated zeroed (untouched pages are not resident until written).
     let mut memory = vec![0u8; size];
-    let random_end = (size as f64 * args.random) as usize;
-    let text_end = random_end + (size as f64 * args.compressible) as usize;
+    let random_end = pages(args.random);
+    let text_end = (random_end + pages(args.compressible)).min(size);
+    let zero_end = (text_end + pages(zero)).min(size);
     fill_random(&mut memory[..random_end], &mut seed);
-    fill_text(&mut memory[random_end..text_end.min(size)], &mut seed);
-    // Zero pages must be resident too: write them.
-    for page in memory[text_end.min(size)..].chunks_mut(4096) {
-        page[0] = 0;
-        std::hint::black_box(&page[0]);
+    fill_text(&mut memory[random_end..text_end], &mut seed);
+    // Zero pages must be resident too: write a zero the compiler cannot prove redundant.
+    for page in memory[text_end..zero_end].chunks_mut(PAGE) {
+        page[0] = std::hint::black_box(0);
     }
+    std::hint::black_box(&memory);
+
     let mut signals = Signals::new([SIGUSR1])?;
     println!("ready");
     std::io::stdout().flush()?;
-    let blocks = size / BLOCK;
+    let block = args.dirty_block_kib << 10;
+    let blocks = size / block;
     let dirty_blocks = ((blocks as f64) * args.dirty).round() as usize;
+    // `forever` blocks in the signal pipe between signals: the process is idle while measured.
     for _ in signals.forever() {
-        let stride = blocks / dirty_blocks.max(1);
         for i in 0..dirty_blocks {
-            let at = i * stride * BLOCK;
-            fill_random(&mut memory[at..at + BLOCK], &mut seed);
+            let at = i * blocks / dirty_blocks * block;
+            fill_random(&mut memory[at..at + block], &mut seed);
         }
-        println!("dirtied {}", dirty_blocks * BLOCK);
+        std::hint::black_box(&memory);
+        println!("dirtied {} pages", dirty_blocks * block / PAGE);
         std::io::stdout().flush()?;
-        std::thread::sleep(Duration::from_millis(1));
     }
     Ok(())
 }

@@ -1,0 +1,203 @@
+//! The Markdown table of a run: stasis against the peer pipeline, with ratios and targets.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::Args;
+use crate::peer::PeerCheckpoint;
+use crate::run::{RestoreRound, Results};
+
+/// Allowed over the staging bound: the daemon itself, pack buffers, uploads in flight.
+const RSS_SLACK: u64 = 256 << 20;
+
+struct Row {
+    name: &'static str,
+    /// One value per round (one for single measurements).
+    ours: Vec<f64>,
+    theirs: Vec<f64>,
+    /// Highest ratio ours / theirs that meets issue 3's target; `None` for figures shown only.
+    target: Option<f64>,
+}
+
+fn row(name: &'static str, ours: Vec<f64>, theirs: Vec<f64>, target: Option<f64>) -> Row {
+    Row { name, ours, theirs, target }
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn mib(bytes: f64) -> f64 {
+    bytes / f64::from(1u32 << 20)
+}
+
+/// A number in the `stats` object of the CLI's JSON.
+fn stat(v: &Value, key: &str) -> f64 {
+    v["stats"][key].as_u64().unwrap_or(0) as f64
+}
+
+impl Results {
+    fn rows(&self) -> Vec<Row> {
+        let (ck1, p1, rounds, restores) = (&self.ck1, &self.peer1, &self.rounds, &self.restores);
+        let ck = |f: &dyn Fn(&Value) -> f64| rounds.iter().map(|r| f(&r.ck)).collect::<Vec<_>>();
+        let peer = |f: &dyn Fn(&PeerCheckpoint) -> f64| rounds.iter().map(|r| f(&r.peer)).collect::<Vec<_>>();
+        let rs = |f: &dyn Fn(&RestoreRound) -> f64| restores.iter().map(f).collect::<Vec<_>>();
+        let up = || ck(&|c| mib(stat(c, "bytes_uploaded")));
+        let ck1_up = mib(stat(ck1, "bytes_uploaded"));
+        let bound = vec![mib((self.staging_bound + RSS_SLACK) as f64)];
+        vec![
+            row(
+                "frozen time, ms: 2nd vs `criu dump` to tmpfs",
+                ck(&|c| stat(c, "frozen_ms")),
+                peer(&|p| ms(p.dump)),
+                Some(1.2),
+            ),
+            row(
+                "time until durable, ms: 2nd vs dump + `tar \\| zstd` into the store",
+                ck(&|c| stat(c, "durable_ms")),
+                peer(&|p| ms(p.written)),
+                Some(0.4),
+            ),
+            row(
+                "bytes uploaded, MiB: 2nd vs the peer's tarball",
+                up(),
+                peer(&|p| mib(p.bytes as f64)),
+                Some(0.25),
+            ),
+            row(
+                "bytes uploaded, MiB: 2nd vs memory dirtied",
+                up(),
+                rounds.iter().map(|r| mib(r.dirtied as f64)).collect(),
+                Some(1.2),
+            ),
+            row("bytes uploaded, MiB: 2nd vs 1st", up(), vec![ck1_up; rounds.len()], Some(0.25)),
+            row(
+                "restore time, ms: `stasis restore` vs unpack to tmpfs + `criu restore`",
+                rs(&|r| ms(r.wall)),
+                rs(&|r| ms(r.peer.total)),
+                Some(1.0),
+            ),
+            row(
+                "stasisd peak RSS (checkpoints) vs staging bound + 256 MiB, MiB",
+                vec![mib(self.peak_rss as f64)],
+                bound.clone(),
+                Some(1.0),
+            ),
+            row(
+                "stasisd peak RSS (restores) vs staging bound + 256 MiB, MiB",
+                vec![mib(self.peak_rss_restore as f64)],
+                bound,
+                Some(1.0),
+            ),
+            row(
+                "(2nd) dump phase, ms: request to CRIU's exit vs `criu dump`",
+                ck(&|c| stat(c, "dump_ms")),
+                peer(&|p| ms(p.dump)),
+                None,
+            ),
+            row(
+                "(2nd) durable, ms: vs the peer with fsync of its tarball",
+                ck(&|c| stat(c, "durable_ms")),
+                peer(&|p| ms(p.fsynced)),
+                None,
+            ),
+            row(
+                "(restore) fetch, ms: vs `zstd -d \\| tar -x`",
+                rs(&|r| stat(&r.stasis, "fetch_ms")),
+                rs(&|r| ms(r.peer.unpack)),
+                None,
+            ),
+            row(
+                "(restore) CRIU, ms: stasisd's `criu restore` vs the peer's",
+                rs(&|r| stat(&r.stasis, "criu_ms")),
+                rs(&|r| ms(r.peer.total - r.peer.unpack)),
+                None,
+            ),
+            row(
+                "(restore) restored process's VmRSS, MiB",
+                rs(&|r| mib(r.rss as f64)),
+                rs(&|r| mib(r.peer_rss as f64)),
+                None,
+            ),
+            row("(1st) frozen time, ms", vec![stat(ck1, "frozen_ms")], vec![ms(p1.dump)], None),
+            row("(1st) time until durable, ms", vec![stat(ck1, "durable_ms")], vec![ms(p1.written)], None),
+            row("(1st) bytes uploaded, MiB", vec![ck1_up], vec![mib(p1.bytes as f64)], None),
+        ]
+    }
+
+    pub fn table(&self, args: &Args) -> String {
+        let dirtied: Vec<f64> = self.rounds.iter().map(|r| mib(r.dirtied as f64)).collect();
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "workload: {} MiB, {:.0}% random, {:.0}% compressible, {:.0}% zero; {:.0}% ({:.1} MiB) \
+             rewritten before each incremental checkpoint, in {} KiB blocks; staging bound {:.0} MiB; \
+             {} round(s) (stasis and peer order alternating), medians shown; {}\n",
+            args.rss_mib,
+            args.random * 100.0,
+            args.compressible * 100.0,
+            args.zero() * 100.0,
+            args.dirty * 100.0,
+            median(&dirtied),
+            args.dirty_block_kib,
+            mib(self.staging_bound as f64),
+            self.rounds.len(),
+            if args.no_settle { "measured back to back" } else { "machine settled before each step" },
+        );
+        out.push_str("| measure | stasis | peer / reference | ratio | ratio per round | target | |\n");
+        out.push_str("|---|---|---|---|---|---|---|\n");
+        for r in self.rows() {
+            let ratios: Vec<f64> = r.ours.iter().zip(&r.theirs).map(|(a, b)| a / b).collect();
+            let ratio = median(&ratios);
+            let per_round = if ratios.len() > 1 {
+                ratios.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(" / ")
+            } else {
+                String::new()
+            };
+            let (target, verdict) = match r.target {
+                Some(t) => (format!("≤ {t}"), if ratio <= t { "PASS" } else { "MISS" }),
+                None => (String::new(), ""),
+            };
+            let (ours, theirs) = (median(&r.ours), median(&r.theirs));
+            let _ = writeln!(
+                out,
+                "| {} | {ours:.1} | {theirs:.1} | {ratio:.3} | {per_round} | {target} | {verdict} |",
+                r.name
+            );
+        }
+        out.push('\n');
+        let mut cks = vec![("1st (stasis first)".to_string(), &self.ck1)];
+        for (i, r) in self.rounds.iter().enumerate() {
+            let order = if r.stasis_first { "stasis first" } else { "peer first" };
+            cks.push((format!("incremental {} ({order})", i + 1), &r.ck));
+        }
+        for (name, ck) in cks {
+            let _ = writeln!(
+                out,
+                "- {name}: {}, {:.1} MiB of pages, {} chunks ({} new, {} zero), {:.1} MiB uploaded; \
+                 frozen {} ms, durable {} ms",
+                ck["id"].as_str().unwrap_or("?"),
+                mib(stat(ck, "bytes_total")),
+                stat(ck, "chunks_total"),
+                stat(ck, "chunks_new"),
+                stat(ck, "chunks_zero"),
+                mib(stat(ck, "bytes_uploaded")),
+                stat(ck, "frozen_ms"),
+                stat(ck, "durable_ms"),
+            );
+        }
+        out
+    }
+}
