@@ -102,6 +102,13 @@ pub struct RestoreArgs {
     /// named go to the same UUID, or else to a free GPU of the same model.
     #[arg(long, value_name = "OLD=NEW", value_delimiter = ',')]
     pub gpu_map: Vec<String>,
+    /// Start the tree at once and bring its memory in from the store as it is touched (and
+    /// the rest in the background).
+    #[arg(long)]
+    pub lazy: bool,
+    /// With --lazy: return once the tree runs, before all of its memory is in.
+    #[arg(long, requires = "lazy")]
+    pub no_wait: bool,
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,

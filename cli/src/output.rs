@@ -50,6 +50,9 @@ pub fn restore_stats(s: &RestoreStats) -> Value {
         "criu_ms": s.criu_ms,
         "bytes_fetched": s.bytes_fetched,
         "gpu_restore_ms": s.gpu_restore_ms,
+        "lazy": s.lazy,
+        "first_run_ms": s.first_run_ms,
+        "resident_ms": s.resident_ms,
     })
 }
 

@@ -11,6 +11,8 @@
 //! keep_last = 3                             # checkpoints kept per workload (0: all)
 //! gc_grace_secs = 3600                      # age before an unreferenced pack is reclaimed
 //! store_retry_secs = 30                     # retries of a failing remote store request
+//! lazy_cache_mib = 1024                     # fetched memory a lazy restore holds ahead
+//! lazy_timeout_secs = 60                    # a lazy restore's wait for the store, then kill
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -25,6 +27,8 @@ pub const DEFAULT_CONFIG: &str = "/etc/stasis/stasisd.toml";
 pub const DEFAULT_KEEP_LAST: usize = 3;
 pub const DEFAULT_GC_GRACE_SECS: u64 = 3600;
 pub const DEFAULT_STORE_RETRY_SECS: u64 = 30;
+pub const DEFAULT_LAZY_CACHE_MIB: u64 = 1024;
+pub const DEFAULT_LAZY_TIMEOUT_SECS: u64 = 60;
 
 /// Where scripts/setup-criu.sh installs CRIU, relative to the source tree stasisd was built
 /// from (overridable at build time with STASIS_CRIU_PREFIX).
@@ -73,6 +77,13 @@ pub struct Args {
     /// (default 30: an evicted tree stays stopped while its checkpoint is stored).
     #[arg(long)]
     pub store_retry_secs: Option<u64>,
+    /// MiB of fetched, not yet served memory a lazy restore may hold (default 1024).
+    #[arg(long)]
+    pub lazy_cache_mib: Option<u64>,
+    /// Seconds a lazy restore waits for the store to deliver memory; after that the restored
+    /// tree is killed, since its memory cannot be completed (default 60).
+    #[arg(long)]
+    pub lazy_timeout_secs: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
@@ -95,6 +106,8 @@ struct FileConfig {
     keep_last: Option<usize>,
     gc_grace_secs: Option<u64>,
     store_retry_secs: Option<u64>,
+    lazy_cache_mib: Option<u64>,
+    lazy_timeout_secs: Option<u64>,
 }
 
 /// The settings in effect.
@@ -109,6 +122,8 @@ pub struct DaemonConfig {
     pub keep_last: usize,
     pub gc_grace_secs: u64,
     pub store_retry_secs: u64,
+    pub lazy_cache_mib: u64,
+    pub lazy_timeout_secs: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -148,6 +163,11 @@ impl DaemonConfig {
                 .store_retry_secs
                 .or(file.store_retry_secs)
                 .unwrap_or(DEFAULT_STORE_RETRY_SECS),
+            lazy_cache_mib: args.lazy_cache_mib.or(file.lazy_cache_mib).unwrap_or(DEFAULT_LAZY_CACHE_MIB),
+            lazy_timeout_secs: args
+                .lazy_timeout_secs
+                .or(file.lazy_timeout_secs)
+                .unwrap_or(DEFAULT_LAZY_TIMEOUT_SECS),
         })
     }
 }

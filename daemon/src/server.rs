@@ -11,7 +11,7 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tracing::info;
 
 use crate::config::DaemonConfig;
-use crate::engine::{Engine, EngineConfig, StartError};
+use crate::engine::{Engine, EngineConfig, LazySettings, StartError};
 use crate::grpc::{StasisServer, StasisService};
 
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +42,10 @@ pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
         keep_last: (config.keep_last > 0).then_some(config.keep_last),
         gc_grace: std::time::Duration::from_secs(config.gc_grace_secs),
         store_retry: std::time::Duration::from_secs(config.store_retry_secs),
+        lazy: LazySettings {
+            cache_bytes: config.lazy_cache_mib << 20,
+            timeout: std::time::Duration::from_secs(config.lazy_timeout_secs),
+        },
     })
     .await?;
     let listener = bind(&config.socket)?;

@@ -17,13 +17,18 @@ const BENIGN: &[&str] = &["Can't setup RLIMIT_NOFILE"];
 /// The last error lines of `dir/criu.log` followed by its last few lines; empty when there is
 /// no log.
 pub fn tail(dir: &Path) -> String {
-    select(&read_end(dir))
+    tail_of(&dir.join(super::LOG_FILE))
+}
+
+/// Like [`tail`], for the log file at `path`.
+pub fn tail_of(path: &Path) -> String {
+    select(&read_end(path))
 }
 
 /// The first error in `dir/criu.log` that is not a known harmless one, without its time
 /// stamp: usually the cause, where later errors are its consequences.
 pub fn first_error(dir: &Path) -> Option<String> {
-    read_end(dir).lines().find_map(|line| {
+    read_end(&dir.join(super::LOG_FILE)).lines().find_map(|line| {
         let line = line.trim();
         (is_error(line) && !line.contains("Warn  (") && !is_benign(line))
             .then(|| strip_timestamp(line).to_string())
@@ -41,8 +46,8 @@ fn strip_timestamp(line: &str) -> &str {
     }
 }
 
-fn read_end(dir: &Path) -> String {
-    let Ok(mut file) = File::open(dir.join(super::LOG_FILE)) else {
+fn read_end(path: &Path) -> String {
+    let Ok(mut file) = File::open(path) else {
         return String::new();
     };
     let len = file.metadata().map(|m| m.len()).unwrap_or(0);

@@ -6,6 +6,7 @@
 
 mod error;
 pub mod images;
+pub mod lazy;
 mod log;
 mod options;
 pub mod pageserver;
@@ -15,6 +16,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 
 pub use error::CriuError;
+pub use log::tail_of as log_tail_of;
 pub use options::{DumpSpec, RestoreSpec, TreeOptions};
 use stasis_proto::criu::{Request, RequestType};
 use swrk::Session;

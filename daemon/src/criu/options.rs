@@ -91,6 +91,8 @@ pub struct RestoreSpec {
     pub tree: TreeOptions,
     /// Descriptors handed to the restored tree in place of external resources.
     pub inherit_fds: Vec<(String, OwnedFd)>,
+    /// Leave the pages marked lazy to a running `criu lazy-pages` daemon on the same images.
+    pub lazy_pages: bool,
 }
 
 impl RestoreSpec {
@@ -99,6 +101,7 @@ impl RestoreSpec {
         // The restored root becomes our child (a sibling of CRIU), so stasisd reaps it.
         opts.rst_sibling = Some(true);
         opts.notify_scripts = Some(true);
+        opts.lazy_pages = Some(self.lazy_pages);
         self.tree.apply(&mut opts);
         opts.inherit_fd = self
             .inherit_fds

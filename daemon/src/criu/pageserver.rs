@@ -27,10 +27,10 @@ const IOV_HOLE: u32 = 2;
 const IOV_OPEN: u32 = 3;
 const IOV_OPEN2: u32 = 4;
 const IOV_PARENT: u32 = 5;
-const IOV_ADD_F: u32 = 6;
-const IOV_GET: u32 = 7;
-const IOV_CLOSE: u32 = 0x1023;
-const IOV_FORCE_CLOSE: u32 = 0x1024;
+pub(super) const IOV_ADD_F: u32 = 6;
+pub(super) const IOV_GET: u32 = 7;
+pub(super) const IOV_CLOSE: u32 = 0x1023;
+pub(super) const IOV_FORCE_CLOSE: u32 = 0x1024;
 
 /// Pagemap entry flags.
 pub const PE_PARENT: u32 = 1;
@@ -51,15 +51,30 @@ impl HeaderLayout {
         if (major, minor) >= (4, 2) { Self::Wide } else { Self::Narrow }
     }
 
-    fn len(self) -> usize {
+    pub(super) fn len(self) -> usize {
         match self {
             Self::Narrow => 24,
             Self::Wide => 32,
         }
     }
 
+    /// A header: command word, page count, address, destination.
+    pub(super) fn encode(self, cmd: u32, nr_pages: u64, vaddr: u64, dst_id: u64) -> Vec<u8> {
+        let mut h = cmd.to_ne_bytes().to_vec();
+        match self {
+            Self::Narrow => h.extend((nr_pages as u32).to_ne_bytes()),
+            Self::Wide => {
+                h.extend([0; 4]);
+                h.extend(nr_pages.to_ne_bytes());
+            }
+        }
+        h.extend(vaddr.to_ne_bytes());
+        h.extend(dst_id.to_ne_bytes());
+        h
+    }
+
     /// (command word, page count, address, destination) of a header.
-    fn parse(self, h: &[u8]) -> (u32, u64, u64, u64) {
+    pub(super) fn parse(self, h: &[u8]) -> (u32, u64, u64, u64) {
         let u32_at = |at: usize| u32::from_ne_bytes(h[at..at + 4].try_into().expect("4 bytes"));
         let u64_at = |at: usize| u64::from_ne_bytes(h[at..at + 8].try_into().expect("8 bytes"));
         match self {
@@ -70,7 +85,7 @@ impl HeaderLayout {
 }
 
 /// Largest run accepted in one command; CRIU sends at most a pipe's worth.
-const MAX_RUN_PAGES: u64 = 1 << 20;
+pub(super) const MAX_RUN_PAGES: u64 = 1 << 20;
 
 /// One run of pages as CRIU announced it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,6 +127,10 @@ pub enum PageServerError {
     BadRun { vaddr: u64, nr_pages: u64 },
     #[error("storing received pages failed")]
     Sink(#[source] io::Error),
+    #[error("CRIU's lazy-pages daemon closed the page-server connection without a goodbye")]
+    Hangup,
+    #[error("serving pages to CRIU failed")]
+    Source(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// Totals of one session.
@@ -171,13 +190,13 @@ pub fn serve<C: Read + Write>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// A scripted peer: what CRIU sends, and what we answer.
-    struct Wire {
-        input: io::Cursor<Vec<u8>>,
-        output: Vec<u8>,
+    pub struct Wire {
+        pub input: io::Cursor<Vec<u8>>,
+        pub output: Vec<u8>,
     }
 
     impl Read for Wire {
@@ -195,21 +214,12 @@ mod tests {
         }
     }
 
-    fn header(cmd: u32, nr_pages: u64, vaddr: u64, dst_id: u64) -> Vec<u8> {
-        let mut h = cmd.to_ne_bytes().to_vec();
-        h.extend([0; 4]);
-        for w in [nr_pages, vaddr, dst_id] {
-            h.extend(w.to_ne_bytes());
-        }
-        h
+    pub fn header(cmd: u32, nr_pages: u64, vaddr: u64, dst_id: u64) -> Vec<u8> {
+        HeaderLayout::Wide.encode(cmd, nr_pages, vaddr, dst_id)
     }
 
     fn narrow(cmd: u32, nr_pages: u32, vaddr: u64, dst_id: u64) -> Vec<u8> {
-        let mut h = cmd.to_ne_bytes().to_vec();
-        h.extend(nr_pages.to_ne_bytes());
-        h.extend(vaddr.to_ne_bytes());
-        h.extend(dst_id.to_ne_bytes());
-        h
+        HeaderLayout::Narrow.encode(cmd, u64::from(nr_pages), vaddr, dst_id)
     }
 
     #[test]

@@ -22,7 +22,7 @@ use super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
 use crate::criu::{DumpSpec, LOG_FILE, TreeOptions};
 use crate::linux::proc::{self, ProcStat};
 use crate::store::{Manifest, Staged};
-use stasis_proto::stasis::v1::{DumpOptions, GpuDevice};
+use stasis_proto::stasis::v1::{AddressRange, DumpOptions, GpuDevice};
 
 /// Which tree to checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,6 +76,7 @@ struct Dumped<'a> {
     gpu_devices: Vec<GpuDevice>,
     gpu_times: GpuTimes,
     gpu_bytes: u64,
+    gpu_host_memory: Vec<AddressRange>,
 }
 
 /// When the dump started and ended, and how long CRIU kept the tree frozen.
@@ -195,6 +196,7 @@ impl Engine {
         let gpu_pids = suspended.as_ref().map(|s| s.pids.clone()).unwrap_or_default();
         let gpu_devices = suspended.as_ref().map(|s| s.devices.clone()).unwrap_or_default();
         let gpu_bytes = suspended.as_ref().map(|s| s.bytes).unwrap_or_default();
+        let gpu_host_memory = suspended.as_ref().map(|s| s.host_memory.clone()).unwrap_or_default();
         let gpu_times = GpuTimes {
             restore_ms: gpu_restore_ms,
             ..suspended.as_ref().map(|s| s.times).unwrap_or_default()
@@ -210,6 +212,7 @@ impl Engine {
             gpu_devices,
             gpu_times,
             gpu_bytes,
+            gpu_host_memory,
         };
         let stored = self.store_checkpoint(dumped, work.path(), &progress).await;
         let mut stats = match stored {
@@ -258,6 +261,7 @@ impl Engine {
             gpu_devices,
             gpu_times,
             gpu_bytes,
+            gpu_host_memory,
         } = dumped;
         let store_err = |source| CheckpointError::Store { id: id.into(), source: Box::new(source) };
         self.state
@@ -305,6 +309,7 @@ impl Engine {
             memory: stored.memory,
             gpu_pids: gpu_pids.to_vec(),
             gpus: gpu_devices,
+            gpu_host_memory,
             cuda_driver: self.gpu.as_ref().map(|g| g.driver_version()).unwrap_or_default(),
             stats: Some(stats),
         };

@@ -153,6 +153,22 @@ pub enum RestoreError {
     },
     #[error("stasisd is shutting down; no new jobs are accepted")]
     ShuttingDown,
+    #[error("lazy restore of checkpoint {id} could not start; nothing was restored")]
+    LazyStart {
+        id: String,
+        #[source]
+        source: super::lazy::LazyError,
+    },
+    #[error(
+        "lazy restore of checkpoint {id} failed before all memory arrived; the restored tree \
+         (pid {pid}) was killed"
+    )]
+    Lazy {
+        id: String,
+        pid: i32,
+        #[source]
+        source: super::lazy::LazyError,
+    },
 }
 
 /// `list`, `show` or `delete` failed.

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
-use stasis_proto::stasis::v1::GpuDevice;
+use stasis_proto::stasis::v1::{AddressRange, GpuDevice};
 
 use super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
 use crate::cuda::{self, CudaError, GpuCheckpointer, ProcessState};
@@ -71,7 +71,9 @@ pub struct Suspended {
     /// Device memory moved into host memory.
     pub bytes: u64,
     /// The GPUs the processes had open.
-    pub devices: Vec<stasis_proto::stasis::v1::GpuDevice>,
+    pub devices: Vec<GpuDevice>,
+    /// Host memory the checkpoints created to hold device memory (see [`new_ranges`]).
+    pub host_memory: Vec<AddressRange>,
 }
 
 /// Locks and checkpoints every process of `pids` (those using CUDA). On failure everything
@@ -90,15 +92,42 @@ pub fn suspend(gpu: &Arc<dyn GpuCheckpointer>, pids: &[i32]) -> Result<Suspended
     done.times.lock_ms = started.elapsed().as_millis() as u64;
     let started = Instant::now();
     for &pid in pids {
+        let before = proc::private_writable_ranges(pid).unwrap_or_default();
         if let Err(source) = gpu.checkpoint(pid) {
             rollback(gpu, &done.pids, &locked);
             return Err(GpuError::Suspend { pid, source });
         }
         done.pids.push(pid);
+        let after = proc::private_writable_ranges(pid).unwrap_or_default();
+        let added = new_ranges(&after, &before);
+        done.host_memory.extend(added.into_iter().map(|(start, end)| AddressRange { pid, start, end }));
     }
     done.times.checkpoint_ms = started.elapsed().as_millis() as u64;
     info!(pids = ?done.pids, ?done.times, "GPU state moved to host memory");
     Ok(done)
+}
+
+/// The parts of `after` not covered by `before` (both sorted, non-overlapping `[start, end)`
+/// ranges): the mappings a CUDA checkpoint added to hold device memory. A lazy restore brings
+/// these in eagerly, because `cuCheckpointProcessRestore` reads all of them at once and a
+/// fault per page there would be slow (correct, but slow).
+pub fn new_ranges(after: &[(u64, u64)], before: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    for &(mut start, end) in after {
+        for &(b_start, b_end) in before {
+            if b_end <= start || b_start >= end {
+                continue;
+            }
+            if b_start > start {
+                out.push((start, b_start));
+            }
+            start = start.max(b_end);
+        }
+        if start < end {
+            out.push((start, end));
+        }
+    }
+    out
 }
 
 /// Puts device memory back and unlocks each process (after a dump that lets the tree run on,
@@ -211,6 +240,15 @@ mod tests {
 
     use super::*;
     use crate::cuda::GpuInfo;
+
+    #[test]
+    fn new_ranges_are_what_the_checkpoint_added() {
+        // A new mapping, one that grew an existing one at both ends, and one left as it was.
+        let before = [(0x1000, 0x2000), (0x5000, 0x6000), (0x9000, 0xa000)];
+        let after = [(0x1000, 0x2000), (0x3000, 0x4000), (0x4000, 0x7000), (0x9000, 0xa000)];
+        assert_eq!(new_ranges(&after, &before), vec![(0x3000, 0x4000), (0x4000, 0x5000), (0x6000, 0x7000)]);
+        assert!(new_ranges(&before, &before).is_empty());
+    }
 
     /// A driver that records calls and fails the checkpoint of one pid.
     #[derive(Default)]

@@ -11,6 +11,7 @@ mod gpu;
 mod gpu_map;
 mod ids;
 mod inspect;
+mod lazy;
 mod query;
 mod restore;
 mod run;
@@ -24,6 +25,7 @@ use std::sync::Arc;
 pub use checkpoint::{CheckpointOutcome, CheckpointParams, CheckpointStats, Target};
 pub use error::{CheckpointError, QueryError, RestoreError, RunError, StartError};
 pub use ids::{now_unix_ms, valid_checkpoint_id};
+pub use lazy::LazyError;
 pub use query::{CheckpointSummary, StatusReport};
 pub use restore::{RestoreOutcome, RestoreParams, RestoreStats, RestoreTarget};
 pub use run::{RunOutcome, RunParams};
@@ -54,6 +56,17 @@ pub struct EngineConfig {
     pub gc_grace: std::time::Duration,
     /// How long requests to a remote store are retried before they fail.
     pub store_retry: std::time::Duration,
+    /// How lazy restores fetch memory.
+    pub lazy: LazySettings,
+}
+
+/// How lazy restores fetch memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LazySettings {
+    /// Bytes of fetched memory not yet served that a lazy restore may hold.
+    pub cache_bytes: u64,
+    /// How long a lazy restore waits for the store before it kills the tree.
+    pub timeout: std::time::Duration,
 }
 
 /// A progress report of a long operation.
@@ -79,6 +92,7 @@ pub struct Engine {
     staging_limit: u64,
     keep_last: Option<usize>,
     gc_grace: std::time::Duration,
+    lazy: LazySettings,
     /// The NVIDIA driver's checkpoint API, when a driver is installed.
     gpu: Option<Arc<dyn GpuCheckpointer>>,
     /// One job at a time per workload.
@@ -132,6 +146,7 @@ impl Engine {
             gpu: load_gpu(),
             keep_last: config.keep_last,
             gc_grace: config.gc_grace,
+            lazy: config.lazy,
             workload_locks: Default::default(),
         };
         engine.recover().await;

@@ -21,9 +21,10 @@ use super::{Engine, ProgressFn, ProgressUpdate, RestoreError};
 use crate::cuda::GpuUuid;
 use std::os::fd::OwnedFd;
 
+use super::lazy::LazySession;
 use crate::criu::RestoreSpec;
 use crate::linux::pty;
-use crate::store::Manifest;
+use crate::store::{Manifest, MemoryMode};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RestoreTarget {
@@ -32,11 +33,26 @@ pub enum RestoreTarget {
     Workload(String),
 }
 
-#[derive(Debug, Clone)]
 pub struct RestoreParams {
     pub target: RestoreTarget,
     /// GPUs to move the checkpoint's GPU state to: (checkpoint GPU, this node's GPU).
     pub gpu_map: Vec<(GpuUuid, GpuUuid)>,
+    /// Run the tree before its memory is local (see `engine/lazy.rs`).
+    pub lazy: bool,
+    /// Called once a lazily restored tree runs, before its memory is all in; for callers
+    /// that do not wait until it is.
+    pub on_running: Option<Box<dyn FnOnce(RestoreOutcome) + Send>>,
+}
+
+impl std::fmt::Debug for RestoreParams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RestoreParams")
+            .field("target", &self.target)
+            .field("gpu_map", &self.gpu_map)
+            .field("lazy", &self.lazy)
+            .field("on_running", &self.on_running.is_some())
+            .finish()
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -47,6 +63,11 @@ pub struct RestoreStats {
     pub criu_ms: u64,
     pub bytes_fetched: u64,
     pub gpu_restore_ms: u64,
+    /// From request until the tree runs.
+    pub first_run_ms: u64,
+    /// From request until every page is resident.
+    pub resident_ms: u64,
+    pub lazy: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -113,32 +134,77 @@ impl Engine {
             let progress = progress.clone();
             Arc::new(move |done, total| progress(ProgressUpdate { phase: "download", done, total }))
         };
+        // Packs stay out of garbage collection's reach until every page is in.
         let guard = self.store.begin_commit().await;
-        let bytes_fetched = self.store.materialize(&manifest, work.path(), report).await?;
-        drop(guard);
+        let mode = match params.lazy {
+            true => MemoryMode::Lazy { eager: &manifest.gpu_host_memory },
+            false => MemoryMode::Eager,
+        };
+        let (bytes_fetched, memory) = self.store.materialize_as(&manifest, work.path(), mode, report).await?;
         let fetched = Instant::now();
+        let session = match memory.is_empty() {
+            true => None,
+            false => Some(
+                self.start_lazy(&manifest, work.path(), memory)
+                    .await
+                    .map_err(|source| RestoreError::LazyStart { id: id.clone(), source })?,
+            ),
+        };
 
         progress(ProgressUpdate { phase: "restore", done: 0, total: 0 });
         let tree = tree_options(&manifest.options.clone().unwrap_or_default());
         let inherit_fds =
             self.replacement_terminals(&manifest.workload, &tree.external).map_err(local("terminal"))?;
-        let spec = RestoreSpec { images_dir: work.path().to_path_buf(), tree, inherit_fds };
+        let images_dir = work.path().to_path_buf();
+        let spec = RestoreSpec { images_dir, tree, inherit_fds, lazy_pages: session.is_some() };
+        session.iter().for_each(LazySession::arm);
         let criu = self.criu.clone();
         let restored = tokio::task::spawn_blocking(move || criu.restore(&spec))
             .await
-            .map_err(|e| local("restore thread")(std::io::Error::other(e)))?;
-        let pid = restored.map_err(|source| RestoreError::Criu { id: id.clone(), source })?;
-        let gpu_restore_ms = self.reattach_gpu(&manifest, gpu_pairs, &progress).await?;
-        let stats = RestoreStats {
-            restore_ms: started.elapsed().as_millis() as u64,
+            .map_err(|e| local("restore thread")(std::io::Error::other(e)))
+            .and_then(|r| r.map_err(|source| RestoreError::Criu { id: id.clone(), source }));
+        let restored = match restored {
+            Ok(pid) => self.reattach_gpu(&manifest, gpu_pairs, &progress).await.map(|ms| (pid, ms)),
+            Err(e) => Err(e),
+        };
+        let (pid, gpu_restore_ms) = match restored {
+            Ok(r) => r,
+            Err(e) => {
+                if let Some(session) = session {
+                    session.abort();
+                }
+                return Err(e);
+            }
+        };
+        let first_run_ms = started.elapsed().as_millis() as u64;
+        let mut stats = RestoreStats {
+            restore_ms: first_run_ms,
             fetch_ms: (fetched - started).as_millis() as u64,
             criu_ms: fetched.elapsed().as_millis() as u64,
             bytes_fetched,
             gpu_restore_ms,
+            first_run_ms,
+            resident_ms: first_run_ms,
+            lazy: params.lazy,
         };
         self.remember_restore(&manifest, pid).map_err(local("workload registry update"))?;
+        let outcome =
+            |stats| RestoreOutcome { id: id.clone(), workload: manifest.workload.clone(), pid, stats };
+        if let Some(session) = session {
+            info!(checkpoint = %id, pid, first_run_ms, "lazily restored tree runs");
+            if let Some(notify) = params.on_running {
+                notify(outcome(stats.clone()));
+            }
+            let lazy_bytes = session
+                .finish(self, &manifest, &progress)
+                .await
+                .map_err(|source| RestoreError::Lazy { id: id.clone(), pid, source })?;
+            stats.bytes_fetched += lazy_bytes;
+            stats.resident_ms = started.elapsed().as_millis() as u64;
+        }
+        drop(guard);
         info!(checkpoint = %id, workload = %manifest.workload, pid, ?stats, "restored");
-        Ok(RestoreOutcome { id, workload: manifest.workload, pid, stats })
+        Ok(outcome(stats))
     }
 
     /// Puts the device memory of the restored CUDA processes back and unlocks them. On failure

@@ -14,20 +14,8 @@ use crate::engine::{
 };
 use crate::store::{GcReport, StoreError};
 
-/// The error and all its sources, one per line where the source spans lines (CRIU's log).
-fn message(err: &dyn Error) -> String {
-    let mut out = err.to_string();
-    let mut source = err.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
-}
-
 fn status(code: Code, err: &dyn Error) -> Status {
-    Status::new(code, message(err))
+    Status::new(code, crate::error_chain(err))
 }
 
 fn store_code(e: &StoreError) -> Code {
@@ -82,6 +70,8 @@ impl From<RestoreError> for Status {
             RestoreError::Gpu { .. } => Code::Internal,
             RestoreError::GpuPlacement { .. } => Code::FailedPrecondition,
             RestoreError::Local { .. } => Code::Internal,
+            RestoreError::LazyStart { .. } => Code::Internal,
+            RestoreError::Lazy { .. } => Code::Aborted,
         };
         status(code, &e)
     }
@@ -155,7 +145,7 @@ impl TryFrom<pb::RestoreRequest> for RestoreParams {
             }
         };
         let gpu_map = r.gpu_map.iter().map(|pair| parse_gpu_pair(pair)).collect::<Result<_, _>>()?;
-        Ok(Self { target, gpu_map })
+        Ok(Self { target, gpu_map, lazy: r.lazy, on_running: None })
     }
 }
 
@@ -198,6 +188,9 @@ impl From<RestoreOutcome> for pb::RestoreResult {
                 criu_ms: s.criu_ms,
                 bytes_fetched: s.bytes_fetched,
                 gpu_restore_ms: s.gpu_restore_ms,
+                first_run_ms: s.first_run_ms,
+                resident_ms: s.resident_ms,
+                lazy: s.lazy,
             }),
         }
     }

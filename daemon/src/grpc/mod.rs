@@ -96,8 +96,18 @@ impl Stasis for StasisService {
         req: Request<pb::RestoreRequest>,
     ) -> Result<Response<Self::RestoreStream>, Status> {
         use pb::restore_event::Event;
-        let params = req.into_inner().try_into()?;
+        let mut params: crate::engine::RestoreParams = req.into_inner().try_into()?;
         let (tx, rx) = mpsc::unbounded_channel();
+        let running = tx.clone();
+        params.on_running = Some(Box::new(move |o| {
+            let event = pb::RestoreRunning {
+                id: o.id,
+                workload: o.workload,
+                pid: o.pid,
+                first_run_ms: o.stats.first_run_ms,
+            };
+            let _ = running.send(Ok(pb::RestoreEvent { event: Some(Event::Running(event)) }));
+        }));
         let progress = progress_sender(tx.clone(), |p| pb::RestoreEvent { event: Some(Event::Progress(p)) });
         let engine = self.engine.clone();
         tokio::spawn(async move {

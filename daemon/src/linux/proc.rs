@@ -136,6 +136,27 @@ pub fn mapped_paths(pid: i32) -> Vec<String> {
     paths
 }
 
+/// The writable private mappings of `pid` (anonymous or file-backed), as `[start, end)`
+/// address ranges in ascending order, from `/proc/PID/maps`.
+pub fn private_writable_ranges(pid: i32) -> io::Result<Vec<(u64, u64)>> {
+    Ok(parse_private_writable(&fs::read_to_string(format!("/proc/{pid}/maps"))?))
+}
+
+/// Parses `/proc/PID/maps` lines like `7f00-7f80 rw-p 00000000 00:00 0`.
+pub fn parse_private_writable(text: &str) -> Vec<(u64, u64)> {
+    text.lines()
+        .filter_map(|line| {
+            let mut cols = line.split_whitespace();
+            let (range, perms) = (cols.next()?, cols.next()?.as_bytes());
+            if perms.get(1) != Some(&b'w') || perms.get(3) != Some(&b'p') {
+                return None;
+            }
+            let (start, end) = range.split_once('-')?;
+            Some((u64::from_str_radix(start, 16).ok()?, u64::from_str_radix(end, 16).ok()?))
+        })
+        .collect()
+}
+
 /// Socket inodes of TCP connections in ESTABLISHED state, as seen from `pid`'s network
 /// namespace.
 pub fn established_tcp_inodes(pid: i32) -> io::Result<HashSet<u64>> {
@@ -203,6 +224,18 @@ pub fn signal_all(pids: &[i32], signal: nix::sys::signal::Signal) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn private_writable_mappings_are_picked_from_maps() {
+        let maps = "00400000-00452000 r-xp 00000000 08:02 173521 /usr/bin/prog\n\
+                    00651000-00652000 rw-p 00051000 08:02 173521 /usr/bin/prog\n\
+                    7f0000000000-7f0000100000 rw-p 00000000 00:00 0\n\
+                    7f0000200000-7f0000300000 rw-s 00000000 00:05 99 /dev/zero (deleted)\n";
+        assert_eq!(
+            parse_private_writable(maps),
+            vec![(0x651000, 0x652000), (0x7f0000000000, 0x7f0000100000)]
+        );
+    }
 
     #[test]
     fn stat_parses_names_with_spaces_and_parens() {

@@ -83,6 +83,18 @@ impl Reaper {
         exits.remove(&pid)
     }
 
+    /// Waits until `pid` (a child of ours) has exited and returns how.
+    pub async fn wait_exit(&self, pid: i32) -> ExitKind {
+        loop {
+            let notified = self.inner.changed.notified();
+            self.reap_all();
+            if let Some(kind) = self.take_exit(pid) {
+                return kind;
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(100), notified).await;
+        }
+    }
+
     /// Waits until none of `pids` is a zombie waiting to be reaped by us, or `timeout` passes.
     /// Returns the pids still present (running, or zombies of another parent).
     pub async fn wait_gone(&self, pids: &[i32], timeout: Duration) -> Vec<i32> {

@@ -13,9 +13,11 @@ use futures::{StreamExt, TryStreamExt};
 use stasis_proto::stasis::v1::{ChunkRef, Codec};
 
 use super::index::{ChunkHash, ChunkLoc};
+use super::lazy::{LazyChunk, LazyMemory};
 use super::{Manifest, Progress, Store, StoreError};
 use crate::criu::images::{pagemap_file_name, pages_file_name, write_pagemap};
-use crate::criu::pageserver::PageRun;
+use crate::criu::pageserver::{PE_LAZY, PageRun};
+use stasis_proto::stasis::v1::AddressRange;
 
 /// Packs fetched at the same time.
 const PACKS_IN_FLIGHT: usize = 8;
@@ -28,6 +30,31 @@ struct Placement {
     offset: u64,
 }
 
+/// Which memory a restore leaves in the store, to be served on demand.
+#[derive(Debug, Clone, Copy)]
+pub enum MemoryMode<'a> {
+    /// None: every page is written into the images directory.
+    Eager,
+    /// The pages CRIU may restore lazily (private anonymous memory of tasks), except those in
+    /// `eager` (the host copies of device memory, which the CUDA restore reads at once).
+    Lazy { eager: &'a [AddressRange] },
+}
+
+impl MemoryMode<'_> {
+    fn leaves_lazy(&self, dst_id: u64, run: &PageRun) -> bool {
+        let Self::Lazy { eager } = self else { return false };
+        let pid = dst_id >> 8;
+        let end = run.vaddr + run.byte_len();
+        dst_id & 0xff == PS_TYPE_TASK
+            && run.flags & PE_LAZY != 0
+            && run.has_data()
+            && !eager.iter().any(|r| r.pid as u64 == pid && r.start < end && r.end > run.vaddr)
+    }
+}
+
+/// CRIU's pagemap type of a task's memory (the low byte of a pagemap id).
+const PS_TYPE_TASK: u64 = 1;
+
 impl Store {
     /// Writes the images of `manifest` into `dir`. Returns the bytes fetched from the store.
     pub async fn materialize(
@@ -36,6 +63,19 @@ impl Store {
         dir: &Path,
         progress: Progress,
     ) -> Result<u64, StoreError> {
+        Ok(self.materialize_as(manifest, dir, MemoryMode::Eager, progress).await?.0)
+    }
+
+    /// Writes the images of `manifest` into `dir`, leaving the memory `mode` names in the
+    /// store: pagemaps mark it lazy and no pages file holds it. Returns the bytes fetched and
+    /// the memory left behind.
+    pub async fn materialize_as(
+        &self,
+        manifest: &Manifest,
+        dir: &Path,
+        mode: MemoryMode<'_>,
+        progress: Progress,
+    ) -> Result<(u64, LazyMemory), StoreError> {
         self.refresh_index().await?;
         let id = manifest.id.as_str();
         let corrupt =
@@ -50,8 +90,8 @@ impl Store {
                 return Err(corrupt(&file.name, "the manifest names an unsafe file path".into()));
             }
             let path = dir.join(&file.name);
-            let out = create_sized(&path, file.size).map_err(local(&path))?;
-            let placed = self.place(id, &file.name, &file.chunks, out, &mut plan)?;
+            let out = Arc::new(create_sized(&path, file.size).map_err(local(&path))?);
+            let placed = self.place(id, &file.name, &file.chunks, &out, 0, &mut plan)?;
             if placed != file.size {
                 return Err(corrupt(
                     &file.name,
@@ -59,30 +99,50 @@ impl Store {
                 ));
             }
         }
+        let mut lazy = LazyMemory::new(id);
         for (i, image) in manifest.memory.iter().enumerate() {
             let name = pagemap_file_name(image.dst_id)
                 .ok_or_else(|| corrupt("memory", format!("unknown pagemap id {:#x}", image.dst_id)))?;
             let pages_id = i as u32 + 1;
-            let runs: Vec<PageRun> = image
-                .runs
-                .iter()
-                .map(|r| PageRun {
-                    dst_id: image.dst_id,
-                    vaddr: r.vaddr,
-                    nr_pages: r.nr_pages,
-                    flags: r.flags,
-                })
-                .collect();
-            let present: u64 = runs.iter().filter(|r| r.has_data()).map(PageRun::byte_len).sum();
+            let pages = dir.join(pages_file_name(pages_id));
+            let out = Arc::new(create_sized(&pages, 0).map_err(local(&pages))?);
+            let (mut chunks, mut written) = (image.chunks.as_slice(), 0u64);
+            let mut runs = Vec::with_capacity(image.runs.len());
+            for r in &image.runs {
+                let mut run =
+                    PageRun { dst_id: image.dst_id, vaddr: r.vaddr, nr_pages: r.nr_pages, flags: r.flags };
+                if run.has_data() {
+                    let n = chunks_covering(chunks, run.byte_len())
+                        .ok_or_else(|| corrupt(&name, format!("chunks do not cut at {:#x}", run.vaddr)))?;
+                    let (mine, rest) = chunks.split_at(n);
+                    chunks = rest;
+                    if mode.leaves_lazy(image.dst_id, &run) {
+                        let resolved: Result<Vec<LazyChunk>, StoreError> = mine
+                            .iter()
+                            .map(|c| {
+                                Ok(LazyChunk {
+                                    stored: self.resolve(id, &name, c)?,
+                                    len: c.len,
+                                    fresh: c.fresh,
+                                })
+                            })
+                            .collect();
+                        lazy.push_run(image.dst_id >> 8, run.vaddr, resolved?);
+                        run.flags = PE_LAZY;
+                    } else {
+                        written += self.place(id, &name, mine, &out, written, &mut plan)?;
+                    }
+                }
+                runs.push(run);
+            }
+            if !chunks.is_empty() {
+                return Err(corrupt(&name, "chunks hold more bytes than its pages".into()));
+            }
+            out.set_len(written).map_err(local(&pages))?;
             let pagemap = dir.join(&name);
             write_pagemap(&pagemap, pages_id, &runs).map_err(local(&pagemap))?;
-            let pages = dir.join(pages_file_name(pages_id));
-            let out = create_sized(&pages, present).map_err(local(&pages))?;
-            let placed = self.place(id, &name, &image.chunks, out, &mut plan)?;
-            if placed != present {
-                return Err(corrupt(&name, format!("chunks hold {placed} bytes, its pages {present}")));
-            }
         }
+        lazy.finish();
 
         let total: u64 = plan.values().flatten().map(|p| u64::from(p.loc.stored_len)).sum();
         let fetched = Arc::new(AtomicU64::new(0));
@@ -99,32 +159,47 @@ impl Store {
             .buffer_unordered(PACKS_IN_FLIGHT)
             .try_collect::<()>()
             .await?;
-        Ok(fetched.load(Ordering::Relaxed))
+        Ok((fetched.load(Ordering::Relaxed), lazy))
     }
 
-    /// Resolves `chunks` to pack locations, to be written consecutively into `file`; returns
-    /// the bytes they cover. Zero chunks need no fetch: the file is created zero-filled.
+    /// Where chunk `chunk` of `what` is stored; `None` for a zero chunk.
+    pub(super) fn resolve(
+        &self,
+        id: &str,
+        what: &str,
+        chunk: &ChunkRef,
+    ) -> Result<Option<(ChunkHash, ChunkLoc)>, StoreError> {
+        if chunk.hash.is_empty() {
+            return Ok(None);
+        }
+        let hash = ChunkHash::try_from(chunk.hash.as_slice()).map_err(|_| StoreError::Corrupt {
+            id: id.into(),
+            file: what.into(),
+            reason: "a chunk reference has a malformed hash".into(),
+        })?;
+        let loc = self
+            .index
+            .get(&hash)
+            .filter(|l| l.len == chunk.len)
+            .ok_or_else(|| StoreError::MissingChunk { id: id.into(), chunk: hex::encode(hash) })?;
+        Ok(Some((hash, loc)))
+    }
+
+    /// Resolves `chunks` to pack locations, to be written consecutively into `file` from
+    /// `start` on; returns the bytes they cover. Zero chunks need no fetch: files are created
+    /// zero-filled.
     fn place(
         &self,
         id: &str,
         what: &str,
         chunks: &[ChunkRef],
-        file: File,
+        file: &Arc<File>,
+        start: u64,
         plan: &mut HashMap<Arc<str>, Vec<Placement>>,
     ) -> Result<u64, StoreError> {
-        let file = Arc::new(file);
-        let mut offset = 0u64;
+        let mut offset = start;
         for chunk in chunks {
-            if !chunk.hash.is_empty() {
-                let hash = ChunkHash::try_from(chunk.hash.as_slice()).map_err(|_| StoreError::Corrupt {
-                    id: id.into(),
-                    file: what.into(),
-                    reason: "a chunk reference has a malformed hash".into(),
-                })?;
-                let loc =
-                    self.index.get(&hash).filter(|l| l.len == chunk.len).ok_or_else(|| {
-                        StoreError::MissingChunk { id: id.into(), chunk: hex::encode(hash) }
-                    })?;
+            if let Some((hash, loc)) = self.resolve(id, what, chunk)? {
                 plan.entry(loc.pack.clone()).or_default().push(Placement {
                     loc,
                     hash,
@@ -134,18 +209,14 @@ impl Store {
             }
             offset += u64::from(chunk.len);
         }
-        Ok(offset)
+        Ok(offset - start)
     }
 
     /// Fetches the chunks of one pack with range reads and writes them in place.
     async fn fetch_pack(&self, id: &str, pack: &str, placements: Vec<Placement>) -> Result<u64, StoreError> {
-        let key = self.pack_key(pack);
         let ranges: Vec<std::ops::Range<u64>> =
             placements.iter().map(|p| p.loc.offset..p.loc.offset + u64::from(p.loc.stored_len)).collect();
-        let blobs = match self.backend.get_ranges(&key, &ranges).await {
-            Ok(b) => b,
-            Err(source) => return Err(self.explain_fetch_failure(id, pack, &ranges, source).await),
-        };
+        let blobs = self.read_ranges(id, pack, &ranges).await?;
         let fetched: u64 = blobs.iter().map(|b| b.len() as u64).sum();
         let (id, pack) = (id.to_string(), pack.to_string());
         tokio::task::spawn_blocking(move || {
@@ -156,17 +227,7 @@ impl Store {
                     pack: pack.clone(),
                     reason: reason.into(),
                 };
-                if blob.len() != p.loc.stored_len as usize {
-                    return Err(bad("the pack is truncated"));
-                }
-                let data = match p.loc.codec {
-                    Codec::Raw => blob.to_vec(),
-                    Codec::Zstd => zstd::bulk::decompress(blob, p.loc.len as usize)
-                        .map_err(|_| bad("it does not decompress"))?,
-                };
-                if data.len() != p.loc.len as usize || blake3::hash(&data).as_bytes() != &p.hash {
-                    return Err(bad("its content does not match its hash"));
-                }
+                let data = decode_chunk(blob, &p.loc, &p.hash).map_err(bad)?;
                 p.file
                     .write_all_at(&data, p.offset)
                     .map_err(|source| StoreError::Local { path: "image file".into(), source })?;
@@ -179,6 +240,19 @@ impl Store {
 }
 
 impl Store {
+    /// Reads `ranges` of pack `pack` (for checkpoint `id`); a failure names what is wrong.
+    pub(super) async fn read_ranges(
+        &self,
+        id: &str,
+        pack: &str,
+        ranges: &[std::ops::Range<u64>],
+    ) -> Result<Vec<bytes::Bytes>, StoreError> {
+        match self.backend.get_ranges(&self.pack_key(pack), ranges).await {
+            Ok(blobs) => Ok(blobs),
+            Err(source) => Err(self.explain_fetch_failure(id, pack, ranges, source).await),
+        }
+    }
+
     /// Names what is wrong when reading ranges of a pack failed: a missing pack, a pack
     /// shorter than its index says (truncated), or the backend's own error.
     async fn explain_fetch_failure(
@@ -202,6 +276,35 @@ impl Store {
             _ => StoreError::Backend { key: key.to_string(), source },
         }
     }
+}
+
+/// A fetched chunk's bytes: decompressed and checked against its hash; the error says why not.
+pub(super) fn decode_chunk(blob: &[u8], loc: &ChunkLoc, hash: &ChunkHash) -> Result<Vec<u8>, &'static str> {
+    if blob.len() != loc.stored_len as usize {
+        return Err("the pack is truncated");
+    }
+    let data = match loc.codec {
+        Codec::Raw => blob.to_vec(),
+        Codec::Zstd => {
+            zstd::bulk::decompress(blob, loc.len as usize).map_err(|_| "it does not decompress")?
+        }
+    };
+    if data.len() != loc.len as usize || blake3::hash(&data).as_bytes() != hash {
+        return Err("its content does not match its hash");
+    }
+    Ok(data)
+}
+
+/// How many of the first `chunks` hold exactly `len` bytes; `None` if they do not cut there.
+fn chunks_covering(chunks: &[ChunkRef], len: u64) -> Option<usize> {
+    let mut sum = 0u64;
+    for (i, c) in chunks.iter().enumerate() {
+        if sum == len {
+            return Some(i);
+        }
+        sum += u64::from(c.len);
+    }
+    (sum == len).then_some(chunks.len())
 }
 
 fn create_sized(path: &Path, size: u64) -> std::io::Result<File> {

@@ -92,6 +92,7 @@ impl<'a> ChunkWriter<'a> {
             for (i, hash) in hashes.iter().enumerate() {
                 self.stats.chunks_total += 1;
                 self.stats.bytes_total += batch[i].len() as u64;
+                let new_to_store = hash.is_some_and(|h| !self.index.contains(&h));
                 match hash {
                     None => self.stats.chunks_zero += 1,
                     Some(h) if self.index.contains(h) || self.packed.contains(h) => {}
@@ -103,6 +104,7 @@ impl<'a> ChunkWriter<'a> {
                 refs.push(ChunkRef {
                     hash: hash.map(|h| h.to_vec()).unwrap_or_default(),
                     len: batch[i].len() as u32,
+                    fresh: new_to_store,
                 });
             }
             let compressed: Vec<(usize, Codec, Vec<u8>)> = fresh

@@ -19,6 +19,8 @@ mod chunks;
 pub mod envelope;
 mod gc;
 mod index;
+mod lazy;
+mod prefetch;
 mod staging;
 mod upload;
 
@@ -29,10 +31,13 @@ use object_store::path::Path as ObjPath;
 use object_store::{ObjectStore, PutPayload};
 use tracing::warn;
 
+pub use assemble::MemoryMode;
 pub use backend::OpenStoreError;
 pub use chunks::{CHUNK, ChunkStats};
 pub use envelope::EnvelopeError;
 pub use gc::{GcReport, Retention};
+pub use lazy::LazyMemory;
+pub use prefetch::{LazyFetch, LazyFetchError, LazyReader};
 pub use staging::{Staged, Staging};
 pub use stasis_proto::stasis::v1::Manifest;
 pub use upload::StoredDump;

@@ -1,0 +1,202 @@
+//! The lazy ("hot") part of a restore: the tree runs before its memory is local.
+//!
+//! ```text
+//! images written, lazy memory left in the store
+//!   -> prefetcher + page server (ours) + `criu lazy-pages` started
+//!   -> CRIU restore with lazy pages -> GPU restore -> the tree runs      (first_run_ms)
+//!   -> pages arrive on fault and in the background
+//!   -> the lazy-pages daemon exits 0: every page is resident            (resident_ms)
+//! ```
+//! GPU trees: the CUDA restore copies the host copies of device memory back to the GPU all
+//! at once, right after CRIU's restore, so those must be in memory first. The checkpoint
+//! recorded where they are (the mappings the CUDA checkpoint added, `gpu_host_memory` in the
+//! manifest) and [`MemoryMode::Lazy`](crate::store::MemoryMode) restores those runs eagerly.
+//!
+//! Failure: when memory cannot be served (the store is unreachable past the timeout, a chunk
+//! is corrupted, the lazy-pages daemon dies), the tree is killed before the page-server
+//! connection closes: a tree whose lazy pages stopped arriving would otherwise read zeros
+//! where its memory was. The error says why.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+use nix::unistd::Pid;
+use tracing::{info, warn};
+
+use super::{Engine, ProgressFn, ProgressUpdate};
+use crate::criu::CriuError;
+use crate::criu::lazy::{LazyPagesDaemon, PageSource, ServeStats, serve_requests};
+use crate::criu::pageserver::{HeaderLayout, PageServerError};
+use crate::linux::proc;
+use crate::linux::reaper::ExitKind;
+use crate::store::{LazyFetch, LazyMemory, LazyReader, Manifest};
+
+/// Progress of the lazy phase is reported this often.
+const PROGRESS_EVERY: Duration = Duration::from_millis(250);
+
+/// A lazy restore could not complete the tree's memory.
+#[derive(Debug, thiserror::Error)]
+pub enum LazyError {
+    #[error("cannot start CRIU's lazy-pages daemon")]
+    Start(#[source] CriuError),
+    #[error("serving memory to CRIU's lazy-pages daemon failed")]
+    Serve(#[source] PageServerError),
+    #[error("CRIU's lazy-pages daemon ended with {exit:?} before all memory was in{}", log_suffix(.log_tail))]
+    Daemon { exit: ExitKind, log_tail: String },
+}
+
+fn log_suffix(tail: &str) -> String {
+    if tail.is_empty() { String::new() } else { format!("\n--- lazy-pages log (tail) ---\n{tail}") }
+}
+
+/// A lazy restore in progress.
+pub(super) struct LazySession {
+    daemon: LazyPagesDaemon,
+    fetch: LazyFetch,
+    server: tokio::task::JoinHandle<Result<ServeStats, PageServerError>>,
+    /// Set once CRIU starts creating the tree: from then on a failure kills it.
+    armed: Arc<AtomicBool>,
+    served: Arc<AtomicU64>,
+    total: u64,
+}
+
+/// The page server's view of the prefetcher; counts what it serves.
+struct Served {
+    reader: LazyReader,
+    served: Arc<AtomicU64>,
+}
+
+impl PageSource for Served {
+    fn read(
+        &mut self,
+        pid: u64,
+        vaddr: u64,
+        max_bytes: u64,
+        out: &mut Vec<u8>,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        self.reader.read(pid, vaddr, max_bytes, out)?;
+        self.served.fetch_add(out.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Kills the restored tree: the processes of the checkpoint (restored under their old pids)
+/// and whatever they started since.
+fn kill_tree(manifest: &Manifest) {
+    let mut pids = proc::process_tree(manifest.root_pid).unwrap_or_default();
+    pids.extend(&manifest.pids);
+    proc::signal_all(&pids, Signal::SIGKILL);
+}
+
+impl Engine {
+    /// Starts serving `memory` for a restore from `dir`: the prefetcher, our page server and
+    /// CRIU's lazy-pages daemon, which is ready for the restore when this returns.
+    pub(super) async fn start_lazy(
+        &self,
+        manifest: &Manifest,
+        dir: &std::path::Path,
+        memory: LazyMemory,
+    ) -> Result<LazySession, LazyError> {
+        let total = memory.bytes();
+        let (ours, theirs): (OwnedFd, OwnedFd) =
+            socketpair(AddressFamily::Unix, SockType::Stream, None, SockFlag::SOCK_CLOEXEC)
+                .map_err(|e| LazyError::Start(CriuError::Io(e.into())))?;
+        let (reader, fetch) = self.store.start_lazy_fetch(memory, self.lazy.cache_bytes, self.lazy.timeout);
+        let armed = Arc::new(AtomicBool::new(false));
+        let served = Arc::new(AtomicU64::new(0));
+        let layout = HeaderLayout::for_version(self.criu_version.major, self.criu_version.minor);
+        let server = {
+            let (armed, manifest) = (armed.clone(), manifest.clone());
+            let mut source = Served { reader, served: served.clone() };
+            tokio::task::spawn_blocking(move || {
+                let mut conn = UnixStream::from(ours);
+                let result = serve_requests(&mut conn, layout, &mut source);
+                if let Err(e) = &result
+                    && armed.load(Ordering::SeqCst)
+                {
+                    warn!(error = %crate::error_chain(e), "lazy restore failed: killing the restored tree");
+                    kill_tree(&manifest);
+                }
+                // Only now may the daemon see the connection close.
+                drop(conn);
+                result
+            })
+        };
+        let criu = self.criu.clone();
+        let images = dir.to_path_buf();
+        let started = tokio::task::spawn_blocking(move || {
+            let daemon = criu.start_lazy_pages(&images, theirs.as_raw_fd());
+            drop(theirs);
+            daemon
+        })
+        .await
+        .map_err(|e| LazyError::Start(CriuError::Io(std::io::Error::other(e))));
+        match started.and_then(|d| d.map_err(LazyError::Start)) {
+            Ok(daemon) => Ok(LazySession { daemon, fetch, server, armed, served, total }),
+            Err(e) => {
+                fetch.stop();
+                Err(e)
+            }
+        }
+    }
+}
+
+impl LazySession {
+    /// CRIU is about to create the tree: failures from now on kill it.
+    pub(super) fn arm(&self) {
+        self.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// Ends a session whose restore failed (CRIU already removed the tree it created).
+    pub(super) fn abort(self) {
+        self.armed.store(false, Ordering::SeqCst);
+        let _ = nix::sys::signal::kill(Pid::from_raw(self.daemon.pid), Signal::SIGKILL);
+        self.fetch.stop();
+    }
+
+    /// Waits until every page is resident; returns the bytes fetched from the store. On
+    /// failure the tree has been killed.
+    pub(super) async fn finish(
+        self,
+        engine: &Engine,
+        manifest: &Manifest,
+        progress: &ProgressFn,
+    ) -> Result<u64, LazyError> {
+        let LazySession { daemon, fetch, mut server, served, total, .. } = self;
+        let served_result = loop {
+            progress(ProgressUpdate { phase: "memory", done: served.load(Ordering::Relaxed), total });
+            tokio::select! {
+                r = &mut server => break r,
+                () = tokio::time::sleep(PROGRESS_EVERY) => {}
+            }
+        };
+        let exit = engine.reaper.wait_exit(daemon.pid).await;
+        fetch.stop();
+        let outcome = match served_result {
+            Err(e) => Err(LazyError::Serve(PageServerError::Io(std::io::Error::other(e)))),
+            Ok(Err(e)) => Err(LazyError::Serve(e)),
+            Ok(Ok(_)) if exit != ExitKind::Exited(0) => {
+                Err(LazyError::Daemon { exit, log_tail: crate::criu::log_tail_of(&daemon.log) })
+            }
+            Ok(Ok(stats)) => {
+                info!(
+                    requests = stats.requests,
+                    bytes = stats.bytes,
+                    fetched = fetch.bytes_fetched(),
+                    "lazy memory resident"
+                );
+                Ok(fetch.bytes_fetched())
+            }
+        };
+        if outcome.is_err() {
+            kill_tree(manifest);
+        }
+        progress(ProgressUpdate { phase: "memory", done: served.load(Ordering::Relaxed), total });
+        outcome
+    }
+}

@@ -1,0 +1,341 @@
+//! Serving lazily restored memory: a bounded cache of fetched chunks, filled by a prefetcher
+//! task in [`LazyMemory::prefetch_order`] and on demand, and read by the page server.
+//!
+//! ```text
+//! page server (blocking thread)          prefetcher (async task)
+//!   read(pid, addr) -> chunk missing  ──urgent──▶  fetch it (and the rest of the request)
+//!   waits (at most the timeout)      ◀──ready───   decompress, verify, insert
+//!   copies, counts served bytes                    otherwise: next chunks in prefetch order
+//!   fully served chunk leaves the cache            while cache + in flight < capacity
+//! ```
+//! Every chunk is checked against its hash before it is served. A fetch that fails, or takes
+//! longer than the timeout, fails the whole session: the caller must then kill the tree,
+//! whose memory can no longer be completed.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use tokio::sync::Notify;
+use tracing::{debug, warn};
+
+use super::assemble::decode_chunk;
+use super::lazy::LazyMemory;
+use super::{Store, StoreError};
+
+/// Fetched together: about one CRIU background request.
+const BATCH_BYTES: u64 = 4 << 20;
+/// Batches fetched at the same time.
+const BATCHES_IN_FLIGHT: usize = 4;
+
+/// Serving lazily restored memory failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LazyFetchError {
+    #[error("pages at {vaddr:#x} of pid {pid} were asked for, but the checkpoint restores none there lazily")]
+    NotLazy { pid: u64, vaddr: u64 },
+    #[error("the store did not deliver memory of checkpoint {id} within {secs} s")]
+    Timeout { id: String, secs: u64 },
+    #[error("fetching memory of checkpoint {id} failed: {reason}")]
+    Store { id: String, reason: String },
+    #[error("the lazy restore was stopped")]
+    Stopped,
+}
+
+#[derive(Debug, Clone)]
+enum Slot {
+    /// Not in the cache (not fetched yet, or fully served and dropped).
+    Absent,
+    Fetching,
+    Ready(Arc<Vec<u8>>),
+}
+
+struct State {
+    slots: Vec<Slot>,
+    /// Bytes of each chunk served since it was last fetched.
+    served: Vec<u64>,
+    /// Bytes held in `Ready` slots and in flight.
+    held: u64,
+    urgent: VecDeque<usize>,
+    failure: Option<LazyFetchError>,
+    stopped: bool,
+}
+
+struct Shared {
+    memory: LazyMemory,
+    state: Mutex<State>,
+    ready: Condvar,
+    wake: Notify,
+    fetched: AtomicU64,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn fail(&self, error: LazyFetchError) {
+        let mut st = self.lock();
+        st.failure.get_or_insert(error);
+        drop(st);
+        self.ready.notify_all();
+        self.wake.notify_one();
+    }
+}
+
+/// Controls a lazy session's prefetcher.
+#[derive(Clone)]
+pub struct LazyFetch {
+    shared: Arc<Shared>,
+}
+
+impl LazyFetch {
+    /// Bytes fetched from the store so far (as stored: compressed).
+    pub fn bytes_fetched(&self) -> u64 {
+        self.shared.fetched.load(Ordering::Relaxed)
+    }
+
+    /// Stops prefetching; readers waiting get [`LazyFetchError::Stopped`].
+    pub fn stop(&self) {
+        self.shared.fail(LazyFetchError::Stopped);
+        self.shared.lock().stopped = true;
+        self.shared.wake.notify_one();
+    }
+}
+
+/// The page server's side: reads pages, waiting for their chunks when needed.
+pub struct LazyReader {
+    shared: Arc<Shared>,
+    timeout: Duration,
+}
+
+impl Store {
+    /// Starts serving `memory`: a prefetcher task that keeps at most `cache_bytes` of chunks
+    /// not yet served, and a reader that waits at most `timeout` for a chunk.
+    pub fn start_lazy_fetch(
+        &self,
+        memory: LazyMemory,
+        cache_bytes: u64,
+        timeout: Duration,
+    ) -> (LazyReader, LazyFetch) {
+        let n = memory.chunks.len();
+        let state = State {
+            slots: vec![Slot::Absent; n],
+            served: vec![0; n],
+            held: 0,
+            urgent: VecDeque::new(),
+            failure: None,
+            stopped: false,
+        };
+        let shared = Arc::new(Shared {
+            memory,
+            state: Mutex::new(state),
+            ready: Condvar::new(),
+            wake: Notify::new(),
+            fetched: AtomicU64::new(0),
+        });
+        tokio::spawn(prefetch(self.clone(), shared.clone(), cache_bytes, timeout));
+        (LazyReader { shared: shared.clone(), timeout }, LazyFetch { shared })
+    }
+}
+
+impl LazyReader {
+    /// Appends the bytes of task `pid` from `vaddr` on to `out`: at most `max_bytes`, at
+    /// least the rest of the chunk holding `vaddr` (or up to `max_bytes`), more where the
+    /// following chunks are already in the cache.
+    pub fn read(
+        &self,
+        pid: u64,
+        vaddr: u64,
+        max_bytes: u64,
+        out: &mut Vec<u8>,
+    ) -> Result<(), LazyFetchError> {
+        let memory = &self.shared.memory;
+        let (first, offset, run_end) =
+            memory.locate(pid, vaddr).ok_or(LazyFetchError::NotLazy { pid, vaddr })?;
+        let want = max_bytes.min(run_end - vaddr);
+        let deadline = Instant::now() + self.timeout;
+        let mut st = self.shared.lock();
+        // Ask for every chunk of the request that is missing, the first one first.
+        let (mut i, mut span) = (first, 0u64);
+        while span < want + offset && i < memory.chunks.len() {
+            if memory.chunks[i].stored.is_some() && matches!(st.slots[i], Slot::Absent) {
+                st.urgent.push_back(i);
+            }
+            span += u64::from(memory.chunks[i].len);
+            i += 1;
+        }
+        self.shared.wake.notify_one();
+        loop {
+            if let Some(e) = &st.failure {
+                return Err(e.clone());
+            }
+            let stored = memory.chunks[first].stored.is_some();
+            if !stored || matches!(st.slots[first], Slot::Ready(_)) {
+                break;
+            }
+            if matches!(st.slots[first], Slot::Absent) && !st.urgent.contains(&first) {
+                st.urgent.push_front(first);
+                self.shared.wake.notify_one();
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let secs = self.timeout.as_secs();
+                let error = LazyFetchError::Timeout { id: memory.id.clone(), secs };
+                drop(st);
+                self.shared.fail(error.clone());
+                return Err(error);
+            }
+            st = self.shared.ready.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        let (mut i, mut offset, start) = (first, offset, out.len());
+        while ((out.len() - start) as u64) < want && i < memory.chunks.len() {
+            let len = u64::from(memory.chunks[i].len);
+            let take = (len - offset).min(want - (out.len() - start) as u64);
+            match (&memory.chunks[i].stored, &st.slots[i]) {
+                (None, _) => out.resize(out.len() + take as usize, 0),
+                (Some(_), Slot::Ready(data)) => {
+                    out.extend_from_slice(&data[offset as usize..(offset + take) as usize])
+                }
+                _ => break,
+            }
+            st.served[i] += take;
+            if st.served[i] >= len && matches!(st.slots[i], Slot::Ready(_)) {
+                st.slots[i] = Slot::Absent;
+                st.held -= len;
+                self.shared.wake.notify_one();
+            }
+            (i, offset) = (i + 1, 0);
+        }
+        Ok(())
+    }
+}
+
+/// The prefetcher: urgent chunks first, then the prefetch order while there is room.
+async fn prefetch(store: Store, shared: Arc<Shared>, capacity: u64, timeout: Duration) {
+    let order = shared.memory.prefetch_order();
+    let mut cursor = 0usize;
+    let mut in_flight = FuturesUnordered::new();
+    loop {
+        while in_flight.len() < BATCHES_IN_FLIGHT {
+            let batch = next_batch(&shared, &order, &mut cursor, capacity);
+            if batch.is_empty() {
+                break;
+            }
+            in_flight.push(fetch_batch(store.clone(), shared.clone(), batch, timeout));
+        }
+        let (done, stopped) = {
+            let st = shared.lock();
+            (st.failure.is_some(), st.stopped)
+        };
+        if done || stopped {
+            return;
+        }
+        if cursor >= order.len() && in_flight.is_empty() && shared.lock().urgent.is_empty() {
+            // Everything was prefetched once; only refetches of dropped chunks remain.
+            shared.wake.notified().await;
+            continue;
+        }
+        tokio::select! {
+            Some(result) = in_flight.next() => {
+                if let Err(e) = result {
+                    warn!(error = %e, "lazy restore: fetching memory failed");
+                    shared.fail(e);
+                }
+            }
+            () = shared.wake.notified() => {}
+        }
+    }
+}
+
+/// Picks the next chunks to fetch and marks them `Fetching`.
+fn next_batch(shared: &Shared, order: &[usize], cursor: &mut usize, capacity: u64) -> Vec<usize> {
+    let chunks = &shared.memory.chunks;
+    let mut st = shared.lock();
+    let (mut batch, mut bytes) = (Vec::new(), 0u64);
+    while bytes < BATCH_BYTES {
+        let Some(i) = st.urgent.pop_front() else { break };
+        if matches!(st.slots[i], Slot::Absent) {
+            st.slots[i] = Slot::Fetching;
+            bytes += u64::from(chunks[i].len);
+            batch.push(i);
+        }
+    }
+    while bytes < BATCH_BYTES && *cursor < order.len() && st.held + bytes < capacity {
+        let i = order[*cursor];
+        *cursor += 1;
+        if matches!(st.slots[i], Slot::Absent) && st.served[i] == 0 {
+            st.slots[i] = Slot::Fetching;
+            bytes += u64::from(chunks[i].len);
+            batch.push(i);
+        }
+    }
+    st.held += bytes;
+    batch
+}
+
+/// Fetches `batch` (grouped by pack, ranges read in one request per pack), verifies each
+/// chunk and puts it in the cache.
+async fn fetch_batch(
+    store: Store,
+    shared: Arc<Shared>,
+    batch: Vec<usize>,
+    timeout: Duration,
+) -> Result<(), LazyFetchError> {
+    let id = shared.memory.id.clone();
+    let mut by_pack: HashMap<Arc<str>, Vec<usize>> = HashMap::new();
+    for &i in &batch {
+        let (_, loc) = shared.memory.chunks[i].stored.as_ref().expect("only stored chunks are fetched");
+        by_pack.entry(loc.pack.clone()).or_default().push(i);
+    }
+    let fetches = by_pack.into_iter().map(|(pack, chunks)| {
+        let (store, shared) = (&store, &shared);
+        async move {
+            let ranges: Vec<std::ops::Range<u64>> = chunks
+                .iter()
+                .map(|&i| {
+                    let (_, loc) = shared.memory.chunks[i].stored.as_ref().expect("stored");
+                    loc.offset..loc.offset + u64::from(loc.stored_len)
+                })
+                .collect();
+            let blobs = store.read_ranges(&shared.memory.id, &pack, &ranges).await?;
+            Ok::<_, StoreError>((pack, chunks, blobs))
+        }
+    });
+    let fetched = tokio::time::timeout(timeout, futures::future::try_join_all(fetches)).await;
+    let fetched = match fetched {
+        Err(_) => return Err(LazyFetchError::Timeout { id, secs: timeout.as_secs() }),
+        Ok(Err(e)) => return Err(LazyFetchError::Store { id, reason: crate::error_chain(&e) }),
+        Ok(Ok(f)) => f,
+    };
+    let verify = shared.clone();
+    let decoded = tokio::task::spawn_blocking(move || {
+        let mut out = Vec::new();
+        for (pack, chunks, blobs) in fetched {
+            for (i, blob) in chunks.into_iter().zip(blobs) {
+                let (hash, loc) = verify.memory.chunks[i].stored.as_ref().expect("stored");
+                verify.fetched.fetch_add(blob.len() as u64, Ordering::Relaxed);
+                let data = decode_chunk(&blob, loc, hash).map_err(|reason| {
+                    let id = verify.memory.id.clone();
+                    let reason = format!("chunk {} (pack {pack}) is corrupted: {reason}", hex::encode(hash));
+                    LazyFetchError::Store { id, reason }
+                })?;
+                out.push((i, Arc::new(data)));
+            }
+        }
+        Ok(out)
+    })
+    .await
+    .map_err(|e| LazyFetchError::Store { id: shared.memory.id.clone(), reason: e.to_string() })??;
+    let mut st = shared.lock();
+    for (i, data) in decoded {
+        st.served[i] = 0;
+        st.slots[i] = Slot::Ready(data);
+    }
+    drop(st);
+    debug!(chunks = batch.len(), "lazy restore: chunks cached");
+    shared.ready.notify_all();
+    Ok(())
+}
