@@ -10,6 +10,7 @@
 mod daemon;
 mod logs;
 pub mod procfs;
+pub mod s3;
 mod workload;
 
 use std::path::{Path, PathBuf};

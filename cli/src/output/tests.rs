@@ -99,6 +99,9 @@ fn restore_result_nests_its_stats() {
             criu_ms: 45,
             bytes_fetched: 1024,
             gpu_restore_ms: 0,
+            first_run_ms: 20,
+            resident_ms: 75,
+            lazy: true,
         }),
     };
     assert_eq!(
@@ -107,7 +110,10 @@ fn restore_result_nests_its_stats() {
             "id": "ck-1",
             "workload": "train",
             "pid": 9,
-            "stats": { "restore_ms": 80, "fetch_ms": 30, "criu_ms": 45, "bytes_fetched": 1024, "gpu_restore_ms": 0 },
+            "stats": {
+                "restore_ms": 80, "fetch_ms": 30, "criu_ms": 45, "bytes_fetched": 1024, "gpu_restore_ms": 0,
+                "lazy": true, "first_run_ms": 20, "resident_ms": 75,
+            },
         })
     );
 }

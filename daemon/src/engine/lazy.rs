@@ -36,6 +36,8 @@ use crate::linux::proc;
 use crate::linux::reaper::ExitKind;
 use crate::store::{LazyFetch, LazyMemory, LazyReader, Manifest};
 
+/// How long the lazy-pages daemon may take to exit after its session ended.
+const DAEMON_EXIT_WAIT: Duration = Duration::from_secs(10);
 /// Progress of the lazy phase is reported this often.
 const PROGRESS_EVERY: Duration = Duration::from_millis(250);
 
@@ -175,7 +177,14 @@ impl LazySession {
                 () = tokio::time::sleep(PROGRESS_EVERY) => {}
             }
         };
-        let exit = engine.reaper.wait_exit(daemon.pid).await;
+        // The daemon exits once it said goodbye or saw the connection close.
+        let exit = match tokio::time::timeout(DAEMON_EXIT_WAIT, engine.reaper.wait_exit(daemon.pid)).await {
+            Ok(exit) => exit,
+            Err(_) => {
+                let _ = nix::sys::signal::kill(Pid::from_raw(daemon.pid), Signal::SIGKILL);
+                engine.reaper.wait_exit(daemon.pid).await
+            }
+        };
         fetch.stop();
         let outcome = match served_result {
             Err(e) => Err(LazyError::Serve(PageServerError::Io(std::io::Error::other(e)))),

@@ -1,0 +1,80 @@
+//! A real S3-compatible server for tests: moto's server on a free loopback port (installed by
+//! scripts/test.sh into .stasis/venv), with a bucket, and the options that point stasisd at it.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use crate::{DaemonOptions, TIMEOUT, expect_within};
+
+pub const BUCKET: &str = "stasis-test";
+
+/// A moto S3 server, killed on drop.
+pub struct S3Server {
+    child: Child,
+    pub port: u16,
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl S3Server {
+    /// Starts a server with an empty bucket [`BUCKET`]; `None` (after saying so on stderr)
+    /// where moto is not installed.
+    pub fn start() -> Option<S3Server> {
+        let moto = std::env::var_os("STASIS_MOTO").map(PathBuf::from).unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.stasis/venv/bin/moto_server")
+        });
+        if !moto.exists() {
+            eprintln!("skipping: moto_server not installed (scripts/test.sh installs it)");
+            return None;
+        }
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let child = Command::new(moto)
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting moto_server");
+        let server = S3Server { child, port };
+        expect_within(TIMEOUT, "the S3 server to listen", || TcpStream::connect(("127.0.0.1", port)).ok());
+        let mut conn = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(
+            conn,
+            "PUT /{BUCKET} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut answer = String::new();
+        conn.read_to_string(&mut answer).unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "creating the bucket: {answer}");
+        Some(server)
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// Options for a stasisd storing under `prefix` of the bucket, with extra `args`.
+    pub fn daemon_options(&self, prefix: &str, args: &[&str]) -> DaemonOptions {
+        let env = [
+            ("AWS_ACCESS_KEY_ID", "test"),
+            ("AWS_SECRET_ACCESS_KEY", "test"),
+            ("AWS_DEFAULT_REGION", "us-east-1"),
+            ("AWS_ALLOW_HTTP", "true"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .into_iter()
+        .chain([("AWS_ENDPOINT".to_string(), format!("http://127.0.0.1:{}", self.port))])
+        .collect();
+        DaemonOptions {
+            store: Some(format!("s3://{BUCKET}/{prefix}")),
+            args: args.iter().map(|a| a.to_string()).collect(),
+            env,
+        }
+    }
+}

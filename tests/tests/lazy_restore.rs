@@ -1,0 +1,129 @@
+//! Lazy ("hot") restore: the tree runs before its memory has arrived, its memory is correct
+//! once resident, and a store that stops answering mid-way ends with the tree killed and an
+//! error that says why, never a tree running on memory that never arrived.
+
+#![forbid(unsafe_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use stasis_tests::s3::S3Server;
+use stasis_tests::{Daemon, TIMEOUT, bin, expect_within, procfs, python_workload, skip_unless_ready};
+
+#[test]
+fn lazily_restored_threads_go_on_and_memory_matches_once_resident() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let memtest = bin("stasis-memtest").to_string_lossy().into_owned();
+    // 4 threads with 48 MiB each, rewriting their memory while they run.
+    let w = d.run("memtest", &[memtest, "4".into(), "48".into()]);
+    w.wait_line_after(0, "memtest `ready`", |l| l == "ready");
+    let tids = procfs::tids(w.pid);
+    procfs::signal(w.pid, Signal::SIGUSR1);
+    let (_, paused) = w.wait_line_after(0, "`paused ...`", |l| l.starts_with("paused "));
+    let sum = paused.split_whitespace().find_map(|f| f.strip_prefix("checksum=")).unwrap().to_string();
+
+    let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
+    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+
+    let r = d.json(&["restore", "--workload", &w.name, "--lazy", "--json"]);
+    assert_eq!((r["id"].clone(), r["pid"].clone()), (ck["id"].clone(), w.pid.into()), "{r}");
+    let stats = &r["stats"];
+    let (first_run, resident) =
+        (stats["first_run_ms"].as_u64().unwrap(), stats["resident_ms"].as_u64().unwrap());
+    assert_eq!(stats["lazy"], true, "{r}");
+    assert!(first_run > 0 && first_run <= resident, "first run {first_run} ms, resident {resident} ms: {r}");
+    assert!(stats["bytes_fetched"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(procfs::tids(w.pid), tids, "the restored process must have the same threads");
+
+    let seen = w.lines().len();
+    procfs::signal(w.pid, Signal::SIGUSR2);
+    let (_, line) =
+        w.wait_line_after(seen, "`checksum=...` after the restore", |l| l.starts_with("checksum="));
+    assert_eq!(line.strip_prefix("checksum=").unwrap(), sum, "memory after the lazy restore differs");
+
+    // The threads resume and keep working on the restored memory.
+    let seen = w.lines().len();
+    procfs::signal(w.pid, Signal::SIGUSR1);
+    w.wait_line_after(seen, "`resumed`", |l| l == "resumed");
+    std::thread::sleep(Duration::from_millis(300));
+    let seen = w.lines().len();
+    procfs::signal(w.pid, Signal::SIGUSR1);
+    w.wait_line_after(seen, "second `paused ...`", |l| l.starts_with("paused "));
+    assert!(procfs::running(w.pid));
+}
+
+#[test]
+fn lazy_restore_without_waiting_returns_while_memory_arrives_and_ends_resident() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let w = d.run("memhog", &python_workload("memhog.py", &["96"]));
+    w.wait_line_after(0, "memhog `ready`", |l| l == "ready");
+    procfs::signal(w.pid, Signal::SIGUSR2);
+    let (_, before) = w.wait_line_after(0, "`checksum ...`", |l| l.starts_with("checksum "));
+    // A first checkpoint, then memory written since, then the one restored: its new chunks
+    // are fetched first.
+    d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
+    let seen = w.lines().len();
+    procfs::signal(w.pid, Signal::SIGUSR1);
+    w.wait_line_after(seen, "`dirtied`", |l| l == "dirtied");
+    let seen = w.lines().len();
+    procfs::signal(w.pid, Signal::SIGUSR2);
+    let (_, dirtied) = w.wait_line_after(seen, "`checksum ...`", |l| l.starts_with("checksum "));
+    assert_ne!(dirtied, before);
+    d.json(&["checkpoint", "--workload", &w.name, "--json"]);
+    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+
+    let r = d.json(&["restore", "--workload", &w.name, "--lazy", "--no-wait", "--json"]);
+    assert_eq!(r["stats"]["resident_ms"], 0, "an answer before residency: {r}");
+    assert!(procfs::alive(w.pid), "the tree runs when the answer comes");
+    let seen = w.lines().len();
+    procfs::signal(w.pid, Signal::SIGUSR2);
+    let (_, after) =
+        w.wait_line_after(seen, "`checksum ...` after the restore", |l| l.starts_with("checksum "));
+    assert_eq!(after, dirtied, "memory after the lazy restore differs from the checkpoint");
+}
+
+#[test]
+fn a_store_that_stops_answering_gets_the_lazily_restored_tree_killed_with_the_reason() {
+    skip_unless_ready!();
+    let Some(s3) = S3Server::start() else { return };
+    // A small cache, so the prefetcher cannot have everything before the store stops.
+    let args = ["--store-retry-secs", "2", "--lazy-timeout-secs", "3", "--lazy-cache-mib", "8"];
+    let d = Daemon::start_with(&s3.daemon_options("lazy", &args));
+    let w = d.run("memhog", &python_workload("memhog.py", &["160"]));
+    w.wait_line_after(0, "memhog `ready`", |l| l == "ready");
+    d.json(&["checkpoint", "--workload", &w.name, "--json"]);
+    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+
+    let mut restore = d
+        .command(&["restore", "--workload", &w.name, "--lazy"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("stasis restore");
+    let mut stderr = BufReader::new(restore.stderr.take().unwrap());
+    let mut said = String::new();
+    while !said.contains("running as pid") {
+        let mut line = String::new();
+        if stderr.read_line(&mut line).unwrap() == 0 {
+            panic!("stasis restore ended before the tree ran: {said}");
+        }
+        said.push_str(&line);
+    }
+    // The store hangs: connections are accepted, nothing is answered.
+    procfs::signal(s3.pid(), Signal::SIGSTOP);
+    let stopped = Instant::now();
+    let status = restore.wait().unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
+    procfs::signal(s3.pid(), Signal::SIGCONT);
+
+    assert!(!status.success(), "the restore must fail: {said}{rest}");
+    assert!(rest.contains("was killed"), "the error says the tree was killed: {rest}");
+    assert!(rest.contains("did not deliver memory"), "the error says why: {rest}");
+    assert!(stopped.elapsed() < Duration::from_secs(30), "ended after {:?}", stopped.elapsed());
+    expect_within(TIMEOUT, "the restored tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+}
