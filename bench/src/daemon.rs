@@ -61,6 +61,16 @@ pub fn undo_on_signals() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Settings of a stasisd beyond the defaults.
+#[derive(Debug, Clone, Default)]
+pub struct Extra {
+    pub staging_mib: Option<u64>,
+    /// Store URL (default: a file store in the run's directory).
+    pub store: Option<String>,
+    pub env: Vec<(String, String)>,
+    pub args: Vec<String>,
+}
+
 /// A running stasisd. Dropping it undoes the run.
 pub struct Daemon {
     child: Child,
@@ -80,14 +90,27 @@ impl Daemon {
         staging_mib: Option<u64>,
         keep: bool,
     ) -> anyhow::Result<Self> {
+        Self::start_with(criu, work, scratch, keep, &Extra { staging_mib, ..Default::default() })
+    }
+
+    /// Like [`Daemon::start`], with another store (`extra.store`, else a `file://` store
+    /// under `work`) and more settings.
+    pub fn start_with(
+        criu: &Path,
+        work: PathBuf,
+        scratch: PathBuf,
+        keep: bool,
+        extra: &Extra,
+    ) -> anyhow::Result<Self> {
         std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
         std::fs::create_dir_all(&scratch).with_context(|| format!("creating {}", scratch.display()))?;
         let socket = work.join("stasisd.sock");
         let mut cmd = Command::new("target/release/stasisd");
         cmd.arg("--socket").arg(&socket).arg("--state-dir").arg(work.join("state"));
-        cmd.arg("--store").arg(format!("file://{}", work.join("store").display()));
-        cmd.arg("--criu").arg(criu).args(["--keep-last", "0"]);
-        if let Some(mib) = staging_mib {
+        let store = extra.store.clone().unwrap_or_else(|| format!("file://{}", work.join("store").display()));
+        cmd.arg("--store").arg(store).envs(extra.env.iter().map(|(k, v)| (k, v)));
+        cmd.arg("--criu").arg(criu).args(["--keep-last", "0"]).args(&extra.args);
+        if let Some(mib) = extra.staging_mib {
             cmd.arg("--staging-mib").arg(mib.to_string());
         }
         let log = std::fs::File::create(work.join("stasisd.log"))?;

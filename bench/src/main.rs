@@ -9,10 +9,14 @@
 //! target/release/stasis-bench [--rss-mib 2048] [--random 0.5] [--compressible 0.5] [--zero F]
 //!     [--dirty 0.1] [--dirty-block-kib 1024] [--rounds 3] [--staging-mib M]
 //!     [--store-dir /var/tmp/stasis-bench] [--no-settle] [--keep]
+//! target/release/stasis-bench lazy [--s3] [the same options]
 //! ```
+//!
+//! `lazy` measures issue 5's lazy restore against the eager one instead (see `lazy.rs`).
 #![forbid(unsafe_code)]
 
 mod daemon;
+mod lazy;
 mod peer;
 mod report;
 mod run;
@@ -24,6 +28,29 @@ use clap::Parser;
 
 /// Measures stasis and the peer pipeline on one synthetic workload.
 #[derive(Debug, Parser)]
+#[command(args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    mode: Option<Mode>,
+    #[command(flatten)]
+    args: Args,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Mode {
+    /// Lazy restore against eager restore of the same checkpoint.
+    Lazy {
+        /// Store checkpoints on the S3 test server (moto, from .stasis/venv) instead of a
+        /// local directory.
+        #[arg(long)]
+        s3: bool,
+        #[command(flatten)]
+        args: Args,
+    },
+}
+
+/// The workload and the run.
+#[derive(Debug, clap::Args)]
 pub struct Args {
     /// Memory of the workload, MiB.
     #[arg(long, default_value_t = 2048)]
@@ -72,13 +99,19 @@ impl Args {
 }
 
 fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let cli = Cli::parse();
+    let (args, lazy_s3) = match cli.mode {
+        Some(Mode::Lazy { s3, args }) => (args, Some(s3)),
+        None => (cli.args, None),
+    };
     ensure!(args.random + args.compressible + args.zero() <= 1.0 + 1e-9, "fractions add up to more than 1");
     ensure!(args.dirty_block_kib >= 4 && args.dirty_block_kib % 4 == 0, "--dirty-block-kib: whole pages");
     ensure!(nix::unistd::geteuid().is_root(), "stasis-bench runs stasisd and CRIU: run it as root");
     daemon::SETTLE.store(!args.no_settle, std::sync::atomic::Ordering::Relaxed);
     daemon::undo_on_signals()?;
-    let results = run::run(&args)?;
-    println!("{}", results.table(&args));
+    match lazy_s3 {
+        Some(s3) => println!("{}", lazy::run(&args, s3)?.table(&args)),
+        None => println!("{}", run::run(&args)?.table(&args)),
+    }
     Ok(())
 }

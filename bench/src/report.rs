@@ -25,7 +25,7 @@ fn row(name: &'static str, ours: Vec<f64>, theirs: Vec<f64>, target: Option<f64>
     Row { name, ours, theirs, target }
 }
 
-fn median(values: &[f64]) -> f64 {
+pub fn median(values: &[f64]) -> f64 {
     let mut v = values.to_vec();
     v.sort_by(f64::total_cmp);
     match v.len() {

@@ -49,14 +49,14 @@ pub struct Results {
     pub staging_bound: u64,
 }
 
-fn checkpoint(d: &Daemon) -> anyhow::Result<Value> {
+pub fn checkpoint(d: &Daemon) -> anyhow::Result<Value> {
     settle();
     d.cli(&["checkpoint", "--workload", "bench", "--leave-running", "--json"])
         .with_context(|| format!("checkpoint failed; stasisd's log:\n{}", d.log_tail()))
 }
 
 /// Resident memory of a process, bytes.
-fn vm_rss(pid: i32) -> u64 {
+pub fn vm_rss(pid: i32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     let kib: Option<u64> =
         status.lines().find_map(|l| l.strip_prefix("VmRSS:")?.split_whitespace().next()?.parse().ok());
@@ -75,7 +75,7 @@ fn staging_bound(args: &Args) -> u64 {
 }
 
 /// Starts the workload through stasisd and waits for its `ready`; returns its pid and log.
-fn start_workload(d: &Daemon, args: &Args) -> anyhow::Result<(i32, PathBuf)> {
+pub fn start_workload(d: &Daemon, args: &Args) -> anyhow::Result<(i32, PathBuf)> {
     let bin = std::fs::canonicalize("target/release/stasis-bench-workload")
         .context("no target/release/stasis-bench-workload: cargo build --release --workspace")?;
     let command = [
@@ -104,7 +104,7 @@ fn start_workload(d: &Daemon, args: &Args) -> anyhow::Result<(i32, PathBuf)> {
 }
 
 /// Has the workload rewrite its memory (for the `n`-th time); returns the bytes it rewrote.
-fn dirty(pid: i32, log: &Path, n: usize) -> anyhow::Result<u64> {
+pub fn dirty(pid: i32, log: &Path, n: usize) -> anyhow::Result<u64> {
     let lines = || -> Vec<String> {
         let text = std::fs::read_to_string(log).unwrap_or_default();
         text.lines().filter(|l| l.starts_with("dirtied")).map(str::to_string).collect()

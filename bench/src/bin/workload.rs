@@ -3,7 +3,8 @@
 //! pages (written, so resident); any rest is allocated but never touched. It prints `ready`,
 //! then sleeps. On each SIGUSR1 it rewrites `--dirty` of its memory with new random bytes, in
 //! contiguous blocks of `--dirty-block-kib` (default 1 MiB: a training step rewrites whole
-//! tensors) spread evenly over the whole range, and prints `dirtied <N> pages`.
+//! tensors) spread evenly over the whole range, and prints `dirtied <N> pages`. On each
+//! SIGUSR2 it reads all of its memory and prints `checksum <hex>`.
 #![forbid(unsafe_code)]
 
 use std::io::Write;
@@ -11,7 +12,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, ensure};
 use clap::Parser;
-use signal_hook::consts::SIGUSR1;
+use signal_hook::consts::{SIGUSR1, SIGUSR2};
 use signal_hook::iterator::Signals;
 
 const PAGE: usize = 4096;
@@ -48,6 +49,16 @@ fn fill_random(buf: &mut [u8], state: &mut u64) {
         let v = state.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes();
         word.copy_from_slice(&v[..word.len()]);
     }
+}
+
+/// A 64-bit digest of `buf` (multiply-xor over its words): cheap, and any changed word
+/// changes it with overwhelming probability.
+fn checksum(buf: &[u8]) -> u64 {
+    buf.chunks(8).enumerate().fold(0x9e37_79b9_7f4a_7c15, |h: u64, (i, w)| {
+        let mut word = [0u8; 8];
+        word[..w.len()].copy_from_slice(w);
+        (h ^ u64::from_le_bytes(word).wrapping_add(i as u64)).wrapping_mul(0x100_0000_01b3).rotate_left(29)
+    })
 }
 
 /// Words from a small vocabulary, each followed by a number `0.ddd`: compresses about 4x with
@@ -105,14 +116,19 @@ fn main() -> anyhow::Result<()> {
     }
     std::hint::black_box(&memory);
 
-    let mut signals = Signals::new([SIGUSR1])?;
+    let mut signals = Signals::new([SIGUSR1, SIGUSR2])?;
     println!("ready");
     std::io::stdout().flush()?;
     let block = args.dirty_block_kib << 10;
     let blocks = size / block;
     let dirty_blocks = ((blocks as f64) * args.dirty).round() as usize;
     // `forever` blocks in the signal pipe between signals: the process is idle while measured.
-    for _ in signals.forever() {
+    for signal in signals.forever() {
+        if signal == SIGUSR2 {
+            println!("checksum {:016x}", checksum(&memory));
+            std::io::stdout().flush()?;
+            continue;
+        }
         for i in 0..dirty_blocks {
             let at = i * blocks / dirty_blocks * block;
             fill_random(&mut memory[at..at + block], &mut seed);

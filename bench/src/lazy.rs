@@ -1,0 +1,173 @@
+//! The lazy-restore benchmark: the same checkpoint restored eagerly and lazily, in
+//! alternating order, on a local store or the S3 test server; the workload's checksum is
+//! checked after every restore (once resident, for the lazy ones).
+//!
+//! Targets (issue 5): `first_run_ms` <= 0.2x and `resident_ms` <= 1.2x the eager restore time.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail, ensure};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::Value;
+use stasis_tests::s3::S3Server;
+
+use crate::Args;
+use crate::daemon::{Daemon, Extra, kill_and_wait, settle, wait_until};
+use crate::report::median;
+use crate::run::{checkpoint, dirty, start_workload};
+
+/// One eager and one lazy restore of the same checkpoint.
+pub struct Round {
+    pub eager_ms: u64,
+    pub first_run_ms: u64,
+    pub resident_ms: u64,
+    pub lazy_bytes_fetched: u64,
+    pub eager_first: bool,
+}
+
+pub struct LazyResults {
+    pub store: &'static str,
+    pub bytes_total: u64,
+    pub rounds: Vec<Round>,
+}
+
+/// Asks the workload for its checksum (it reads all of its memory) and returns it.
+fn checksum(pid: i32, log: &Path) -> anyhow::Result<String> {
+    let sums = || -> Vec<String> {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        text.lines().filter(|l| l.starts_with("checksum ")).map(str::to_string).collect()
+    };
+    let before = sums().len();
+    kill(Pid::from_raw(pid), Signal::SIGUSR2).context("signalling the workload")?;
+    wait_until("the workload's checksum", Duration::from_secs(300), || sums().len() > before)?;
+    sums().pop().context("no checksum line")
+}
+
+/// Restores `id` (lazily with `--lazy`), checks the checksum, kills the tree.
+fn restore(d: &Daemon, id: &str, lazy: bool, pid: i32, log: &Path, sum: &str) -> anyhow::Result<Value> {
+    settle();
+    let mut argv = vec!["restore", id, "--json"];
+    if lazy {
+        argv.push("--lazy");
+    }
+    let r = d.cli(&argv).with_context(|| format!("restore failed; stasisd's log:\n{}", d.log_tail()))?;
+    d.set_workload(Some(pid));
+    let restored = checksum(pid, log)?;
+    ensure!(
+        restored == sum,
+        "memory differs after a {} restore: {restored} vs {sum}",
+        if lazy { "lazy" } else { "eager" }
+    );
+    kill_and_wait(pid)?;
+    Ok(r)
+}
+
+pub fn run(args: &Args, s3: bool) -> anyhow::Result<LazyResults> {
+    let criu = std::fs::canonicalize(".stasis/criu/bin/criu")
+        .context("no .stasis/criu/bin/criu: run scripts/setup-criu.sh, and this from the repository root")?;
+    let id = std::process::id();
+    let work = args.store_dir.join(format!("lazy-{id}"));
+    let scratch = PathBuf::from(format!("/dev/shm/stasis-bench-{id}"));
+    let server = if s3 {
+        Some(S3Server::start().context("no moto_server: scripts/test.sh installs it into .stasis/venv")?)
+    } else {
+        None
+    };
+    let mut extra = Extra { staging_mib: args.staging_mib, ..Default::default() };
+    if let Some(server) = &server {
+        let options = server.daemon_options("bench", &[]);
+        (extra.store, extra.env) = (options.store, options.env);
+    }
+    let d = Daemon::start_with(&criu, work, scratch, args.keep, &extra)?;
+    let (pid, log) = start_workload(&d, args)?;
+
+    // A full checkpoint, memory written since, then the evicting one that is restored.
+    checkpoint(&d)?;
+    dirty(pid, &log, 1)?;
+    let sum = checksum(pid, &log)?;
+    settle();
+    let ck = d.cli(&["checkpoint", "--workload", "bench", "--json"])?;
+    let ck_id = ck["id"].as_str().context("`stasis checkpoint --json` printed no id")?.to_string();
+    let bytes_total = ck["stats"]["bytes_total"].as_u64().unwrap_or_default();
+    wait_until("the evicted workload to be gone", Duration::from_secs(60), || {
+        !Path::new(&format!("/proc/{pid}")).exists()
+    })?;
+
+    let mut rounds = Vec::new();
+    for i in 0..args.rounds as usize {
+        let eager_first = i % 2 == 0;
+        let mut eager = None;
+        if eager_first {
+            eager = Some(restore(&d, &ck_id, false, pid, &log, &sum)?);
+        }
+        let lazy = restore(&d, &ck_id, true, pid, &log, &sum)?;
+        let eager = match eager {
+            Some(e) => e,
+            None => restore(&d, &ck_id, false, pid, &log, &sum)?,
+        };
+        let ms = |v: &Value, key: &str| v["stats"][key].as_u64().with_context(|| format!("no {key} in {v}"));
+        if lazy["stats"]["lazy"] != true {
+            bail!("the lazy restore did not report itself lazy: {lazy}");
+        }
+        rounds.push(Round {
+            eager_ms: ms(&eager, "restore_ms")?,
+            first_run_ms: ms(&lazy, "first_run_ms")?,
+            resident_ms: ms(&lazy, "resident_ms")?,
+            lazy_bytes_fetched: ms(&lazy, "bytes_fetched")?,
+            eager_first,
+        });
+    }
+    d.set_workload(None);
+    Ok(LazyResults {
+        store: if s3 { "S3 test server (moto)" } else { "local (file://)" },
+        bytes_total,
+        rounds,
+    })
+}
+
+impl LazyResults {
+    /// The results as a Markdown table with ratios and targets.
+    pub fn table(&self, args: &Args) -> String {
+        let col = |f: fn(&Round) -> u64| self.rounds.iter().map(|r| f(r) as f64).collect::<Vec<f64>>();
+        let (eager, first, resident) = (col(|r| r.eager_ms), col(|r| r.first_run_ms), col(|r| r.resident_ms));
+        let per_round = |num: &[f64]| {
+            num.iter().zip(&eager).map(|(n, e)| format!("{:.2}", n / e)).collect::<Vec<_>>().join(" / ")
+        };
+        let row = |name: &str, v: &[f64], target: f64| {
+            let ratio = median(v) / median(&eager);
+            let verdict = if ratio <= target { "PASS" } else { "MISS" };
+            format!(
+                "| {name} | {:.0} | {:.0} | {ratio:.3} | {} | ≤ {target} | {verdict} |\n",
+                median(v),
+                median(&eager),
+                per_round(v)
+            )
+        };
+        let mut out = format!(
+            "lazy restore: workload {} MiB ({} MiB of pages in the checkpoint), store: {}; {} round(s), \
+             eager and lazy alternating, medians shown; checksums identical after every restore\n\n",
+            args.rss_mib,
+            self.bytes_total >> 20,
+            self.store,
+            self.rounds.len()
+        );
+        out.push_str("| measure | lazy | eager restore, ms | ratio | ratio per round | target | |\n");
+        out.push_str("|---|---|---|---|---|---|---|\n");
+        out.push_str(&row("first_run_ms: request until the tree runs", &first, 0.2));
+        out.push_str(&row("resident_ms: request until every page is in", &resident, 1.2));
+        for (i, r) in self.rounds.iter().enumerate() {
+            out.push_str(&format!(
+                "\n- round {}: eager {} ms, lazy first run {} ms, resident {} ms, {} MiB fetched ({} first)",
+                i + 1,
+                r.eager_ms,
+                r.first_run_ms,
+                r.resident_ms,
+                r.lazy_bytes_fetched >> 20,
+                if r.eager_first { "eager" } else { "lazy" }
+            ));
+        }
+        out
+    }
+}
