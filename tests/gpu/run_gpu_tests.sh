@@ -9,7 +9,8 @@
 #
 # Optional: PYTHON (default: python3 on PATH; needs PyTorch with CUDA), TRAIN_PY (default
 # tests/gpu/train.py), GPU_PROBE (stasis-gpu-probe: prints GPUs and CUDA process states on
-# failure), MEMTEST_GIB (default 1), KEEP_WORK=1 (keep the temporary directory).
+# failure), MEMTEST_GIB (default 1), KEEP_WORK=1 (keep the temporary directory), LAZY=1
+# (every restore is a lazy one: `stasis restore --lazy`).
 #
 # Tests:
 #   1. memtest --hold, checkpoint (evicts), restore: `verify ok` with the checksum of `ready`;
@@ -35,6 +36,10 @@ TRAIN_PY=$(abspath "${TRAIN_PY:-tests/gpu/train.py}")
 GPU_PROBE=${GPU_PROBE:-}
 MEMTEST_GIB=${MEMTEST_GIB:-1}
 CLI_TIMEOUT=${CLI_TIMEOUT:-600}
+RESTORE_FLAGS=()
+if [ "${LAZY:-0}" = 1 ]; then
+    RESTORE_FLAGS=(--lazy)
+fi
 
 PASSED=0
 FAILED=0
@@ -232,9 +237,9 @@ test_memtest() {
 
     n=$(line_count "$W_LOG")
     if [ "$mode" = leave-running ]; then
-        r=$(stasis restore "$id" --json)
+        r=$(stasis restore "$id" "${RESTORE_FLAGS[@]}" --json)
     else
-        r=$(stasis restore --workload "$name" --json)
+        r=$(stasis restore --workload "$name" "${RESTORE_FLAGS[@]}" --json)
     fi
     # shellcheck disable=SC2181 # the status of the command substitution above
     if [ $? -ne 0 ]; then
@@ -330,7 +335,7 @@ test_train() {
         return
     fi
     say "$t: evicted after $(losses "$W_LOG" 100000 | tail -n 1 | cut -d' ' -f1) steps"
-    if ! r=$(stasis restore --workload train-ckpt --json); then
+    if ! r=$(stasis restore --workload train-ckpt "${RESTORE_FLAGS[@]}" --json); then
         show_log "$W_LOG"
         fail "$t: stasis restore failed: $r"
         return

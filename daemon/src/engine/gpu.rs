@@ -103,7 +103,8 @@ pub fn suspend(gpu: &Arc<dyn GpuCheckpointer>, pids: &[i32]) -> Result<Suspended
         done.host_memory.extend(added.into_iter().map(|(start, end)| AddressRange { pid, start, end }));
     }
     done.times.checkpoint_ms = started.elapsed().as_millis() as u64;
-    info!(pids = ?done.pids, ?done.times, "GPU state moved to host memory");
+    let host_memory: u64 = done.host_memory.iter().map(|r| r.end - r.start).sum();
+    info!(pids = ?done.pids, ?done.times, host_memory, "GPU state moved to host memory");
     Ok(done)
 }
 

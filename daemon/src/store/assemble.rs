@@ -130,6 +130,11 @@ impl Store {
                         lazy.push_run(image.dst_id >> 8, run.vaddr, resolved?);
                         run.flags = PE_LAZY;
                     } else {
+                        if matches!(mode, MemoryMode::Lazy { .. }) {
+                            // CRIU's restore skips lazy-flagged pages in lazy mode: restoring
+                            // this run eagerly means dropping the flag.
+                            run.flags &= !PE_LAZY;
+                        }
                         written += self.place(id, &name, mine, &out, written, &mut plan)?;
                     }
                 }
