@@ -113,7 +113,7 @@ mod tests {
         assert_eq!(m.locate(9, 0x24000), None, "past the run");
         assert_eq!(m.locate(7, 0x10000), None, "another task's address");
         assert_eq!(m.locate(8, 0x30000), None);
-        assert_eq!(m.bytes(), 0x2c000);
+        assert_eq!(m.bytes(), 0x24000);
         assert_eq!(m.prefetch_order(), vec![1, 3, 0], "fresh first; zero chunks never fetched");
     }
 }

@@ -20,6 +20,8 @@ pub mod envelope;
 mod gc;
 mod index;
 mod lazy;
+#[cfg(test)]
+mod lazy_tests;
 mod prefetch;
 mod staging;
 mod upload;

@@ -1,0 +1,142 @@
+//! The store's side of a lazy restore, without CRIU: memory stored as a dump would be, split
+//! into what the images hold and what is served on demand, served verified.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use stasis_proto::stasis::v1::AddressRange;
+
+use super::{LazyFetchError, Manifest, MemoryMode, Staging, Store};
+use crate::criu::pageserver::{PAGE_SIZE, PE_LAZY, PE_PRESENT, PageRun, PageSink};
+
+const PID: u64 = 42;
+
+fn bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+/// A store holding one checkpoint of task 42: 40 lazy pages at 0x10000 (two of them zero),
+/// 8 lazy pages at 0x100000, and 2 pages that cannot be lazy at 0x200000.
+async fn stored(dir: &std::path::Path) -> (Store, Manifest, [Vec<u8>; 3]) {
+    let store =
+        Store::open(&format!("file://{}", dir.join("store").display()), Duration::from_secs(1)).unwrap();
+    let images = dir.join("images");
+    std::fs::create_dir_all(&images).unwrap();
+    std::fs::write(images.join("core-42.img"), b"core").unwrap();
+    let mut a = bytes(40 * PAGE_SIZE as usize, 1);
+    a[PAGE_SIZE as usize * 16..PAGE_SIZE as usize * 32].fill(0);
+    let data = [a, bytes(8 * PAGE_SIZE as usize, 2), bytes(2 * PAGE_SIZE as usize, 3)];
+    let mut staging = Staging::new(64 << 20, &dir.join("spill"));
+    let runs = [(0x10000, PE_PRESENT | PE_LAZY), (0x100000, PE_PRESENT | PE_LAZY), (0x200000, PE_PRESENT)];
+    for ((vaddr, flags), bytes) in runs.into_iter().zip(&data) {
+        let nr_pages = bytes.len() as u64 / PAGE_SIZE;
+        let run = PageRun { dst_id: (PID << 8) | 1, vaddr, nr_pages, flags };
+        staging.run(run, &mut bytes.as_slice()).unwrap();
+    }
+    let staged = Arc::new(staging.finish().unwrap());
+    let dump = store.store_dump(staged, &images, &[], Arc::new(|_, _| {})).await.unwrap();
+    let manifest = Manifest {
+        id: "20261122-000000-abcdef".into(),
+        files: dump.files,
+        memory: dump.memory,
+        ..Default::default()
+    };
+    (store, manifest, data)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn lazy_memory_is_left_in_the_store_and_served_verified() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, manifest, [a, b, c]) = stored(dir.path()).await;
+    let out = dir.path().join("restore");
+    std::fs::create_dir_all(&out).unwrap();
+    // The second run overlaps recorded GPU host memory: it must be restored eagerly.
+    let eager = [AddressRange { pid: PID as i32, start: 0x101000, end: 0x102000 }];
+    let mode = MemoryMode::Lazy { eager: &eager };
+    let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
+    assert_eq!(memory.bytes(), a.len() as u64, "only the first run is left lazy");
+    assert_eq!(std::fs::read(out.join("pages-1.img")).unwrap(), [b.as_slice(), c.as_slice()].concat());
+    assert_eq!(std::fs::read(out.join("core-42.img")).unwrap(), b"core");
+
+    let (reader, fetch) = store.start_lazy_fetch(memory, 1 << 20, Duration::from_secs(10));
+    let served = tokio::task::spawn_blocking(move || {
+        // A fault in the middle, then what CRIU's background transfer asks for, in pieces.
+        let mut page = Vec::new();
+        reader.read(PID, 0x10000 + 5 * PAGE_SIZE, PAGE_SIZE, &mut page).unwrap();
+        let mut all = Vec::new();
+        while (all.len() as u64) < 40 * PAGE_SIZE {
+            let at = 0x10000 + all.len() as u64;
+            reader.read(PID, at, 40 * PAGE_SIZE - all.len() as u64, &mut all).unwrap();
+        }
+        let not_lazy = reader.read(PID, 0x100000, PAGE_SIZE, &mut Vec::new()).unwrap_err();
+        (page, all, not_lazy)
+    })
+    .await
+    .unwrap();
+    let (page, all, not_lazy) = served;
+    assert_eq!(page, &a[5 * PAGE_SIZE as usize..6 * PAGE_SIZE as usize]);
+    assert_eq!(all, a, "lazily served memory differs");
+    assert!(matches!(not_lazy, LazyFetchError::NotLazy { .. }), "{not_lazy}");
+    assert!(fetch.bytes_fetched() > 0);
+    fetch.stop();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn memory_damaged_in_the_store_fails_the_read_instead_of_being_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, manifest, _) = stored(dir.path()).await;
+    let out = dir.path().join("restore");
+    std::fs::create_dir_all(&out).unwrap();
+    let mode = MemoryMode::Lazy { eager: &[] };
+    let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
+    // The packs are damaged after the tree started (bit rot, a bad disk, a tampered bucket).
+    for path in
+        walk(&dir.path().join("store")).into_iter().filter(|p| p.extension().is_some_and(|e| e == "pack"))
+    {
+        let mut data = std::fs::read(&path).unwrap();
+        data.iter_mut().for_each(|b| *b ^= 0x5a);
+        std::fs::write(&path, data).unwrap();
+    }
+    let (reader, fetch) = store.start_lazy_fetch(memory, 1 << 20, Duration::from_secs(10));
+    let err = tokio::task::spawn_blocking(move || reader.read(PID, 0x10000, PAGE_SIZE, &mut Vec::new()))
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(&err, LazyFetchError::Store { reason, .. } if reason.contains("is corrupted")), "{err}");
+    fetch.stop();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn memory_missing_from_the_store_fails_the_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, manifest, _) = stored(dir.path()).await;
+    let out = dir.path().join("restore");
+    std::fs::create_dir_all(&out).unwrap();
+    let mode = MemoryMode::Lazy { eager: &[] };
+    let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
+    std::fs::remove_dir_all(dir.path().join("store")).unwrap();
+    let (reader, fetch) = store.start_lazy_fetch(memory, 1 << 20, Duration::from_secs(10));
+    let err = tokio::task::spawn_blocking(move || reader.read(PID, 0x10000, PAGE_SIZE, &mut Vec::new()))
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(&err, LazyFetchError::Store { reason, .. } if reason.contains("missing")), "{err}");
+    fetch.stop();
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.is_dir() { out.extend(walk(&path)) } else { out.push(path) }
+    }
+    out
+}
