@@ -86,18 +86,20 @@ fn lazy_restore_without_waiting_returns_while_memory_arrives_and_ends_resident()
     assert_eq!(after, dirtied, "memory after the lazy restore differs from the checkpoint");
 }
 
-#[test]
-fn a_store_that_stops_answering_gets_the_lazily_restored_tree_killed_with_the_reason() {
-    skip_unless_ready!();
-    let Some(s3) = S3Server::start() else { return };
-    // A small cache, so the prefetcher cannot have everything before the store stops.
+/// Starts a lazy restore of `argv` (holding over 100 MiB) evicted to a moto S3 store (slow
+/// enough that memory is still arriving), and returns once the tree runs: the daemon, the
+/// workload's pid, the running `stasis restore` and its stderr.
+fn lazy_restore_over_s3(
+    s3: &S3Server,
+    argv: &[String],
+) -> (Daemon, i32, std::process::Child, BufReader<std::process::ChildStderr>) {
+    // A small cache, so the prefetcher cannot have everything before the test interferes.
     let args = ["--store-retry-secs", "2", "--lazy-timeout-secs", "3", "--lazy-cache-mib", "8"];
     let d = Daemon::start_with(&s3.daemon_options("lazy", &args));
-    let w = d.run("memhog", &python_workload("memhog.py", &["160"]));
-    w.wait_line_after(0, "memhog `ready`", |l| l == "ready");
+    let w = d.run("lazy", argv);
+    w.wait_line_after(0, "the workload's `ready`", |l| l == "ready");
     d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
-
     let mut restore = d
         .command(&["restore", "--workload", &w.name, "--lazy"])
         .stdout(Stdio::piped())
@@ -113,17 +115,75 @@ fn a_store_that_stops_answering_gets_the_lazily_restored_tree_killed_with_the_re
         }
         said.push_str(&line);
     }
-    // The store hangs: connections are accepted, nothing is answered.
-    procfs::signal(s3.pid(), Signal::SIGSTOP);
-    let stopped = Instant::now();
+    let pid = w.pid;
+    (d, pid, restore, stderr)
+}
+
+/// Waits for the restore to end; returns whether it succeeded, and the rest of its stderr.
+fn outcome(
+    mut restore: std::process::Child,
+    mut stderr: BufReader<std::process::ChildStderr>,
+) -> (bool, String) {
     let status = restore.wait().unwrap();
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
+    (status.success(), rest)
+}
+
+#[test]
+fn a_store_that_stops_answering_gets_the_lazily_restored_tree_killed_with_the_reason() {
+    skip_unless_ready!();
+    let Some(s3) = S3Server::start() else { return };
+    let (_d, pid, restore, stderr) = lazy_restore_over_s3(&s3, &python_workload("memhog.py", &["160"]));
+    // The store hangs: connections are accepted, nothing is answered.
+    procfs::signal(s3.pid(), Signal::SIGSTOP);
+    let stopped = Instant::now();
+    let (success, rest) = outcome(restore, stderr);
     procfs::signal(s3.pid(), Signal::SIGCONT);
 
-    assert!(!status.success(), "the restore must fail: {said}{rest}");
+    assert!(!success, "the restore must fail: {rest}");
     assert!(rest.contains("was killed"), "the error says the tree was killed: {rest}");
     assert!(rest.contains("did not deliver memory"), "the error says why: {rest}");
     assert!(stopped.elapsed() < Duration::from_secs(30), "ended after {:?}", stopped.elapsed());
-    expect_within(TIMEOUT, "the restored tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    expect_within(TIMEOUT, "the restored tree to be gone", || (!procfs::exists(pid)).then_some(()));
+}
+
+#[test]
+fn a_dead_lazy_pages_daemon_gets_the_tree_killed_not_run_on_missing_memory() {
+    skip_unless_ready!();
+    let Some(s3) = S3Server::start() else { return };
+    let (d, pid, restore, stderr) = lazy_restore_over_s3(&s3, &python_workload("memhog.py", &["160"]));
+    assert!(
+        d.log_tail(400).contains("lazy-restore guard holds the tree's userfaultfds"),
+        "a guard holds the tree's userfaultfd, so its faults wait instead of reading zeros:\n{}",
+        d.log_tail(40)
+    );
+    let lazy_pages = procfs::children(d.pid())
+        .into_iter()
+        .find(|c| procfs::cmdline(*c).is_some_and(|argv| argv.iter().any(|a| a == "lazy-pages")))
+        .expect("criu lazy-pages is a child of stasisd");
+    procfs::kill9(lazy_pages);
+    let (success, rest) = outcome(restore, stderr);
+
+    assert!(!success, "the restore must fail: {rest}");
+    assert!(
+        rest.contains("was killed") && rest.contains("lazy-pages"),
+        "the error says what happened: {rest}"
+    );
+    expect_within(TIMEOUT, "the restored tree to be gone", || (!procfs::exists(pid)).then_some(()));
+}
+
+#[test]
+fn a_tree_lazily_restored_by_a_stasisd_that_crashes_is_killed_by_its_guard() {
+    skip_unless_ready!();
+    let Some(s3) = S3Server::start() else { return };
+    // Threads that keep computing on their memory: without the guard they would run on,
+    // on zeros where memory had not arrived, instead of crashing.
+    let memtest = bin("stasis-memtest").to_string_lossy().into_owned();
+    let (mut d, pid, restore, stderr) = lazy_restore_over_s3(&s3, &[memtest, "2".into(), "80".into()]);
+    // stasisd dies mid-way: its page server goes with it, so the memory can no longer arrive.
+    d.kill9_and_restart();
+    let (success, _) = outcome(restore, stderr);
+    assert!(!success, "the restore cannot have succeeded");
+    expect_within(TIMEOUT, "the guard to kill the restored tree", || (!procfs::exists(pid)).then_some(()));
 }

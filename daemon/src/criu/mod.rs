@@ -103,7 +103,13 @@ impl Criu {
     }
 
     /// Restores the tree from `spec.images_dir`; returns the pid of the restored root.
-    pub fn restore(&self, spec: &RestoreSpec) -> Result<i32, CriuError> {
+    /// `on_notify` is called for each CRIU notification (e.g. "pre-resume": the tree is
+    /// restored and about to run) while CRIU waits.
+    pub fn restore(
+        &self,
+        spec: &RestoreSpec,
+        mut on_notify: impl FnMut(&str) -> Result<(), String>,
+    ) -> Result<i32, CriuError> {
         let dir = options::open_dir(&spec.images_dir)?;
         let keep: Vec<RawFd> = spec.inherit_fds.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
         let req = Request {
@@ -112,7 +118,7 @@ impl Criu {
             ..Default::default()
         };
         let mut session = Session::start(&self.path, &keep)?;
-        let resp = session.call_with_notify(&req, &mut |_| Ok(()))?;
+        let resp = session.call_with_notify(&req, &mut on_notify)?;
         error::check_success(&resp, &spec.images_dir, "restore")?;
         resp.restore.and_then(|r| r.pid).ok_or(CriuError::Protocol("RESTORE answer without a pid"))
     }

@@ -15,10 +15,16 @@
 //! Failure: when memory cannot be served (the store is unreachable past the timeout, a chunk
 //! is corrupted, the lazy-pages daemon dies), the tree is killed before the page-server
 //! connection closes: a tree whose lazy pages stopped arriving would otherwise read zeros
-//! where its memory was. The error says why.
+//! where its memory was. The error says why. Before the tree runs, a `stasis-lazy-guard`
+//! process takes copies of the daemon's userfaultfds ([`FaultGuard`]): a daemon that dies on
+//! its own leaves the tree's faults waiting (not filled with zeros) until the tree is killed,
+//! and if stasisd itself dies the guard kills the tree. (Children the tree forks later get
+//! userfaultfds only the daemon holds: for them the kill comes a moment after its death.)
 
+use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -34,8 +40,11 @@ use crate::criu::lazy::{LazyPagesDaemon, PageSource, ServeStats, serve_requests}
 use crate::criu::pageserver::{HeaderLayout, PageServerError};
 use crate::linux::proc;
 use crate::linux::reaper::ExitKind;
+use crate::linux::sys::{ChildSetup, copy_fd_of, spawn};
 use crate::store::{LazyFetch, LazyMemory, LazyReader, Manifest};
 
+/// The guard's executable, next to stasisd's.
+const GUARD_BIN: &str = "stasis-lazy-guard";
 /// How long the lazy-pages daemon may take to exit after its session ended.
 const DAEMON_EXIT_WAIT: Duration = Duration::from_secs(10);
 /// Progress of the lazy phase is reported this often.
@@ -65,6 +74,78 @@ pub(super) struct LazySession {
     armed: Arc<AtomicBool>,
     served: Arc<AtomicU64>,
     total: u64,
+    guard: FaultGuard,
+}
+
+/// Started at CRIU's "pre-resume" notification (every task's userfaultfd is with the
+/// lazy-pages daemon and the tree does not run yet): a `stasis-lazy-guard` process holding
+/// copies of those userfaultfds, so that a fault waits rather than reads zeros if the daemon
+/// dies, and that kills the tree if stasisd dies before the memory is in.
+#[derive(Clone)]
+pub(super) struct FaultGuard {
+    daemon: i32,
+    root: i32,
+    pids: Vec<i32>,
+    started: Arc<std::sync::Mutex<Option<GuardProcess>>>,
+}
+
+/// A running `stasis-lazy-guard`; writing a byte to `control` (or dropping it after stasisd
+/// died) ends it.
+struct GuardProcess {
+    pid: i32,
+    control: std::fs::File,
+}
+
+impl GuardProcess {
+    /// Lets the guard go without killing anything: the tree is resident, or already killed.
+    fn release(mut self) {
+        if let Err(e) = self.control.write_all(b"r") {
+            warn!(pid = self.pid, error = %e, "cannot release the lazy-restore guard");
+        }
+    }
+}
+
+impl FaultGuard {
+    /// Starts the guard; an error aborts the restore (the tree must not run unguarded).
+    pub(super) fn start(&self) -> Result<(), String> {
+        let fds = proc::fd_targets(self.daemon)
+            .map_err(|e| format!("cannot list the lazy-pages daemon's descriptors: {e}"))?;
+        let copies = fds
+            .into_iter()
+            .filter(|(_, target)| target.as_os_str() == "anon_inode:[userfaultfd]")
+            .map(|(fd, _)| copy_fd_of(self.daemon, fd))
+            .collect::<Result<Vec<OwnedFd>, _>>()
+            .map_err(|e| format!("cannot copy the lazy-pages daemon's userfaultfds: {e}"))?;
+        if copies.is_empty() {
+            return Err("the lazy-pages daemon holds no userfaultfd at pre-resume".into());
+        }
+        let exe = std::env::current_exe().map(|p| p.with_file_name(GUARD_BIN)).map_err(|e| e.to_string())?;
+        let (control_r, control_w) =
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| e.to_string())?;
+        let pids: Vec<String> = self.pids.iter().map(i32::to_string).collect();
+        let mut cmd = Command::new(&exe);
+        cmd.args(["--root", &self.root.to_string(), "--pids", &pids.join(",")])
+            .stdin(Stdio::from(control_r))
+            .stdout(Stdio::null());
+        let setup = ChildSetup {
+            new_session: true,
+            keep_fds: copies.iter().map(AsRawFd::as_raw_fd).collect(),
+            ..Default::default()
+        };
+        let child = spawn(&mut cmd, setup).map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
+        info!(
+            guard = child.id(),
+            userfaultfds = copies.len(),
+            "lazy-restore guard holds the tree's userfaultfds"
+        );
+        let guard = GuardProcess { pid: child.id() as i32, control: std::fs::File::from(control_w) };
+        *self.started.lock().unwrap_or_else(|p| p.into_inner()) = Some(guard);
+        Ok(())
+    }
+
+    fn take(&self) -> Option<GuardProcess> {
+        self.started.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
 }
 
 /// The page server's view of the prefetcher; counts what it serves.
@@ -139,7 +220,15 @@ impl Engine {
         .await
         .map_err(|e| LazyError::Start(CriuError::Io(std::io::Error::other(e))));
         match started.and_then(|d| d.map_err(LazyError::Start)) {
-            Ok(daemon) => Ok(LazySession { daemon, fetch, server, armed, served, total }),
+            Ok(daemon) => {
+                let guard = FaultGuard {
+                    daemon: daemon.pid,
+                    root: manifest.root_pid,
+                    pids: manifest.pids.clone(),
+                    started: Default::default(),
+                };
+                Ok(LazySession { daemon, fetch, server, armed, served, total, guard })
+            }
             Err(e) => {
                 fetch.stop();
                 Err(e)
@@ -154,11 +243,19 @@ impl LazySession {
         self.armed.store(true, Ordering::SeqCst);
     }
 
+    /// The guard to start at CRIU's "pre-resume" notification.
+    pub(super) fn fault_guard(&self) -> FaultGuard {
+        self.guard.clone()
+    }
+
     /// Ends a session whose restore failed (CRIU already removed the tree it created).
     pub(super) fn abort(self) {
         self.armed.store(false, Ordering::SeqCst);
         let _ = nix::sys::signal::kill(Pid::from_raw(self.daemon.pid), Signal::SIGKILL);
         self.fetch.stop();
+        if let Some(guard) = self.guard.take() {
+            guard.release();
+        }
     }
 
     /// Waits until every page is resident; returns the bytes fetched from the store. On
@@ -169,7 +266,7 @@ impl LazySession {
         manifest: &Manifest,
         progress: &ProgressFn,
     ) -> Result<u64, LazyError> {
-        let LazySession { daemon, fetch, mut server, served, total, .. } = self;
+        let LazySession { daemon, fetch, mut server, served, total, guard, .. } = self;
         let served_result = loop {
             progress(ProgressUpdate { phase: "memory", done: served.load(Ordering::Relaxed), total });
             tokio::select! {
@@ -204,6 +301,9 @@ impl LazySession {
         };
         if outcome.is_err() {
             kill_tree(manifest);
+        }
+        if let Some(guard) = guard.take() {
+            guard.release();
         }
         progress(ProgressUpdate { phase: "memory", done: served.load(Ordering::Relaxed), total });
         outcome

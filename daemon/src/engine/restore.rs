@@ -159,7 +159,14 @@ impl Engine {
         let spec = RestoreSpec { images_dir, tree, inherit_fds, lazy_pages: session.is_some() };
         session.iter().for_each(LazySession::arm);
         let criu = self.criu.clone();
-        let restored = tokio::task::spawn_blocking(move || criu.restore(&spec))
+        let faults = session.as_ref().map(LazySession::fault_guard);
+        let on_notify = {
+            move |script: &str| match faults.as_ref().filter(|_| script == "pre-resume") {
+                Some(faults) => faults.start(),
+                None => Ok(()),
+            }
+        };
+        let restored = tokio::task::spawn_blocking(move || criu.restore(&spec, on_notify))
             .await
             .map_err(|e| local("restore thread")(std::io::Error::other(e)))
             .and_then(|r| r.map_err(|source| RestoreError::Criu { id: id.clone(), source }));

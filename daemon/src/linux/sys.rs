@@ -1,11 +1,11 @@
-//! The few operations that need `unsafe`: code that runs in a forked child before `exec`, and
-//! mapping a private file.
+//! The few operations that need `unsafe`: code that runs in a forked child before `exec`,
+//! mapping a private file, and taking a copy of another process's descriptor.
 //!
 //! Between `fork` and `exec` only async-signal-safe calls are allowed, so these closures use
 //! raw `libc` calls on values prepared beforehand and never allocate.
 
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command};
 
@@ -66,4 +66,24 @@ pub fn release_mapped_range(map: &memmap2::Mmap, offset: usize, len: usize) {
     // only discards page-table entries; the data stays in the file and later accesses read it
     // back unchanged, so no reference into the mapping can observe different bytes.
     let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, len) };
+}
+
+/// A copy of descriptor `fd` of process `pid` (`pidfd_getfd(2)`; needs ptrace access to it).
+pub fn copy_fd_of(pid: i32, fd: i32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags by value and returns a new descriptor or -1; no
+    // memory is shared with the kernel.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if pidfd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this descriptor to us and nothing else owns it.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    // SAFETY: pidfd_getfd takes two descriptors and flags by value and returns a new
+    // descriptor or -1; no memory is shared with the kernel.
+    let copy = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    if copy < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above, a fresh descriptor owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(copy as i32) })
 }

@@ -26,8 +26,12 @@ use super::assemble::decode_chunk;
 use super::lazy::LazyMemory;
 use super::{Store, StoreError};
 
-/// Fetched together: about one CRIU background request.
-const BATCH_BYTES: u64 = 4 << 20;
+/// Chunks a fault or a CRIU request waits for are fetched in batches of at most this much
+/// (about one CRIU background request)...
+const URGENT_BATCH_BYTES: u64 = 4 << 20;
+/// ...and prefetched in batches of this much: fewer, larger range reads (each is a request to
+/// the store; object_store merges adjacent ranges of a pack into one).
+const PREFETCH_BATCH_BYTES: u64 = 16 << 20;
 /// Batches fetched at the same time.
 const BATCHES_IN_FLIGHT: usize = 4;
 
@@ -255,7 +259,7 @@ fn next_batch(shared: &Shared, order: &[usize], cursor: &mut usize, capacity: u6
     let chunks = &shared.memory.chunks;
     let mut st = shared.lock();
     let (mut batch, mut bytes) = (Vec::new(), 0u64);
-    while bytes < BATCH_BYTES {
+    while bytes < URGENT_BATCH_BYTES {
         let Some(i) = st.urgent.pop_front() else { break };
         if matches!(st.slots[i], Slot::Absent) {
             st.slots[i] = Slot::Fetching;
@@ -263,7 +267,9 @@ fn next_batch(shared: &Shared, order: &[usize], cursor: &mut usize, capacity: u6
             batch.push(i);
         }
     }
-    while bytes < BATCH_BYTES && *cursor < order.len() && st.held + bytes < capacity {
+    // Urgent chunks go alone, so that they arrive as soon as possible.
+    let limit = if batch.is_empty() { PREFETCH_BATCH_BYTES } else { 0 };
+    while bytes < limit && *cursor < order.len() && st.held + bytes < capacity {
         let i = order[*cursor];
         *cursor += 1;
         if matches!(st.slots[i], Slot::Absent) && st.served[i] == 0 {
