@@ -27,7 +27,7 @@ use std::os::unix::net::UnixStream;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
@@ -39,7 +39,7 @@ use crate::criu::CriuError;
 use crate::criu::lazy::{LazyPagesDaemon, PageSource, ServeStats, serve_requests};
 use crate::criu::pageserver::{HeaderLayout, PageServerError};
 use crate::linux::proc;
-use crate::linux::reaper::ExitKind;
+use crate::linux::reaper::{ExitKind, Reaper};
 use crate::linux::sys::{ChildSetup, copy_fd_of, spawn};
 use crate::store::{LazyFetch, LazyMemory, LazyReader, Manifest};
 
@@ -258,14 +258,26 @@ impl LazySession {
         }
     }
 
-    /// Waits until every page is resident; returns the bytes fetched from the store. On
-    /// failure the tree has been killed.
-    pub(super) async fn finish(
+    /// The tree runs: watches the session from now on, in a task that ends when every page is
+    /// resident, with the bytes fetched from the store and when that was; on failure the tree
+    /// has been killed. The guard is let go as soon as the lazy-pages daemon is done: from then
+    /// on nobody answers faults, so a held userfaultfd would stall the tree (on pages it never
+    /// had, or in the CUDA restore that may still be running).
+    pub(super) fn watch(
         self,
-        engine: &Engine,
+        reaper: Reaper,
+        manifest: Manifest,
+        progress: ProgressFn,
+    ) -> tokio::task::JoinHandle<Result<(u64, Instant), LazyError>> {
+        tokio::spawn(async move { self.finish(&reaper, &manifest, &progress).await })
+    }
+
+    async fn finish(
+        self,
+        reaper: &Reaper,
         manifest: &Manifest,
         progress: &ProgressFn,
-    ) -> Result<u64, LazyError> {
+    ) -> Result<(u64, Instant), LazyError> {
         let LazySession { daemon, fetch, mut server, served, total, guard, .. } = self;
         let served_result = loop {
             progress(ProgressUpdate { phase: "memory", done: served.load(Ordering::Relaxed), total });
@@ -275,11 +287,11 @@ impl LazySession {
             }
         };
         // The daemon exits once it said goodbye or saw the connection close.
-        let exit = match tokio::time::timeout(DAEMON_EXIT_WAIT, engine.reaper.wait_exit(daemon.pid)).await {
+        let exit = match tokio::time::timeout(DAEMON_EXIT_WAIT, reaper.wait_exit(daemon.pid)).await {
             Ok(exit) => exit,
             Err(_) => {
                 let _ = nix::sys::signal::kill(Pid::from_raw(daemon.pid), Signal::SIGKILL);
-                engine.reaper.wait_exit(daemon.pid).await
+                reaper.wait_exit(daemon.pid).await
             }
         };
         fetch.stop();
@@ -296,7 +308,7 @@ impl LazySession {
                     fetched = fetch.bytes_fetched(),
                     "lazy memory resident"
                 );
-                Ok(fetch.bytes_fetched())
+                Ok((fetch.bytes_fetched(), Instant::now()))
             }
         };
         if outcome.is_err() {

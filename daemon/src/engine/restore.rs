@@ -170,12 +170,8 @@ impl Engine {
             .await
             .map_err(|e| local("restore thread")(std::io::Error::other(e)))
             .and_then(|r| r.map_err(|source| RestoreError::Criu { id: id.clone(), source }));
-        let restored = match restored {
-            Ok(pid) => self.reattach_gpu(&manifest, gpu_pairs, &progress).await.map(|ms| (pid, ms)),
-            Err(e) => Err(e),
-        };
-        let (pid, gpu_restore_ms) = match restored {
-            Ok(r) => r,
+        let pid = match restored {
+            Ok(pid) => pid,
             Err(e) => {
                 if let Some(session) = session {
                     session.abort();
@@ -183,6 +179,9 @@ impl Engine {
                 return Err(e);
             }
         };
+        let watch = session.map(|s| s.watch(self.reaper.clone(), manifest.clone(), progress.clone()));
+        // On failure this kills the tree; the lazy session then ends by itself.
+        let gpu_restore_ms = self.reattach_gpu(&manifest, gpu_pairs, &progress).await?;
         let first_run_ms = started.elapsed().as_millis() as u64;
         let mut stats = RestoreStats {
             restore_ms: first_run_ms,
@@ -197,17 +196,16 @@ impl Engine {
         self.remember_restore(&manifest, pid).map_err(local("workload registry update"))?;
         let outcome =
             |stats| RestoreOutcome { id: id.clone(), workload: manifest.workload.clone(), pid, stats };
-        if let Some(session) = session {
+        if let Some(watch) = watch {
             info!(checkpoint = %id, pid, first_run_ms, "lazily restored tree runs");
             if let Some(notify) = params.on_running {
                 notify(outcome(stats.clone()));
             }
-            let lazy_bytes = session
-                .finish(self, &manifest, &progress)
-                .await
-                .map_err(|source| RestoreError::Lazy { id: id.clone(), pid, source })?;
+            let watched = watch.await.map_err(|e| local("lazy restore task")(std::io::Error::other(e)))?;
+            let (lazy_bytes, resident_at) =
+                watched.map_err(|source| RestoreError::Lazy { id: id.clone(), pid, source })?;
             stats.bytes_fetched += lazy_bytes;
-            stats.resident_ms = started.elapsed().as_millis() as u64;
+            stats.resident_ms = (resident_at - started).as_millis() as u64;
         }
         drop(guard);
         info!(checkpoint = %id, workload = %manifest.workload, pid, ?stats, "restored");
