@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The stasis demo: checkpoint a running job to the local store, kill it, restore it, and watch
-# it carry on from where it was. Builds everything and installs CRIU 4.x if needed (under
+# it carry on from where it was; then once more with a hot (lazy) restore. Builds everything and installs CRIU 4.x if needed (under
 # .stasis/, without touching system packages). Needs root (CRIU does).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -49,6 +49,15 @@ sleep 1
 stasis restore --workload demo
 sleep 2
 echo "log after the restore (it continues from '$before', not from step 1):"
+grep -A 4 -F "$before" "$log" | head -n 6
+
+say "checkpointing again, then a hot restore: the job runs before its memory is back"
+stasis checkpoint --workload demo
+before=$(tail -n 1 "$log")
+sleep 1
+stasis restore --workload demo --lazy
+sleep 2
+echo "log after the hot restore (it continues from '$before'):"
 grep -A 4 -F "$before" "$log" | head -n 6
 
 say "demo done"

@@ -89,47 +89,41 @@ async fn lazy_memory_is_left_in_the_store_and_served_verified() {
     fetch.stop();
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn memory_damaged_in_the_store_fails_the_read_instead_of_being_served() {
+/// Restores the stored checkpoint lazily, lets `damage` act on the store directory once the
+/// tree would run, and returns the error of the first page read.
+async fn first_read_after(damage: impl FnOnce(&std::path::Path)) -> LazyFetchError {
     let dir = tempfile::tempdir().unwrap();
     let (store, manifest, _) = stored(dir.path()).await;
     let out = dir.path().join("restore");
     std::fs::create_dir_all(&out).unwrap();
     let mode = MemoryMode::Lazy { eager: &[] };
     let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
-    // The packs are damaged after the tree started (bit rot, a bad disk, a tampered bucket).
-    for path in
-        walk(&dir.path().join("store")).into_iter().filter(|p| p.extension().is_some_and(|e| e == "pack"))
-    {
-        let mut data = std::fs::read(&path).unwrap();
-        data.iter_mut().for_each(|b| *b ^= 0x5a);
-        std::fs::write(&path, data).unwrap();
-    }
+    damage(&dir.path().join("store"));
     let (reader, fetch) = store.start_lazy_fetch(memory, 1 << 20, Duration::from_secs(10));
-    let err = tokio::task::spawn_blocking(move || reader.read(PID, 0x10000, PAGE_SIZE, &mut Vec::new()))
-        .await
-        .unwrap()
-        .unwrap_err();
-    assert!(matches!(&err, LazyFetchError::Store { reason, .. } if reason.contains("is corrupted")), "{err}");
+    let read = tokio::task::spawn_blocking(move || reader.read(PID, 0x10000, PAGE_SIZE, &mut Vec::new()));
+    let err = read.await.unwrap().unwrap_err();
     fetch.stop();
+    err
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn memory_damaged_in_the_store_fails_the_read_instead_of_being_served() {
+    // The packs are damaged after the tree started (bit rot, a bad disk, a tampered bucket).
+    let err = first_read_after(|store| {
+        for path in walk(store).into_iter().filter(|p| p.extension().is_some_and(|e| e == "pack")) {
+            let mut data = std::fs::read(&path).unwrap();
+            data.iter_mut().for_each(|b| *b ^= 0x5a);
+            std::fs::write(&path, data).unwrap();
+        }
+    })
+    .await;
+    assert!(matches!(&err, LazyFetchError::Store { reason, .. } if reason.contains("is corrupted")), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn memory_missing_from_the_store_fails_the_read() {
-    let dir = tempfile::tempdir().unwrap();
-    let (store, manifest, _) = stored(dir.path()).await;
-    let out = dir.path().join("restore");
-    std::fs::create_dir_all(&out).unwrap();
-    let mode = MemoryMode::Lazy { eager: &[] };
-    let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
-    std::fs::remove_dir_all(dir.path().join("store")).unwrap();
-    let (reader, fetch) = store.start_lazy_fetch(memory, 1 << 20, Duration::from_secs(10));
-    let err = tokio::task::spawn_blocking(move || reader.read(PID, 0x10000, PAGE_SIZE, &mut Vec::new()))
-        .await
-        .unwrap()
-        .unwrap_err();
+    let err = first_read_after(|store| std::fs::remove_dir_all(store).unwrap()).await;
     assert!(matches!(&err, LazyFetchError::Store { reason, .. } if reason.contains("missing")), "{err}");
-    fetch.stop();
 }
 
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
