@@ -223,7 +223,13 @@ async fn prefetch(store: Store, shared: Arc<Shared>, capacity: u64, timeout: Dur
     let mut cursor = 0usize;
     let mut in_flight = FuturesUnordered::new();
     loop {
-        while in_flight.len() < BATCHES_IN_FLIGHT {
+        loop {
+            // Chunks something waits for get a batch of their own even when prefetches fill
+            // every slot.
+            let urgent = !shared.lock().urgent.is_empty();
+            if in_flight.len() >= BATCHES_IN_FLIGHT + usize::from(urgent) {
+                break;
+            }
             let batch = next_batch(&shared, &order, &mut cursor, capacity);
             if batch.is_empty() {
                 break;
