@@ -3,6 +3,10 @@
 //! checked after every restore (once resident, for the lazy ones).
 //!
 //! Targets (issue 5): `first_run_ms` <= 0.2x and `resident_ms` <= 1.2x the eager restore time.
+//!
+//! Each round also measures the prefetch order: a lazy restore that returns once the tree
+//! runs (`--no-wait`), after which the workload at once reads its working set (the blocks it
+//! rewrote before the checkpoint) and says how long that took.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -24,25 +28,41 @@ pub struct Round {
     pub first_run_ms: u64,
     pub resident_ms: u64,
     pub lazy_bytes_fetched: u64,
+    /// Time the workload took to read its working set right after a `--no-wait` restore.
+    pub touch_ms: u64,
     pub eager_first: bool,
 }
 
 pub struct LazyResults {
     pub store: &'static str,
+    pub prefetch: String,
     pub bytes_total: u64,
     pub rounds: Vec<Round>,
 }
 
-/// Asks the workload for its checksum (it reads all of its memory) and returns it.
-fn checksum(pid: i32, log: &Path) -> anyhow::Result<String> {
-    let sums = || -> Vec<String> {
+/// The last `<prefix> <n>` number the workload printed, after signalling it with `signal`.
+fn ask(pid: i32, log: &Path, signal: Signal, prefix: &str) -> anyhow::Result<String> {
+    let lines = || -> Vec<String> {
         let text = std::fs::read_to_string(log).unwrap_or_default();
-        text.lines().filter(|l| l.starts_with("checksum ")).map(str::to_string).collect()
+        text.lines().filter(|l| l.starts_with(prefix)).map(str::to_string).collect()
     };
-    let before = sums().len();
-    kill(Pid::from_raw(pid), Signal::SIGUSR2).context("signalling the workload")?;
-    wait_until("the workload's checksum", Duration::from_secs(300), || sums().len() > before)?;
-    sums().pop().context("no checksum line")
+    let before = lines().len();
+    kill(Pid::from_raw(pid), signal).context("signalling the workload")?;
+    wait_until(&format!("the workload's `{prefix}`"), Duration::from_secs(300), || lines().len() > before)?;
+    let line = lines().pop().context("no line")?;
+    Ok(line[prefix.len()..].trim().to_string())
+}
+
+/// A lazy restore that returns once the tree runs; the workload then reads its working set
+/// at once. Returns how long that took it, ms.
+fn touch_after_restore(d: &Daemon, id: &str, pid: i32, log: &Path) -> anyhow::Result<u64> {
+    settle();
+    d.cli(&["restore", id, "--lazy", "--no-wait", "--json"])
+        .with_context(|| format!("restore failed; stasisd's log:\n{}", d.log_tail()))?;
+    d.set_workload(Some(pid));
+    let ms = ask(pid, log, Signal::SIGHUP, "touched ")?.parse().context("`touched` without a number")?;
+    kill_and_wait(pid)?;
+    Ok(ms)
 }
 
 /// Restores `id` (lazily with `--lazy`), checks the checksum, kills the tree.
@@ -54,7 +74,7 @@ fn restore(d: &Daemon, id: &str, lazy: bool, pid: i32, log: &Path, sum: &str) ->
     }
     let r = d.cli(&argv).with_context(|| format!("restore failed; stasisd's log:\n{}", d.log_tail()))?;
     d.set_workload(Some(pid));
-    let restored = checksum(pid, log)?;
+    let restored = ask(pid, log, Signal::SIGUSR2, "checksum ")?;
     ensure!(
         restored == sum,
         "memory differs after a {} restore: {restored} vs {sum}",
@@ -64,7 +84,7 @@ fn restore(d: &Daemon, id: &str, lazy: bool, pid: i32, log: &Path, sum: &str) ->
     Ok(r)
 }
 
-pub fn run(args: &Args, s3: bool) -> anyhow::Result<LazyResults> {
+pub fn run(args: &Args, s3: bool, prefetch: &str) -> anyhow::Result<LazyResults> {
     let criu = std::fs::canonicalize(".stasis/criu/bin/criu")
         .context("no .stasis/criu/bin/criu: run scripts/setup-criu.sh, and this from the repository root")?;
     let id = std::process::id();
@@ -75,7 +95,8 @@ pub fn run(args: &Args, s3: bool) -> anyhow::Result<LazyResults> {
     } else {
         None
     };
-    let mut extra = Extra { staging_mib: args.staging_mib, ..Default::default() };
+    let lazy_args = vec!["--lazy-prefetch".to_string(), prefetch.to_string()];
+    let mut extra = Extra { staging_mib: args.staging_mib, args: lazy_args, ..Default::default() };
     if let Some(server) = &server {
         let options = server.daemon_options("bench", &[]);
         (extra.store, extra.env) = (options.store, options.env);
@@ -86,7 +107,7 @@ pub fn run(args: &Args, s3: bool) -> anyhow::Result<LazyResults> {
     // A full checkpoint, memory written since, then the evicting one that is restored.
     checkpoint(&d)?;
     dirty(pid, &log, 1)?;
-    let sum = checksum(pid, &log)?;
+    let sum = ask(pid, &log, Signal::SIGUSR2, "checksum ")?;
     settle();
     let ck = d.cli(&["checkpoint", "--workload", "bench", "--json"])?;
     let ck_id = ck["id"].as_str().context("`stasis checkpoint --json` printed no id")?.to_string();
@@ -107,6 +128,7 @@ pub fn run(args: &Args, s3: bool) -> anyhow::Result<LazyResults> {
             Some(e) => e,
             None => restore(&d, &ck_id, false, pid, &log, &sum)?,
         };
+        let touch_ms = touch_after_restore(&d, &ck_id, pid, &log)?;
         let ms = |v: &Value, key: &str| v["stats"][key].as_u64().with_context(|| format!("no {key} in {v}"));
         if lazy["stats"]["lazy"] != true {
             bail!("the lazy restore did not report itself lazy: {lazy}");
@@ -116,15 +138,13 @@ pub fn run(args: &Args, s3: bool) -> anyhow::Result<LazyResults> {
             first_run_ms: ms(&lazy, "first_run_ms")?,
             resident_ms: ms(&lazy, "resident_ms")?,
             lazy_bytes_fetched: ms(&lazy, "bytes_fetched")?,
+            touch_ms,
             eager_first,
         });
     }
     d.set_workload(None);
-    Ok(LazyResults {
-        store: if s3 { "S3 test server (moto)" } else { "local (file://)" },
-        bytes_total,
-        rounds,
-    })
+    let store = if s3 { "S3 test server (moto)" } else { "local (file://)" };
+    Ok(LazyResults { store, prefetch: prefetch.to_string(), bytes_total, rounds })
 }
 
 impl LazyResults {
@@ -146,25 +166,36 @@ impl LazyResults {
             )
         };
         let mut out = format!(
-            "lazy restore: workload {} MiB ({} MiB of pages in the checkpoint), store: {}; {} round(s), \
-             eager and lazy alternating, medians shown; checksums identical after every restore\n\n",
+            "lazy restore: workload {} MiB ({} MiB of pages in the checkpoint), store: {}, prefetch {}; \
+             {} round(s), eager and lazy alternating, medians shown; checksums identical after every \
+             restore\n\n",
             args.rss_mib,
             self.bytes_total >> 20,
             self.store,
+            self.prefetch,
             self.rounds.len()
         );
         out.push_str("| measure | lazy | eager restore, ms | ratio | ratio per round | target | |\n");
         out.push_str("|---|---|---|---|---|---|---|\n");
         out.push_str(&row("first_run_ms: request until the tree runs", &first, 0.2));
         out.push_str(&row("resident_ms: request until every page is in", &resident, 1.2));
+        let touch = col(|r| r.touch_ms);
+        out.push_str(&format!(
+            "\nworking set ({:.0} MiB, rewritten before the checkpoint) read by the workload right after a \
+             --no-wait lazy restore: median {:.0} ms\n",
+            args.rss_mib as f64 * args.dirty,
+            median(&touch)
+        ));
         for (i, r) in self.rounds.iter().enumerate() {
             out.push_str(&format!(
-                "\n- round {}: eager {} ms, lazy first run {} ms, resident {} ms, {} MiB fetched ({} first)",
+                "\n- round {}: eager {} ms, lazy first run {} ms, resident {} ms, {} MiB fetched, working set \
+                 read {} ms after a --no-wait restore ({} first)",
                 i + 1,
                 r.eager_ms,
                 r.first_run_ms,
                 r.resident_ms,
                 r.lazy_bytes_fetched >> 20,
+                r.touch_ms,
                 if r.eager_first { "eager" } else { "lazy" }
             ));
         }

@@ -44,6 +44,9 @@ enum Mode {
         /// local directory.
         #[arg(long)]
         s3: bool,
+        /// stasisd's `--lazy-prefetch` (fresh-first or address), to compare orders.
+        #[arg(long, default_value = "fresh-first")]
+        prefetch: String,
         #[command(flatten)]
         args: Args,
     },
@@ -100,8 +103,8 @@ impl Args {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let (args, lazy_s3) = match cli.mode {
-        Some(Mode::Lazy { s3, args }) => (args, Some(s3)),
+    let (args, lazy) = match cli.mode {
+        Some(Mode::Lazy { s3, prefetch, args }) => (args, Some((s3, prefetch))),
         None => (cli.args, None),
     };
     ensure!(args.random + args.compressible + args.zero() <= 1.0 + 1e-9, "fractions add up to more than 1");
@@ -109,8 +112,8 @@ fn main() -> anyhow::Result<()> {
     ensure!(nix::unistd::geteuid().is_root(), "stasis-bench runs stasisd and CRIU: run it as root");
     daemon::SETTLE.store(!args.no_settle, std::sync::atomic::Ordering::Relaxed);
     daemon::undo_on_signals()?;
-    match lazy_s3 {
-        Some(s3) => println!("{}", lazy::run(&args, s3)?.table(&args)),
+    match lazy {
+        Some((s3, prefetch)) => println!("{}", lazy::run(&args, s3, &prefetch)?.table(&args)),
         None => println!("{}", run::run(&args)?.table(&args)),
     }
     Ok(())

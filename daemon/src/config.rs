@@ -13,6 +13,7 @@
 //! store_retry_secs = 30                     # retries of a failing remote store request
 //! lazy_cache_mib = 1024                     # fetched memory a lazy restore holds ahead
 //! lazy_timeout_secs = 60                    # a lazy restore's wait for the store, then kill
+//! lazy_prefetch = "fresh-first"             # or "address"
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -84,6 +85,21 @@ pub struct Args {
     /// tree is killed, since its memory cannot be completed (default 60).
     #[arg(long)]
     pub lazy_timeout_secs: Option<u64>,
+    /// What a lazy restore prefetches first: memory written since the previous checkpoint
+    /// (fresh-first, the default), or plain address order.
+    #[arg(long)]
+    pub lazy_prefetch: Option<LazyPrefetch>,
+}
+
+/// What a lazy restore prefetches first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum LazyPrefetch {
+    /// Chunks new in the checkpoint (written since the previous one), then address order.
+    #[default]
+    FreshFirst,
+    /// Address order, as CRIU's background transfer asks.
+    Address,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
@@ -108,6 +124,7 @@ struct FileConfig {
     store_retry_secs: Option<u64>,
     lazy_cache_mib: Option<u64>,
     lazy_timeout_secs: Option<u64>,
+    lazy_prefetch: Option<LazyPrefetch>,
 }
 
 /// The settings in effect.
@@ -124,6 +141,7 @@ pub struct DaemonConfig {
     pub store_retry_secs: u64,
     pub lazy_cache_mib: u64,
     pub lazy_timeout_secs: u64,
+    pub lazy_prefetch: LazyPrefetch,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -168,6 +186,7 @@ impl DaemonConfig {
                 .lazy_timeout_secs
                 .or(file.lazy_timeout_secs)
                 .unwrap_or(DEFAULT_LAZY_TIMEOUT_SECS),
+            lazy_prefetch: args.lazy_prefetch.or(file.lazy_prefetch).unwrap_or_default(),
         })
     }
 }

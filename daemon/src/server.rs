@@ -11,7 +11,9 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tracing::info;
 
 use crate::config::DaemonConfig;
-use crate::engine::{Engine, EngineConfig, LazySettings, StartError};
+use crate::config::LazyPrefetch;
+use crate::engine::{Engine, EngineConfig, StartError};
+use crate::store::FetchSettings;
 use crate::grpc::{StasisServer, StasisService};
 
 #[derive(Debug, thiserror::Error)]
@@ -42,9 +44,10 @@ pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
         keep_last: (config.keep_last > 0).then_some(config.keep_last),
         gc_grace: std::time::Duration::from_secs(config.gc_grace_secs),
         store_retry: std::time::Duration::from_secs(config.store_retry_secs),
-        lazy: LazySettings {
+        lazy: FetchSettings {
             cache_bytes: config.lazy_cache_mib << 20,
             timeout: std::time::Duration::from_secs(config.lazy_timeout_secs),
+            fresh_first: config.lazy_prefetch == LazyPrefetch::FreshFirst,
         },
     })
     .await?;

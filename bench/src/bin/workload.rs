@@ -4,7 +4,8 @@
 //! then sleeps. On each SIGUSR1 it rewrites `--dirty` of its memory with new random bytes, in
 //! contiguous blocks of `--dirty-block-kib` (default 1 MiB: a training step rewrites whole
 //! tensors) spread evenly over the whole range, and prints `dirtied <N> pages`. On each
-//! SIGUSR2 it reads all of its memory and prints `checksum <hex>`.
+//! SIGUSR2 it reads all of its memory and prints `checksum <hex>`; on each SIGHUP it reads the
+//! blocks it rewrites (its working set) and prints `touched <ms>`, the time that took.
 #![forbid(unsafe_code)]
 
 use std::io::Write;
@@ -12,7 +13,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, ensure};
 use clap::Parser;
-use signal_hook::consts::{SIGUSR1, SIGUSR2};
+use signal_hook::consts::{SIGHUP, SIGUSR1, SIGUSR2};
 use signal_hook::iterator::Signals;
 
 const PAGE: usize = 4096;
@@ -116,21 +117,32 @@ fn main() -> anyhow::Result<()> {
     }
     std::hint::black_box(&memory);
 
-    let mut signals = Signals::new([SIGUSR1, SIGUSR2])?;
+    let mut signals = Signals::new([SIGUSR1, SIGUSR2, SIGHUP])?;
     println!("ready");
     std::io::stdout().flush()?;
     let block = args.dirty_block_kib << 10;
     let blocks = size / block;
     let dirty_blocks = ((blocks as f64) * args.dirty).round() as usize;
     // `forever` blocks in the signal pipe between signals: the process is idle while measured.
+    let working_set = |i: usize| i * blocks / dirty_blocks * block;
     for signal in signals.forever() {
+        if signal == SIGHUP {
+            let started = std::time::Instant::now();
+            let sum = (0..dirty_blocks)
+                .flat_map(|i| memory[working_set(i)..working_set(i) + block].iter().step_by(PAGE))
+                .fold(0u8, |a, b| a ^ b);
+            std::hint::black_box(sum);
+            println!("touched {}", started.elapsed().as_millis());
+            std::io::stdout().flush()?;
+            continue;
+        }
         if signal == SIGUSR2 {
             println!("checksum {:016x}", checksum(&memory));
             std::io::stdout().flush()?;
             continue;
         }
         for i in 0..dirty_blocks {
-            let at = i * blocks / dirty_blocks * block;
+            let at = working_set(i);
             fill_random(&mut memory[at..at + block], &mut seed);
         }
         std::hint::black_box(&memory);

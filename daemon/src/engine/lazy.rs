@@ -189,7 +189,7 @@ impl Engine {
         let (ours, theirs): (OwnedFd, OwnedFd) =
             socketpair(AddressFamily::Unix, SockType::Stream, None, SockFlag::SOCK_CLOEXEC)
                 .map_err(|e| LazyError::Start(CriuError::Io(e.into())))?;
-        let (reader, fetch) = self.store.start_lazy_fetch(memory, self.lazy.cache_bytes, self.lazy.timeout);
+        let (reader, fetch) = self.store.start_lazy_fetch(memory, self.lazy);
         let armed = Arc::new(AtomicBool::new(false));
         let served = Arc::new(AtomicU64::new(0));
         let layout = HeaderLayout::for_version(self.criu_version.major, self.criu_version.minor);

@@ -57,16 +57,7 @@ pub struct EngineConfig {
     /// How long requests to a remote store are retried before they fail.
     pub store_retry: std::time::Duration,
     /// How lazy restores fetch memory.
-    pub lazy: LazySettings,
-}
-
-/// How lazy restores fetch memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LazySettings {
-    /// Bytes of fetched memory not yet served that a lazy restore may hold.
-    pub cache_bytes: u64,
-    /// How long a lazy restore waits for the store before it kills the tree.
-    pub timeout: std::time::Duration,
+    pub lazy: crate::store::FetchSettings,
 }
 
 /// A progress report of a long operation.
@@ -92,7 +83,7 @@ pub struct Engine {
     staging_limit: u64,
     keep_last: Option<usize>,
     gc_grace: std::time::Duration,
-    lazy: LazySettings,
+    lazy: crate::store::FetchSettings,
     /// The NVIDIA driver's checkpoint API, when a driver is installed.
     gpu: Option<Arc<dyn GpuCheckpointer>>,
     /// One job at a time per workload.

@@ -78,11 +78,14 @@ impl LazyMemory {
         Some((chunk, vaddr - self.addrs[chunk], run.end))
     }
 
-    /// Stored chunks in the order to prefetch them: those written since the previous
-    /// checkpoint first (the job's working set, likely touched first), then the rest; each
-    /// group in address order, which is the order CRIU's background transfer asks in.
-    pub(super) fn prefetch_order(&self) -> Vec<usize> {
+    /// Stored chunks in the order to prefetch them: with `fresh_first` those written since the
+    /// previous checkpoint first (the job's working set, likely touched first), then the rest;
+    /// each group in address order, which is the order CRIU's background transfer asks in.
+    pub(super) fn prefetch_order(&self, fresh_first: bool) -> Vec<usize> {
         let stored = |i: &usize| self.chunks[*i].stored.is_some();
+        if !fresh_first {
+            return (0..self.chunks.len()).filter(stored).collect();
+        }
         let (mut order, rest): (Vec<usize>, Vec<usize>) =
             (0..self.chunks.len()).filter(stored).partition(|i| self.chunks[*i].fresh);
         order.extend(rest);
@@ -114,6 +117,7 @@ mod tests {
         assert_eq!(m.locate(7, 0x10000), None, "another task's address");
         assert_eq!(m.locate(8, 0x30000), None);
         assert_eq!(m.bytes(), 0x24000);
-        assert_eq!(m.prefetch_order(), vec![1, 3, 0], "fresh first; zero chunks never fetched");
+        assert_eq!(m.prefetch_order(true), vec![1, 3, 0], "fresh first; zero chunks never fetched");
+        assert_eq!(m.prefetch_order(false), vec![0, 1, 3]);
     }
 }

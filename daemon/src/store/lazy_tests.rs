@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use stasis_proto::stasis::v1::AddressRange;
 
-use super::{LazyFetchError, Manifest, MemoryMode, Staging, Store};
+use super::{FetchSettings, LazyFetchError, Manifest, MemoryMode, Staging, Store};
 use crate::criu::pageserver::{PAGE_SIZE, PE_LAZY, PE_PRESENT, PageRun, PageSink};
 
 const PID: u64 = 42;
+const SETTINGS: FetchSettings = FetchSettings { cache_bytes: 1 << 20, timeout: Duration::from_secs(10), fresh_first: true };
 
 fn bytes(n: usize, seed: u64) -> Vec<u8> {
     let mut state = seed | 1;
@@ -66,7 +67,7 @@ async fn lazy_memory_is_left_in_the_store_and_served_verified() {
     assert_eq!(std::fs::read(out.join("pages-1.img")).unwrap(), [b.as_slice(), c.as_slice()].concat());
     assert_eq!(std::fs::read(out.join("core-42.img")).unwrap(), b"core");
 
-    let (reader, fetch) = store.start_lazy_fetch(memory, 1 << 20, Duration::from_secs(10));
+    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS);
     let served = tokio::task::spawn_blocking(move || {
         // A fault in the middle, then what CRIU's background transfer asks for, in pieces.
         let mut page = Vec::new();
@@ -99,7 +100,7 @@ async fn first_read_after(damage: impl FnOnce(&std::path::Path)) -> LazyFetchErr
     let mode = MemoryMode::Lazy { eager: &[] };
     let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
     damage(&dir.path().join("store"));
-    let (reader, fetch) = store.start_lazy_fetch(memory, 1 << 20, Duration::from_secs(10));
+    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS);
     let read = tokio::task::spawn_blocking(move || reader.read(PID, 0x10000, PAGE_SIZE, &mut Vec::new()));
     let err = read.await.unwrap().unwrap_err();
     fetch.stop();

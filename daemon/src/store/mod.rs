@@ -39,7 +39,7 @@ pub use chunks::{CHUNK, ChunkStats};
 pub use envelope::EnvelopeError;
 pub use gc::{GcReport, Retention};
 pub use lazy::LazyMemory;
-pub use prefetch::{LazyFetch, LazyFetchError, LazyReader};
+pub use prefetch::{FetchSettings, LazyFetch, LazyFetchError, LazyReader};
 pub use staging::{Staged, Staging};
 pub use stasis_proto::stasis::v1::Manifest;
 pub use upload::StoredDump;

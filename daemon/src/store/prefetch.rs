@@ -35,6 +35,17 @@ const PREFETCH_BATCH_BYTES: u64 = 16 << 20;
 /// Batches fetched at the same time.
 const BATCHES_IN_FLIGHT: usize = 4;
 
+/// How a lazy restore fetches memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FetchSettings {
+    /// Bytes of fetched memory not yet served that may be held.
+    pub cache_bytes: u64,
+    /// How long a read waits for the store before the session fails.
+    pub timeout: Duration,
+    /// Prefetch the chunks new in the checkpoint first (else in address order only).
+    pub fresh_first: bool,
+}
+
 /// Serving lazily restored memory failed.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum LazyFetchError {
@@ -116,14 +127,9 @@ pub struct LazyReader {
 }
 
 impl Store {
-    /// Starts serving `memory`: a prefetcher task that keeps at most `cache_bytes` of chunks
-    /// not yet served, and a reader that waits at most `timeout` for a chunk.
-    pub fn start_lazy_fetch(
-        &self,
-        memory: LazyMemory,
-        cache_bytes: u64,
-        timeout: Duration,
-    ) -> (LazyReader, LazyFetch) {
+    /// Starts serving `memory`: a prefetcher task that keeps at most `settings.cache_bytes`
+    /// of chunks not yet served, and a reader that waits at most `settings.timeout` for one.
+    pub fn start_lazy_fetch(&self, memory: LazyMemory, settings: FetchSettings) -> (LazyReader, LazyFetch) {
         let n = memory.chunks.len();
         let state = State {
             slots: vec![Slot::Absent; n],
@@ -140,8 +146,8 @@ impl Store {
             wake: Notify::new(),
             fetched: AtomicU64::new(0),
         });
-        tokio::spawn(prefetch(self.clone(), shared.clone(), cache_bytes, timeout));
-        (LazyReader { shared: shared.clone(), timeout }, LazyFetch { shared })
+        tokio::spawn(prefetch(self.clone(), shared.clone(), settings));
+        (LazyReader { shared: shared.clone(), timeout: settings.timeout }, LazyFetch { shared })
     }
 }
 
@@ -218,8 +224,9 @@ impl LazyReader {
 }
 
 /// The prefetcher: urgent chunks first, then the prefetch order while there is room.
-async fn prefetch(store: Store, shared: Arc<Shared>, capacity: u64, timeout: Duration) {
-    let order = shared.memory.prefetch_order();
+async fn prefetch(store: Store, shared: Arc<Shared>, settings: FetchSettings) {
+    let FetchSettings { cache_bytes: capacity, timeout, fresh_first } = settings;
+    let order = shared.memory.prefetch_order(fresh_first);
     let mut cursor = 0usize;
     let mut in_flight = FuturesUnordered::new();
     loop {
