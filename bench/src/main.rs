@@ -44,8 +44,8 @@ enum Mode {
         /// local directory.
         #[arg(long)]
         s3: bool,
-        /// stasisd's `--lazy-prefetch` (fresh-first or address), to compare orders.
-        #[arg(long, default_value = "fresh-first")]
+        /// stasisd's `--lazy-prefetch` (address or fresh-first), to compare orders.
+        #[arg(long, default_value = "address")]
         prefetch: String,
         #[command(flatten)]
         args: Args,

@@ -13,7 +13,7 @@
 //! store_retry_secs = 30                     # retries of a failing remote store request
 //! lazy_cache_mib = 1024                     # fetched memory a lazy restore holds ahead
 //! lazy_timeout_secs = 60                    # a lazy restore's wait for the store, then kill
-//! lazy_prefetch = "fresh-first"             # or "address"
+//! lazy_prefetch = "address"                 # or "fresh-first"
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -85,8 +85,8 @@ pub struct Args {
     /// tree is killed, since its memory cannot be completed (default 60).
     #[arg(long)]
     pub lazy_timeout_secs: Option<u64>,
-    /// What a lazy restore prefetches first: memory written since the previous checkpoint
-    /// (fresh-first, the default), or plain address order.
+    /// What a lazy restore prefetches first: plain address order (the default), or memory
+    /// written since the previous checkpoint (fresh-first).
     #[arg(long)]
     pub lazy_prefetch: Option<LazyPrefetch>,
 }
@@ -95,11 +95,11 @@ pub struct Args {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum LazyPrefetch {
-    /// Chunks new in the checkpoint (written since the previous one), then address order.
+    /// Address order, as CRIU's background transfer asks (measured better; bench/RESULTS.md).
     #[default]
-    FreshFirst,
-    /// Address order, as CRIU's background transfer asks.
     Address,
+    /// Chunks new in the checkpoint (written since the previous one), then address order.
+    FreshFirst,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
@@ -158,6 +158,8 @@ pub enum ConfigError {
         #[source]
         source: toml::de::Error,
     },
+    #[error("invalid setting {key}: {reason}")]
+    Invalid { key: &'static str, reason: &'static str },
 }
 
 impl DaemonConfig {
@@ -168,7 +170,7 @@ impl DaemonConfig {
             None if Path::new(DEFAULT_CONFIG).exists() => read_file(Path::new(DEFAULT_CONFIG))?,
             None => FileConfig::default(),
         };
-        Ok(Self {
+        let config = Self {
             socket: args.socket.or(file.socket).unwrap_or_else(|| DEFAULT_SOCKET.into()),
             store_url: args.store.or(file.store).unwrap_or_else(|| DEFAULT_STORE.into()),
             state_dir: args.state_dir.or(file.state_dir).unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
@@ -187,7 +189,12 @@ impl DaemonConfig {
                 .or(file.lazy_timeout_secs)
                 .unwrap_or(DEFAULT_LAZY_TIMEOUT_SECS),
             lazy_prefetch: args.lazy_prefetch.or(file.lazy_prefetch).unwrap_or_default(),
-        })
+        };
+        if config.lazy_timeout_secs == 0 || config.lazy_timeout_secs > 86_400 {
+            let reason = "must be 1 to 86400 seconds (a lazy restore kills the tree when it passes)";
+            return Err(ConfigError::Invalid { key: "lazy_timeout_secs", reason });
+        }
+        Ok(config)
     }
 }
 
@@ -219,8 +226,11 @@ mod tests {
     fn flags_override_file_which_overrides_defaults() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("c.toml");
-        std::fs::write(&file, "store = \"s3://b/p\"\nsocket = \"/tmp/file.sock\"\nlog_format = \"json\"\n")
-            .unwrap();
+        std::fs::write(
+            &file,
+            "store = \"s3://b/p\"\nsocket = \"/tmp/file.sock\"\nlog_format = \"json\"\nlazy_prefetch = \"fresh-first\"\n",
+        )
+        .unwrap();
         let args =
             Args { config: Some(file.clone()), socket: Some("/tmp/flag.sock".into()), ..Default::default() };
         let c = DaemonConfig::resolve(args).unwrap();
@@ -228,6 +238,15 @@ mod tests {
         assert_eq!(c.store_url, "s3://b/p");
         assert_eq!(c.state_dir, PathBuf::from(DEFAULT_STATE_DIR));
         assert_eq!(c.log_format, LogFormat::Json);
+        assert_eq!(
+            (c.lazy_prefetch, c.lazy_timeout_secs),
+            (LazyPrefetch::FreshFirst, DEFAULT_LAZY_TIMEOUT_SECS)
+        );
+        let missing =
+            DaemonConfig::resolve(Args { config: Some(dir.path().join("none.toml")), ..Default::default() });
+        assert!(matches!(missing, Err(ConfigError::Read { .. })), "a named configuration file must exist");
+        let zero = DaemonConfig::resolve(Args { lazy_timeout_secs: Some(0), ..Default::default() });
+        assert!(matches!(zero, Err(ConfigError::Invalid { key: "lazy_timeout_secs", .. })));
         std::fs::write(&file, "sokket = 1\n").unwrap();
         let err = DaemonConfig::resolve(Args { config: Some(file), ..Default::default() }).unwrap_err();
         assert!(matches!(err, ConfigError::Parse { .. }));

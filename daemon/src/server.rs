@@ -13,8 +13,8 @@ use tracing::info;
 use crate::config::DaemonConfig;
 use crate::config::LazyPrefetch;
 use crate::engine::{Engine, EngineConfig, StartError};
-use crate::store::FetchSettings;
 use crate::grpc::{StasisServer, StasisService};
+use crate::store::FetchSettings;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {

@@ -139,22 +139,26 @@ impl Criu {
         drop(child);
         drop(ready_w);
         debug!(pid = daemon.pid, "criu lazy-pages started");
-        let exited = || CriuError::Exited { log_tail: super::log::tail_of(&daemon.log) };
-        let mut fds = [PollFd::new(ready_r.as_fd(), PollFlags::POLLIN)];
-        let timeout = PollTimeout::try_from(READY_TIMEOUT.as_millis() as i32).unwrap_or(PollTimeout::MAX);
-        match poll(&mut fds, timeout) {
-            Ok(0) => {
-                let _ =
-                    nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.pid), nix::sys::signal::SIGKILL);
-                return Err(CriuError::Protocol("criu lazy-pages did not get ready in time"));
+        let failed = |error: CriuError| {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.pid), nix::sys::signal::SIGKILL);
+            Err(error)
+        };
+        let deadline = std::time::Instant::now() + READY_TIMEOUT;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let timeout = PollTimeout::try_from(left.as_millis() as i32).unwrap_or(PollTimeout::MAX);
+            let mut fds = [PollFd::new(ready_r.as_fd(), PollFlags::POLLIN)];
+            match poll(&mut fds, timeout) {
+                Ok(0) => return failed(CriuError::Protocol("criu lazy-pages did not get ready in time")),
+                Err(nix::Error::EINTR) => continue,
+                Err(e) => return failed(CriuError::Io(e.into())),
+                Ok(_) => break,
             }
-            Err(e) => return Err(CriuError::Io(e.into())),
-            Ok(_) => {}
         }
         let mut byte = [0u8; 1];
         match nix::unistd::read(&ready_r, &mut byte) {
             Ok(1) => Ok(daemon),
-            _ => Err(exited()),
+            _ => failed(CriuError::Exited { log_tail: super::log::tail_of(&daemon.log) }),
         }
     }
 }

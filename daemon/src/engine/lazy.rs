@@ -58,7 +58,9 @@ pub enum LazyError {
     #[error("serving memory to CRIU's lazy-pages daemon failed")]
     Serve(#[source] PageServerError),
     #[error("CRIU's lazy-pages daemon ended with {exit:?} before all memory was in{}", log_suffix(.log_tail))]
-    Daemon { exit: ExitKind, log_tail: String },
+    Daemon { exit: Option<ExitKind>, log_tail: String },
+    #[error("the tree could not be guarded, so it was not let run: {0}")]
+    Guard(String),
 }
 
 fn log_suffix(tail: &str) -> String {
@@ -84,10 +86,14 @@ pub(super) struct LazySession {
 #[derive(Clone)]
 pub(super) struct FaultGuard {
     daemon: i32,
-    root: i32,
     pids: Vec<i32>,
     started: Arc<std::sync::Mutex<Option<GuardProcess>>>,
+    /// Why the guard could not start (CRIU only logs a failed notification and goes on).
+    failure: Arc<std::sync::Mutex<Option<String>>>,
 }
+
+/// How long the restore's userfaultfds may take to reach the lazy-pages daemon.
+const UFFDS_WAIT: Duration = Duration::from_secs(5);
 
 /// A running `stasis-lazy-guard`; writing a byte to `control` (or dropping it after stasisd
 /// died) ends it.
@@ -106,14 +112,53 @@ impl GuardProcess {
 }
 
 impl FaultGuard {
-    /// Starts the guard; an error aborts the restore (the tree must not run unguarded).
+    /// Starts the guard. A failure is recorded: the restore then kills the tree rather than
+    /// let it run unguarded.
     pub(super) fn start(&self) -> Result<(), String> {
-        let fds = proc::fd_targets(self.daemon)
-            .map_err(|e| format!("cannot list the lazy-pages daemon's descriptors: {e}"))?;
-        let copies = fds
+        let result = self.try_start();
+        if let Err(reason) = &result {
+            *self.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
+        }
+        result
+    }
+
+    /// Why the guard is not running, if it is not.
+    pub(super) fn not_started(&self) -> Option<String> {
+        if self.started.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+            return None;
+        }
+        let failure = self.failure.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        Some(failure.unwrap_or_else(|| "CRIU did not announce pre-resume".into()))
+    }
+
+    /// The daemon's userfaultfds: one per live task, some possibly still in transit from the
+    /// restore, so it waits a little for all of them.
+    fn daemon_uffds(&self) -> Result<Vec<i32>, String> {
+        let deadline = Instant::now() + UFFDS_WAIT;
+        loop {
+            let fds = proc::fd_targets(self.daemon)
+                .map_err(|e| format!("cannot list the lazy-pages daemon's descriptors: {e}"))?;
+            let uffds: Vec<i32> = fds
+                .into_iter()
+                .filter(|(_, target)| target.as_os_str() == "anon_inode:[userfaultfd]")
+                .map(|(fd, _)| fd)
+                .collect();
+            if uffds.len() >= self.pids.len() || Instant::now() >= deadline {
+                if uffds.len() < self.pids.len() {
+                    // Zombies of the tree get none; a missing one is a task left unguarded.
+                    warn!(found = uffds.len(), tasks = self.pids.len(), "fewer userfaultfds than tasks");
+                }
+                return Ok(uffds);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn try_start(&self) -> Result<(), String> {
+        let copies = self
+            .daemon_uffds()?
             .into_iter()
-            .filter(|(_, target)| target.as_os_str() == "anon_inode:[userfaultfd]")
-            .map(|(fd, _)| copy_fd_of(self.daemon, fd))
+            .map(|fd| copy_fd_of(self.daemon, fd))
             .collect::<Result<Vec<OwnedFd>, _>>()
             .map_err(|e| format!("cannot copy the lazy-pages daemon's userfaultfds: {e}"))?;
         if copies.is_empty() {
@@ -124,7 +169,7 @@ impl FaultGuard {
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| e.to_string())?;
         let pids: Vec<String> = self.pids.iter().map(i32::to_string).collect();
         let mut cmd = Command::new(&exe);
-        cmd.args(["--root", &self.root.to_string(), "--pids", &pids.join(",")])
+        cmd.args(["--root", &self.pids[0].to_string(), "--pids", &pids.join(",")])
             .stdin(Stdio::from(control_r))
             .stdout(Stdio::null());
         let setup = ChildSetup {
@@ -169,11 +214,11 @@ impl PageSource for Served {
 }
 
 /// Kills the restored tree: the processes of the checkpoint (restored under their old pids)
-/// and whatever they started since.
-fn kill_tree(manifest: &Manifest) {
-    let mut pids = proc::process_tree(manifest.root_pid).unwrap_or_default();
-    pids.extend(&manifest.pids);
-    proc::signal_all(&pids, Signal::SIGKILL);
+/// and whatever each of them started since.
+pub(super) fn kill_tree(pids: &[i32]) {
+    let mut all: Vec<i32> = pids.iter().flat_map(|p| proc::process_tree(*p).unwrap_or_default()).collect();
+    all.extend(pids);
+    proc::signal_all(&all, Signal::SIGKILL);
 }
 
 impl Engine {
@@ -203,7 +248,7 @@ impl Engine {
                     && armed.load(Ordering::SeqCst)
                 {
                     warn!(error = %crate::error_chain(e), "lazy restore failed: killing the restored tree");
-                    kill_tree(&manifest);
+                    kill_tree(&manifest.pids);
                 }
                 // Only now may the daemon see the connection close.
                 drop(conn);
@@ -221,11 +266,15 @@ impl Engine {
         .map_err(|e| LazyError::Start(CriuError::Io(std::io::Error::other(e))));
         match started.and_then(|d| d.map_err(LazyError::Start)) {
             Ok(daemon) => {
+                // Any exit recorded for this pid is an earlier process's: the daemon is alive.
+                let _ = self.reaper.take_exit(daemon.pid);
+                let mut pids = vec![manifest.root_pid];
+                pids.extend(manifest.pids.iter().filter(|p| **p != manifest.root_pid));
                 let guard = FaultGuard {
                     daemon: daemon.pid,
-                    root: manifest.root_pid,
-                    pids: manifest.pids.clone(),
+                    pids,
                     started: Default::default(),
+                    failure: Default::default(),
                 };
                 Ok(LazySession { daemon, fetch, server, armed, served, total, guard })
             }
@@ -248,14 +297,17 @@ impl LazySession {
         self.guard.clone()
     }
 
-    /// Ends a session whose restore failed (CRIU already removed the tree it created).
+    /// Ends a session whose restore failed.
     pub(super) fn abort(self) {
         self.armed.store(false, Ordering::SeqCst);
-        let _ = nix::sys::signal::kill(Pid::from_raw(self.daemon.pid), Signal::SIGKILL);
-        self.fetch.stop();
+        // A tree already let run (the guard started) is killed here; CRIU removes one it
+        // could not restore.
         if let Some(guard) = self.guard.take() {
+            kill_tree(&self.guard.pids);
             guard.release();
         }
+        let _ = nix::sys::signal::kill(Pid::from_raw(self.daemon.pid), Signal::SIGKILL);
+        self.fetch.stop();
     }
 
     /// The tree runs: watches the session from now on, in a task that ends when every page is
@@ -288,17 +340,17 @@ impl LazySession {
         };
         // The daemon exits once it said goodbye or saw the connection close.
         let exit = match tokio::time::timeout(DAEMON_EXIT_WAIT, reaper.wait_exit(daemon.pid)).await {
-            Ok(exit) => exit,
+            Ok(exit) => Some(exit),
             Err(_) => {
                 let _ = nix::sys::signal::kill(Pid::from_raw(daemon.pid), Signal::SIGKILL);
-                reaper.wait_exit(daemon.pid).await
+                tokio::time::timeout(DAEMON_EXIT_WAIT, reaper.wait_exit(daemon.pid)).await.ok()
             }
         };
         fetch.stop();
         let outcome = match served_result {
             Err(e) => Err(LazyError::Serve(PageServerError::Io(std::io::Error::other(e)))),
             Ok(Err(e)) => Err(LazyError::Serve(e)),
-            Ok(Ok(_)) if exit != ExitKind::Exited(0) => {
+            Ok(Ok(_)) if exit != Some(ExitKind::Exited(0)) => {
                 Err(LazyError::Daemon { exit, log_tail: crate::criu::log_tail_of(&daemon.log) })
             }
             Ok(Ok(stats)) => {
@@ -312,7 +364,7 @@ impl LazySession {
             }
         };
         if outcome.is_err() {
-            kill_tree(manifest);
+            kill_tree(&manifest.pids);
         }
         if let Some(guard) = guard.take() {
             guard.release();

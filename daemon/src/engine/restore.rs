@@ -21,7 +21,7 @@ use super::{Engine, ProgressFn, ProgressUpdate, RestoreError};
 use crate::cuda::GpuUuid;
 use std::os::fd::OwnedFd;
 
-use super::lazy::LazySession;
+use super::lazy::{FaultGuard, LazySession};
 use crate::criu::RestoreSpec;
 use crate::linux::pty;
 use crate::store::{Manifest, MemoryMode};
@@ -142,6 +142,9 @@ impl Engine {
         };
         let (bytes_fetched, memory) = self.store.materialize_as(&manifest, work.path(), mode, report).await?;
         let fetched = Instant::now();
+        let tree = tree_options(&manifest.options.clone().unwrap_or_default());
+        let inherit_fds =
+            self.replacement_terminals(&manifest.workload, &tree.external).map_err(local("terminal"))?;
         let session = match memory.is_empty() {
             true => None,
             false => Some(
@@ -152,15 +155,13 @@ impl Engine {
         };
 
         progress(ProgressUpdate { phase: "restore", done: 0, total: 0 });
-        let tree = tree_options(&manifest.options.clone().unwrap_or_default());
-        let inherit_fds =
-            self.replacement_terminals(&manifest.workload, &tree.external).map_err(local("terminal"))?;
         let images_dir = work.path().to_path_buf();
         let spec = RestoreSpec { images_dir, tree, inherit_fds, lazy_pages: session.is_some() };
         session.iter().for_each(LazySession::arm);
         let criu = self.criu.clone();
         let faults = session.as_ref().map(LazySession::fault_guard);
         let on_notify = {
+            let faults = faults.clone();
             move |script: &str| match faults.as_ref().filter(|_| script == "pre-resume") {
                 Some(faults) => faults.start(),
                 None => Ok(()),
@@ -179,6 +180,15 @@ impl Engine {
                 return Err(e);
             }
         };
+        if let Some(reason) = faults.as_ref().and_then(FaultGuard::not_started) {
+            // CRIU only logs a failed notification and lets the tree run: stop it.
+            super::lazy::kill_tree(&manifest.pids);
+            if let Some(session) = session {
+                session.abort();
+            }
+            let source = super::lazy::LazyError::Guard(reason);
+            return Err(RestoreError::Lazy { id, pid, source });
+        }
         let watch = session.map(|s| s.watch(self.reaper.clone(), manifest.clone(), progress.clone()));
         // On failure this kills the tree; the lazy session then ends by itself.
         let gpu_restore_ms = self.reattach_gpu(&manifest, gpu_pairs, &progress).await?;

@@ -10,7 +10,8 @@ use super::{FetchSettings, LazyFetchError, Manifest, MemoryMode, Staging, Store}
 use crate::criu::pageserver::{PAGE_SIZE, PE_LAZY, PE_PRESENT, PageRun, PageSink};
 
 const PID: u64 = 42;
-const SETTINGS: FetchSettings = FetchSettings { cache_bytes: 1 << 20, timeout: Duration::from_secs(10), fresh_first: true };
+const SETTINGS: FetchSettings =
+    FetchSettings { cache_bytes: 1 << 20, timeout: Duration::from_secs(10), fresh_first: true };
 
 fn bytes(n: usize, seed: u64) -> Vec<u8> {
     let mut state = seed | 1;

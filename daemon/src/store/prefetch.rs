@@ -166,13 +166,18 @@ impl LazyReader {
         let (first, offset, run_end) =
             memory.locate(pid, vaddr).ok_or(LazyFetchError::NotLazy { pid, vaddr })?;
         let want = max_bytes.min(run_end - vaddr);
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Instant::now().checked_add(self.timeout).unwrap_or_else(far_future);
         let mut st = self.shared.lock();
-        // Ask for every chunk of the request that is missing, the first one first.
+        // Ask for every chunk of the request that is missing; the first one goes ahead of
+        // everything asked for before (a duplicate entry is skipped when its turn comes).
         let (mut i, mut span) = (first, 0u64);
         while span < want + offset && i < memory.chunks.len() {
             if memory.chunks[i].stored.is_some() && matches!(st.slots[i], Slot::Absent) {
-                st.urgent.push_back(i);
+                if i == first {
+                    st.urgent.push_front(i);
+                } else {
+                    st.urgent.push_back(i);
+                }
             }
             span += u64::from(memory.chunks[i].len);
             i += 1;
@@ -357,4 +362,9 @@ async fn fetch_batch(
     debug!(chunks = batch.len(), "lazy restore: chunks cached");
     shared.ready.notify_all();
     Ok(())
+}
+
+/// A deadline that never comes, for timeouts too large to add to now.
+fn far_future() -> Instant {
+    Instant::now() + Duration::from_secs(100 * 365 * 86_400)
 }
