@@ -86,6 +86,7 @@ pub(super) struct LazySession {
 #[derive(Clone)]
 pub(super) struct FaultGuard {
     daemon: i32,
+    reaper: Reaper,
     pids: Vec<i32>,
     started: Arc<std::sync::Mutex<Option<GuardProcess>>>,
     /// Why the guard could not start (CRIU only logs a failed notification and goes on).
@@ -122,13 +123,19 @@ impl FaultGuard {
         result
     }
 
-    /// Why the guard is not running, if it is not.
+    /// Why the guard is not running, if it is not and should be.
     pub(super) fn not_started(&self) -> Option<String> {
         if self.started.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
             return None;
         }
-        let failure = self.failure.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        Some(failure.unwrap_or_else(|| "CRIU did not announce pre-resume".into()))
+        if let Some(failure) = self.failure.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Some(failure);
+        }
+        // Not needed when the daemon finished before the tree ran.
+        match self.reaper.peek_exit(self.daemon) {
+            Some(ExitKind::Exited(0)) => None,
+            _ => Some("CRIU did not announce pre-resume".into()),
+        }
     }
 
     /// The daemon's userfaultfds: one per live task, some possibly still in transit from the
@@ -155,6 +162,19 @@ impl FaultGuard {
     }
 
     fn try_start(&self) -> Result<(), String> {
+        // The daemon may have brought every page in and exited before the tree runs (its
+        // background transfer starts once CRIU says the restore is done): nothing to guard.
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while !std::path::Path::new(&format!("/proc/{}/fd", self.daemon)).exists()
+            || proc::ProcStat::read(self.daemon).is_ok_and(|s| s.is_dead())
+        {
+            match self.reaper.peek_exit(self.daemon) {
+                Some(ExitKind::Exited(0)) => return Ok(()),
+                Some(exit) => return Err(format!("the lazy-pages daemon ended with {exit:?}")),
+                None if Instant::now() >= deadline => return Err("the lazy-pages daemon is gone".into()),
+                None => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
         let copies = self
             .daemon_uffds()?
             .into_iter()
@@ -272,6 +292,7 @@ impl Engine {
                 pids.extend(manifest.pids.iter().filter(|p| **p != manifest.root_pid));
                 let guard = FaultGuard {
                     daemon: daemon.pid,
+                    reaper: self.reaper.clone(),
                     pids,
                     started: Default::default(),
                     failure: Default::default(),

@@ -83,6 +83,12 @@ impl Reaper {
         exits.remove(&pid)
     }
 
+    /// How `pid` (a child of ours) exited, if it has, leaving the record in place.
+    pub fn peek_exit(&self, pid: i32) -> Option<ExitKind> {
+        self.reap_all();
+        self.inner.exits.lock().unwrap_or_else(|p| p.into_inner()).get(&pid).copied()
+    }
+
     /// Waits until `pid` (a child of ours) has exited and returns how.
     pub async fn wait_exit(&self, pid: i32) -> ExitKind {
         loop {

@@ -5,7 +5,7 @@
 //! page server (blocking thread)          prefetcher (async task)
 //!   read(pid, addr) -> chunk missing  ──urgent──▶  fetch it (and the rest of the request)
 //!   waits (at most the timeout)      ◀──ready───   decompress, verify, insert
-//!   copies, counts served bytes                    otherwise: next chunks in prefetch order
+//!   copies, marks the pages served                 otherwise: next chunks in prefetch order
 //!   fully served chunk leaves the cache            while cache + in flight < capacity
 //! ```
 //! Every chunk is checked against its hash before it is served. A fetch that fails, or takes
@@ -69,8 +69,9 @@ enum Slot {
 
 struct State {
     slots: Vec<Slot>,
-    /// Bytes of each chunk served since it was last fetched.
-    served: Vec<u64>,
+    /// Pages of each chunk served since it was last fetched, a bit each (a chunk is at most
+    /// 64 KiB: 16 pages). A page asked for twice (a forked child's copy) counts once.
+    served: Vec<u16>,
     /// Bytes held in `Ready` slots and in flight.
     held: u64,
     urgent: VecDeque<usize>,
@@ -216,8 +217,8 @@ impl LazyReader {
                 }
                 _ => break,
             }
-            st.served[i] += take;
-            if st.served[i] >= len && matches!(st.slots[i], Slot::Ready(_)) {
+            st.served[i] |= page_bits(offset, take);
+            if st.served[i] == page_bits(0, len) && matches!(st.slots[i], Slot::Ready(_)) {
                 st.slots[i] = Slot::Absent;
                 st.held -= len;
                 self.shared.wake.notify_one();
@@ -367,4 +368,27 @@ async fn fetch_batch(
 /// A deadline that never comes, for timeouts too large to add to now.
 fn far_future() -> Instant {
     Instant::now() + Duration::from_secs(100 * 365 * 86_400)
+}
+
+// A chunk's pages fit the bits of `State::served`.
+const _: () = assert!(super::CHUNK as u64 / crate::criu::pageserver::PAGE_SIZE <= 16);
+
+/// The bits of the pages in `[offset, offset + len)` of a chunk.
+fn page_bits(offset: u64, len: u64) -> u16 {
+    let page = crate::criu::pageserver::PAGE_SIZE;
+    let (first, end) = (offset / page, (offset + len).div_ceil(page).min(16));
+    (first..end).fold(0, |bits, p| bits | (1 << p))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::page_bits;
+
+    #[test]
+    fn page_bits_cover_the_pages_touched() {
+        assert_eq!(page_bits(0, 65536), u16::MAX);
+        assert_eq!(page_bits(4096, 8192), 0b110);
+        assert_eq!(page_bits(0, 4096) | page_bits(4096, 61440), u16::MAX);
+        assert_eq!(page_bits(0, 12288), 0b111, "a short chunk of three pages");
+    }
 }
