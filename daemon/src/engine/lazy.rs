@@ -161,20 +161,22 @@ impl FaultGuard {
         }
     }
 
-    fn try_start(&self) -> Result<(), String> {
-        // The daemon may have brought every page in and exited before the tree runs (its
-        // background transfer starts once CRIU says the restore is done): nothing to guard.
+    /// Whether the daemon has already exited with success (within a short wait for its exit to
+    /// be collected); an error when it ended otherwise.
+    fn daemon_done(&self) -> Result<bool, String> {
         let deadline = Instant::now() + Duration::from_secs(1);
-        while !std::path::Path::new(&format!("/proc/{}/fd", self.daemon)).exists()
-            || proc::ProcStat::read(self.daemon).is_ok_and(|s| s.is_dead())
-        {
+        loop {
             match self.reaper.peek_exit(self.daemon) {
-                Some(ExitKind::Exited(0)) => return Ok(()),
+                Some(ExitKind::Exited(0)) => return Ok(true),
                 Some(exit) => return Err(format!("the lazy-pages daemon ended with {exit:?}")),
-                None if Instant::now() >= deadline => return Err("the lazy-pages daemon is gone".into()),
+                None if Instant::now() >= deadline => return Ok(false),
                 None => std::thread::sleep(Duration::from_millis(10)),
             }
         }
+    }
+
+    /// Copies of the daemon's userfaultfds.
+    fn copy_uffds(&self) -> Result<Vec<OwnedFd>, String> {
         let copies = self
             .daemon_uffds()?
             .into_iter()
@@ -184,6 +186,16 @@ impl FaultGuard {
         if copies.is_empty() {
             return Err("the lazy-pages daemon holds no userfaultfd at pre-resume".into());
         }
+        Ok(copies)
+    }
+
+    fn try_start(&self) -> Result<(), String> {
+        let copies = match self.copy_uffds() {
+            Ok(copies) => copies,
+            // The daemon may have brought every page in and exited before the tree runs (its
+            // background transfer starts once CRIU says the restore is done): nothing to guard.
+            Err(reason) => return if self.daemon_done()? { Ok(()) } else { Err(reason) },
+        };
         let exe = std::env::current_exe().map(|p| p.with_file_name(GUARD_BIN)).map_err(|e| e.to_string())?;
         let (control_r, control_w) =
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| e.to_string())?;
