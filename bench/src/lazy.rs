@@ -12,15 +12,17 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 use serde_json::Value;
 use stasis_tests::s3::S3Server;
 
 use crate::Args;
 use crate::daemon::{Daemon, Extra, kill_and_wait, settle, wait_until};
 use crate::report::median;
-use crate::run::{checkpoint, dirty, start_workload};
+use crate::run::{ask, checkpoint, dirty, start_workload};
+
+/// How long the workload may take to read its memory (4 GiB, faulting it in page by page).
+const READ_WAIT: Duration = Duration::from_secs(300);
 
 /// One eager and one lazy restore of the same checkpoint.
 pub struct Round {
@@ -40,19 +42,6 @@ pub struct LazyResults {
     pub rounds: Vec<Round>,
 }
 
-/// The last `<prefix> <n>` number the workload printed, after signalling it with `signal`.
-fn ask(pid: i32, log: &Path, signal: Signal, prefix: &str) -> anyhow::Result<String> {
-    let lines = || -> Vec<String> {
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        text.lines().filter(|l| l.starts_with(prefix)).map(str::to_string).collect()
-    };
-    let before = lines().len();
-    kill(Pid::from_raw(pid), signal).context("signalling the workload")?;
-    wait_until(&format!("the workload's `{prefix}`"), Duration::from_secs(300), || lines().len() > before)?;
-    let line = lines().pop().context("no line")?;
-    Ok(line[prefix.len()..].trim().to_string())
-}
-
 /// A lazy restore that returns once the tree runs; the workload then reads its working set
 /// at once. Returns how long that took it, ms.
 fn touch_after_restore(d: &Daemon, id: &str, pid: i32, log: &Path) -> anyhow::Result<u64> {
@@ -60,7 +49,9 @@ fn touch_after_restore(d: &Daemon, id: &str, pid: i32, log: &Path) -> anyhow::Re
     d.cli(&["restore", id, "--lazy", "--no-wait", "--json"])
         .with_context(|| format!("restore failed; stasisd's log:\n{}", d.log_tail()))?;
     d.set_workload(Some(pid));
-    let ms = ask(pid, log, Signal::SIGHUP, "touched ")?.parse().context("`touched` without a number")?;
+    let ms = ask(pid, log, Signal::SIGHUP, "touched ", READ_WAIT)?
+        .parse()
+        .context("`touched` without a number")?;
     kill_and_wait(pid)?;
     Ok(ms)
 }
@@ -74,7 +65,7 @@ fn restore(d: &Daemon, id: &str, lazy: bool, pid: i32, log: &Path, sum: &str) ->
     }
     let r = d.cli(&argv).with_context(|| format!("restore failed; stasisd's log:\n{}", d.log_tail()))?;
     d.set_workload(Some(pid));
-    let restored = ask(pid, log, Signal::SIGUSR2, "checksum ")?;
+    let restored = ask(pid, log, Signal::SIGUSR2, "checksum ", READ_WAIT)?;
     ensure!(
         restored == sum,
         "memory differs after a {} restore: {restored} vs {sum}",
@@ -106,8 +97,8 @@ pub fn run(args: &Args, s3: bool, prefetch: &str) -> anyhow::Result<LazyResults>
 
     // A full checkpoint, memory written since, then the evicting one that is restored.
     checkpoint(&d)?;
-    dirty(pid, &log, 1)?;
-    let sum = ask(pid, &log, Signal::SIGUSR2, "checksum ")?;
+    dirty(pid, &log)?;
+    let sum = ask(pid, &log, Signal::SIGUSR2, "checksum ", READ_WAIT)?;
     settle();
     let ck = d.cli(&["checkpoint", "--workload", "bench", "--json"])?;
     let ck_id = ck["id"].as_str().context("`stasis checkpoint --json` printed no id")?.to_string();

@@ -103,20 +103,28 @@ pub fn start_workload(d: &Daemon, args: &Args) -> anyhow::Result<(i32, PathBuf)>
     Ok((pid, log))
 }
 
-/// Has the workload rewrite its memory (for the `n`-th time); returns the bytes it rewrote.
-pub fn dirty(pid: i32, log: &Path, n: usize) -> anyhow::Result<u64> {
+/// Sends `signal` to the workload and returns what follows `prefix` on the next line it
+/// prints starting with `prefix`.
+pub fn ask(pid: i32, log: &Path, signal: Signal, prefix: &str, timeout: Duration) -> anyhow::Result<String> {
     let lines = || -> Vec<String> {
         let text = std::fs::read_to_string(log).unwrap_or_default();
-        text.lines().filter(|l| l.starts_with("dirtied")).map(str::to_string).collect()
+        text.lines().filter(|l| l.starts_with(prefix)).map(str::to_string).collect()
     };
-    kill(Pid::from_raw(pid), Signal::SIGUSR1).context("signalling the workload")?;
-    wait_until("the workload's `dirtied`", Duration::from_secs(120), || lines().len() >= n)?;
-    let line = lines().pop().unwrap_or_default();
-    let pages: u64 = line
+    let before = lines().len();
+    kill(Pid::from_raw(pid), signal).context("signalling the workload")?;
+    wait_until(&format!("the workload's `{prefix}`"), timeout, || lines().len() > before)?;
+    let line = lines().pop().context("no line")?;
+    Ok(line[prefix.len()..].trim().to_string())
+}
+
+/// Has the workload rewrite its memory; returns the bytes it rewrote.
+pub fn dirty(pid: i32, log: &Path) -> anyhow::Result<u64> {
+    let answer = ask(pid, log, Signal::SIGUSR1, "dirtied ", Duration::from_secs(120))?;
+    let pages: u64 = answer
         .split_whitespace()
-        .nth(1)
+        .next()
         .and_then(|n| n.parse().ok())
-        .with_context(|| format!("unexpected line from the workload: {line}"))?;
+        .with_context(|| format!("unexpected line from the workload: dirtied {answer}"))?;
     Ok(pages * 4096)
 }
 
@@ -159,7 +167,7 @@ pub fn run(args: &Args) -> anyhow::Result<Results> {
     let peer1 = peer.checkpoint(pid, "ck1")?;
     let mut rounds = Vec::new();
     for i in 0..args.rounds as usize {
-        let dirtied = dirty(pid, &log, i + 1)?;
+        let dirtied = dirty(pid, &log)?;
         let stasis_first = i % 2 == 0;
         let peer_before = if stasis_first { None } else { Some(peer.checkpoint(pid, "ck2")?) };
         let ck = checkpoint(&d)?;

@@ -43,7 +43,12 @@ impl CriuError {
 }
 
 fn log_suffix(tail: &str) -> String {
-    if tail.is_empty() { String::new() } else { format!("\n--- CRIU log (tail) ---\n{tail}") }
+    log_section("CRIU log", tail)
+}
+
+/// `tail` under a heading naming the log, for appending to an error; empty without a tail.
+pub fn log_section(log: &str, tail: &str) -> String {
+    if tail.is_empty() { String::new() } else { format!("\n--- {log} (tail) ---\n{tail}") }
 }
 
 /// Turns an unsuccessful answer into [`CriuError::Failed`]. Success is the `success` field

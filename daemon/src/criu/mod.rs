@@ -15,7 +15,7 @@ mod swrk;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 
-pub use error::CriuError;
+pub use error::{CriuError, log_section};
 pub use log::tail_of as log_tail_of;
 pub use options::{DumpSpec, RestoreSpec, TreeOptions};
 use stasis_proto::criu::{Request, RequestType};

@@ -64,7 +64,7 @@ pub enum LazyError {
 }
 
 fn log_suffix(tail: &str) -> String {
-    if tail.is_empty() { String::new() } else { format!("\n--- lazy-pages log (tail) ---\n{tail}") }
+    crate::criu::log_section("lazy-pages log", tail)
 }
 
 /// A lazy restore in progress.
