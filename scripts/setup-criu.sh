@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Makes CRIU >= 4.0 available without touching the system's packages.
+# Makes CRIU >= 4.2 available without touching the system's packages.
 #
-# If the system's criu is already 4.x and `criu check` passes, nothing is done. Otherwise the
-# criu package of Debian 13 (trixie) and the libraries it needs are downloaded with apt-get into
-# a private directory, unpacked with `dpkg -x` into a prefix, and a wrapper script that runs
-# them through the prefix's own dynamic loader is written to PREFIX/bin/criu.
+# Kernels from 6.16 on refuse SO_PASSCRED/SO_PASSSEC on inet sockets, and CRIU before 4.2
+# gives up on the first inet socket it dumps there; 4.2 is also the first CRIU whose nftables
+# network lock the daemon relies on where no iptables is installed.
+#
+# If the system's criu is already 4.2 or newer and `criu check` passes, nothing is done.
+# Otherwise the criu package of Debian unstable (sid, 4.2.1 at the time of writing) and the
+# libraries it needs are downloaded with apt-get into a private directory, unpacked with
+# `dpkg -x` into a prefix, and a wrapper script that runs them through the prefix's own dynamic
+# loader is written to PREFIX/bin/criu. Nothing is installed system-wide.
 #
 # Usage: scripts/setup-criu.sh [PREFIX]   (default: .stasis/criu under the repository root)
 # Prints the path of the criu to use on its last line.
@@ -14,17 +19,22 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 prefix=${1:-$root/.stasis/criu}
 wrapper=$prefix/bin/criu
 
-criu_major() { "$1" --version 2>/dev/null | sed -n 's/^Version: \([0-9]*\).*/\1/p'; }
+# CRIU's version as one number, major * 100 + minor (4.2.1 -> 402); empty if it does not run.
+criu_level() {
+  "$1" --version 2>/dev/null | sed -n 's/^Version: \([0-9]*\)\.\([0-9]*\).*/\1 \2/p' |
+    { read -r major minor && echo $((major * 100 + minor)); }
+}
+want=402
 
-if [ -x "$wrapper" ] && [ "$(criu_major "$wrapper")" -ge 4 ] 2>/dev/null; then
+if [ -x "$wrapper" ] && [ "$(criu_level "$wrapper")" -ge $want ] 2>/dev/null; then
   echo "$wrapper"; exit 0
 fi
-if command -v criu >/dev/null && [ "$(criu_major "$(command -v criu)")" -ge 4 ] 2>/dev/null \
+if command -v criu >/dev/null && [ "$(criu_level "$(command -v criu)")" -ge $want ] 2>/dev/null \
   && criu check >/dev/null 2>&1; then
   command -v criu; exit 0
 fi
 
-pkgs="criu libcompel1 libprotobuf-c1 libnl-3-200 libnet1 libgnutls30t64 libnftables1 libnftnl11
+pkgs="criu libcompel1 libprotobuf-c1 libnl-3-200 libnet9 libgnutls30t64 libnftables1 libnftnl11
 libmnl0 libjansson4 libxtables12 libbsd0 libmd0 libcap2 libuuid1 libc6 libp11-kit0 libidn2-0
 libunistring5 libtasn1-6 libnettle8t64 libhogweed6t64 libgmp10 libffi8 libzstd1 zlib1g
 libbrotli1 libedit2 libgcc-s1 libdrm2"
@@ -32,11 +42,11 @@ libbrotli1 libedit2 libgcc-s1 libdrm2"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/lists/partial" "$work/debs" "$work/etc"
-echo "deb http://deb.debian.org/debian trixie main" >"$work/etc/trixie.list"
-apt_opts=(-o "Dir::Etc::SourceList=$work/etc/trixie.list" -o "Dir::Etc::SourceParts=-"
+echo "deb http://deb.debian.org/debian sid main" >"$work/etc/sid.list"
+apt_opts=(-o "Dir::Etc::SourceList=$work/etc/sid.list" -o "Dir::Etc::SourceParts=-"
   -o "Dir::State::Lists=$work/lists" -o "Dir::Cache::Archives=$work/debs"
   -o "APT::Get::List-Cleanup=0")
-echo "setup-criu: fetching CRIU 4.x from Debian trixie into $prefix" >&2
+echo "setup-criu: fetching CRIU 4.2 from Debian sid into $prefix" >&2
 apt-get "${apt_opts[@]}" -qq update >&2
 (cd "$work/debs" && apt-get "${apt_opts[@]}" -qq download $pkgs >&2)
 

@@ -61,6 +61,7 @@ pub fn restore_result(r: &RestoreResult) -> Value {
         "id": r.id,
         "workload": r.workload,
         "pid": r.pid,
+        "warnings": r.warnings,
         "stats": r.stats.as_ref().map(restore_stats),
     })
 }
@@ -79,6 +80,7 @@ pub fn checkpoint_info(c: &CheckpointInfo) -> Value {
         "pids": c.pids,
         "files": c.files,
         "criu_options": c.criu_options,
+        "sockets": c.sockets,
         "stats": c.stats.as_ref().map(checkpoint_stats),
     })
 }
@@ -100,6 +102,8 @@ pub fn status_response(s: &StatusResponse) -> Value {
         "criu_path": s.criu_path,
         "kernel": s.kernel,
         "gpu_support": s.gpu_support,
+        "socket_support": s.socket_support,
+        "network_lock": s.network_lock,
         "store_url": s.store_url,
         "state_dir": s.state_dir,
         "workloads": workloads,

@@ -15,7 +15,8 @@ pub async fn run(client: &mut Client, args: RestoreArgs) -> anyhow::Result<()> {
         (Some(id), _) => Target::CheckpointId(id),
         (None, workload) => Target::Workload(workload.unwrap_or_default()),
     };
-    let request = RestoreRequest { target: Some(target), gpu_map: args.gpu_map, lazy: args.lazy };
+    let request =
+        RestoreRequest { target: Some(target), gpu_map: args.gpu_map, lazy: args.lazy, tcp_close: args.tcp_close };
     let stream = client.rpc.restore(request).await.map_err(|s| client.error(s))?.into_inner();
     let (json, no_wait) = (args.json, args.no_wait);
     let result = follow(client, stream, json, |e| match e.event? {
@@ -27,6 +28,7 @@ pub async fn run(client: &mut Client, args: RestoreArgs) -> anyhow::Result<()> {
             workload: r.workload,
             pid: r.pid,
             stats: Some(RestoreStats { first_run_ms: r.first_run_ms, lazy: true, ..Default::default() }),
+            warnings: r.warnings,
         })),
         Event::Running(r) => {
             if !json {
@@ -38,6 +40,9 @@ pub async fn run(client: &mut Client, args: RestoreArgs) -> anyhow::Result<()> {
     .await?;
     if json {
         return output::print_json(&output::restore_result(&result));
+    }
+    for warning in &result.warnings {
+        eprintln!("warning: {warning}");
     }
     let s = result.stats.unwrap_or_default();
     let line = match (s.lazy, s.resident_ms) {

@@ -37,6 +37,8 @@ fn describe(c: &CheckpointInfo) -> String {
             s.frozen_ms, s.dump_ms, s.store_ms, s.total_ms
         ));
     }
+    lines.push(format!("sockets: {}", c.sockets.len()));
+    lines.extend(c.sockets.iter().map(|s| format!("  {s}")));
     lines.push(format!("files: {}", c.files.len()));
     lines.extend(c.files.iter().map(|f| format!("  {f}")));
     lines.join("\n")

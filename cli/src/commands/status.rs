@@ -22,6 +22,8 @@ fn describe(s: &StatusResponse) -> String {
         format!("criu: {} ({})", s.criu_version, s.criu_path),
         format!("kernel: {}", s.kernel),
         format!("gpu support: {}", s.gpu_support),
+        format!("sockets: {}", s.socket_support),
+        format!("network lock: {}", s.network_lock),
         format!("store: {}", s.store_url),
         format!("state dir: {}", s.state_dir),
         format!("workloads: {}", s.workloads.len()),

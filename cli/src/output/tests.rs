@@ -34,6 +34,7 @@ fn info() -> CheckpointInfo {
         files: vec!["pages-1.img".into()],
         stats: Some(stats()),
         criu_options: vec!["tcp_established".into()],
+        sockets: vec!["tcp listen 127.0.0.1:8080, pid 4242 fd 3".into()],
     }
 }
 
@@ -83,7 +84,7 @@ fn checkpoint_result_nests_its_stats() {
 
 #[test]
 fn missing_stats_are_null() {
-    let r = RestoreResult { id: "ck-1".into(), workload: "train".into(), pid: 9, stats: None };
+    let r = RestoreResult { id: "ck-1".into(), workload: "train".into(), pid: 9, stats: None, warnings: vec![] };
     assert_eq!(restore_result(&r)["stats"], Value::Null);
 }
 
@@ -103,6 +104,7 @@ fn restore_result_nests_its_stats() {
             resident_ms: 75,
             lazy: true,
         }),
+        warnings: vec!["peer gone".into()],
     };
     assert_eq!(
         restore_result(&r),
@@ -110,6 +112,7 @@ fn restore_result_nests_its_stats() {
             "id": "ck-1",
             "workload": "train",
             "pid": 9,
+            "warnings": ["peer gone"],
             "stats": {
                 "restore_ms": 80, "fetch_ms": 30, "criu_ms": 45, "bytes_fetched": 1024, "gpu_restore_ms": 0,
                 "lazy": true, "first_run_ms": 20, "resident_ms": 75,
@@ -140,6 +143,7 @@ fn checkpoint_info_has_every_field() {
             "node",
             "pid",
             "pids",
+            "sockets",
             "stats",
             "workload",
         ]
@@ -148,6 +152,7 @@ fn checkpoint_info_has_every_field() {
     assert_eq!(v["command"], json!(["python", "-u"]));
     assert_eq!(v["pids"], json!([4242, 4243]));
     assert_eq!(v["criu_options"], json!(["tcp_established"]));
+    assert_eq!(v["sockets"], json!(["tcp listen 127.0.0.1:8080, pid 4242 fd 3"]));
     assert_eq!(v["stats"]["frozen_ms"], 12);
 }
 
@@ -170,6 +175,8 @@ fn status_response_lists_workloads() {
         gpu_support: "none".into(),
         store_url: "file:///var/lib/stasis/store".into(),
         state_dir: "/var/lib/stasis".into(),
+        socket_support: "supported".into(),
+        network_lock: "nftables".into(),
         workloads: vec![WorkloadStatus {
             name: "train".into(),
             pid: 4242,
@@ -185,6 +192,8 @@ fn status_response_lists_workloads() {
             "criu_path": "/usr/sbin/criu",
             "kernel": "6.8.0",
             "gpu_support": "none",
+            "socket_support": "supported",
+            "network_lock": "nftables",
             "store_url": "file:///var/lib/stasis/store",
             "state_dir": "/var/lib/stasis",
             "workloads": [

@@ -1,5 +1,6 @@
 //! Writing CRIU image files that stasis rebuilds for restore: the pagemap of a task or of a
-//! shared-memory segment (the page data goes into a plain `pages-<id>.img` beside it).
+//! shared-memory segment (the page data goes into a plain `pages-<id>.img` beside it); and
+//! reading the one thing stasisd needs from a dump's inventory, the id of the dumping run.
 //!
 //! An image file is `u32 IMG_COMMON_MAGIC, u32 PAGEMAP_MAGIC`, then protobuf messages each
 //! preceded by its length as a native u32: one `PagemapHead`, then one `PagemapEntry` per run.
@@ -8,7 +9,7 @@ use std::io::{self, Write};
 use std::path::Path;
 
 use prost::Message;
-use stasis_proto::criu::{PagemapEntry, PagemapHead};
+use stasis_proto::criu::{InventoryEntry, PagemapEntry, PagemapHead};
 
 use super::pageserver::PageRun;
 
@@ -16,6 +17,25 @@ const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
 const PAGEMAP_MAGIC: u32 = 0x5608_4025;
 const TYPE_TASK: u64 = 1;
 const TYPE_SHMEM: u64 = 2;
+
+/// Name of CRIU's inventory image.
+pub const INVENTORY_FILE: &str = "inventory.img";
+
+/// The id of the CRIU run that dumped the images in `images_dir` (from `inventory.img`, which
+/// carries a single magic and one message); `None` for CRIU that records none.
+pub fn dump_run_id(images_dir: &Path) -> io::Result<Option<String>> {
+    let data = std::fs::read(images_dir.join(INVENTORY_FILE))?;
+    let invalid = |what: &str| io::Error::new(io::ErrorKind::InvalidData, format!("inventory image: {what}"));
+    let word = |at: usize| data.get(at..at + 4).map(|b| u32::from_ne_bytes(b.try_into().unwrap_or_default()));
+    let mut at = 4;
+    if word(0) == Some(IMG_COMMON_MAGIC) {
+        at = 8;
+    }
+    let len = word(at).ok_or_else(|| invalid("truncated"))? as usize;
+    let body = data.get(at + 4..at + 4 + len).ok_or_else(|| invalid("truncated"))?;
+    let entry = InventoryEntry::decode(body).map_err(|e| invalid(&e.to_string()))?;
+    Ok(entry.dump_criu_run_id.filter(|id| !id.is_empty()))
+}
 
 /// The pagemap file name CRIU expects for a page-server destination id.
 pub fn pagemap_file_name(dst_id: u64) -> Option<String> {
@@ -63,6 +83,18 @@ fn push(out: &mut Vec<u8>, message: &impl Message) {
 mod tests {
     use super::*;
     use crate::criu::pageserver::PE_PRESENT;
+
+    #[test]
+    fn run_id_from_an_inventory() {
+        let dir = tempfile::tempdir().unwrap();
+        let entry = InventoryEntry { dump_criu_run_id: Some("6383c660-7823-49bd-b693-208f034c13bd".into()) };
+        let mut data = 0x5831_1116u32.to_ne_bytes().to_vec();
+        push(&mut data, &entry);
+        std::fs::write(dir.path().join(INVENTORY_FILE), &data).unwrap();
+        assert_eq!(dump_run_id(dir.path()).unwrap().as_deref(), entry.dump_criu_run_id.as_deref());
+        std::fs::write(dir.path().join(INVENTORY_FILE), &data[..10]).unwrap();
+        assert!(dump_run_id(dir.path()).is_err());
+    }
 
     #[test]
     fn names_and_layout() {

@@ -10,6 +10,7 @@ pub mod lazy;
 mod log;
 mod options;
 pub mod pageserver;
+pub mod support;
 mod swrk;
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -18,6 +19,7 @@ use std::path::{Path, PathBuf};
 pub use error::{CriuError, log_section};
 pub use log::tail_of as log_tail_of;
 pub use options::{DumpSpec, RestoreSpec, TreeOptions};
+pub use support::NetworkLock;
 use stasis_proto::criu::{Request, RequestType};
 use swrk::Session;
 

@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 
 use nix::fcntl::{OFlag, open};
 use nix::sys::stat::Mode;
-use stasis_proto::criu::{InheritFd, Options, PageServerInfo};
+use stasis_proto::criu::{InheritFd, NetworkLockMethod, Options, PageServerInfo};
 
-use super::{CriuError, LOG_FILE};
+use super::{CriuError, LOG_FILE, NetworkLock};
 
 /// CRIU log level 4: debug. Its tail is what makes a failure explainable.
 const LOG_LEVEL: i32 = 4;
@@ -28,6 +28,8 @@ pub struct TreeOptions {
     pub link_remap: bool,
     /// External resources (CRIU `--external` keys), e.g. a terminal `tty[rdev:dev]`.
     pub external: Vec<String>,
+    /// How established TCP connections are locked; a restore unlocks them the same way.
+    pub network_lock: Option<NetworkLock>,
 }
 
 impl TreeOptions {
@@ -42,6 +44,9 @@ impl TreeOptions {
         ];
         let mut out: Vec<String> = flags.iter().filter(|(on, _)| *on).map(|(_, n)| n.to_string()).collect();
         out.extend(self.external.iter().map(|e| format!("external {e}")));
+        if self.tcp_established {
+            out.extend(self.network_lock.map(|l| format!("network-lock {}", l.name())));
+        }
         out
     }
 
@@ -51,6 +56,10 @@ impl TreeOptions {
         opts.ext_unix_sk = Some(self.ext_unix_sk);
         opts.file_locks = Some(self.file_locks);
         opts.link_remap = Some(self.link_remap);
+        opts.network_lock = self.network_lock.map(|lock| match lock {
+            NetworkLock::Nftables => NetworkLockMethod::Nftables as i32,
+            NetworkLock::Iptables => NetworkLockMethod::Iptables as i32,
+        });
     }
 }
 
@@ -75,6 +84,9 @@ impl DumpSpec {
         opts.leave_running = Some(self.leave_running);
         opts.leave_stopped = Some(self.leave_stopped);
         opts.notify_scripts = Some(true);
+        // A connection a listener has not accepted yet is dropped (its client sees a reset and
+        // may retry) rather than failing the whole dump.
+        opts.tcp_skip_in_flight = Some(true);
         opts.external = self.tree.external.clone();
         self.tree.apply(&mut opts);
         if let Some(fd) = self.page_server_fd {
@@ -93,6 +105,8 @@ pub struct RestoreSpec {
     pub inherit_fds: Vec<(String, OwnedFd)>,
     /// Leave the pages marked lazy to a running `criu lazy-pages` daemon on the same images.
     pub lazy_pages: bool,
+    /// Restore established TCP connections closed: the tree finds them reset.
+    pub tcp_close: bool,
 }
 
 impl RestoreSpec {
@@ -103,6 +117,7 @@ impl RestoreSpec {
         opts.notify_scripts = Some(true);
         opts.lazy_pages = Some(self.lazy_pages);
         self.tree.apply(&mut opts);
+        opts.tcp_close = Some(self.tcp_close);
         opts.inherit_fd = self
             .inherit_fds
             .iter()
@@ -137,7 +152,13 @@ mod tests {
         let spec = DumpSpec {
             pid: 42,
             images_dir: "/tmp".into(),
-            tree: TreeOptions { shell_job: true, file_locks: true, ..Default::default() },
+            tree: TreeOptions {
+                shell_job: true,
+                file_locks: true,
+                tcp_established: true,
+                network_lock: Some(NetworkLock::Nftables),
+                ..Default::default()
+            },
             leave_running: false,
             leave_stopped: true,
             page_server_fd: Some(9),
@@ -145,9 +166,11 @@ mod tests {
         let o = spec.to_options(7);
         assert_eq!(o.images_dir_fd, Some(7));
         assert_eq!(o.pid, Some(42));
-        assert_eq!((o.shell_job, o.file_locks, o.tcp_established), (Some(true), Some(true), Some(false)));
+        assert_eq!((o.shell_job, o.file_locks, o.tcp_established), (Some(true), Some(true), Some(true)));
         assert_eq!(o.leave_stopped, Some(true));
         assert_eq!(o.ps.and_then(|p| p.fd), Some(9));
-        assert_eq!(spec.tree.describe(), vec!["shell-job", "file-locks"]);
+        assert_eq!(o.network_lock, Some(NetworkLockMethod::Nftables as i32));
+        assert_eq!(o.tcp_skip_in_flight, Some(true));
+        assert_eq!(spec.tree.describe(), vec!["shell-job", "tcp-established", "file-locks", "network-lock nftables"]);
     }
 }

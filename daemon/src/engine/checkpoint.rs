@@ -17,9 +17,10 @@ use super::dump::{self, Dump};
 use super::gpu::GpuTimes;
 use super::ids::{checkpoint_id, now_unix_ms};
 use super::inspect::{TreeInfo, inspect};
+use super::sockets;
 use super::workloads::{Workload, derived_name};
 use super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
-use crate::criu::{DumpSpec, LOG_FILE, TreeOptions};
+use crate::criu::{DumpSpec, LOG_FILE, NetworkLock, TreeOptions};
 use crate::linux::proc::{self, ProcStat};
 use crate::store::{Manifest, Staged};
 use stasis_proto::stasis::v1::{AddressRange, DumpOptions, GpuDevice};
@@ -142,7 +143,13 @@ impl Engine {
         if !proc::is_running(pid) {
             return Err(CheckpointError::NoSuchProcess(pid));
         }
-        let tree = inspect(pid).map_err(|source| CheckpointError::Inspect { pid, source })?;
+        let mut tree = inspect(pid).map_err(|source| CheckpointError::Inspect { pid, source })?;
+        if let Some(reason) = tree.sockets.refusal(&self.inet_sockets, &self.network_lock) {
+            return Err(CheckpointError::Sockets { workload, reason });
+        }
+        if tree.options.tcp_established {
+            tree.options.network_lock = self.network_lock.as_ref().ok().copied();
+        }
         let created_unix_ms = now_unix_ms();
         let id = checkpoint_id(created_unix_ms);
         let local = |what| move |source| CheckpointError::Local { what, source };
@@ -219,6 +226,7 @@ impl Engine {
             Ok(stats) => stats,
             Err(e) => {
                 if !params.leave_running {
+                    sockets::reopen_connections(&tree.sockets.records, work.path(), tree.options.network_lock);
                     resume(&tree.pids, &stopped_before);
                     self.resume_gpu(&suspended).await?;
                 }
@@ -312,6 +320,7 @@ impl Engine {
             gpu_host_memory,
             cuda_driver: self.gpu.as_ref().map(|g| g.driver_version()).unwrap_or_default(),
             stats: Some(stats),
+            sockets: tree.sockets.records.clone(),
         };
         self.store.commit(&manifest, &guard).await.map_err(store_err)?;
         drop(guard);
@@ -360,6 +369,7 @@ pub(super) fn dump_options(t: &TreeOptions) -> DumpOptions {
         file_locks: t.file_locks,
         external: t.external.clone(),
         link_remap: t.link_remap,
+        network_lock: t.network_lock.map(|l| l.name().to_string()).unwrap_or_default(),
     }
 }
 
@@ -371,5 +381,6 @@ pub(super) fn tree_options(d: &DumpOptions) -> TreeOptions {
         file_locks: d.file_locks,
         external: d.external.clone(),
         link_remap: d.link_remap,
+        network_lock: NetworkLock::from_name(&d.network_lock),
     }
 }

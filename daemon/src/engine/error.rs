@@ -101,6 +101,8 @@ pub enum CheckpointError {
         #[source]
         source: Box<StoreError>,
     },
+    #[error("workload {workload} cannot be checkpointed: {reason}; it was left running untouched")]
+    Sockets { workload: String, reason: String },
     #[error("local {what} failed; the workload was left running")]
     Local {
         what: &'static str,
@@ -127,6 +129,8 @@ pub enum RestoreError {
          tree still running? stop it first)"
     )]
     PidsInUse { id: String, pids: Vec<i32> },
+    #[error("cannot restore checkpoint {id} on this node: {reason}; nothing was restored")]
+    Sockets { id: String, reason: String },
     #[error("CRIU could not restore checkpoint {id}")]
     Criu {
         id: String,

@@ -3,8 +3,8 @@
 
 use std::collections::HashSet;
 use std::io;
-use std::path::Path;
 
+use super::sockets::{self, TreeSockets};
 use crate::criu::TreeOptions;
 use crate::linux::proc::{self, ProcStat};
 use crate::linux::pty;
@@ -15,6 +15,7 @@ pub struct TreeInfo {
     pub pids: Vec<i32>,
     pub command: Vec<String>,
     pub options: TreeOptions,
+    pub sockets: TreeSockets,
 }
 
 /// Inspects the tree rooted at `root`.
@@ -28,8 +29,9 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
         file_locks: proc::lock_holders()?.iter().any(|p| in_tree.contains(p)),
         ..Default::default()
     };
-    let tcp = proc::established_tcp_inodes(root)?;
-    let unix = unix_socket_inodes(root);
+    let sockets = sockets::survey(&pids);
+    options.tcp_established = sockets.has_established_tcp();
+    options.ext_unix_sk = sockets.has_unix();
     for &pid in &pids {
         options.link_remap |= proc::mapped_paths(pid).iter().any(|p| p.ends_with(DELETED));
         let Ok(fds) = proc::fd_targets(pid) else {
@@ -41,36 +43,23 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
                 // A terminal outside the tree: restore gives the job a new one.
                 options.external.push(key);
             }
-            let Some(ino) = socket_inode(&target) else {
-                continue;
-            };
-            options.tcp_established |= tcp.contains(&ino);
-            options.ext_unix_sk |= unix.contains(&ino);
         }
     }
-    Ok(TreeInfo { pids, command: proc::cmdline(root)?, options })
+    Ok(TreeInfo { pids, command: proc::cmdline(root)?, options, sockets })
 }
 
 /// How /proc marks a path whose file was unlinked.
 const DELETED: &str = " (deleted)";
 
-/// The inode of a `socket:[N]` link target.
-fn socket_inode(target: &Path) -> Option<u64> {
-    target.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok()
-}
-
-fn unix_socket_inodes(pid: i32) -> HashSet<u64> {
-    std::fs::read_to_string(format!("/proc/{pid}/net/unix"))
-        .map(|t| t.lines().skip(1).filter_map(|l| l.split_whitespace().nth(6)?.parse().ok()).collect())
-        .unwrap_or_default()
-}
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn socket_links() {
+        use crate::linux::net::socket_inode;
         assert_eq!(socket_inode(Path::new("socket:[12345]")), Some(12345));
         assert_eq!(socket_inode(Path::new("/dev/null")), None);
         assert_eq!(socket_inode(Path::new("pipe:[7]")), None);

@@ -15,6 +15,7 @@ mod lazy;
 mod query;
 mod restore;
 mod run;
+mod sockets;
 mod state;
 mod workloads;
 
@@ -33,7 +34,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 pub use workloads::Workload;
 
-use crate::criu::{Criu, CriuVersion, MIN_VERSION};
+use crate::criu::{Criu, CriuVersion, MIN_VERSION, NetworkLock, support};
 use crate::cuda::{CudaDriver, CudaError, GpuCheckpointer};
 use crate::linux::cgroup::WorkloadCgroup;
 use crate::linux::reaper::Reaper;
@@ -75,6 +76,10 @@ pub type ProgressFn = Arc<dyn Fn(ProgressUpdate) + Send + Sync>;
 pub struct Engine {
     criu: Criu,
     criu_version: CriuVersion,
+    /// Whether this CRIU can dump inet sockets on this kernel (`Err(why)` if not).
+    inet_sockets: Result<(), String>,
+    /// How established TCP connections are locked during dumps (`Err(why)` if no way is).
+    network_lock: Result<NetworkLock, String>,
     store: Store,
     state: StateDir,
     registry: Registry,
@@ -120,6 +125,18 @@ impl Engine {
                 .map_err(|source| StartError::CriuCheck { path: config.criu_path.clone(), source })?;
         }
         drop(check_dir);
+        let inet_sockets = support::inet_sockets(criu_version, &crate::linux::proc::kernel_release());
+        let network_lock = {
+            let criu = criu.clone();
+            tokio::task::spawn_blocking(move || support::choose_network_lock(&criu))
+                .await
+                .map_err(|e| StartError::Reaper(std::io::Error::other(e)))?
+        };
+        match (&inet_sockets, &network_lock) {
+            (Ok(()), Ok(lock)) => info!(network_lock = lock.name(), "sockets supported"),
+            (Err(why), _) => warn!(reason = %why, "trees holding inet sockets will be refused"),
+            (_, Err(why)) => warn!(reason = %why, "trees holding TCP connections will be refused"),
+        }
         let store =
             Store::open(&config.store_url, config.store_retry)?.with_node_tag(&node_tag(&config.state_dir));
         let registry = Registry::load(&state.registry_file())
@@ -128,6 +145,8 @@ impl Engine {
         let engine = Self {
             criu,
             criu_version,
+            inet_sockets,
+            network_lock,
             store,
             state,
             registry,

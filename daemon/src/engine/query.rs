@@ -22,6 +22,8 @@ pub struct CheckpointSummary {
     pub command: Vec<String>,
     pub files: Vec<String>,
     pub criu_options: Vec<String>,
+    /// The tree's sockets, one line each.
+    pub sockets: Vec<String>,
     pub stats: super::CheckpointStats,
 }
 
@@ -40,6 +42,7 @@ impl From<&Manifest> for CheckpointSummary {
             command: m.command.clone(),
             files: image_names(m),
             criu_options: super::checkpoint::tree_options(&m.options.clone().unwrap_or_default()).describe(),
+            sockets: m.sockets.iter().map(super::sockets::describe).collect(),
             stats: m.stats.unwrap_or_default(),
         }
     }
@@ -66,6 +69,10 @@ pub struct StatusReport {
     pub gpu_support: String,
     pub store_url: String,
     pub state_dir: String,
+    /// "supported", or why this CRIU cannot dump inet sockets on this kernel.
+    pub socket_support: String,
+    /// The network lock in use, or "none (why)".
+    pub network_lock: String,
     /// Each workload with whether it runs now.
     pub workloads: Vec<(Workload, bool)>,
 }
@@ -133,6 +140,14 @@ impl Engine {
             },
             store_url: self.store.url().into(),
             state_dir: self.state.root().display().to_string(),
+            socket_support: match &self.inet_sockets {
+                Ok(()) => "supported (TCP, UDP, Unix, packet and netlink sockets)".into(),
+                Err(why) => format!("inet sockets unsupported: {why}"),
+            },
+            network_lock: match &self.network_lock {
+                Ok(lock) => lock.name().into(),
+                Err(why) => format!("none ({why}); trees with established TCP connections are refused"),
+            },
             workloads: self
                 .registry
                 .all()

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tracing::{info, instrument};
+use tracing::{info, instrument, warn};
 
 use super::checkpoint::tree_options;
 use super::gpu::{self, GpuError};
@@ -22,6 +22,7 @@ use crate::cuda::GpuUuid;
 use std::os::fd::OwnedFd;
 
 use super::lazy::{FaultGuard, LazySession};
+use super::sockets;
 use crate::criu::RestoreSpec;
 use crate::linux::pty;
 use crate::store::{Manifest, MemoryMode};
@@ -39,6 +40,8 @@ pub struct RestoreParams {
     pub gpu_map: Vec<(GpuUuid, GpuUuid)>,
     /// Run the tree before its memory is local (see `engine/lazy.rs`).
     pub lazy: bool,
+    /// Restore established TCP connections closed (their local addresses may not be here).
+    pub tcp_close: bool,
     /// Called once a lazily restored tree runs, before its memory is all in; for callers
     /// that do not wait until it is.
     pub on_running: Option<Box<dyn FnOnce(RestoreOutcome) + Send>>,
@@ -50,6 +53,7 @@ impl std::fmt::Debug for RestoreParams {
             .field("target", &self.target)
             .field("gpu_map", &self.gpu_map)
             .field("lazy", &self.lazy)
+            .field("tcp_close", &self.tcp_close)
             .field("on_running", &self.on_running.is_some())
             .finish()
     }
@@ -76,6 +80,8 @@ pub struct RestoreOutcome {
     pub workload: String,
     pub pid: i32,
     pub stats: RestoreStats,
+    /// What the restored tree will notice (a connection whose peer is gone, ...).
+    pub warnings: Vec<String>,
 }
 
 /// How long to wait for the checkpointed tree's old processes to be reaped.
@@ -125,6 +131,11 @@ impl Engine {
         if !busy.is_empty() {
             return Err(RestoreError::PidsInUse { id, pids: busy });
         }
+        let warnings = sockets::check_restore(&manifest.sockets, params.tcp_close)
+            .map_err(|reason| RestoreError::Sockets { id: id.clone(), reason })?;
+        for warning in &warnings {
+            warn!(checkpoint = %id, "{warning}");
+        }
         let gpu_pairs = self.place_gpus(&manifest, &params.gpu_map)?;
         let local = |what| move |source| RestoreError::Local { what, source };
         let bytes = manifest.stats.map(|s| s.bytes_total).unwrap_or_default();
@@ -156,7 +167,8 @@ impl Engine {
 
         progress(ProgressUpdate { phase: "restore", done: 0, total: 0 });
         let images_dir = work.path().to_path_buf();
-        let spec = RestoreSpec { images_dir, tree, inherit_fds, lazy_pages: session.is_some() };
+        let spec =
+            RestoreSpec { images_dir, tree, inherit_fds, lazy_pages: session.is_some(), tcp_close: params.tcp_close };
         session.iter().for_each(LazySession::arm);
         let criu = self.criu.clone();
         let faults = session.as_ref().map(LazySession::fault_guard);
@@ -204,8 +216,13 @@ impl Engine {
             lazy: params.lazy,
         };
         self.remember_restore(&manifest, pid).map_err(local("workload registry update"))?;
-        let outcome =
-            |stats| RestoreOutcome { id: id.clone(), workload: manifest.workload.clone(), pid, stats };
+        let outcome = |stats| RestoreOutcome {
+            id: id.clone(),
+            workload: manifest.workload.clone(),
+            pid,
+            stats,
+            warnings: warnings.clone(),
+        };
         if let Some(watch) = watch {
             info!(checkpoint = %id, pid, first_run_ms, "lazily restored tree runs");
             if let Some(notify) = params.on_running {

@@ -47,7 +47,7 @@ impl From<CheckpointError> for Status {
     fn from(e: CheckpointError) -> Self {
         let code = match &e {
             CheckpointError::NoSuchProcess(_) | CheckpointError::UnknownWorkload(_) => Code::NotFound,
-            CheckpointError::NotRunning { .. } => Code::FailedPrecondition,
+            CheckpointError::NotRunning { .. } | CheckpointError::Sockets { .. } => Code::FailedPrecondition,
             CheckpointError::Dump { .. } | CheckpointError::PageServer { .. } => Code::Aborted,
             CheckpointError::Store { source, .. } => store_code(source),
             CheckpointError::ShuttingDown => Code::Unavailable,
@@ -64,7 +64,7 @@ impl From<RestoreError> for Status {
             RestoreError::BadId(_) => Code::InvalidArgument,
             RestoreError::NoCheckpoints(_) => Code::NotFound,
             RestoreError::Store(s) => store_code(s),
-            RestoreError::PidsInUse { .. } => Code::FailedPrecondition,
+            RestoreError::PidsInUse { .. } | RestoreError::Sockets { .. } => Code::FailedPrecondition,
             RestoreError::Criu { .. } => Code::Aborted,
             RestoreError::ShuttingDown => Code::Unavailable,
             RestoreError::Gpu { .. } => Code::Internal,
@@ -145,7 +145,7 @@ impl TryFrom<pb::RestoreRequest> for RestoreParams {
             }
         };
         let gpu_map = r.gpu_map.iter().map(|pair| parse_gpu_pair(pair)).collect::<Result<_, _>>()?;
-        Ok(Self { target, gpu_map, lazy: r.lazy, on_running: None })
+        Ok(Self { target, gpu_map, lazy: r.lazy, tcp_close: r.tcp_close, on_running: None })
     }
 }
 
@@ -182,6 +182,7 @@ impl From<RestoreOutcome> for pb::RestoreResult {
             id: o.id,
             workload: o.workload,
             pid: o.pid,
+            warnings: o.warnings,
             stats: Some(pb::RestoreStats {
                 restore_ms: s.restore_ms,
                 fetch_ms: s.fetch_ms,
@@ -212,6 +213,7 @@ impl From<CheckpointSummary> for pb::CheckpointInfo {
             pids: c.pids,
             files: c.files,
             criu_options: c.criu_options,
+            sockets: c.sockets,
         }
     }
 }
@@ -237,6 +239,8 @@ impl From<StatusReport> for pb::StatusResponse {
             gpu_support: r.gpu_support,
             store_url: r.store_url,
             state_dir: r.state_dir,
+            socket_support: r.socket_support,
+            network_lock: r.network_lock,
             workloads: r
                 .workloads
                 .into_iter()

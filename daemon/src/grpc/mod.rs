@@ -105,6 +105,7 @@ impl Stasis for StasisService {
                 workload: o.workload,
                 pid: o.pid,
                 first_run_ms: o.stats.first_run_ms,
+                warnings: o.warnings,
             };
             let _ = running.send(Ok(pb::RestoreEvent { event: Some(Event::Running(event)) }));
         }));

@@ -3,6 +3,8 @@
 //! All unsafe code of this area lives in [`sys`].
 
 pub mod cgroup;
+pub mod net;
+pub mod nft;
 pub mod proc;
 pub mod pty;
 pub mod reaper;

@@ -1,6 +1,6 @@
 //! Reading process state from /proc.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::BTreeSet;
 use std::fs;
 use std::io;
 use std::path::PathBuf;
@@ -157,27 +157,6 @@ pub fn parse_private_writable(text: &str) -> Vec<(u64, u64)> {
         .collect()
 }
 
-/// Socket inodes of TCP connections in ESTABLISHED state, as seen from `pid`'s network
-/// namespace.
-pub fn established_tcp_inodes(pid: i32) -> io::Result<HashSet<u64>> {
-    let mut out = HashSet::new();
-    for table in ["tcp", "tcp6"] {
-        let Ok(text) = fs::read_to_string(format!("/proc/{pid}/net/{table}")) else {
-            continue;
-        };
-        out.extend(parse_tcp_table(&text, "01"));
-    }
-    Ok(out)
-}
-
-/// The socket inodes of the rows of a `/proc/net/tcp` table whose state is `state` (hex).
-pub fn parse_tcp_table(text: &str, state: &str) -> impl Iterator<Item = u64> {
-    text.lines().skip(1).filter_map(move |line| {
-        let cols: Vec<&str> = line.split_whitespace().collect();
-        (cols.get(3) == Some(&state)).then(|| cols.get(9)?.parse().ok()).flatten()
-    })
-}
-
 /// Pids holding POSIX or flock locks, from `/proc/locks`.
 pub fn lock_holders() -> io::Result<BTreeSet<i32>> {
     Ok(parse_locks(&fs::read_to_string("/proc/locks")?))
@@ -245,14 +224,6 @@ mod tests {
         assert_eq!((s.state, s.ppid, s.pgrp, s.session, s.tty_nr), ('S', 1, 42, 42, 34816));
         assert!(!s.is_dead());
         assert!(ProcStat::parse("garbage").is_none());
-    }
-
-    #[test]
-    fn tcp_table_picks_established_rows() {
-        let text = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
-   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 111 1\n\
-   1: 0100007F:1F90 0100007F:C350 01 00000000:00000000 00:00000000 00000000     0        0 222 1\n";
-        assert_eq!(parse_tcp_table(text, "01").collect::<Vec<_>>(), vec![222]);
     }
 
     #[test]

@@ -1,11 +1,12 @@
 //! The few operations that need `unsafe`: code that runs in a forked child before `exec`,
-//! mapping a private file, and taking a copy of another process's descriptor.
+//! mapping a private file, taking a copy of another process's descriptor, and asking a
+//! socket for its address family.
 //!
 //! Between `fork` and `exec` only async-signal-safe calls are allowed, so these closures use
 //! raw `libc` calls on values prepared beforehand and never allocate.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command};
 
@@ -86,4 +87,26 @@ pub fn copy_fd_of(pid: i32, fd: i32) -> io::Result<OwnedFd> {
     }
     // SAFETY: as above, a fresh descriptor owned by nobody else.
     Ok(unsafe { OwnedFd::from_raw_fd(copy as i32) })
+}
+
+/// The address family of a socket (`SO_DOMAIN`), which also answers for families whose
+/// sockets have no name to ask for (AF_ALG).
+pub fn socket_domain(socket: BorrowedFd<'_>) -> io::Result<i32> {
+    let mut domain: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `domain`, a live c_int whose size
+    // `len` states, and updates `len`; both pointers are valid for the duration of the call.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_DOMAIN,
+            (&raw mut domain).cast(),
+            &raw mut len,
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(domain)
 }

@@ -1,0 +1,115 @@
+//! What this CRIU can do for sockets on this kernel: whether it can dump inet sockets at all,
+//! and how it can lock established TCP connections while it dumps and restores them.
+
+use std::process::{Command, Stdio};
+
+use super::{Criu, CriuVersion};
+
+/// How CRIU keeps established TCP connections quiet (no packet in or out) from the moment it
+/// freezes a tree until the tree runs again: without a lock the kernel would answer the peer's
+/// packets to a dumped (or killed) socket with a reset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NetworkLock {
+    /// Rules in an nftables table of CRIU's own, through libnftables: needs no program.
+    Nftables,
+    /// `iptables-restore` rules: needs the iptables programs.
+    Iptables,
+}
+
+impl NetworkLock {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Nftables => "nftables",
+            Self::Iptables => "iptables",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "nftables" => Some(Self::Nftables),
+            "iptables" => Some(Self::Iptables),
+            _ => None,
+        }
+    }
+}
+
+/// The first kernel that refuses SO_PASSCRED/SO_PASSSEC on inet sockets (EOPNOTSUPP), and the
+/// first CRIU that copes with it; older CRIU gives up on the first inet socket it dumps.
+const STRICT_SOCKOPT_KERNEL: (u32, u32) = (6, 16);
+const STRICT_SOCKOPT_CRIU: CriuVersion = CriuVersion { major: 4, minor: 2, sublevel: 0 };
+
+/// `Err(why)` when `criu` cannot dump inet sockets on a kernel of release `kernel`.
+pub fn inet_sockets(criu: CriuVersion, kernel: &str) -> Result<(), String> {
+    let Some(release) = kernel_version(kernel) else { return Ok(()) };
+    if release >= STRICT_SOCKOPT_KERNEL && criu < STRICT_SOCKOPT_CRIU {
+        return Err(format!(
+            "CRIU {criu} cannot dump inet (TCP/UDP) sockets on kernel {kernel}: kernels from \
+             6.16 on need CRIU 4.2 or newer (run scripts/setup-criu.sh, or pass --criu PATH)"
+        ));
+    }
+    Ok(())
+}
+
+/// `(major, minor)` of a kernel release string like "6.18.44-fc-v782".
+fn kernel_version(release: &str) -> Option<(u32, u32)> {
+    let mut parts = release.split(|c: char| !c.is_ascii_digit());
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+}
+
+/// The lock to use: nftables when this CRIU was built with it and the kernel has it (no
+/// program needed), else iptables when its programs are installed; `Err(why)` when neither.
+pub fn choose_network_lock(criu: &Criu) -> Result<NetworkLock, String> {
+    if nftables_supported(criu) {
+        return Ok(NetworkLock::Nftables);
+    }
+    if program_on_path("iptables-restore") {
+        return Ok(NetworkLock::Iptables);
+    }
+    Err("neither CRIU's nftables lock (`criu check --feature nftables` fails) nor iptables \
+         (no iptables-restore on PATH) is available"
+        .into())
+}
+
+/// `criu check --feature nftables`: the feature checks have no RPC form.
+fn nftables_supported(criu: &Criu) -> bool {
+    Command::new(criu.path())
+        .args(["check", "--feature", "nftables"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn program_on_path(name: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(name).is_file()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const fn v(major: i32, minor: i32) -> CriuVersion {
+        CriuVersion { major, minor, sublevel: 0 }
+    }
+
+    #[test]
+    fn old_criu_on_a_strict_kernel_cannot_dump_inet_sockets() {
+        let err = inet_sockets(v(4, 1), "6.18.44-fc-v782").unwrap_err();
+        assert!(err.contains("CRIU 4.1.0") && err.contains("6.18.44") && err.contains("4.2"), "{err}");
+        assert!(inet_sockets(v(4, 1), "6.16.0").is_err());
+        assert!(inet_sockets(v(4, 2), "6.18.44").is_ok());
+        assert!(inet_sockets(v(4, 1), "6.15.9-arch1").is_ok());
+        assert!(inet_sockets(v(4, 0), "5.10.0-32-amd64").is_ok());
+        assert!(inet_sockets(v(3, 17), "weird").is_ok());
+    }
+
+    #[test]
+    fn lock_names_round_trip() {
+        for lock in [NetworkLock::Nftables, NetworkLock::Iptables] {
+            assert_eq!(NetworkLock::from_name(lock.name()), Some(lock));
+        }
+        assert_eq!(NetworkLock::from_name("pf"), None);
+    }
+}

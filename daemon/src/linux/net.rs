@@ -1,0 +1,309 @@
+//! Sockets as /proc shows them: the kernel's per-namespace socket tables
+//! (`/proc/PID/net/{tcp,tcp6,udp,udp6,raw,raw6,unix,packet,netlink}`), keyed by socket inode,
+//! and the socket family of a descriptor that no table lists.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::os::fd::AsFd;
+
+use nix::sys::socket::AddressFamily;
+
+/// The protocol of a socket, as far as the tables tell it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SocketKind {
+    Tcp,
+    Udp,
+    Raw,
+    Unix,
+    Packet,
+    Netlink,
+}
+
+impl SocketKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Udp => "udp",
+            Self::Raw => "raw",
+            Self::Unix => "unix",
+            Self::Packet => "packet",
+            Self::Netlink => "netlink",
+        }
+    }
+}
+
+/// One row of a socket table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SocketEntry {
+    pub kind: SocketKind,
+    /// TCP state in the kernel's words ("established", "listen", ...); UDP: "connected" or
+    /// "unconnected"; empty for other kinds.
+    pub state: &'static str,
+    pub local: Option<SocketAddr>,
+    pub remote: Option<SocketAddr>,
+    /// Unix sockets: the bound path ("@..." when abstract), if any.
+    pub path: Option<String>,
+    /// Unix sockets: listening.
+    pub listening: bool,
+}
+
+impl SocketEntry {
+    pub fn is_tcp_established(&self) -> bool {
+        self.kind == SocketKind::Tcp && !matches!(self.state, "listen" | "close")
+    }
+}
+
+/// Every socket of one network namespace, by inode.
+#[derive(Debug, Default)]
+pub struct SocketTable {
+    pub by_inode: HashMap<u64, SocketEntry>,
+}
+
+impl SocketTable {
+    /// The sockets of the network namespace `pid` lives in.
+    pub fn of(pid: i32) -> SocketTable {
+        Self::read(&format!("/proc/{pid}/net"))
+    }
+
+    /// The sockets of stasisd's own network namespace.
+    pub fn own() -> SocketTable {
+        Self::read("/proc/self/net")
+    }
+
+    fn read(dir: &str) -> SocketTable {
+        let mut table = SocketTable::default();
+        let file = |name: &str| fs::read_to_string(format!("{dir}/{name}")).unwrap_or_default();
+        for (name, kind) in [
+            ("tcp", SocketKind::Tcp),
+            ("tcp6", SocketKind::Tcp),
+            ("udp", SocketKind::Udp),
+            ("udp6", SocketKind::Udp),
+            ("udplite", SocketKind::Udp),
+            ("udplite6", SocketKind::Udp),
+            ("raw", SocketKind::Raw),
+            ("raw6", SocketKind::Raw),
+        ] {
+            table.by_inode.extend(parse_inet_table(&file(name), kind));
+        }
+        table.by_inode.extend(parse_unix_table(&file("unix")));
+        table.by_inode.extend(parse_inode_column(&file("packet"), 8, SocketKind::Packet));
+        table.by_inode.extend(parse_inode_column(&file("netlink"), 9, SocketKind::Netlink));
+        table
+    }
+
+    /// Whether some TCP socket of this namespace has exactly these two ends.
+    pub fn has_tcp(&self, local: SocketAddr, remote: SocketAddr) -> bool {
+        self.by_inode
+            .values()
+            .any(|e| e.kind == SocketKind::Tcp && e.local == Some(local) && e.remote == Some(remote))
+    }
+
+    /// Sockets of `kind` bound to `port` on an address that overlaps `ip` (either one a
+    /// wildcard, or both equal): TCP listeners, or bound UDP sockets.
+    pub fn bound_on(&self, kind: SocketKind, ip: IpAddr, port: u16) -> Vec<u64> {
+        self.by_inode
+            .iter()
+            .filter(|(_, e)| e.kind == kind && (kind != SocketKind::Tcp || e.state == "listen"))
+            .filter(|(_, e)| e.local.is_some_and(|l| l.port() == port && overlaps(l.ip(), ip)))
+            .map(|(inode, _)| *inode)
+            .collect()
+    }
+}
+
+/// Two bind addresses conflict when one is a wildcard or both are equal (IPv4-mapped
+/// IPv6 addresses compare as IPv4).
+fn overlaps(a: IpAddr, b: IpAddr) -> bool {
+    let canonical = |ip: IpAddr| ip.to_canonical();
+    a.is_unspecified() || b.is_unspecified() || canonical(a) == canonical(b)
+}
+
+/// Parses a `/proc/net/{tcp,udp,raw}[6]` table.
+fn parse_inet_table(text: &str, kind: SocketKind) -> Vec<(u64, SocketEntry)> {
+    text.lines()
+        .skip(1)
+        .filter_map(|line| {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            let local = parse_hex_addr(cols.get(1)?)?;
+            let remote = parse_hex_addr(cols.get(2)?)?;
+            let state = u8::from_str_radix(cols.get(3)?, 16).ok()?;
+            let inode: u64 = cols.get(9)?.parse().ok()?;
+            let state = match kind {
+                SocketKind::Tcp => tcp_state_name(state),
+                SocketKind::Udp if state == 1 => "connected",
+                SocketKind::Udp => "unconnected",
+                _ => "",
+            };
+            let remote = (!remote.ip().is_unspecified() || remote.port() != 0).then_some(remote);
+            let entry = SocketEntry { kind, state, local: Some(local), remote, path: None, listening: false };
+            Some((inode, entry))
+        })
+        .collect()
+}
+
+/// The kernel's TCP states (include/net/tcp_states.h), lower-cased.
+fn tcp_state_name(state: u8) -> &'static str {
+    match state {
+        1 => "established",
+        2 => "syn-sent",
+        3 => "syn-recv",
+        4 => "fin-wait1",
+        5 => "fin-wait2",
+        6 => "time-wait",
+        7 => "close",
+        8 => "close-wait",
+        9 => "last-ack",
+        10 => "listen",
+        11 => "closing",
+        _ => "unknown",
+    }
+}
+
+/// Parses `0100007F:1F90` (IPv4, the address's bytes as a host-order word) or the 32-digit
+/// IPv6 form (four such words).
+fn parse_hex_addr(text: &str) -> Option<SocketAddr> {
+    let (addr, port) = text.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    let word = |s: &str| u32::from_str_radix(s, 16).ok().map(u32::to_le_bytes);
+    let ip = match addr.len() {
+        8 => IpAddr::V4(Ipv4Addr::from(word(addr)?)),
+        32 => {
+            let mut bytes = [0u8; 16];
+            for (i, chunk) in bytes.chunks_mut(4).enumerate() {
+                chunk.copy_from_slice(&word(addr.get(i * 8..i * 8 + 8)?)?);
+            }
+            IpAddr::V6(Ipv6Addr::from(bytes))
+        }
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip, port))
+}
+
+/// `__SO_ACCEPTCON` in `/proc/net/unix`'s flags column: a listening socket.
+const UNIX_ACCEPTCON: u32 = 1 << 16;
+
+/// Parses `/proc/net/unix`: `Num RefCount Protocol Flags Type St Inode [Path]`.
+fn parse_unix_table(text: &str) -> Vec<(u64, SocketEntry)> {
+    text.lines()
+        .skip(1)
+        .filter_map(|line| {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            let flags = u32::from_str_radix(cols.get(3)?, 16).ok()?;
+            let inode: u64 = cols.get(6)?.parse().ok()?;
+            let entry = SocketEntry {
+                kind: SocketKind::Unix,
+                state: "",
+                local: None,
+                remote: None,
+                path: cols.get(7).map(|p| p.to_string()),
+                listening: flags & UNIX_ACCEPTCON != 0,
+            };
+            Some((inode, entry))
+        })
+        .collect()
+}
+
+/// Parses a table whose rows only matter by their inode column.
+fn parse_inode_column(text: &str, column: usize, kind: SocketKind) -> Vec<(u64, SocketEntry)> {
+    text.lines()
+        .skip(1)
+        .filter_map(|line| line.split_whitespace().nth(column)?.parse().ok())
+        .map(|inode| {
+            (inode, SocketEntry { kind, state: "", local: None, remote: None, path: None, listening: false })
+        })
+        .collect()
+}
+
+/// The address family of descriptor `fd` of process `pid` ("AF_ALG", "AF_VSOCK", ...), for
+/// a socket no table lists.
+pub fn socket_family(pid: i32, fd: i32) -> io::Result<String> {
+    let copy = super::sys::copy_fd_of(pid, fd)?;
+    let domain = super::sys::socket_domain(copy.as_fd())?;
+    Ok(match AddressFamily::from_i32(domain) {
+        Some(family) => format!("AF_{}", format!("{family:?}").to_uppercase()),
+        None => format!("address family {domain}"),
+    })
+}
+
+/// The processes (pid, command name) holding socket `inode` open, found by scanning /proc.
+pub fn socket_holders(inode: u64) -> Vec<(i32, String)> {
+    let wanted = format!("socket:[{inode}]");
+    let Ok(procs) = fs::read_dir("/proc") else { return Vec::new() };
+    procs
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            super::proc::fd_targets(*pid)
+                .is_ok_and(|fds| fds.iter().any(|(_, t)| t.as_os_str() == wanted.as_str()))
+        })
+        .map(|pid| {
+            let comm = fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            (pid, comm.trim().to_string())
+        })
+        .collect()
+}
+
+/// The inode of a `socket:[N]` link target.
+pub fn socket_inode(target: &std::path::Path) -> Option<u64> {
+    target.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TCP: &str = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1111 1 0 100 0 0 10 0
+   1: 0100007F:9C40 0100007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 2222 1 0 20 4 30 10 -1
+";
+    const TCP6: &str = "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000001000000:0035 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3333 1 0 100 0 0 10 0
+";
+
+    #[test]
+    fn inet_rows_give_addresses_and_states() {
+        let rows: HashMap<u64, SocketEntry> = parse_inet_table(TCP, SocketKind::Tcp).into_iter().collect();
+        let listener = &rows[&1111];
+        assert_eq!(listener.state, "listen");
+        assert_eq!(listener.local, Some("127.0.0.1:8080".parse().unwrap()));
+        assert_eq!(listener.remote, None);
+        let conn = &rows[&2222];
+        assert!(conn.is_tcp_established());
+        assert_eq!(conn.remote, Some("127.0.0.1:8080".parse().unwrap()));
+        assert_eq!(conn.local, Some("127.0.0.1:40000".parse().unwrap()));
+        let six = parse_inet_table(TCP6, SocketKind::Tcp);
+        assert_eq!(six[0].1.local, Some("[::1]:53".parse().unwrap()));
+    }
+
+    #[test]
+    fn listeners_conflict_by_port_and_overlapping_address() {
+        let table = SocketTable { by_inode: parse_inet_table(TCP, SocketKind::Tcp).into_iter().collect() };
+        let lo: IpAddr = "127.0.0.1".parse().unwrap();
+        assert_eq!(table.bound_on(SocketKind::Tcp, lo, 8080), vec![1111]);
+        assert_eq!(table.bound_on(SocketKind::Tcp, "0.0.0.0".parse().unwrap(), 8080), vec![1111]);
+        assert!(table.bound_on(SocketKind::Tcp, "10.1.2.3".parse().unwrap(), 8080).is_empty());
+        // An established connection from port 40000 is not a listener on it.
+        assert!(table.bound_on(SocketKind::Tcp, lo, 40000).is_empty());
+        assert!(table.has_tcp("127.0.0.1:40000".parse().unwrap(), "127.0.0.1:8080".parse().unwrap()));
+    }
+
+    #[test]
+    fn unix_rows_say_listening_and_path() {
+        let text = "Num       RefCount Protocol Flags    Type St Inode Path
+0000000000000000: 00000002 00000000 00010000 0001 01 4444 /run/x.sock
+0000000000000000: 00000003 00000000 00000000 0001 03 5555
+";
+        let rows: HashMap<u64, SocketEntry> = parse_unix_table(text).into_iter().collect();
+        assert!(rows[&4444].listening);
+        assert_eq!(rows[&4444].path.as_deref(), Some("/run/x.sock"));
+        assert!(!rows[&5555].listening);
+    }
+
+    #[test]
+    fn own_table_sees_a_listener_of_ours() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let table = SocketTable::own();
+        assert_eq!(table.bound_on(SocketKind::Tcp, addr.ip(), addr.port()).len(), 1);
+    }
+}
