@@ -9,6 +9,7 @@
 
 mod daemon;
 mod logs;
+mod peer;
 pub mod procfs;
 pub mod s3;
 mod workload;
@@ -17,6 +18,7 @@ use std::path::{Path, PathBuf};
 
 pub use daemon::{Daemon, DaemonOptions};
 pub use logs::{complete_lines, expect_within, numbered, wait_for};
+pub use peer::EchoPeer;
 pub use workload::Workload;
 
 /// Generous bound for anything a test waits on: the CI machine has two slow cores.
@@ -111,6 +113,23 @@ pub fn python() -> String {
         .and_then(|paths| std::env::split_paths(&paths).map(|dir| dir.join("python3")).find(|p| p.exists()))
         .map(|p| p.to_string_lossy().into_owned())
         .expect("python3 is needed by the test workloads")
+}
+
+/// A loopback port nothing listens on right now.
+pub fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
+    listener.local_addr().expect("listener address").port()
+}
+
+/// The body of `GET /` from an HTTP server on loopback `port`.
+pub fn http_get(port: u16) -> Result<String, String> {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
+    conn.set_read_timeout(Some(TIMEOUT)).map_err(|e| e.to_string())?;
+    conn.write_all(b"GET / HTTP/1.0\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).map_err(|e| e.to_string())?;
+    answer.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).ok_or(answer)
 }
 
 /// The command line running workload script `script` with `args`.
