@@ -2,7 +2,8 @@
 # Runs every test of stasis: formatting and lint gates, unit tests, and end-to-end tests
 # against real CRIU, real processes and a real S3-compatible server on loopback (those need
 # root). Installs what it needs itself: CRIU 4.x under .stasis/criu when the system has no
-# usable one, and moto's S3 server (PyPI) in a virtual environment under .stasis/venv.
+# usable one, moto's S3 server (PyPI) in a virtual environment under .stasis/venv, and
+# Debian's redis-server.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -13,6 +14,14 @@ if [ ! -x .stasis/venv/bin/moto_server ]; then
   .stasis/venv/bin/pip install --quiet --disable-pip-version-check 'moto[server]'
 fi
 export STASIS_MOTO=$root/.stasis/venv/bin/moto_server
+# Debian's redis-server, checkpointed by tests/tests/debian_server.rs. Its package starts a
+# redis service where it can (systemd, or sysvinit without a policy-rc.d); the test runs its
+# own on a free port, so that one is stopped and disabled.
+if ! command -v redis-server >/dev/null; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+  { systemctl disable --now redis-server || service redis-server stop; } >/dev/null 2>&1 || true
+fi
 cargo fmt --all -- --check
 cargo build --workspace --all-targets
 cargo clippy --workspace --all-targets --quiet -- -D warnings

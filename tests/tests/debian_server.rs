@@ -1,0 +1,245 @@
+//! A real server from Debian's packages: `redis-server` holding about 300 MB, checkpointed and
+//! restored. The data comes back whole (redis's digest of the dataset, a sample of values, a
+//! few MiB of incompressible ones), the listener takes new connections, and a client connection
+//! from outside the checkpointed tree survives an eviction: CRIU restores the established TCP
+//! connection. Then `--leave-running`: redis answers all through the dump, and after a kill -9
+//! the checkpoint restores the state redis had when it was taken, not the one it had later.
+
+#![forbid(unsafe_code)]
+
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use stasis_tests::{Daemon, TIMEOUT, expect_within, procfs, skip_unless_ready};
+
+/// Keys `DEBUG POPULATE` creates, 1000 bytes each.
+const KEYS: u64 = 300_000;
+/// Populated keys overwritten with 256 KiB of pseudo-random bytes each.
+const DISTINCT: u64 = 16;
+
+/// A reply in redis's protocol (RESP2).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Reply {
+    Status(String),
+    Error(String),
+    Int(i64),
+    Bulk(Option<Vec<u8>>),
+    Array(Vec<Reply>),
+}
+
+/// One client connection to redis.
+struct Client(BufReader<TcpStream>);
+
+impl Client {
+    fn connect(port: u16) -> io::Result<Client> {
+        let stream = TcpStream::connect(("127.0.0.1", port))?;
+        stream.set_read_timeout(Some(TIMEOUT))?;
+        Ok(Client(BufReader::new(stream)))
+    }
+
+    /// Sends one command and reads its reply.
+    fn try_call(&mut self, args: &[&[u8]]) -> io::Result<Reply> {
+        let mut request = format!("*{}\r\n", args.len()).into_bytes();
+        for arg in args {
+            request.extend(format!("${}\r\n", arg.len()).bytes());
+            request.extend(*arg);
+            request.extend(b"\r\n");
+        }
+        self.0.get_mut().write_all(&request)?;
+        self.read_reply()
+    }
+
+    /// [`Client::try_call`], panicking on I/O errors and on error replies.
+    fn call(&mut self, args: &[&[u8]]) -> Reply {
+        let what = String::from_utf8_lossy(args[0]);
+        match self.try_call(args) {
+            Ok(Reply::Error(e)) => panic!("redis refused {what}: {e}"),
+            Ok(reply) => reply,
+            Err(e) => panic!("redis {what}: {e}"),
+        }
+    }
+
+    /// A command made of words without spaces, e.g. `DEBUG POPULATE 10 key 1000`.
+    fn cmd(&mut self, words: &str) -> Reply {
+        self.call(&words.split_whitespace().map(str::as_bytes).collect::<Vec<_>>())
+    }
+
+    fn read_reply(&mut self) -> io::Result<Reply> {
+        let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_owned());
+        let mut line = String::new();
+        self.0.read_line(&mut line)?;
+        let line =
+            line.strip_suffix("\r\n").ok_or_else(|| bad("reply line without CRLF (connection closed?)"))?;
+        let rest = line.get(1..).unwrap_or_default();
+        let number = || rest.parse::<i64>().map_err(|_| bad(&format!("not a number: {line}")));
+        Ok(match line.chars().next() {
+            Some('+') => Reply::Status(rest.to_owned()),
+            Some('-') => Reply::Error(rest.to_owned()),
+            Some(':') => Reply::Int(number()?),
+            Some('$') => match usize::try_from(number()?) {
+                Err(_) => Reply::Bulk(None),
+                Ok(len) => {
+                    let mut data = vec![0; len + 2];
+                    self.0.read_exact(&mut data)?;
+                    data.truncate(len);
+                    Reply::Bulk(Some(data))
+                }
+            },
+            Some('*') => Reply::Array((0..number()?).map(|_| self.read_reply()).collect::<io::Result<_>>()?),
+            _ => return Err(bad(&format!("unknown reply: {line}"))),
+        })
+    }
+}
+
+fn status(text: &str) -> Reply {
+    Reply::Status(text.to_owned())
+}
+
+/// The 256 KiB value of distinctive key `i`: xorshift64 output, so no store compresses it.
+fn distinct_value(i: u64) -> Vec<u8> {
+    let mut x = 0x9e37_79b9_7f4a_7c15 ^ (i + 1);
+    (0..32 * 1024)
+        .flat_map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_le_bytes()
+        })
+        .collect()
+}
+
+/// What must survive: the key count, redis's digest of the whole dataset, and 1000 populated
+/// values plus the distinctive ones, read back in one MGET (a reply of about 5 MiB).
+#[derive(Debug, PartialEq, Eq)]
+struct Data {
+    keys: Reply,
+    digest: Reply,
+    sample_hash: u64,
+}
+
+fn data(c: &mut Client) -> Data {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let keys = (0..DISTINCT).chain((0..1000).map(|i| (i * 7919 + 4243) % KEYS)).map(|k| format!("key:{k}"));
+    let mut mget = vec!["MGET".to_owned()];
+    mget.extend(keys);
+    let Reply::Array(values) = c.call(&mget.iter().map(String::as_bytes).collect::<Vec<_>>()) else {
+        panic!("MGET did not answer an array")
+    };
+    for i in 0..DISTINCT {
+        assert!(values[i as usize] == Reply::Bulk(Some(distinct_value(i))), "key:{i} lost its value");
+    }
+    assert!(values.iter().all(|v| matches!(v, Reply::Bulk(Some(_)))), "a sampled key is missing");
+    let mut hasher = DefaultHasher::new();
+    values.hash(&mut hasher);
+    Data { keys: c.cmd("DBSIZE"), digest: c.cmd("DEBUG DIGEST"), sample_hash: hasher.finish() }
+}
+
+/// Kills redis when the test ends, passed or not: redis rewrites its process title, so the
+/// harness, which only kills processes still showing their workload's command, would miss it.
+struct KillOnDrop(i32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        procfs::kill9(self.0);
+    }
+}
+
+/// Debian's `/usr/bin/redis-server` (or the first on `PATH`); scripts/test.sh installs it.
+fn redis_server() -> String {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::iter::once("/usr/bin".into())
+        .chain(std::env::split_paths(&path))
+        .map(|dir| dir.join("redis-server"))
+        .find(|p| p.exists())
+        .map(|p| p.to_string_lossy().into_owned())
+        .expect("redis-server is not installed: run scripts/test.sh, or apt-get install redis-server")
+}
+
+fn stats(result: &Value) -> String {
+    result["stats"].to_string()
+}
+
+#[test]
+fn redis_with_300_mb_survives_eviction_and_leave_running_checkpoints() {
+    skip_unless_ready!();
+    let redis = redis_server();
+    let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+    let d = Daemon::start();
+    let port_arg = port.to_string();
+    let argv: Vec<String> = [&redis, "--port", &port_arg, "--bind", "127.0.0.1", "--save", ""]
+        .into_iter()
+        .chain(["--appendonly", "no", "--daemonize", "no", "--enable-debug-command", "local"])
+        .map(str::to_owned)
+        .collect();
+    let w = d.run("redis", &argv);
+    let _reaper = KillOnDrop(w.pid);
+    let mut kept = expect_within(TIMEOUT, &format!("redis to answer PING on port {port}"), || {
+        let mut c = Client::connect(port).ok()?;
+        (c.try_call(&[b"PING"]).ok()? == status("PONG")).then_some(c)
+    });
+
+    assert_eq!(kept.cmd(&format!("DEBUG POPULATE {KEYS} key 1000")), status("OK"));
+    assert_eq!(kept.cmd("DBSIZE"), Reply::Int(KEYS as i64));
+    for i in 0..DISTINCT {
+        assert_eq!(kept.call(&[b"SET", format!("key:{i}").as_bytes(), &distinct_value(i)]), status("OK"));
+    }
+    let before = data(&mut kept);
+    assert_eq!(before.keys, Reply::Int(KEYS as i64));
+
+    // Eviction, with `kept` connected (its peer, this test, is outside the checkpointed tree).
+    let started = Instant::now();
+    let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
+    eprintln!("eviction took {:?}: {}", started.elapsed(), stats(&ck));
+    expect_within(TIMEOUT, "redis to be gone after the eviction", || (!procfs::exists(w.pid)).then_some(()));
+    let started = Instant::now();
+    let r = d.json(&["restore", "--workload", &w.name, "--json"]);
+    eprintln!("restore took {:?}: {r}", started.elapsed());
+    assert_eq!(r["pid"], w.pid, "restore result: {r}");
+    assert_eq!(data(&mut kept), before, "on the connection kept open across eviction and restore");
+    let mut fresh = Client::connect(port).expect("a new connection to the restored redis");
+    assert_eq!(data(&mut fresh), before, "on a new connection to the restored redis");
+    drop(fresh);
+
+    // --leave-running: redis answers `kept` all through the dump.
+    let mut ck = d
+        .command(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting stasis checkpoint");
+    let (started, mut pings) = (Instant::now(), 0);
+    while ck.try_wait().expect("waiting for stasis checkpoint").is_none() {
+        assert!(started.elapsed() < Duration::from_secs(120), "checkpoint --leave-running hangs");
+        assert_eq!(kept.cmd("PING"), status("PONG"), "during checkpoint --leave-running");
+        pings += 1;
+    }
+    let out = ck.wait_with_output().expect("stasis checkpoint output");
+    assert!(out.status.success(), "checkpoint --leave-running: {}", String::from_utf8_lossy(&out.stderr));
+    let ck: Value = serde_json::from_slice(&out.stdout).expect("checkpoint --leave-running JSON");
+    eprintln!(
+        "checkpoint --leave-running took {:?} ({pings} PINGs answered meanwhile): {}",
+        started.elapsed(),
+        stats(&ck)
+    );
+    assert_eq!(ck["left_running"], true, "checkpoint result: {ck}");
+    let id = ck["id"].as_str().expect("checkpoint id").to_owned();
+    assert!(procfs::running(w.pid), "redis after the checkpoint: state {:?}", procfs::proc_state(w.pid));
+    assert_eq!(data(&mut kept), before, "after checkpoint --leave-running");
+    // Changes after the checkpoint must not come back.
+    assert_eq!(kept.cmd("FLUSHALL"), status("OK"));
+    assert_eq!(kept.cmd("DBSIZE"), Reply::Int(0));
+    // The client leaves first, so that no half-closed connection of redis's lingers on its port.
+    drop(kept);
+    procfs::kill9(w.pid);
+    expect_within(TIMEOUT, "the killed redis to be reaped", || (!procfs::exists(w.pid)).then_some(()));
+
+    let started = Instant::now();
+    let r = d.json(&["restore", &id, "--json"]);
+    eprintln!("restore of the --leave-running checkpoint took {:?}: {r}", started.elapsed());
+    assert_eq!(r["pid"], w.pid, "restore result: {r}");
+    let mut fresh = Client::connect(port).expect("a new connection to the restored redis");
+    assert_eq!(data(&mut fresh), before, "after restoring the --leave-running checkpoint");
+}
