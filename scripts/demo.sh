@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The stasis demo: checkpoint a running job to the local store, kill it, restore it, and watch
-# it carry on from where it was; then once more with a hot (lazy) restore. Builds everything and installs CRIU 4.x if needed (under
-# .stasis/, without touching system packages). Needs root (CRIU does).
+# it carry on from where it was; then once more with a hot (lazy) restore. Builds everything
+# and installs CRIU 4.2 if needed (under .stasis/, without touching system packages). Needs
+# root (CRIU does).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -31,11 +32,14 @@ for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
 [ -S "$sock" ] || { cat "$demo/stasisd.log"; exit 1; }
 stasis status
 
-say "starting a workload that counts"
-stasis run --workload demo -- python3 -u scripts/demo_workload.py
+say "starting a workload that counts and serves its progress over HTTP"
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+metrics() { python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$port/').read().decode().strip())"; }
+stasis run --workload demo -- python3 -u scripts/demo_workload.py "$port"
 log=$demo/state/logs/demo.log
 sleep 3
 tail -n 3 "$log"
+echo "its HTTP endpoint says: $(metrics)"
 
 say "checkpointing it (it is stopped once the checkpoint is stored)"
 stasis checkpoint --workload demo
@@ -50,6 +54,7 @@ stasis restore --workload demo
 sleep 2
 echo "log after the restore (it continues from '$before', not from step 1):"
 grep -A 4 -F "$before" "$log" | head -n 6
+echo "its HTTP listener came back too: $(metrics)"
 
 say "checkpointing again, then a hot restore: the job runs before its memory is back"
 stasis checkpoint --workload demo

@@ -13,28 +13,36 @@
 #
 # Usage: scripts/setup-criu.sh [PREFIX]   (default: .stasis/criu under the repository root)
 # Prints the path of the criu to use on its last line.
+#
+# STASIS_CRIU_SUITE=trixie fetches Debian 13's CRIU 4.1.1 instead, and never the system's: the
+# tests use it to show what stasisd does with a CRIU too old for this kernel's inet sockets.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-prefix=${1:-$root/.stasis/criu}
+prefix=$(realpath -m "${1:-$root/.stasis/criu}")
 wrapper=$prefix/bin/criu
+suite=${STASIS_CRIU_SUITE:-sid}
+case $suite in
+  sid) want=402 libnet=libnet9 ;;
+  trixie) want=401 libnet=libnet1 ;;
+  *) echo "setup-criu: unknown STASIS_CRIU_SUITE $suite (sid or trixie)" >&2; exit 2 ;;
+esac
 
 # CRIU's version as one number, major * 100 + minor (4.2.1 -> 402); empty if it does not run.
 criu_level() {
   "$1" --version 2>/dev/null | sed -n 's/^Version: \([0-9]*\)\.\([0-9]*\).*/\1 \2/p' |
     { read -r major minor && echo $((major * 100 + minor)); }
 }
-want=402
 
 if [ -x "$wrapper" ] && [ "$(criu_level "$wrapper")" -ge $want ] 2>/dev/null; then
   echo "$wrapper"; exit 0
 fi
-if command -v criu >/dev/null && [ "$(criu_level "$(command -v criu)")" -ge $want ] 2>/dev/null \
-  && criu check >/dev/null 2>&1; then
+if [ "$suite" = sid ] && command -v criu >/dev/null \
+  && [ "$(criu_level "$(command -v criu)")" -ge $want ] 2>/dev/null && criu check >/dev/null 2>&1; then
   command -v criu; exit 0
 fi
 
-pkgs="criu libcompel1 libprotobuf-c1 libnl-3-200 libnet9 libgnutls30t64 libnftables1 libnftnl11
+pkgs="criu libcompel1 libprotobuf-c1 libnl-3-200 $libnet libgnutls30t64 libnftables1 libnftnl11
 libmnl0 libjansson4 libxtables12 libbsd0 libmd0 libcap2 libuuid1 libc6 libp11-kit0 libidn2-0
 libunistring5 libtasn1-6 libnettle8t64 libhogweed6t64 libgmp10 libffi8 libzstd1 zlib1g
 libbrotli1 libedit2 libgcc-s1 libdrm2"
@@ -42,11 +50,11 @@ libbrotli1 libedit2 libgcc-s1 libdrm2"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/lists/partial" "$work/debs" "$work/etc"
-echo "deb http://deb.debian.org/debian sid main" >"$work/etc/sid.list"
-apt_opts=(-o "Dir::Etc::SourceList=$work/etc/sid.list" -o "Dir::Etc::SourceParts=-"
+echo "deb http://deb.debian.org/debian $suite main" >"$work/etc/sources.list"
+apt_opts=(-o "Dir::Etc::SourceList=$work/etc/sources.list" -o "Dir::Etc::SourceParts=-"
   -o "Dir::State::Lists=$work/lists" -o "Dir::Cache::Archives=$work/debs"
   -o "APT::Get::List-Cleanup=0")
-echo "setup-criu: fetching CRIU 4.2 from Debian sid into $prefix" >&2
+echo "setup-criu: fetching CRIU from Debian $suite into $prefix" >&2
 apt-get "${apt_opts[@]}" -qq update >&2
 (cd "$work/debs" && apt-get "${apt_opts[@]}" -qq download $pkgs >&2)
 

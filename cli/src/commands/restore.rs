@@ -15,8 +15,12 @@ pub async fn run(client: &mut Client, args: RestoreArgs) -> anyhow::Result<()> {
         (Some(id), _) => Target::CheckpointId(id),
         (None, workload) => Target::Workload(workload.unwrap_or_default()),
     };
-    let request =
-        RestoreRequest { target: Some(target), gpu_map: args.gpu_map, lazy: args.lazy, tcp_close: args.tcp_close };
+    let request = RestoreRequest {
+        target: Some(target),
+        gpu_map: args.gpu_map,
+        lazy: args.lazy,
+        tcp_close: args.tcp_close,
+    };
     let stream = client.rpc.restore(request).await.map_err(|s| client.error(s))?.into_inner();
     let (json, no_wait) = (args.json, args.no_wait);
     let result = follow(client, stream, json, |e| match e.event? {

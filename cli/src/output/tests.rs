@@ -84,7 +84,8 @@ fn checkpoint_result_nests_its_stats() {
 
 #[test]
 fn missing_stats_are_null() {
-    let r = RestoreResult { id: "ck-1".into(), workload: "train".into(), pid: 9, stats: None, warnings: vec![] };
+    let r =
+        RestoreResult { id: "ck-1".into(), workload: "train".into(), pid: 9, stats: None, warnings: vec![] };
     assert_eq!(restore_result(&r)["stats"], Value::Null);
 }
 

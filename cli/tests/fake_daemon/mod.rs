@@ -77,8 +77,13 @@ impl Stasis for FakeDaemon {
         // Workload "cut" ends the stream without a result.
         if req.get_ref().target != Some(restore_request::Target::Workload("cut".into())) {
             let stats = RestoreStats { restore_ms: 80, ..Default::default() };
-            let done =
-                RestoreResult { id: "ck-1".into(), workload: "train".into(), pid: 777, stats: Some(stats), ..Default::default() };
+            let done = RestoreResult {
+                id: "ck-1".into(),
+                workload: "train".into(),
+                pid: 777,
+                stats: Some(stats),
+                ..Default::default()
+            };
             events.push(Event::Done(done));
         }
         let events = events.into_iter().map(|e| Ok(RestoreEvent { event: Some(e) }));

@@ -19,8 +19,8 @@ use std::path::{Path, PathBuf};
 pub use error::{CriuError, log_section};
 pub use log::tail_of as log_tail_of;
 pub use options::{DumpSpec, RestoreSpec, TreeOptions};
-pub use support::NetworkLock;
 use stasis_proto::criu::{Request, RequestType};
+pub use support::NetworkLock;
 use swrk::Session;
 
 /// CRIU's version as reported over RPC.

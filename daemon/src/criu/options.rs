@@ -171,6 +171,9 @@ mod tests {
         assert_eq!(o.ps.and_then(|p| p.fd), Some(9));
         assert_eq!(o.network_lock, Some(NetworkLockMethod::Nftables as i32));
         assert_eq!(o.tcp_skip_in_flight, Some(true));
-        assert_eq!(spec.tree.describe(), vec!["shell-job", "tcp-established", "file-locks", "network-lock nftables"]);
+        assert_eq!(
+            spec.tree.describe(),
+            vec!["shell-job", "tcp-established", "file-locks", "network-lock nftables"]
+        );
     }
 }

@@ -226,7 +226,11 @@ impl Engine {
             Ok(stats) => stats,
             Err(e) => {
                 if !params.leave_running {
-                    sockets::reopen_connections(&tree.sockets.records, work.path(), tree.options.network_lock);
+                    sockets::reopen_connections(
+                        &tree.sockets.records,
+                        work.path(),
+                        tree.options.network_lock,
+                    );
                     resume(&tree.pids, &stopped_before);
                     self.resume_gpu(&suspended).await?;
                 }

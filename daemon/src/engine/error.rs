@@ -11,7 +11,7 @@ use crate::store::{OpenStoreError, StoreError};
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     #[error(
-        "CRIU not found at {0}: run scripts/setup-criu.sh (it installs CRIU 4.x under .stasis/criu \
+        "CRIU not found at {0}: run scripts/setup-criu.sh (it installs CRIU 4.2 under .stasis/criu \
          without touching system packages), install CRIU 4.0 or newer, or pass --criu PATH"
     )]
     CriuMissing(PathBuf),

@@ -51,7 +51,6 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
 /// How /proc marks a path whose file was unlinked.
 const DELETED: &str = " (deleted)";
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -167,8 +167,13 @@ impl Engine {
 
         progress(ProgressUpdate { phase: "restore", done: 0, total: 0 });
         let images_dir = work.path().to_path_buf();
-        let spec =
-            RestoreSpec { images_dir, tree, inherit_fds, lazy_pages: session.is_some(), tcp_close: params.tcp_close };
+        let spec = RestoreSpec {
+            images_dir,
+            tree,
+            inherit_fds,
+            lazy_pages: session.is_some(),
+            tcp_close: params.tcp_close,
+        };
         session.iter().for_each(LazySession::arm);
         let criu = self.criu.clone();
         let faults = session.as_ref().map(LazySession::fault_guard);

@@ -101,8 +101,12 @@ pub fn survey(pids: &[i32]) -> TreeSockets {
             });
         }
     }
-    let ends: HashSet<(String, String)> =
-        found.records.iter().filter(|r| is_connection(r)).map(|r| (r.local.clone(), r.remote.clone())).collect();
+    let ends: HashSet<(String, String)> = found
+        .records
+        .iter()
+        .filter(|r| is_connection(r))
+        .map(|r| (r.local.clone(), r.remote.clone()))
+        .collect();
     for r in found.records.iter_mut().filter(|r| is_connection(r)) {
         r.peer_in_tree = ends.contains(&(r.remote.clone(), r.local.clone()));
     }
@@ -140,11 +144,13 @@ pub fn check_restore(records: &[SocketRecord], tcp_close: bool) -> Result<Vec<St
         let Ok(local) = r.local.parse::<SocketAddr>() else { continue };
         let connection = is_connection(r);
         if connection && tcp_close {
-            warnings.push(format!("{}: restored closed (--tcp-close); the workload finds it reset", describe(r)));
+            warnings
+                .push(format!("{}: restored closed (--tcp-close); the workload finds it reset", describe(r)));
             continue;
         }
         if !address_is_here(local.ip()) {
-            let hint = if connection { "; restore with --tcp-close to have such connections reset" } else { "" };
+            let hint =
+                if connection { "; restore with --tcp-close to have such connections reset" } else { "" };
             return Err(format!("{}: address {} is not on this node{hint}", describe(r), local.ip()));
         }
         let binds_port = r.state == "listen" || (kind == SocketKind::Udp && local.port() != 0);
@@ -154,13 +160,17 @@ pub fn check_restore(records: &[SocketRecord], tcp_close: bool) -> Result<Vec<St
             let by = if holders.is_empty() { "another socket".to_string() } else { holders.join(", ") };
             return Err(format!("port {}/{} ({}) is in use by {by}", local.port(), r.kind, local.ip()));
         }
-        if connection && !r.peer_in_tree && let Ok(remote) = r.remote.parse::<SocketAddr>() {
-            if remote.ip().is_loopback() && !here.has_tcp(remote, local) {
-                warnings.push(format!(
-                    "{}: its peer is gone; the workload will find the connection reset",
-                    describe(r)
-                ));
-            }
+        // Only a peer on this node can be seen to be gone; a remote one is out of sight.
+        if connection
+            && !r.peer_in_tree
+            && let Ok(remote) = r.remote.parse::<SocketAddr>()
+            && remote.ip().is_loopback()
+            && !here.has_tcp(remote, local)
+        {
+            warnings.push(format!(
+                "{}: its peer is gone; the workload will find the connection reset",
+                describe(r)
+            ));
         }
     }
     Ok(warnings)
@@ -243,7 +253,8 @@ mod tests {
     fn refusals_name_the_reason() {
         let ok = Ok(());
         let nft = Ok(NetworkLock::Nftables);
-        let mut tree = TreeSockets { records: vec![record("tcp", "listen", "127.0.0.1:80", "")], ..Default::default() };
+        let mut tree =
+            TreeSockets { records: vec![record("tcp", "listen", "127.0.0.1:80", "")], ..Default::default() };
         assert_eq!(tree.refusal(&ok, &nft), None);
         let old = Err("CRIU 4.1.1 cannot dump inet sockets".to_string());
         assert!(tree.refusal(&old, &nft).unwrap().contains("4.1.1"));
@@ -283,7 +294,10 @@ mod tests {
     #[test]
     fn descriptions() {
         let mut r = record("tcp", "established", "127.0.0.1:1", "127.0.0.1:2");
-        assert_eq!(describe(&r), "tcp established 127.0.0.1:1 -> 127.0.0.1:2 (peer outside the tree), pid 7 fd 3");
+        assert_eq!(
+            describe(&r),
+            "tcp established 127.0.0.1:1 -> 127.0.0.1:2 (peer outside the tree), pid 7 fd 3"
+        );
         r.peer_in_tree = true;
         assert_eq!(describe(&r), "tcp established 127.0.0.1:1 -> 127.0.0.1:2, pid 7 fd 3");
         assert_eq!(describe(&record("unix", "listen", "/run/x", "")), "unix listen /run/x, pid 7 fd 3");

@@ -95,7 +95,8 @@ fn ack_for(buf: &[u8], seq: u32) -> io::Result<Option<i32>> {
     let malformed = || io::Error::new(io::ErrorKind::InvalidData, "malformed netlink answer");
     let mut at = 0;
     while at + 16 <= buf.len() {
-        let field = |off: usize| u32::from_ne_bytes(buf[at + off..at + off + 4].try_into().unwrap_or_default());
+        let field =
+            |off: usize| u32::from_ne_bytes(buf[at + off..at + off + 4].try_into().unwrap_or_default());
         let len = field(0) as usize;
         let kind = u16::from_ne_bytes([buf[at + 4], buf[at + 5]]);
         if len < 16 || at + len > buf.len() {
