@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Runs every test of stasis: formatting and lint gates, unit tests, and end-to-end tests
 # against real CRIU, real processes and a real S3-compatible server on loopback (those need
-# root). Installs what it needs itself: CRIU 4.x under .stasis/criu when the system has no
-# usable one, moto's S3 server (PyPI) in a virtual environment under .stasis/venv, and
-# Debian's redis-server.
+# root). Installs what it needs itself: CRIU 4.2 under .stasis/criu when the system has no
+# usable one (and Debian 13's CRIU 4.1 under .stasis/criu-4.1, for the test of a CRIU too old
+# for this kernel's sockets), moto's S3 server (PyPI) in a virtual environment under
+# .stasis/venv, and Debian's redis-server.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
 scripts/setup-criu.sh >/dev/null
+STASIS_CRIU_SUITE=trixie scripts/setup-criu.sh "$root/.stasis/criu-4.1" >/dev/null
 if [ ! -x .stasis/venv/bin/moto_server ]; then
   python3 -m venv .stasis/venv
   .stasis/venv/bin/pip install --quiet --disable-pip-version-check 'moto[server]'
