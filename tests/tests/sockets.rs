@@ -43,6 +43,17 @@ fn assert_http_answers(port: u16) {
 #[test]
 fn eviction_and_restore_keep_every_socket_going() {
     skip_unless_ready!();
+    evict_and_restore(&[]);
+}
+
+#[test]
+fn eviction_and_lazy_restore_keep_every_socket_going() {
+    skip_unless_ready!();
+    evict_and_restore(&["--lazy"]);
+}
+
+/// Evicts the workload, restores it with `restore_flags`, and checks every socket carried on.
+fn evict_and_restore(restore_flags: &[&str]) {
     let d = Daemon::start();
     let peer = EchoPeer::start();
     let http = free_port();
@@ -72,7 +83,9 @@ fn eviction_and_restore_keep_every_socket_going() {
     }
     assert!(shown["criu_options"].to_string().contains("network-lock nftables"), "{shown}");
 
-    let r = d.json(&["restore", &id, "--json"]);
+    let mut restore = vec!["restore", &id, "--json"];
+    restore.extend_from_slice(restore_flags);
+    let r = d.json(&restore);
     assert_eq!(r["pid"], w.pid, "restore result: {r}");
     assert_eq!(r["warnings"].as_array().map(Vec::len), Some(0), "restore result: {r}");
     w.wait_number("tick ", at_eviction + 20);
