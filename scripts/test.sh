@@ -3,19 +3,23 @@
 # against real CRIU, real processes and a real S3-compatible server on loopback (those need
 # root). Installs what it needs itself: CRIU 4.2 under .stasis/criu when the system has no
 # usable one (and Debian 13's CRIU 4.1 under .stasis/criu-4.1, for the test of a CRIU too old
-# for this kernel's sockets), moto's S3 server (PyPI) in a virtual environment under
-# .stasis/venv, and Debian's redis-server.
+# for this kernel's sockets), moto's S3 server and a Jupyter kernel with its client (ipykernel,
+# jupyter_client; PyPI) in a virtual environment under .stasis/venv, and Debian's redis-server.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
 scripts/setup-criu.sh >/dev/null
 STASIS_CRIU_SUITE=trixie scripts/setup-criu.sh "$root/.stasis/criu-4.1" >/dev/null
-if [ ! -x .stasis/venv/bin/moto_server ]; then
-  python3 -m venv .stasis/venv
-  .stasis/venv/bin/pip install --quiet --disable-pip-version-check 'moto[server]'
+# ipykernel brings bin/ipython: its absence means a venv from before the Jupyter test.
+if [ ! -x .stasis/venv/bin/moto_server ] || [ ! -x .stasis/venv/bin/ipython ]; then
+  [ -x .stasis/venv/bin/python ] || python3 -m venv .stasis/venv
+  .stasis/venv/bin/pip install --quiet --disable-pip-version-check 'moto[server]' ipykernel jupyter_client
 fi
 export STASIS_MOTO=$root/.stasis/venv/bin/moto_server
+# The interpreter of tests/tests/jupyter_kernel.rs: runs the kernel (ipykernel) and the
+# client that drives it (jupyter_client).
+export STASIS_VENV_PYTHON=$root/.stasis/venv/bin/python
 # Debian's redis-server, checkpointed by tests/tests/debian_server.rs. Its package starts a
 # redis service where it can (systemd, or sysvinit without a policy-rc.d); the test runs its
 # own on a free port, so that one is stopped and disabled.
