@@ -14,12 +14,15 @@
 //! lazy_cache_mib = 1024                     # fetched memory a lazy restore holds ahead
 //! lazy_timeout_secs = 60                    # a lazy restore's wait for the store, then kill
 //! lazy_prefetch = "address"                 # or "fresh-first"
+//! network_lock = "auto"                     # or "nftables", "iptables"
 //! ```
 
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
 use serde::Deserialize;
+
+use crate::criu::NetworkLock;
 
 pub const DEFAULT_SOCKET: &str = "/run/stasis/stasisd.sock";
 pub const DEFAULT_STORE: &str = "file:///var/lib/stasis/store";
@@ -89,6 +92,31 @@ pub struct Args {
     /// written since the previous checkpoint (fresh-first).
     #[arg(long)]
     pub lazy_prefetch: Option<LazyPrefetch>,
+    /// How CRIU locks established TCP connections while it dumps them: auto (nftables when
+    /// CRIU and the kernel have it, else iptables when installed), nftables or iptables.
+    #[arg(long)]
+    pub network_lock: Option<NetworkLockSetting>,
+}
+
+/// The `network_lock` setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum NetworkLockSetting {
+    #[default]
+    Auto,
+    Nftables,
+    Iptables,
+}
+
+impl NetworkLockSetting {
+    /// The lock asked for, `None` for auto.
+    pub fn forced(self) -> Option<NetworkLock> {
+        match self {
+            Self::Auto => None,
+            Self::Nftables => Some(NetworkLock::Nftables),
+            Self::Iptables => Some(NetworkLock::Iptables),
+        }
+    }
 }
 
 /// What a lazy restore prefetches first.
@@ -125,6 +153,7 @@ struct FileConfig {
     lazy_cache_mib: Option<u64>,
     lazy_timeout_secs: Option<u64>,
     lazy_prefetch: Option<LazyPrefetch>,
+    network_lock: Option<NetworkLockSetting>,
 }
 
 /// The settings in effect.
@@ -142,6 +171,7 @@ pub struct DaemonConfig {
     pub lazy_cache_mib: u64,
     pub lazy_timeout_secs: u64,
     pub lazy_prefetch: LazyPrefetch,
+    pub network_lock: NetworkLockSetting,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -189,6 +219,7 @@ impl DaemonConfig {
                 .or(file.lazy_timeout_secs)
                 .unwrap_or(DEFAULT_LAZY_TIMEOUT_SECS),
             lazy_prefetch: args.lazy_prefetch.or(file.lazy_prefetch).unwrap_or_default(),
+            network_lock: args.network_lock.or(file.network_lock).unwrap_or_default(),
         };
         if config.lazy_timeout_secs == 0 || config.lazy_timeout_secs > 86_400 {
             let reason = "must be 1 to 86400 seconds (a lazy restore kills the tree when it passes)";
@@ -228,7 +259,7 @@ mod tests {
         let file = dir.path().join("c.toml");
         std::fs::write(
             &file,
-            "store = \"s3://b/p\"\nsocket = \"/tmp/file.sock\"\nlog_format = \"json\"\nlazy_prefetch = \"fresh-first\"\n",
+            "store = \"s3://b/p\"\nsocket = \"/tmp/file.sock\"\nlog_format = \"json\"\nlazy_prefetch = \"fresh-first\"\nnetwork_lock = \"iptables\"\n",
         )
         .unwrap();
         let args =
@@ -242,6 +273,8 @@ mod tests {
             (c.lazy_prefetch, c.lazy_timeout_secs),
             (LazyPrefetch::FreshFirst, DEFAULT_LAZY_TIMEOUT_SECS)
         );
+        assert_eq!(c.network_lock.forced(), Some(NetworkLock::Iptables));
+        assert_eq!(DaemonConfig::resolve(Args::default()).unwrap().network_lock.forced(), None);
         let missing =
             DaemonConfig::resolve(Args { config: Some(dir.path().join("none.toml")), ..Default::default() });
         assert!(matches!(missing, Err(ConfigError::Read { .. })), "a named configuration file must exist");

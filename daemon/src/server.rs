@@ -49,6 +49,7 @@ pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
             timeout: std::time::Duration::from_secs(config.lazy_timeout_secs),
             fresh_first: config.lazy_prefetch == LazyPrefetch::FreshFirst,
         },
+        network_lock: config.network_lock.forced(),
     })
     .await?;
     let listener = bind(&config.socket)?;

@@ -56,18 +56,20 @@ fn kernel_version(release: &str) -> Option<(u32, u32)> {
     Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
 }
 
-/// The lock to use: nftables when this CRIU was built with it and the kernel has it (no
-/// program needed), else iptables when its programs are installed; `Err(why)` when neither.
-pub fn choose_network_lock(criu: &Criu) -> Result<NetworkLock, String> {
-    if nftables_supported(criu) {
-        return Ok(NetworkLock::Nftables);
-    }
-    if program_on_path("iptables-restore") {
-        return Ok(NetworkLock::Iptables);
-    }
-    Err("neither CRIU's nftables lock (`criu check --feature nftables` fails) nor iptables \
-         (no iptables-restore on PATH) is available"
-        .into())
+/// The lock to use: `forced` if given and available; else nftables when this CRIU was built
+/// with it and the kernel has it (no program needed), else iptables when its programs are
+/// installed. `Err(why)` when none of those is available.
+pub fn choose_network_lock(criu: &Criu, forced: Option<NetworkLock>) -> Result<NetworkLock, String> {
+    const NO_NFTABLES: &str = "CRIU's nftables lock is unavailable (`criu check --feature nftables` fails)";
+    const NO_IPTABLES: &str = "iptables is not installed (no iptables-restore on PATH)";
+    let nftables = || nftables_supported(criu).then_some(NetworkLock::Nftables).ok_or(NO_NFTABLES);
+    let iptables = || program_on_path("iptables-restore").then_some(NetworkLock::Iptables).ok_or(NO_IPTABLES);
+    let chosen = match forced {
+        Some(NetworkLock::Nftables) => nftables(),
+        Some(NetworkLock::Iptables) => iptables(),
+        None => nftables().or_else(|_| iptables()).map_err(|_| "neither CRIU's nftables lock nor iptables is available"),
+    };
+    chosen.map_err(String::from)
 }
 
 /// `criu check --feature nftables`: the feature checks have no RPC form.

@@ -32,6 +32,8 @@ pub enum StartError {
         #[source]
         source: CriuError,
     },
+    #[error("the {lock} network lock was asked for, but {why}")]
+    NetworkLock { lock: &'static str, why: String },
     #[error("cannot open the store")]
     Store(#[from] OpenStoreError),
     #[error("cannot use the state directory {path}")]

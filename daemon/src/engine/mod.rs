@@ -59,6 +59,8 @@ pub struct EngineConfig {
     pub store_retry: std::time::Duration,
     /// How lazy restores fetch memory.
     pub lazy: crate::store::FetchSettings,
+    /// The network lock to use; `None` picks one (see [`support::choose_network_lock`]).
+    pub network_lock: Option<NetworkLock>,
 }
 
 /// A progress report of a long operation.
@@ -128,10 +130,14 @@ impl Engine {
         let inet_sockets = support::inet_sockets(criu_version, &crate::linux::proc::kernel_release());
         let network_lock = {
             let criu = criu.clone();
-            tokio::task::spawn_blocking(move || support::choose_network_lock(&criu))
+            let forced = config.network_lock;
+            tokio::task::spawn_blocking(move || support::choose_network_lock(&criu, forced))
                 .await
                 .map_err(|e| StartError::Reaper(std::io::Error::other(e)))?
         };
+        if let (Some(lock), Err(why)) = (config.network_lock, &network_lock) {
+            return Err(StartError::NetworkLock { lock: lock.name(), why: why.clone() });
+        }
         match (&inet_sockets, &network_lock) {
             (Ok(()), Ok(lock)) => info!(network_lock = lock.name(), "sockets supported"),
             (Err(why), _) => warn!(reason = %why, "trees holding inet sockets will be refused"),
