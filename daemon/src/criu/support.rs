@@ -67,7 +67,9 @@ pub fn choose_network_lock(criu: &Criu, forced: Option<NetworkLock>) -> Result<N
     let chosen = match forced {
         Some(NetworkLock::Nftables) => nftables(),
         Some(NetworkLock::Iptables) => iptables(),
-        None => nftables().or_else(|_| iptables()).map_err(|_| "neither CRIU's nftables lock nor iptables is available"),
+        None => nftables()
+            .or_else(|_| iptables())
+            .map_err(|_| "neither CRIU's nftables lock nor iptables is available"),
     };
     chosen.map_err(String::from)
 }
