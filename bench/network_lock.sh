@@ -4,8 +4,8 @@
 # checkpointing (--leave-running) its own copy of a process holding N loopback connections to
 # a peer outside the tree, alternating, R rounds. Prints each round's frozen_ms.
 #
-# Needs root, a built workspace (cargo build), and iptables installed (iptables-restore on
-# PATH; nothing here installs it). Usage: N=100 R=5 bench/network_lock.sh
+# Needs root, a built workspace (cargo build), and iptables installed (scripts/test.sh
+# installs it; this script does not). Usage: N=100 R=5 bench/network_lock.sh
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 n=${N:-100} rounds=${R:-5}

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Makes CRIU >= 4.2 available without touching the system's packages.
 #
-# Kernels from 6.16 on refuse SO_PASSCRED/SO_PASSSEC on inet sockets, and CRIU before 4.2
-# gives up on the first inet socket it dumps there; 4.2 is also the first CRIU whose nftables
-# network lock the daemon relies on where no iptables is installed.
+# Kernels from 6.16 on refuse SO_PASSCRED/SO_PASSSEC on network (TCP, UDP, packet) sockets,
+# and CRIU before 4.2 gives up on the first such socket it dumps there. Debian unstable is a
+# moving suite: whatever CRIU it has (4.2 or newer) is taken.
 #
 # If the system's criu is already 4.2 or newer and `criu check` passes, nothing is done.
 # Otherwise the criu package of Debian unstable (sid, 4.2.1 at the time of writing) and the

@@ -4,7 +4,8 @@
 # root). Installs what it needs itself: CRIU 4.2 under .stasis/criu when the system has no
 # usable one (and Debian 13's CRIU 4.1 under .stasis/criu-4.1, for the test of a CRIU too old
 # for this kernel's sockets), moto's S3 server and a Jupyter kernel with its client (ipykernel,
-# jupyter_client; PyPI) in a virtual environment under .stasis/venv, and Debian's redis-server.
+# jupyter_client; PyPI) in a virtual environment under .stasis/venv, and Debian's redis-server
+# and iptables.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -20,12 +21,16 @@ export STASIS_MOTO=$root/.stasis/venv/bin/moto_server
 # The interpreter of tests/tests/jupyter_kernel.rs: runs the kernel (ipykernel) and the
 # client that drives it (jupyter_client).
 export STASIS_VENV_PYTHON=$root/.stasis/venv/bin/python
-# Debian's redis-server, checkpointed by tests/tests/debian_server.rs. Its package starts a
-# redis service where it can (systemd, or sysvinit without a policy-rc.d); the test runs its
-# own on a free port, so that one is stopped and disabled.
-if ! command -v redis-server >/dev/null; then
+# Debian packages the end-to-end tests use: redis-server (a real server to checkpoint) and
+# iptables (CRIU's other network lock). redis-server's package starts a redis service where it
+# can (systemd, or sysvinit without a policy-rc.d); the test runs its own on a free port, so
+# that one is stopped and disabled.
+missing=()
+command -v redis-server >/dev/null || missing+=(redis-server)
+command -v iptables >/dev/null || missing+=(iptables)
+if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   { systemctl disable --now redis-server || service redis-server stop; } >/dev/null 2>&1 || true
 fi
 cargo fmt --all -- --check

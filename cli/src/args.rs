@@ -109,8 +109,8 @@ pub struct RestoreArgs {
     /// With --lazy: return once the tree runs, before all of its memory is in.
     #[arg(long, requires = "lazy")]
     pub no_wait: bool,
-    /// Restore established TCP connections closed instead of live: the workload finds them
-    /// reset. Needed where their local addresses do not exist (on another node).
+    /// Restore established TCP connections closed instead of live: the workload's next use of
+    /// them fails. Needed where their local addresses do not exist (on another node).
     #[arg(long)]
     pub tcp_close: bool,
     /// Print the result as one JSON object.

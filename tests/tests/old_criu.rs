@@ -1,6 +1,6 @@
-//! A CRIU too old for this kernel's inet sockets (Debian 13's 4.1.1 on a kernel from 6.16 on):
-//! stasisd still starts, says so in `status`, refuses to checkpoint a tree holding an inet
-//! socket before freezing it, with the reason, and still checkpoints socket-free trees.
+//! A CRIU too old for this kernel's network sockets (Debian 13's 4.1.1 on a kernel from 6.16 on):
+//! stasisd still starts, says so in `status`, refuses to checkpoint a tree holding a TCP
+//! listener before freezing it, with the reason, and still checkpoints socket-free trees.
 //! `scripts/test.sh` installs that CRIU under `.stasis/criu-4.1`.
 
 #![forbid(unsafe_code)]
@@ -19,7 +19,7 @@ fn kernel_refuses_old_criu() -> bool {
 }
 
 #[test]
-fn an_old_criu_is_reported_and_trees_with_inet_sockets_are_refused_before_freezing() {
+fn an_old_criu_is_reported_and_trees_with_network_sockets_are_refused_before_freezing() {
     skip_unless_ready!();
     if !kernel_refuses_old_criu() {
         eprintln!("skipping: this kernel (before 6.16) lets CRIU 4.1 dump inet sockets");
@@ -36,13 +36,13 @@ fn an_old_criu_is_reported_and_trees_with_inet_sockets_are_refused_before_freezi
     let d = Daemon::start_with(&DaemonOptions { args: vec!["--criu".into(), criu], ..Default::default() });
     let status = d.json(&["status", "--json"]);
     let support = status["socket_support"].as_str().unwrap_or_default();
-    assert!(support.contains("CRIU 4.1.1 cannot dump inet"), "status should say why: {status}");
+    assert!(support.contains("CRIU 4.1.1 cannot dump network"), "status should say why: {status}");
 
     let port = free_port().to_string();
     let w = d.run("old-criu-net", &python_workload("net.py", &["--http", &port]));
     w.wait_number("tick ", 5);
     let err = d.cli_err(&["checkpoint", "--workload", &w.name]);
-    assert!(err.contains("holds inet sockets") && err.contains("CRIU 4.2 or newer"), "{err}");
+    assert!(err.contains("holds network sockets") && err.contains("CRIU 4.2 or newer"), "{err}");
     assert!(err.contains("left running untouched"), "{err}");
     assert_eq!(procfs::tracer(w.pid), Some(0), "nothing may trace the workload after the refusal");
     let at_refusal = w.last_number("tick ").expect("ticks");

@@ -4,7 +4,8 @@
 #![forbid(unsafe_code)]
 
 use stasis_tests::{
-    Daemon, TIMEOUT, expect_within, free_port, http_get, procfs, python_workload, skip_unless_ready,
+    Daemon, DaemonOptions, TIMEOUT, expect_within, free_port, http_get, procfs, python_workload,
+    skip_unless_ready,
 };
 
 #[test]
@@ -53,7 +54,22 @@ fn a_taken_port_refuses_the_restore_and_leaves_the_checkpoint_restorable() {
 #[test]
 fn an_eviction_whose_storing_fails_gives_the_tree_its_connections_back() {
     skip_unless_ready!();
-    let d = Daemon::start();
+    failed_eviction_gives_connections_back("nftables");
+}
+
+#[test]
+fn an_eviction_whose_storing_fails_gives_the_tree_its_iptables_locked_connections_back() {
+    skip_unless_ready!();
+    failed_eviction_gives_connections_back("iptables");
+}
+
+/// A daemon locking connections with `lock` fails to store an eviction of a tree talking to
+/// a peer outside it: the tree must be resumed with its connections working.
+fn failed_eviction_gives_connections_back(lock: &str) {
+    let d = Daemon::start_with(&DaemonOptions {
+        args: vec!["--network-lock".into(), lock.into()],
+        ..Default::default()
+    });
     let peer = stasis_tests::EchoPeer::start();
     let w = d.run("net-fail", &python_workload("net.py", &["--inner", "--peer", &peer.port().to_string()]));
     w.wait_number("echo ", 5);
@@ -65,6 +81,7 @@ fn an_eviction_whose_storing_fails_gives_the_tree_its_connections_back() {
 
     let err = d.cli_err(&["checkpoint", "--workload", &w.name]);
     assert!(err.contains("storing checkpoint"), "the error should name the store failure: {err}");
+    assert!(!err.contains("incomplete"), "the rollback should have undone everything: {err}");
     assert!(procfs::running(w.pid), "state of the workload: {:?}", procfs::proc_state(w.pid));
     // CRIU left the dumped connection in repair mode and locked: stasisd must undo both, or
     // the conversation with the peer stalls.

@@ -5,14 +5,19 @@
 #![forbid(unsafe_code)]
 
 use stasis_tests::{
-    Daemon, EchoPeer, TIMEOUT, Workload, expect_within, free_port, http_get, numbered, procfs,
+    Daemon, DaemonOptions, EchoPeer, TIMEOUT, Workload, expect_within, free_port, http_get, numbered, procfs,
     python_workload, skip_unless_ready,
 };
 
-/// Starts `net.py` with every socket kind, its peer connection going to `peer`.
-fn start(d: &Daemon, peer: &EchoPeer, http: u16) -> Workload {
+/// Starts `net.py` with every socket kind (`--inner` adds the loopback ones), its peer
+/// connection going to `peer`.
+fn start(d: &Daemon, peer: &EchoPeer, http: u16, inner: bool) -> Workload {
     let (http, peer) = (http.to_string(), peer.port().to_string());
-    let w = d.run("net", &python_workload("net.py", &["--inner", "--http", &http, "--peer", &peer]));
+    let mut args = vec!["--http", &http, "--peer", &peer];
+    if inner {
+        args.push("--inner");
+    }
+    let w = d.run("net", &python_workload("net.py", &args));
     w.wait_number("tick ", 10);
     w
 }
@@ -43,21 +48,31 @@ fn assert_http_answers(port: u16) {
 #[test]
 fn eviction_and_restore_keep_every_socket_going() {
     skip_unless_ready!();
-    evict_and_restore(&[]);
+    evict_and_restore("nftables", &[]);
 }
 
 #[test]
 fn eviction_and_lazy_restore_keep_every_socket_going() {
     skip_unless_ready!();
-    evict_and_restore(&["--lazy"]);
+    evict_and_restore("nftables", &["--lazy"]);
 }
 
-/// Evicts the workload, restores it with `restore_flags`, and checks every socket carried on.
-fn evict_and_restore(restore_flags: &[&str]) {
-    let d = Daemon::start();
+#[test]
+fn eviction_and_restore_with_the_iptables_lock_keep_every_socket_going() {
+    skip_unless_ready!();
+    evict_and_restore("iptables", &[]);
+}
+
+/// Evicts the workload from a daemon locking connections with `lock`, restores it with
+/// `restore_flags`, and checks every socket carried on.
+fn evict_and_restore(lock: &str, restore_flags: &[&str]) {
+    let d = Daemon::start_with(&DaemonOptions {
+        args: vec!["--network-lock".into(), lock.into()],
+        ..Default::default()
+    });
     let peer = EchoPeer::start();
     let http = free_port();
-    let w = start(&d, &peer, http);
+    let w = start(&d, &peer, http, true);
     assert_http_answers(http);
 
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
@@ -81,7 +96,7 @@ fn evict_and_restore(restore_flags: &[&str]) {
             "`show` should list {expected:?}: {sockets:#?}"
         );
     }
-    assert!(shown["criu_options"].to_string().contains("network-lock nftables"), "{shown}");
+    assert!(shown["criu_options"].to_string().contains(&format!("network-lock {lock}")), "{shown}");
 
     let mut restore = vec!["restore", &id, "--json"];
     restore.extend_from_slice(restore_flags);
@@ -115,7 +130,7 @@ fn leave_running_only_pauses_the_peer_and_a_later_restore_without_it_resets_that
     let d = Daemon::start();
     let mut peer = EchoPeer::start();
     let http = free_port();
-    let w = start(&d, &peer, http);
+    let w = start(&d, &peer, http, true);
 
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
     let id = ck["id"].as_str().expect("checkpoint id").to_owned();
@@ -139,11 +154,37 @@ fn leave_running_only_pauses_the_peer_and_a_later_restore_without_it_resets_that
     let (_, lost) = w.wait_line_after(before, "the restored workload to find its peer gone", |l| {
         l.starts_with("peer lost")
     });
-    assert!(lost.contains("Connection"), "the lost connection should fail as reset or refused: {lost}");
+    assert!(lost.contains("ConnectionResetError"), "the lost connection should be reset: {lost}");
     let last = w.last_number("tick ").expect("ticks");
     w.wait_number("tick ", last + 10);
     assert_http_answers(http);
     let ticks = numbered(&w.lines()[before..], "tick ");
     assert!(ticks[0] <= at_return + 1, "the restored tree should carry on from its checkpoint: {ticks:?}");
     assert_consecutive("ticks after the restore", &ticks);
+}
+
+#[test]
+fn tcp_close_restores_connections_closed_and_listeners_live() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let peer = EchoPeer::start();
+    let http = free_port();
+    let w = start(&d, &peer, http, false);
+    let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
+    let id = ck["id"].as_str().expect("checkpoint id").to_owned();
+    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+
+    let before = w.lines().len();
+    let r = d.json(&["restore", &id, "--tcp-close", "--json"]);
+    assert!(r["warnings"].to_string().contains("restored closed (--tcp-close)"), "restore result: {r}");
+    let (_, lost) = w.wait_line_after(before, "the restored workload to find its connection closed", |l| {
+        l.starts_with("peer lost")
+    });
+    let closed = ["BrokenPipeError", "ConnectionResetError"];
+    assert!(closed.iter().any(|e| lost.contains(e)), "a connection restored closed should fail: {lost}");
+    let last = w.last_number("tick ").expect("ticks");
+    w.wait_number("tick ", last + 5);
+    assert_http_answers(http);
+    // The peer's side is still open (its packets were only dropped while the tree was away).
+    assert_eq!(peer.ended(), None);
 }

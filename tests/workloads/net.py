@@ -2,7 +2,8 @@
 
 Options (any combination):
   --inner        start a child (this script with --child) and talk to it every tick over a
-                 loopback TCP connection, a Unix stream connection to a listening Unix socket,
+                 loopback TCP connection (to a dual-stack listener, so one end is
+                 IPv4-mapped IPv6), a Unix stream connection to a listening Unix socket,
                  a socketpair and UDP; print `tick N ok` when all four answered `N`.
   --http PORT    serve HTTP on 127.0.0.1:PORT from a thread; GET / answers `tick N`.
   --peer PORT    connect to 127.0.0.1:PORT (outside the tree) and send `N` every tick, reading
@@ -60,7 +61,8 @@ class Inner:
     """The parent's ends of the four channels to the child."""
 
     def __init__(self):
-        listener = socket.create_server(("127.0.0.1", 0))
+        # Dual-stack: the loopback connection from the child arrives as IPv4-mapped IPv6.
+        listener = socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
         tmp = tempfile.mkdtemp(prefix="stasis-net-")
         unix_path = os.path.join(tmp, "echo.sock")
         unix_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -1,4 +1,4 @@
-//! What this CRIU can do for sockets on this kernel: whether it can dump inet sockets at all,
+//! What this CRIU can do for sockets on this kernel: whether it can dump network sockets at all,
 //! and how it can lock established TCP connections while it dumps and restores them.
 
 use std::process::{Command, Stdio};
@@ -12,7 +12,8 @@ use super::{Criu, CriuVersion};
 pub enum NetworkLock {
     /// Rules in an nftables table of CRIU's own, through libnftables: needs no program.
     Nftables,
-    /// `iptables-restore` rules: needs the iptables programs.
+    /// iptables rules, two per connection, each added and removed by running `iptables`
+    /// (`ip6tables`): needs those programs, and is slow (bench/RESULTS.md).
     Iptables,
 }
 
@@ -33,18 +34,21 @@ impl NetworkLock {
     }
 }
 
-/// The first kernel that refuses SO_PASSCRED/SO_PASSSEC on inet sockets (EOPNOTSUPP), and the
-/// first CRIU that copes with it; older CRIU gives up on the first inet socket it dumps.
+/// The first kernel that refuses SO_PASSCRED/SO_PASSSEC on sockets other than Unix and
+/// netlink ones (EOPNOTSUPP), and the first CRIU that copes with it; older CRIU gives up on
+/// the first such socket it dumps.
 const STRICT_SOCKOPT_KERNEL: (u32, u32) = (6, 16);
 const STRICT_SOCKOPT_CRIU: CriuVersion = CriuVersion { major: 4, minor: 2, sublevel: 0 };
 
-/// `Err(why)` when `criu` cannot dump inet sockets on a kernel of release `kernel`.
-pub fn inet_sockets(criu: CriuVersion, kernel: &str) -> Result<(), String> {
+/// `Err(why)` when `criu` cannot dump network (TCP, UDP, packet) sockets on a kernel of
+/// release `kernel`.
+pub fn network_sockets(criu: CriuVersion, kernel: &str) -> Result<(), String> {
     let Some(release) = kernel_version(kernel) else { return Ok(()) };
     if release >= STRICT_SOCKOPT_KERNEL && criu < STRICT_SOCKOPT_CRIU {
         return Err(format!(
-            "CRIU {criu} cannot dump inet (TCP/UDP) sockets on kernel {kernel}: kernels from \
-             6.16 on need CRIU 4.2 or newer (run scripts/setup-criu.sh, or pass --criu PATH)"
+            "CRIU {criu} cannot dump network (TCP, UDP, packet) sockets on kernel {kernel}: \
+             kernels from 6.16 on need CRIU 4.2 or newer (run scripts/setup-criu.sh, or pass \
+             --criu PATH)"
         ));
     }
     Ok(())
@@ -61,9 +65,9 @@ fn kernel_version(release: &str) -> Option<(u32, u32)> {
 /// installed. `Err(why)` when none of those is available.
 pub fn choose_network_lock(criu: &Criu, forced: Option<NetworkLock>) -> Result<NetworkLock, String> {
     const NO_NFTABLES: &str = "CRIU's nftables lock is unavailable (`criu check --feature nftables` fails)";
-    const NO_IPTABLES: &str = "iptables is not installed (no iptables-restore on PATH)";
+    const NO_IPTABLES: &str = "iptables is not installed (no iptables on PATH)";
     let nftables = || nftables_supported(criu).then_some(NetworkLock::Nftables).ok_or(NO_NFTABLES);
-    let iptables = || program_on_path("iptables-restore").then_some(NetworkLock::Iptables).ok_or(NO_IPTABLES);
+    let iptables = || program_on_path("iptables").then_some(NetworkLock::Iptables).ok_or(NO_IPTABLES);
     let chosen = match forced {
         Some(NetworkLock::Nftables) => nftables(),
         Some(NetworkLock::Iptables) => iptables(),
@@ -99,14 +103,14 @@ mod tests {
     }
 
     #[test]
-    fn old_criu_on_a_strict_kernel_cannot_dump_inet_sockets() {
-        let err = inet_sockets(v(4, 1), "6.18.44-fc-v782").unwrap_err();
+    fn old_criu_on_a_strict_kernel_cannot_dump_network_sockets() {
+        let err = network_sockets(v(4, 1), "6.18.44-fc-v782").unwrap_err();
         assert!(err.contains("CRIU 4.1.0") && err.contains("6.18.44") && err.contains("4.2"), "{err}");
-        assert!(inet_sockets(v(4, 1), "6.16.0").is_err());
-        assert!(inet_sockets(v(4, 2), "6.18.44").is_ok());
-        assert!(inet_sockets(v(4, 1), "6.15.9-arch1").is_ok());
-        assert!(inet_sockets(v(4, 0), "5.10.0-32-amd64").is_ok());
-        assert!(inet_sockets(v(3, 17), "weird").is_ok());
+        assert!(network_sockets(v(4, 1), "6.16.0").is_err());
+        assert!(network_sockets(v(4, 2), "6.18.44").is_ok());
+        assert!(network_sockets(v(4, 1), "6.15.9-arch1").is_ok());
+        assert!(network_sockets(v(4, 0), "5.10.0-32-amd64").is_ok());
+        assert!(network_sockets(v(3, 17), "weird").is_ok());
     }
 
     #[test]

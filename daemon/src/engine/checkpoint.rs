@@ -144,7 +144,7 @@ impl Engine {
             return Err(CheckpointError::NoSuchProcess(pid));
         }
         let mut tree = inspect(pid).map_err(|source| CheckpointError::Inspect { pid, source })?;
-        if let Some(reason) = tree.sockets.refusal(&self.inet_sockets, &self.network_lock) {
+        if let Some(reason) = tree.sockets.refusal(&self.network_sockets, &self.network_lock) {
             return Err(CheckpointError::Sockets { workload, reason });
         }
         if tree.options.tcp_established {
@@ -176,9 +176,11 @@ impl Engine {
         let Dump { frozen_at, staged } = match dumped {
             Ok(dump) => dump,
             Err(failure) => {
-                resume(&tree.pids, &stopped_before);
-                self.resume_gpu(&suspended).await?;
-                return Err(failure.into_error(workload));
+                // A CRIU failure was rolled back by CRIU; one after CRIU finished was not.
+                let undo = Undo { tree: &tree, stopped_before: &stopped_before, images: work.path() };
+                let criu_done = !matches!(failure, dump::DumpFailure::Criu(_));
+                let problems = self.give_back(undo, criu_done && !params.leave_running, &suspended).await;
+                return Err(CheckpointError::with_rollback(failure.into_error(workload), problems));
             }
         };
         let gpu_restore_ms = if params.leave_running { self.resume_gpu(&suspended).await? } else { 0 };
@@ -224,17 +226,11 @@ impl Engine {
         let stored = self.store_checkpoint(dumped, work.path(), &progress).await;
         let mut stats = match stored {
             Ok(stats) => stats,
+            Err(e) if params.leave_running => return Err(e),
             Err(e) => {
-                if !params.leave_running {
-                    sockets::reopen_connections(
-                        &tree.sockets.records,
-                        work.path(),
-                        tree.options.network_lock,
-                    );
-                    resume(&tree.pids, &stopped_before);
-                    self.resume_gpu(&suspended).await?;
-                }
-                return Err(e);
+                let undo = Undo { tree: &tree, stopped_before: &stopped_before, images: work.path() };
+                let problems = self.give_back(undo, true, &suspended).await;
+                return Err(CheckpointError::with_rollback(e, problems));
             }
         };
 
@@ -332,6 +328,35 @@ impl Engine {
         Ok(stats)
     }
 
+    /// Resumes a tree a failed checkpoint stopped: its connections first when CRIU left them
+    /// locked (`reopen`), then its processes, then its CUDA state. Returns what could not be
+    /// undone.
+    async fn give_back(
+        &self,
+        undo: Undo<'_>,
+        reopen: bool,
+        suspended: &Option<super::gpu::Suspended>,
+    ) -> Vec<String> {
+        let mut problems = Vec::new();
+        if reopen {
+            let (pids, reuse) = (undo.tree.pids.clone(), undo.tree.sockets.reuse_addr.clone());
+            let repaired = tokio::task::spawn_blocking(move || sockets::leave_repair(&pids, &reuse)).await;
+            let (reopened, left) = repaired
+                .unwrap_or_else(|e| (Vec::new(), vec![format!("the connection rollback failed: {e}")]));
+            problems.extend(left);
+            let lock = undo.tree.options.network_lock;
+            problems.extend(sockets::unlock(&reopened, undo.images, lock, &self.reaper).await);
+        }
+        resume(&undo.tree.pids, undo.stopped_before);
+        if let Err(e) = self.resume_gpu(suspended).await {
+            problems.push(crate::error_chain(&e));
+        }
+        for problem in &problems {
+            warn!(problem = %problem, "rollback incomplete");
+        }
+        problems
+    }
+
     fn remember_checkpoint(&self, workload: &str, pid: i32, tree: &TreeInfo, id: &str) {
         let result = if self.registry.get(workload).is_some() {
             self.registry.update(workload, |w| w.last_checkpoint = Some(id.into()))
@@ -350,6 +375,14 @@ impl Engine {
             warn!(workload, error = %e, "cannot record checkpoint in the workload registry");
         }
     }
+}
+
+/// What a failed checkpoint must undo: the tree, which of its processes were stopped before
+/// (they stay stopped), and the dump's images (naming CRIU's network lock).
+struct Undo<'a> {
+    tree: &'a TreeInfo,
+    stopped_before: &'a [i32],
+    images: &'a std::path::Path,
 }
 
 /// Continues every process of `pids` that is stopped now but was not before the dump.

@@ -44,6 +44,8 @@ pub enum StartError {
     },
     #[error("cannot become the reaper of restored processes")]
     Reaper(#[source] io::Error),
+    #[error("a start-up task of stasisd failed")]
+    Task(#[source] tokio::task::JoinError),
 }
 
 /// `run` failed.
@@ -115,6 +117,22 @@ pub enum CheckpointError {
     Gpu(#[from] super::gpu::GpuError),
     #[error("stasisd is shutting down; no new jobs are accepted")]
     ShuttingDown,
+    #[error("the checkpoint failed, and undoing it was incomplete ({})", .problems.join("; "))]
+    Rollback {
+        #[source]
+        cause: Box<CheckpointError>,
+        problems: Vec<String>,
+    },
+}
+
+impl CheckpointError {
+    /// `cause`, with what its rollback could not undo, if anything.
+    pub fn with_rollback(cause: CheckpointError, problems: Vec<String>) -> CheckpointError {
+        match problems.is_empty() {
+            true => cause,
+            false => CheckpointError::Rollback { cause: Box::new(cause), problems },
+        }
+    }
 }
 
 /// `restore` failed. Nothing partly restored is left running.

@@ -54,15 +54,6 @@ const DELETED: &str = " (deleted)";
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::Path;
-
-    #[test]
-    fn socket_links() {
-        use crate::linux::net::socket_inode;
-        assert_eq!(socket_inode(Path::new("socket:[12345]")), Some(12345));
-        assert_eq!(socket_inode(Path::new("/dev/null")), None);
-        assert_eq!(socket_inode(Path::new("pipe:[7]")), None);
-    }
 
     #[test]
     fn a_deleted_open_file_asks_for_link_remap() {

@@ -78,8 +78,8 @@ pub type ProgressFn = Arc<dyn Fn(ProgressUpdate) + Send + Sync>;
 pub struct Engine {
     criu: Criu,
     criu_version: CriuVersion,
-    /// Whether this CRIU can dump inet sockets on this kernel (`Err(why)` if not).
-    inet_sockets: Result<(), String>,
+    /// Whether this CRIU can dump network sockets on this kernel (`Err(why)` if not).
+    network_sockets: Result<(), String>,
     /// How established TCP connections are locked during dumps (`Err(why)` if no way is).
     network_lock: Result<NetworkLock, String>,
     store: Store,
@@ -110,7 +110,7 @@ impl Engine {
         let criu_version = {
             let criu = criu.clone();
             let version = tokio::task::spawn_blocking(move || criu.version()).await;
-            version.map_err(|e| StartError::Reaper(std::io::Error::other(e)))?
+            version.map_err(StartError::Task)?
         }
         .map_err(|source| StartError::CriuUnusable { path: config.criu_path.clone(), source })?;
         if criu_version < MIN_VERSION {
@@ -123,24 +123,24 @@ impl Engine {
             let (criu, dir) = (criu.clone(), check_dir.path().to_path_buf());
             tokio::task::spawn_blocking(move || criu.check(&dir))
                 .await
-                .map_err(|e| StartError::Reaper(std::io::Error::other(e)))?
+                .map_err(StartError::Task)?
                 .map_err(|source| StartError::CriuCheck { path: config.criu_path.clone(), source })?;
         }
         drop(check_dir);
-        let inet_sockets = support::inet_sockets(criu_version, &crate::linux::proc::kernel_release());
+        let network_sockets = support::network_sockets(criu_version, &crate::linux::proc::kernel_release());
         let network_lock = {
             let criu = criu.clone();
             let forced = config.network_lock;
             tokio::task::spawn_blocking(move || support::choose_network_lock(&criu, forced))
                 .await
-                .map_err(|e| StartError::Reaper(std::io::Error::other(e)))?
+                .map_err(StartError::Task)?
         };
         if let (Some(lock), Err(why)) = (config.network_lock, &network_lock) {
             return Err(StartError::NetworkLock { lock: lock.name(), why: why.clone() });
         }
-        match (&inet_sockets, &network_lock) {
+        match (&network_sockets, &network_lock) {
             (Ok(()), Ok(lock)) => info!(network_lock = lock.name(), "sockets supported"),
-            (Err(why), _) => warn!(reason = %why, "trees holding inet sockets will be refused"),
+            (Err(why), _) => warn!(reason = %why, "trees holding network sockets will be refused"),
             (_, Err(why)) => warn!(reason = %why, "trees holding TCP connections will be refused"),
         }
         let store =
@@ -151,7 +151,7 @@ impl Engine {
         let engine = Self {
             criu,
             criu_version,
-            inet_sockets,
+            network_sockets,
             network_lock,
             store,
             state,

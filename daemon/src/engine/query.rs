@@ -140,9 +140,9 @@ impl Engine {
             },
             store_url: self.store.url().into(),
             state_dir: self.state.root().display().to_string(),
-            socket_support: match &self.inet_sockets {
+            socket_support: match &self.network_sockets {
                 Ok(()) => "supported (TCP, UDP, Unix, packet and netlink sockets)".into(),
-                Err(why) => format!("inet sockets unsupported: {why}"),
+                Err(why) => format!("network sockets unsupported: {why}"),
             },
             network_lock: match &self.network_lock {
                 Ok(lock) => lock.name().into(),

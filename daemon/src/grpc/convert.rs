@@ -52,7 +52,9 @@ impl From<CheckpointError> for Status {
             CheckpointError::Store { source, .. } => store_code(source),
             CheckpointError::ShuttingDown => Code::Unavailable,
             CheckpointError::Gpu(_) => Code::FailedPrecondition,
-            CheckpointError::Inspect { .. } | CheckpointError::Local { .. } => Code::Internal,
+            CheckpointError::Inspect { .. }
+            | CheckpointError::Local { .. }
+            | CheckpointError::Rollback { .. } => Code::Internal,
         };
         status(code, &e)
     }

@@ -1,14 +1,15 @@
 //! Sockets as /proc shows them: the kernel's per-namespace socket tables
-//! (`/proc/PID/net/{tcp,tcp6,udp,udp6,raw,raw6,unix,packet,netlink}`), keyed by socket inode,
-//! and the socket family of a descriptor that no table lists.
+//! (`/proc/PID/net/{tcp,tcp6,udp,udp6,raw,raw6,unix,packet,netlink}`), keyed by socket inode;
+//! the socket family of a descriptor that no table lists; and the few socket options stasisd
+//! sets on a tree's sockets (through copies of their descriptors).
 
 use std::collections::HashMap;
 use std::fs;
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
 use std::os::fd::AsFd;
 
-use nix::sys::socket::AddressFamily;
+use nix::sys::socket::{AddressFamily, getsockopt, setsockopt, sockopt};
 
 /// The protocol of a socket, as far as the tables tell it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -22,6 +23,12 @@ pub enum SocketKind {
 }
 
 impl SocketKind {
+    const ALL: [SocketKind; 6] = [Self::Tcp, Self::Udp, Self::Raw, Self::Unix, Self::Packet, Self::Netlink];
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == name)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Self::Tcp => "tcp",
@@ -49,12 +56,6 @@ pub struct SocketEntry {
     pub listening: bool,
 }
 
-impl SocketEntry {
-    pub fn is_tcp_established(&self) -> bool {
-        self.kind == SocketKind::Tcp && !matches!(self.state, "listen" | "close")
-    }
-}
-
 /// Every socket of one network namespace, by inode.
 #[derive(Debug, Default)]
 pub struct SocketTable {
@@ -62,7 +63,7 @@ pub struct SocketTable {
 }
 
 impl SocketTable {
-    /// The sockets of the network namespace `pid` lives in.
+    /// The sockets of the network namespace `pid` lives in (empty if it is gone).
     pub fn of(pid: i32) -> SocketTable {
         Self::read(&format!("/proc/{pid}/net"))
     }
@@ -161,11 +162,12 @@ fn tcp_state_name(state: u8) -> &'static str {
 }
 
 /// Parses `0100007F:1F90` (IPv4, the address's bytes as a host-order word) or the 32-digit
-/// IPv6 form (four such words).
+/// IPv6 form (four such words). IPv4-mapped IPv6 addresses (a dual-stack socket talking IPv4)
+/// come out as IPv4, so both ends of a connection compare equal whatever their family.
 fn parse_hex_addr(text: &str) -> Option<SocketAddr> {
     let (addr, port) = text.split_once(':')?;
     let port = u16::from_str_radix(port, 16).ok()?;
-    let word = |s: &str| u32::from_str_radix(s, 16).ok().map(u32::to_le_bytes);
+    let word = |s: &str| u32::from_str_radix(s, 16).ok().map(u32::to_ne_bytes);
     let ip = match addr.len() {
         8 => IpAddr::V4(Ipv4Addr::from(word(addr)?)),
         32 => {
@@ -173,7 +175,7 @@ fn parse_hex_addr(text: &str) -> Option<SocketAddr> {
             for (i, chunk) in bytes.chunks_mut(4).enumerate() {
                 chunk.copy_from_slice(&word(addr.get(i * 8..i * 8 + 8)?)?);
             }
-            IpAddr::V6(Ipv6Addr::from(bytes))
+            IpAddr::V6(Ipv6Addr::from(bytes)).to_canonical()
         }
         _ => return None,
     };
@@ -215,15 +217,40 @@ fn parse_inode_column(text: &str, column: usize, kind: SocketKind) -> Vec<(u64, 
         .collect()
 }
 
-/// The address family of descriptor `fd` of process `pid` ("AF_ALG", "AF_VSOCK", ...), for
-/// a socket no table lists.
-pub fn socket_family(pid: i32, fd: i32) -> io::Result<String> {
+/// The address family (`AF_*`) of descriptor `fd` of process `pid`.
+pub fn socket_family(pid: i32, fd: i32) -> io::Result<i32> {
     let copy = super::sys::copy_fd_of(pid, fd)?;
-    let domain = super::sys::socket_domain(copy.as_fd())?;
-    Ok(match AddressFamily::from_i32(domain) {
+    super::sys::socket_domain(copy.as_fd())
+}
+
+/// "AF_VSOCK" for `libc::AF_VSOCK`, and so on.
+pub fn family_name(domain: i32) -> String {
+    match AddressFamily::from_i32(domain) {
         Some(family) => format!("AF_{}", format!("{family:?}").to_uppercase()),
         None => format!("address family {domain}"),
-    })
+    }
+}
+
+/// Whether TCP socket `fd` of `pid` has `SO_REUSEADDR` set.
+pub fn reuse_addr(pid: i32, fd: i32) -> io::Result<bool> {
+    let copy = super::sys::copy_fd_of(pid, fd)?;
+    Ok(getsockopt(&copy, sockopt::ReuseAddr)?)
+}
+
+/// Takes socket `fd` of `pid` out of TCP repair mode if it is in it, and sets `SO_REUSEADDR` to
+/// `reuse_addr` again (leaving repair mode clears it). Returns the connection's two ends if it
+/// was in repair mode, `None` if it was not (or is no TCP socket).
+pub fn leave_repair(pid: i32, fd: i32, reuse_addr: bool) -> io::Result<Option<(SocketAddr, SocketAddr)>> {
+    let copy = super::sys::copy_fd_of(pid, fd)?;
+    match getsockopt(&copy, sockopt::TcpRepair) {
+        Ok(0) | Err(_) => return Ok(None),
+        Ok(_) => {}
+    }
+    setsockopt(&copy, sockopt::TcpRepair, &0)?;
+    setsockopt(&copy, sockopt::ReuseAddr, &reuse_addr)?;
+    // Only to read its addresses; dropping it closes our copy, not the tree's socket.
+    let stream = TcpStream::from(copy);
+    Ok(Some((stream.local_addr()?, stream.peer_addr()?)))
 }
 
 /// The processes (pid, command name) holding socket `inode` open, found by scanning /proc.
@@ -241,6 +268,18 @@ pub fn socket_holders(inode: u64) -> Vec<(i32, String)> {
             (pid, comm.trim().to_string())
         })
         .collect()
+}
+
+/// The network namespace of `pid` (the inode of `/proc/PID/ns/net`).
+pub fn netns_of(pid: i32) -> io::Result<u64> {
+    use std::os::unix::fs::MetadataExt;
+    Ok(fs::metadata(format!("/proc/{pid}/ns/net"))?.ino())
+}
+
+/// stasisd's own network namespace.
+pub fn own_netns() -> io::Result<u64> {
+    use std::os::unix::fs::MetadataExt;
+    Ok(fs::metadata("/proc/self/ns/net")?.ino())
 }
 
 /// The inode of a `socket:[N]` link target.
@@ -268,11 +307,23 @@ mod tests {
         assert_eq!(listener.local, Some("127.0.0.1:8080".parse().unwrap()));
         assert_eq!(listener.remote, None);
         let conn = &rows[&2222];
-        assert!(conn.is_tcp_established());
+        assert_eq!(conn.state, "established");
         assert_eq!(conn.remote, Some("127.0.0.1:8080".parse().unwrap()));
         assert_eq!(conn.local, Some("127.0.0.1:40000".parse().unwrap()));
         let six = parse_inet_table(TCP6, SocketKind::Tcp);
         assert_eq!(six[0].1.local, Some("[::1]:53".parse().unwrap()));
+        // ::ffff:127.0.0.1 port 8080, as a dual-stack listener's accepted connection shows it.
+        let mapped = parse_hex_addr("0000000000000000FFFF00000100007F:1F90").unwrap();
+        assert_eq!(mapped, "127.0.0.1:8080".parse().unwrap());
+        assert_eq!(SocketKind::from_name("udp"), Some(SocketKind::Udp));
+        assert_eq!(SocketKind::from_name("sctp"), None);
+    }
+
+    #[test]
+    fn socket_links() {
+        assert_eq!(socket_inode(std::path::Path::new("socket:[12345]")), Some(12345));
+        assert_eq!(socket_inode(std::path::Path::new("/dev/null")), None);
+        assert_eq!(socket_inode(std::path::Path::new("pipe:[7]")), None);
     }
 
     #[test]

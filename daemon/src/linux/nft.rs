@@ -6,14 +6,21 @@
 //! tree (storing its checkpoint failed), it removes the table itself.
 //!
 //! The request is one nf_tables batch: BATCH_BEGIN, DELTABLE (family inet, NFTA_TABLE_NAME),
-//! BATCH_END; the kernel answers the DELTABLE with an NLMSG_ERROR carrying 0 or an errno.
+//! BATCH_END; the kernel answers the DELTABLE with an NLMSG_ERROR carrying 0 or an errno, or
+//! refuses the whole batch (no permission, no nf_tables) with an error on BATCH_BEGIN.
 
 use std::io;
+use std::os::fd::AsRawFd;
+use std::time::Duration;
 
 use nix::sys::socket::{
-    AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, recv, sendto, socket,
+    AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, recv, sendto, setsockopt, socket,
+    sockopt,
 };
-use std::os::fd::AsRawFd;
+use nix::sys::time::TimeVal;
+
+/// How long the kernel may take to answer; it answers at once, so this only bounds a surprise.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(2);
 
 const NLMSG_ERROR: u16 = 2;
 const NLM_F_REQUEST: u16 = 0x1;
@@ -33,20 +40,32 @@ pub fn delete_inet_table(name: &str) -> io::Result<bool> {
         SockFlag::SOCK_CLOEXEC,
         SockProtocol::NetlinkNetFilter,
     )?;
+    setsockopt(&sock, sockopt::ReceiveTimeout, &TimeVal::new(ANSWER_TIMEOUT.as_secs() as _, 0))?;
     let seq = 1;
     let batch = delete_table_batch(name, seq);
     sendto(sock.as_raw_fd(), &batch, &NetlinkAddr::new(0, 0), MsgFlags::empty())?;
     let mut buf = [0u8; 8192];
     loop {
+        // A timeout ends this with EAGAIN.
         let n = recv(sock.as_raw_fd(), &mut buf, MsgFlags::empty())?;
-        if let Some(errno) = ack_for(&buf[..n], seq + 1)? {
-            return match errno {
-                0 => Ok(true),
-                e if e == libc::ENOENT => Ok(false),
-                e => Err(io::Error::from_raw_os_error(e)),
-            };
+        match answer(&buf[..n], seq)? {
+            Some(0) => return Ok(true),
+            Some(e) if e == libc::ENOENT => return Ok(false),
+            Some(e) => return Err(io::Error::from_raw_os_error(e)),
+            None => {}
         }
     }
+}
+
+/// The batch's outcome among the messages in `buf`, if they settle it: the errno of an error
+/// on any of its three messages, or 0 for the DELTABLE's acknowledgement.
+fn answer(buf: &[u8], seq: u32) -> io::Result<Option<i32>> {
+    for (at_seq, errno) in errors(buf)? {
+        if (seq..=seq + 2).contains(&at_seq) && (errno != 0 || at_seq == seq + 1) {
+            return Ok(Some(errno));
+        }
+    }
+    Ok(None)
 }
 
 /// The three messages of a batch deleting table `name`; the DELTABLE has sequence `seq + 1`.
@@ -89,10 +108,10 @@ fn pad(buf: &mut Vec<u8>) {
     buf.resize(buf.len().next_multiple_of(4), 0);
 }
 
-/// The errno (0 for success) of the NLMSG_ERROR answering sequence `seq` among the messages
-/// in `buf`, if there is one.
-fn ack_for(buf: &[u8], seq: u32) -> io::Result<Option<i32>> {
+/// The NLMSG_ERROR messages in `buf`: the sequence each answers, and its errno (0: success).
+fn errors(buf: &[u8]) -> io::Result<Vec<(u32, i32)>> {
     let malformed = || io::Error::new(io::ErrorKind::InvalidData, "malformed netlink answer");
+    let mut out = Vec::new();
     let mut at = 0;
     while at + 16 <= buf.len() {
         let field =
@@ -102,13 +121,13 @@ fn ack_for(buf: &[u8], seq: u32) -> io::Result<Option<i32>> {
         if len < 16 || at + len > buf.len() {
             return Err(malformed());
         }
-        if kind == NLMSG_ERROR && field(8) == seq {
+        if kind == NLMSG_ERROR {
             let error = buf.get(at + 16..at + 20).ok_or_else(malformed)?;
-            return Ok(Some(-i32::from_ne_bytes(error.try_into().unwrap_or_default())));
+            out.push((field(8), -i32::from_ne_bytes(error.try_into().unwrap_or_default())));
         }
         at += len.next_multiple_of(4);
     }
-    Ok(None)
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -130,22 +149,34 @@ mod tests {
         assert_eq!(&del[24..31], b"CRIU-x\0");
     }
 
+    fn error_message(seq: u32, errno: i32) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut body = (-errno).to_ne_bytes().to_vec();
+        body.extend_from_slice(&[0; 16]);
+        message(&mut out, NLMSG_ERROR, 0, seq, &body);
+        out
+    }
+
     #[test]
-    fn acks_are_matched_by_sequence() {
-        let mut answer = Vec::new();
-        let mut err = (-libc::ENOENT).to_ne_bytes().to_vec();
-        err.extend_from_slice(&[0; 16]);
-        message(&mut answer, NLMSG_ERROR, 0, 5, &err);
-        assert_eq!(ack_for(&answer, 5).unwrap(), Some(libc::ENOENT));
-        assert_eq!(ack_for(&answer, 6).unwrap(), None);
-        assert!(ack_for(&answer[..answer.len() - 20], 5).is_err());
+    fn answers_settle_on_the_deltable_ack_or_any_error_of_the_batch() {
+        // The DELTABLE (seq 6 of a batch starting at 5) acknowledged, or refused.
+        assert_eq!(answer(&error_message(6, 0), 5).unwrap(), Some(0));
+        assert_eq!(answer(&error_message(6, libc::ENOENT), 5).unwrap(), Some(libc::ENOENT));
+        // The whole batch refused on its BATCH_BEGIN (no CAP_NET_ADMIN, no nf_tables).
+        assert_eq!(answer(&error_message(5, libc::EPERM), 5).unwrap(), Some(libc::EPERM));
+        // Another request's answer, or a success on BATCH_BEGIN, settles nothing.
+        assert_eq!(answer(&error_message(9, libc::EPERM), 5).unwrap(), None);
+        assert_eq!(answer(&error_message(5, 0), 5).unwrap(), None);
+        let full = error_message(6, 0);
+        assert!(answer(&full[..full.len() - 20], 5).is_err());
     }
 
     #[test]
     fn deleting_a_missing_table_says_so() {
-        if !nix::unistd::geteuid().is_root() {
-            return;
+        let deleted = delete_inet_table("stasis-test-no-such-table");
+        match nix::unistd::geteuid().is_root() {
+            true => assert!(!deleted.unwrap()),
+            false => assert!(deleted.is_err(), "only root may change nftables"),
         }
-        assert!(!delete_inet_table("stasis-test-no-such-table").unwrap());
     }
 }

@@ -22,6 +22,15 @@ pub enum ExitKind {
     Signaled(i32),
 }
 
+impl std::fmt::Display for ExitKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Exited(code) => write!(f, "exit status {code}"),
+            Self::Signaled(signal) => write!(f, "signal {signal}"),
+        }
+    }
+}
+
 /// Collects the exit of every child of stasisd.
 #[derive(Debug, Default, Clone)]
 pub struct Reaper {
@@ -99,6 +108,26 @@ impl Reaper {
             }
             let _ = tokio::time::timeout(Duration::from_millis(100), notified).await;
         }
+    }
+
+    /// Runs `cmd` to its end; returns how it ended and what it wrote to stderr. The way to run
+    /// a short program in stasisd: `Command::output` cannot wait for a child the reaper reaps.
+    pub async fn run(&self, mut cmd: std::process::Command) -> std::io::Result<(ExitKind, String)> {
+        use std::io::Read;
+        cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null());
+        cmd.stderr(std::process::Stdio::piped());
+        let mut child = cmd.spawn()?;
+        let pid = child.id() as i32;
+        let stderr = child.stderr.take();
+        let text = tokio::task::spawn_blocking(move || {
+            let mut text = String::new();
+            if let Some(mut pipe) = stderr {
+                let _ = pipe.read_to_string(&mut text);
+            }
+            text
+        });
+        let text = text.await.unwrap_or_default();
+        Ok((self.wait_exit(pid).await, text))
     }
 
     /// Waits until none of `pids` is a zombie waiting to be reaped by us, or `timeout` passes.

@@ -1,0 +1,118 @@
+//! Giving a tree CRIU dumped and left stopped its connections back, when it is resumed
+//! instead of killed (storing its checkpoint failed).
+//!
+//! CRIU leaves every dumped TCP connection in repair mode (the socket neither sends nor
+//! answers) and locked (its packets dropped by CRIU's nftables table or iptables rules), so
+//! that a restore can take it over. A resumed tree would find its connections silently dead.
+//! The tree's sockets are listed again here, not taken from the survey: a connection opened
+//! between the survey and the freeze is in repair mode too.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use tracing::{debug, info};
+
+use crate::criu::NetworkLock;
+use crate::criu::images::dump_run_id;
+use crate::linux::reaper::{ExitKind, Reaper};
+use crate::linux::{iptables, net, nft, proc};
+
+/// Length of the lock table's name as CRIU 4.2 writes it: "inet CRIU-<run id>" cut to fit a
+/// 32-byte buffer, less the family.
+const CUT_TABLE_NAME: usize = 31 - "inet ".len();
+
+/// Takes every TCP socket of `pids` out of repair mode, setting `SO_REUSEADDR` back where
+/// `reuse_addr` lists the socket's inode. Blocking. Returns the connections that were in repair
+/// mode, and what could not be undone.
+pub fn leave_repair(pids: &[i32], reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>) {
+    let (mut reopened, mut problems) = (Vec::new(), Vec::new());
+    for &pid in pids {
+        let Ok(fds) = proc::fd_targets(pid) else { continue };
+        for (fd, target) in fds {
+            let Some(inode) = net::socket_inode(&target) else { continue };
+            match net::leave_repair(pid, fd, reuse_addr.contains(&inode)) {
+                Ok(Some(ends)) => reopened.push(ends),
+                Ok(None) => {}
+                Err(e) => problems.push(format!("pid {pid} fd {fd} stays in TCP repair mode: {e}")),
+            }
+        }
+    }
+    if !reopened.is_empty() {
+        info!(connections = reopened.len(), "connections taken out of repair mode");
+    }
+    (reopened, problems)
+}
+
+/// A connection's local and remote ends.
+pub type Connection = (SocketAddr, SocketAddr);
+
+/// Removes CRIU's `lock` of the `reopened` connections of the dump in `images_dir`. Returns
+/// what could not be undone.
+pub async fn unlock(
+    reopened: &[Connection],
+    images_dir: &Path,
+    lock: Option<NetworkLock>,
+    reaper: &Reaper,
+) -> Vec<String> {
+    if reopened.is_empty() {
+        return Vec::new();
+    }
+    match lock {
+        Some(NetworkLock::Nftables) => {
+            let images = images_dir.to_path_buf();
+            let unlocked = tokio::task::spawn_blocking(move || unlock_nftables(&images)).await;
+            unlocked
+                .unwrap_or_else(|e| Some(format!("removing CRIU's nftables lock failed: {e}")))
+                .into_iter()
+                .collect()
+        }
+        Some(NetworkLock::Iptables) => {
+            let mut problems = Vec::new();
+            for &(local, remote) in reopened {
+                for cmd in iptables::unlock_commands(local, remote) {
+                    let program = cmd.get_program().to_string_lossy().into_owned();
+                    match reaper.run(cmd).await {
+                        Ok((ExitKind::Exited(0), _)) => {}
+                        Ok((exit, stderr)) => problems.push(format!(
+                            "connection {local} -> {remote} stays locked: {program} ended with {exit}: {}",
+                            stderr.trim()
+                        )),
+                        Err(e) => problems.push(format!(
+                            "connection {local} -> {remote} stays locked: cannot run {program}: {e}"
+                        )),
+                    }
+                }
+            }
+            problems
+        }
+        None => Vec::new(),
+    }
+}
+
+/// Deletes the table CRIU locked the dump's connections in. CRIU names it "CRIU-" and its
+/// run id, cut short by CRIU 4.2 and whole by later versions: both names are tried.
+fn unlock_nftables(images_dir: &Path) -> Option<String> {
+    let run_id = match dump_run_id(images_dir) {
+        Ok(Some(id)) => id,
+        Ok(None) => return Some("the dump records no CRIU run id, so its nftables lock stays".into()),
+        Err(e) => return Some(format!("cannot read the dump's run id ({e}), so its nftables lock stays")),
+    };
+    let whole = format!("CRIU-{run_id}");
+    let cut: String = whole.chars().take(CUT_TABLE_NAME).collect();
+    let mut failures = Vec::new();
+    for name in [cut, whole] {
+        match nft::delete_inet_table(&name) {
+            Ok(true) => {
+                info!(table = %name, "removed CRIU's network lock");
+                return None;
+            }
+            Ok(false) => debug!(table = %name, "no such nftables table"),
+            Err(e) => failures.push(format!("{name}: {e}")),
+        }
+    }
+    Some(match failures.is_empty() {
+        true => format!("no nftables lock table of CRIU run {run_id} was found"),
+        false => format!("CRIU's nftables lock could not be removed ({})", failures.join("; ")),
+    })
+}
