@@ -209,6 +209,33 @@ impl Daemon {
         stderr
     }
 
+    /// Runs `checkpoint --workload NAME --leave-running --json` and calls `probe` over and
+    /// over while it runs (each call should ask the workload something and assert the
+    /// answer). Returns the checkpoint's result and how many probes were made.
+    pub fn checkpoint_while(&self, workload: &str, mut probe: impl FnMut()) -> (Value, usize) {
+        let mut ck = self
+            .command(&["checkpoint", "--workload", workload, "--leave-running", "--json"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting stasis checkpoint");
+        let (started, mut probes) = (Instant::now(), 0);
+        while ck.try_wait().expect("waiting for stasis checkpoint").is_none() {
+            assert!(started.elapsed() < CLI_TIMEOUT, "checkpoint --leave-running hangs");
+            probe();
+            probes += 1;
+        }
+        let out = ck.wait_with_output().expect("stasis checkpoint output");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "checkpoint --leave-running: {stderr}\n{}", self.log_tail(40));
+        let result = serde_json::from_slice(&out.stdout).expect("checkpoint --leave-running JSON");
+        eprintln!(
+            "checkpoint --leave-running took {:?}, {probes} probes answered meanwhile",
+            started.elapsed()
+        );
+        (result, probes)
+    }
+
     /// Starts `argv` as workload `<base>-<tag>` (see [`Daemon::workload_name`]).
     pub fn run(&self, base: &str, argv: &[String]) -> Workload {
         let name = self.workload_name(base);

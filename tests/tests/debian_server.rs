@@ -9,8 +9,7 @@
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde_json::Value;
 use stasis_tests::{Daemon, TIMEOUT, expect_within, procfs, skip_unless_ready};
@@ -204,26 +203,10 @@ fn redis_with_300_mb_survives_eviction_and_leave_running_checkpoints() {
     drop(fresh);
 
     // --leave-running: redis answers `kept` all through the dump.
-    let mut ck = d
-        .command(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting stasis checkpoint");
-    let (started, mut pings) = (Instant::now(), 0);
-    while ck.try_wait().expect("waiting for stasis checkpoint").is_none() {
-        assert!(started.elapsed() < Duration::from_secs(120), "checkpoint --leave-running hangs");
+    let (ck, _) = d.checkpoint_while(&w.name, || {
         assert_eq!(kept.cmd("PING"), status("PONG"), "during checkpoint --leave-running");
-        pings += 1;
-    }
-    let out = ck.wait_with_output().expect("stasis checkpoint output");
-    assert!(out.status.success(), "checkpoint --leave-running: {}", String::from_utf8_lossy(&out.stderr));
-    let ck: Value = serde_json::from_slice(&out.stdout).expect("checkpoint --leave-running JSON");
-    eprintln!(
-        "checkpoint --leave-running took {:?} ({pings} PINGs answered meanwhile): {}",
-        started.elapsed(),
-        stats(&ck)
-    );
+    });
+    eprintln!("checkpoint --leave-running: {}", stats(&ck));
     assert_eq!(ck["left_running"], true, "checkpoint result: {ck}");
     let id = ck["id"].as_str().expect("checkpoint id").to_owned();
     assert!(procfs::running(w.pid), "redis after the checkpoint: state {:?}", procfs::proc_state(w.pid));

@@ -172,25 +172,7 @@ fn ipykernel_keeps_its_state_across_eviction_and_answers_through_leave_running()
     assert_eq!(tab.run("print(counter)").1, "42\n", "on the client connected across the eviction");
 
     // --leave-running while `again` keeps asking: the kernel answers all through.
-    let mut ck = d
-        .command(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting stasis checkpoint");
-    let (started, mut infos) = (Instant::now(), 0);
-    while ck.try_wait().expect("waiting for stasis checkpoint").is_none() {
-        assert!(started.elapsed() < TIMEOUT * 6, "checkpoint --leave-running hangs");
-        again.kernel_info();
-        infos += 1;
-    }
-    let out = ck.wait_with_output().expect("stasis checkpoint output");
-    assert!(out.status.success(), "checkpoint --leave-running: {}", String::from_utf8_lossy(&out.stderr));
-    let ck: Value = serde_json::from_slice(&out.stdout).expect("checkpoint --leave-running JSON");
-    eprintln!(
-        "checkpoint --leave-running took {:?} ({infos} kernel_info answered meanwhile)",
-        started.elapsed()
-    );
+    let (ck, _) = d.checkpoint_while(&w.name, || again.kernel_info());
     assert_eq!(ck["left_running"], true, "checkpoint result: {ck}");
     assert!(procfs::running(w.pid), "the kernel after the checkpoint: state {:?}", procfs::proc_state(w.pid));
     let (last, out) = again.run("counter += 1; print(counter)");
