@@ -30,7 +30,7 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
         ..Default::default()
     };
     let sockets = sockets::survey(&pids);
-    options.tcp_established = sockets.has_established_tcp();
+    options.tcp_established = sockets.may_hold_connections();
     options.ext_unix_sk = sockets.has_unix();
     for &pid in &pids {
         options.link_remap |= proc::mapped_paths(pid).iter().any(|p| p.ends_with(DELETED));

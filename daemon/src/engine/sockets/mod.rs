@@ -43,6 +43,12 @@ impl TreeSockets {
         self.records.iter().any(is_connection)
     }
 
+    /// Whether CRIU must be told to dump established connections: the tree has one, or has
+    /// a listener that may accept one between this survey and the freeze.
+    pub fn may_hold_connections(&self) -> bool {
+        self.records.iter().any(|r| r.kind == SocketKind::Tcp.name())
+    }
+
     pub fn has_unix(&self) -> bool {
         self.records.iter().any(|r| r.kind == SocketKind::Unix.name())
     }
