@@ -6,7 +6,8 @@
 pub use prost;
 pub use tonic;
 
-/// The `stasis.v1` API and manifest messages.
+/// The `stasis.v1` API and manifest messages; those the CLI prints as JSON also derive
+/// `serde::Serialize` (see build.rs).
 pub mod stasis {
     pub mod v1 {
         tonic::include_proto!("stasis.v1");

@@ -1,5 +1,6 @@
 //! `stasis checkpoint`: checkpoint a process tree, showing progress.
 
+use bytesize::ByteSize;
 use stasis_proto::stasis::v1::{CheckpointRequest, checkpoint_event::Event, checkpoint_request::Target};
 
 use super::{Step, follow};
@@ -22,7 +23,7 @@ pub async fn run(client: &mut Client, args: CheckpointArgs) -> anyhow::Result<()
     })
     .await?;
     if args.json {
-        return output::print_json(&output::checkpoint_result(&result));
+        return output::print_json(&result);
     }
     let stats = result.stats.unwrap_or_default();
     if !result.durable {
@@ -36,7 +37,7 @@ pub async fn run(client: &mut Client, args: CheckpointArgs) -> anyhow::Result<()
         result.id,
         result.workload,
         result.pid,
-        output::mib(stats.bytes_total),
+        ByteSize(stats.bytes_total),
         stats.frozen_ms,
         stats.total_ms
     ))

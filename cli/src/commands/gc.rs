@@ -1,5 +1,6 @@
 //! `stasis gc`: apply retention and reclaim unreferenced store space.
 
+use bytesize::ByteSize;
 use stasis_proto::stasis::v1::GcRequest;
 
 use crate::args::GcArgs;
@@ -10,13 +11,13 @@ pub async fn run(client: &mut Client, args: GcArgs) -> anyhow::Result<()> {
     let request = GcRequest { keep_last: args.keep_last.unwrap_or(0) };
     let response = client.rpc.gc(request).await.map_err(|s| client.error(s))?.into_inner();
     if args.json {
-        return output::print_json(&output::gc_response(&response));
+        return output::print_json(&response);
     }
     output::print(&format!(
         "deleted {} checkpoints, {} packs, repacked {}; freed {}",
         response.checkpoints_deleted.len(),
         response.packs_deleted,
         response.packs_repacked,
-        output::mib(response.bytes_freed)
+        ByteSize(response.bytes_freed)
     ))
 }

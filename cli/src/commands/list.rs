@@ -1,5 +1,6 @@
 //! `stasis list`: list stored checkpoints.
 
+use bytesize::ByteSize;
 use stasis_proto::stasis::v1::ListRequest;
 
 use crate::args::ListArgs;
@@ -10,23 +11,19 @@ pub async fn run(client: &mut Client, args: ListArgs) -> anyhow::Result<()> {
     let request = ListRequest { workload: args.workload.unwrap_or_default() };
     let response = client.rpc.list(request).await.map_err(|s| client.error(s))?.into_inner();
     if args.json {
-        return output::print_json(&output::list_response(&response));
+        return output::print_json(&response);
     }
     if response.checkpoints.is_empty() {
         return output::print("no checkpoints");
     }
-    let rows: Vec<Vec<String>> = response
-        .checkpoints
-        .iter()
-        .map(|c| {
-            vec![
-                c.id.clone(),
-                c.workload.clone(),
-                c.pid.to_string(),
-                output::utc(c.created_unix_ms),
-                output::size(c.bytes_total),
-            ]
-        })
-        .collect();
-    output::print(&output::table(&["ID", "WORKLOAD", "PID", "CREATED", "SIZE"], &rows))
+    let rows = response.checkpoints.iter().map(|c| {
+        [
+            c.id.clone(),
+            c.workload.clone(),
+            c.pid.to_string(),
+            output::utc(c.created_unix_ms),
+            ByteSize(c.bytes_total).to_string(),
+        ]
+    });
+    output::print(&output::table(["ID", "WORKLOAD", "PID", "CREATED", "SIZE"], rows))
 }

@@ -1,5 +1,6 @@
 //! `stasis restore`: restore a checkpoint, showing progress.
 
+use bytesize::ByteSize;
 use stasis_proto::stasis::v1::{
     RestoreRequest, RestoreResult, RestoreStats, restore_event::Event, restore_request::Target,
 };
@@ -43,7 +44,7 @@ pub async fn run(client: &mut Client, args: RestoreArgs) -> anyhow::Result<()> {
     })
     .await?;
     if json {
-        return output::print_json(&output::restore_result(&result));
+        return output::print_json(&result);
     }
     for warning in &result.warnings {
         eprintln!("warning: {warning}");
@@ -61,7 +62,7 @@ pub async fn run(client: &mut Client, args: RestoreArgs) -> anyhow::Result<()> {
             result.pid,
             s.first_run_ms,
             resident,
-            output::mib(s.bytes_fetched)
+            ByteSize(s.bytes_fetched)
         ),
     };
     output::print(&line)

@@ -24,7 +24,7 @@ pub async fn run(client: &mut Client, args: RunArgs) -> anyhow::Result<()> {
         RunRequest { workload: args.workload.unwrap_or_default(), argv: args.command, cwd, env: args.env };
     let response = client.rpc.run(request).await.map_err(|s| client.error(s))?.into_inner();
     if args.json {
-        output::print_json(&output::run_response(&response))
+        output::print_json(&response)
     } else {
         output::print(&format!(
             "started workload {}, pid {} (log: {})",

@@ -1,5 +1,6 @@
 //! `stasis show`: the details of one checkpoint.
 
+use bytesize::ByteSize;
 use stasis_proto::stasis::v1::{CheckpointInfo, ShowRequest};
 
 use crate::args::ShowArgs;
@@ -8,11 +9,7 @@ use crate::output;
 
 pub async fn run(client: &mut Client, args: ShowArgs) -> anyhow::Result<()> {
     let info = client.rpc.show(ShowRequest { id: args.id }).await.map_err(|s| client.error(s))?.into_inner();
-    if args.json {
-        output::print_json(&output::checkpoint_info(&info))
-    } else {
-        output::print(&describe(&info))
-    }
+    if args.json { output::print_json(&info) } else { output::print(&describe(&info)) }
 }
 
 /// `key: value` lines for a checkpoint.
@@ -23,7 +20,7 @@ fn describe(c: &CheckpointInfo) -> String {
         format!("workload: {}", c.workload),
         format!("pid: {}", c.pid),
         format!("created: {}", output::utc(c.created_unix_ms)),
-        format!("size: {}", output::size(c.bytes_total)),
+        format!("size: {}", ByteSize(c.bytes_total)),
         format!("node: {}", c.node),
         format!("kernel: {}", c.kernel),
         format!("criu: {}", c.criu_version),

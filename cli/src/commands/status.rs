@@ -8,11 +8,7 @@ use crate::output;
 
 pub async fn run(client: &mut Client, args: StatusArgs) -> anyhow::Result<()> {
     let status = client.rpc.status(StatusRequest {}).await.map_err(|s| client.error(s))?.into_inner();
-    if args.json {
-        output::print_json(&output::status_response(&status))
-    } else {
-        output::print(&describe(&status))
-    }
+    if args.json { output::print_json(&status) } else { output::print(&describe(&status)) }
 }
 
 /// `key: value` lines, then one line per workload.

@@ -1,4 +1,18 @@
+//! The JSON the CLI prints is what scripts and the e2e tests read: these pin its field names,
+//! nesting and value types, as derived from the API messages.
+
+use serde_json::{Value, json};
+use stasis_proto::stasis::v1::{
+    CheckpointInfo, CheckpointResult, CheckpointStats, GcResponse, ListResponse, RestoreResult, RestoreStats,
+    RunResponse, StatusResponse, WorkloadStatus,
+};
+
 use super::*;
+
+/// `message` as the CLI prints it, parsed back.
+fn json_of(message: &impl serde::Serialize) -> Value {
+    serde_json::to_string(message).and_then(|text| serde_json::from_str(&text)).expect("JSON round trip")
+}
 
 fn stats() -> CheckpointStats {
     CheckpointStats {
@@ -41,7 +55,7 @@ fn info() -> CheckpointInfo {
 #[test]
 fn run_response_renames_log_path_to_log() {
     let r = RunResponse { workload: "w".into(), pid: 7, log_path: "/var/log/w.log".into() };
-    assert_eq!(run_response(&r), json!({ "workload": "w", "pid": 7, "log": "/var/log/w.log" }));
+    assert_eq!(json_of(&r), json!({ "workload": "w", "pid": 7, "log": "/var/log/w.log" }));
 }
 
 #[test]
@@ -55,7 +69,7 @@ fn checkpoint_result_nests_its_stats() {
         durable: true,
     };
     assert_eq!(
-        checkpoint_result(&r),
+        json_of(&r),
         json!({
             "id": "ck-1",
             "workload": "train",
@@ -75,7 +89,7 @@ fn checkpoint_result_nests_its_stats() {
                 "chunks_zero": 4,
                 "gpu_lock_ms": 1,
                 "gpu_checkpoint_ms": 900,
-                                "gpu_restore_ms": 450,
+                "gpu_restore_ms": 450,
                 "gpu_bytes": 1 << 30,
             },
         })
@@ -86,7 +100,7 @@ fn checkpoint_result_nests_its_stats() {
 fn missing_stats_are_null() {
     let r =
         RestoreResult { id: "ck-1".into(), workload: "train".into(), pid: 9, stats: None, warnings: vec![] };
-    assert_eq!(restore_result(&r)["stats"], Value::Null);
+    assert_eq!(json_of(&r)["stats"], Value::Null);
 }
 
 #[test]
@@ -108,7 +122,7 @@ fn restore_result_nests_its_stats() {
         warnings: vec!["peer gone".into()],
     };
     assert_eq!(
-        restore_result(&r),
+        json_of(&r),
         json!({
             "id": "ck-1",
             "workload": "train",
@@ -124,7 +138,7 @@ fn restore_result_nests_its_stats() {
 
 #[test]
 fn checkpoint_info_has_every_field() {
-    let v = checkpoint_info(&info());
+    let v = json_of(&info());
     let Some(object) = v.as_object() else {
         panic!("not an object: {v}");
     };
@@ -160,10 +174,10 @@ fn checkpoint_info_has_every_field() {
 #[test]
 fn list_response_wraps_checkpoint_infos() {
     let l = ListResponse { checkpoints: vec![info(), info()] };
-    let v = list_response(&l);
+    let v = json_of(&l);
     assert_eq!(v["checkpoints"].as_array().map(Vec::len), Some(2));
-    assert_eq!(v["checkpoints"][1], checkpoint_info(&info()));
-    assert_eq!(list_response(&ListResponse::default()), json!({ "checkpoints": [] }));
+    assert_eq!(v["checkpoints"][1], json_of(&info()));
+    assert_eq!(json_of(&ListResponse::default()), json!({ "checkpoints": [] }));
 }
 
 #[test]
@@ -186,7 +200,7 @@ fn status_response_lists_workloads() {
         }],
     };
     assert_eq!(
-        status_response(&s),
+        json_of(&s),
         json!({
             "daemon_version": "0.1.0",
             "criu_version": "4.1",
@@ -205,13 +219,17 @@ fn status_response_lists_workloads() {
 }
 
 #[test]
-fn sizes_use_binary_units() {
-    assert_eq!(size(0), "0 B");
-    assert_eq!(size(1023), "1023 B");
-    assert_eq!(size(1536), "1.5 KiB");
-    assert_eq!(size(5 << 20), "5.0 MiB");
-    assert_eq!(size(3 << 30), "3.0 GiB");
-    assert_eq!(mib(3 << 19), "1.5 MiB");
+fn gc_response_keeps_64_bit_counts_as_exact_numbers() {
+    let r = GcResponse {
+        checkpoints_deleted: vec!["ck-1".into()],
+        packs_deleted: 3,
+        packs_repacked: 0,
+        bytes_freed: u64::MAX,
+    };
+    assert_eq!(
+        json_of(&r),
+        json!({ "checkpoints_deleted": ["ck-1"], "packs_deleted": 3, "packs_repacked": 0, "bytes_freed": u64::MAX })
+    );
 }
 
 #[test]
@@ -221,10 +239,12 @@ fn utc_formats_epoch_milliseconds() {
     // A leap day, and the last second of a leap year.
     assert_eq!(utc(951_782_400_000), "2000-02-29T00:00:00Z");
     assert_eq!(utc(1_735_689_599_999), "2024-12-31T23:59:59Z");
+    // Past jiff's range, the end of it.
+    assert!(utc(u64::MAX).starts_with("9999-12-"));
 }
 
 #[test]
 fn table_aligns_columns() {
-    let rows = vec![vec!["ck-1".to_owned(), "a".to_owned()], vec!["c".to_owned(), "long".to_owned()]];
-    assert_eq!(table(&["ID", "NAME"], &rows), "ID    NAME\nck-1  a\nc     long");
+    let rows = [["ck-1".to_owned(), "a".to_owned()], ["c".to_owned(), "long".to_owned()]];
+    assert_eq!(table(["ID", "NAME"], rows), "ID    NAME\nck-1  a\nc     long");
 }

@@ -5,6 +5,8 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use jiff::Timestamp;
+
 /// Milliseconds since the Unix epoch.
 pub fn now_unix_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
@@ -12,9 +14,11 @@ pub fn now_unix_ms() -> u64 {
 
 /// A new checkpoint id for a checkpoint taken at `unix_ms`.
 pub fn checkpoint_id(unix_ms: u64) -> String {
-    let (y, mo, d, h, mi, s) = civil_from_unix(unix_ms / 1000);
+    // Past jiff's range (the end of the year 9999) the time stays at its end: four-digit years.
+    let time =
+        Timestamp::from_millisecond(i64::try_from(unix_ms).unwrap_or(i64::MAX)).unwrap_or(Timestamp::MAX);
     let tag: u32 = rand::random::<u32>() & 0xff_ffff;
-    format!("{y:04}{mo:02}{d:02}-{h:02}{mi:02}{s:02}-{tag:06x}")
+    format!("{}-{tag:06x}", time.strftime("%Y%m%d-%H%M%S"))
 }
 
 /// Whether `id` has the shape of a checkpoint id (so it is safe to use in keys and paths).
@@ -26,22 +30,6 @@ pub fn valid_checkpoint_id(id: &str) -> bool {
             16.. => c.is_ascii_hexdigit(),
             _ => c.is_ascii_digit(),
         })
-}
-
-/// (year, month, day, hour, minute, second) in UTC, by Howard Hinnant's days-to-civil method.
-fn civil_from_unix(secs: u64) -> (i64, u32, u32, u32, u32, u32) {
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month, day, (rem / 3600) as u32, (rem % 3600 / 60) as u32, (rem % 60) as u32)
 }
 
 #[cfg(test)]
@@ -56,7 +44,10 @@ mod tests {
         assert!(valid_checkpoint_id(&id));
         assert!(!valid_checkpoint_id("20261122-083558-zzzzzz"));
         assert!(!valid_checkpoint_id("../../etc/passwd"));
-        assert_eq!(civil_from_unix(0), (1970, 1, 1, 0, 0, 0));
-        assert_eq!(civil_from_unix(951_782_400), (2000, 2, 29, 0, 0, 0));
+        // Milliseconds are cut, not rounded; the epoch and a leap day.
+        assert!(checkpoint_id(1_795_336_558_999).starts_with("20261122-083558-"));
+        assert!(checkpoint_id(0).starts_with("19700101-000000-"));
+        assert!(checkpoint_id(951_782_400_000).starts_with("20000229-000000-"));
+        assert!(valid_checkpoint_id(&checkpoint_id(u64::MAX)));
     }
 }
