@@ -26,11 +26,11 @@ use nix::fcntl::OFlag;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use tracing::debug;
 
+use super::CriuError;
 use super::pageserver::{
     HeaderLayout, IOV_ADD_F, IOV_CLOSE, IOV_FORCE_CLOSE, IOV_GET, MAX_RUN_PAGES, PAGE_SIZE, PE_PRESENT,
     PageServerError,
 };
-use super::{Criu, CriuError};
 use crate::linux::sys::{ChildSetup, spawn};
 
 /// The lazy-pages daemon's log, inside the images directory.
@@ -113,16 +113,16 @@ pub struct LazyPagesDaemon {
     pub log: PathBuf,
 }
 
-impl Criu {
-    /// Starts the lazy-pages daemon on the images in `images_dir`, with `page_server` (a
-    /// connected stream socket) as its page server, and waits until it is ready.
-    pub fn start_lazy_pages(
-        &self,
-        images_dir: &Path,
-        page_server: RawFd,
-    ) -> Result<LazyPagesDaemon, CriuError> {
+/// Starts `criu` (the program) as lazy-pages daemon on the images in `images_dir`, with
+/// `page_server` (a connected stream socket) as its page server, and waits until it is ready.
+pub(super) fn start_lazy_pages(
+    criu: &Path,
+    images_dir: &Path,
+    page_server: RawFd,
+) -> Result<LazyPagesDaemon, CriuError> {
+    {
         let (ready_r, ready_w) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| CriuError::Io(e.into()))?;
-        let mut cmd = Command::new(self.path());
+        let mut cmd = Command::new(criu);
         cmd.arg("lazy-pages")
             .arg("-D")
             .arg(images_dir)
@@ -134,7 +134,7 @@ impl Criu {
             .stderr(Stdio::null());
         let setup = ChildSetup { keep_fds: vec![page_server, ready_w.as_raw_fd()], ..Default::default() };
         let child =
-            spawn(&mut cmd, setup).map_err(|source| CriuError::Spawn { path: self.path().into(), source })?;
+            spawn(&mut cmd, setup).map_err(|source| CriuError::Spawn { path: criu.into(), source })?;
         let daemon = LazyPagesDaemon { pid: child.id() as i32, log: images_dir.join(LAZY_LOG_FILE) };
         drop(child);
         drop(ready_w);

@@ -1,10 +1,13 @@
 //! Driving CRIU through its RPC interface: `criu swrk <fd>` over an AF_UNIX SOCK_SEQPACKET
 //! socketpair, one protobuf message per packet (messages defined in `proto/proto/criu`).
 //!
-//! [`Criu`] is the typed entry point: version and health checks, dump and restore. Failures
-//! carry the relevant tail of CRIU's own log.
+//! [`CriuOps`] is the seam the engine uses: version and health checks, dump, restore and the
+//! lazy-pages daemon. [`Criu`] implements it with the real program (failures carry the
+//! relevant tail of CRIU's own log); the engine's unit tests implement it with fakes.
 
 mod error;
+#[cfg(test)]
+pub mod fake;
 pub mod images;
 pub mod lazy;
 mod log;
@@ -17,6 +20,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 
 pub use error::{CriuError, log_section};
+pub use lazy::LazyPagesDaemon;
 pub use log::tail_of as log_tail_of;
 pub use options::{DumpSpec, RestoreSpec, TreeOptions};
 use stasis_proto::criu::{Request, RequestType};
@@ -43,6 +47,29 @@ pub const MIN_VERSION: CriuVersion = CriuVersion { major: 4, minor: 0, sublevel:
 /// Name of CRIU's log file inside an images directory.
 pub const LOG_FILE: &str = "criu.log";
 
+/// Called with each CRIU notification ("pre-dump", "post-dump", "pre-resume", ...) while CRIU
+/// waits; an error makes CRIU abort.
+pub type OnNotify<'a> = &'a mut dyn FnMut(&str) -> Result<(), String>;
+
+/// What stasisd asks of CRIU. Blocking calls.
+pub trait CriuOps: Send + Sync + std::fmt::Debug {
+    /// Where the program is, for messages.
+    fn path(&self) -> &Path;
+    /// CRIU's version.
+    fn version(&self) -> Result<CriuVersion, CriuError>;
+    /// CRIU's self-check of the kernel (`criu check`), logging into `work_dir`.
+    fn check(&self, work_dir: &Path) -> Result<(), CriuError>;
+    /// Whether CRIU can lock connections with nftables here (`criu check --feature nftables`).
+    fn supports_nftables(&self) -> bool;
+    /// Dumps the tree described by `spec` into `spec.images_dir`.
+    fn dump(&self, spec: &DumpSpec, on_notify: OnNotify<'_>) -> Result<(), CriuError>;
+    /// Restores the tree from `spec.images_dir`; returns the pid of the restored root.
+    fn restore(&self, spec: &RestoreSpec, on_notify: OnNotify<'_>) -> Result<i32, CriuError>;
+    /// Starts `criu lazy-pages` on `images_dir` with `page_server` (a connected stream
+    /// socket) as its page server, and waits until it is ready.
+    fn start_lazy_pages(&self, images_dir: &Path, page_server: RawFd) -> Result<LazyPagesDaemon, CriuError>;
+}
+
 /// A CRIU executable.
 #[derive(Debug, Clone)]
 pub struct Criu {
@@ -53,13 +80,22 @@ impl Criu {
     pub fn new(path: impl Into<PathBuf>) -> Self {
         Self { path: path.into() }
     }
+}
 
-    pub fn path(&self) -> &Path {
+impl CriuOps for Criu {
+    fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Asks CRIU for its version.
-    pub fn version(&self) -> Result<CriuVersion, CriuError> {
+    fn supports_nftables(&self) -> bool {
+        support::nftables_supported(&self.path)
+    }
+
+    fn start_lazy_pages(&self, images_dir: &Path, page_server: RawFd) -> Result<LazyPagesDaemon, CriuError> {
+        lazy::start_lazy_pages(&self.path, images_dir, page_server)
+    }
+
+    fn version(&self) -> Result<CriuVersion, CriuError> {
         let mut session = Session::start(&self.path, &[])?;
         let resp =
             session.call(&Request { r#type: Some(RequestType::Version as i32), ..Default::default() })?;
@@ -71,8 +107,7 @@ impl Criu {
         })
     }
 
-    /// Runs CRIU's self-check of the kernel (`criu check`), logging into `work_dir`.
-    pub fn check(&self, work_dir: &Path) -> Result<(), CriuError> {
+    fn check(&self, work_dir: &Path) -> Result<(), CriuError> {
         let dir = options::open_dir(work_dir)?;
         let req = Request {
             r#type: Some(RequestType::Check as i32),
@@ -84,14 +119,7 @@ impl Criu {
         error::check_success(&resp, work_dir, "check")
     }
 
-    /// Dumps the tree described by `spec` into `spec.images_dir`. `on_notify` is called for
-    /// each CRIU notification (e.g. "pre-dump", "post-dump") while CRIU waits; an error from
-    /// it makes CRIU abort the dump.
-    pub fn dump(
-        &self,
-        spec: &DumpSpec,
-        mut on_notify: impl FnMut(&str) -> Result<(), String>,
-    ) -> Result<(), CriuError> {
+    fn dump(&self, spec: &DumpSpec, on_notify: OnNotify<'_>) -> Result<(), CriuError> {
         let dir = options::open_dir(&spec.images_dir)?;
         let keep: Vec<RawFd> = spec.page_server_fd.iter().copied().collect();
         let req = Request {
@@ -100,18 +128,11 @@ impl Criu {
             ..Default::default()
         };
         let mut session = Session::start(&self.path, &keep)?;
-        let resp = session.call_with_notify(&req, &mut on_notify)?;
+        let resp = session.call_with_notify(&req, on_notify)?;
         error::check_success(&resp, &spec.images_dir, "dump")
     }
 
-    /// Restores the tree from `spec.images_dir`; returns the pid of the restored root.
-    /// `on_notify` is called for each CRIU notification (e.g. "pre-resume": the tree is
-    /// restored and about to run) while CRIU waits.
-    pub fn restore(
-        &self,
-        spec: &RestoreSpec,
-        mut on_notify: impl FnMut(&str) -> Result<(), String>,
-    ) -> Result<i32, CriuError> {
+    fn restore(&self, spec: &RestoreSpec, on_notify: OnNotify<'_>) -> Result<i32, CriuError> {
         let dir = options::open_dir(&spec.images_dir)?;
         let keep: Vec<RawFd> = spec.inherit_fds.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
         let req = Request {
@@ -120,7 +141,7 @@ impl Criu {
             ..Default::default()
         };
         let mut session = Session::start(&self.path, &keep)?;
-        let resp = session.call_with_notify(&req, &mut on_notify)?;
+        let resp = session.call_with_notify(&req, on_notify)?;
         error::check_success(&resp, &spec.images_dir, "restore")?;
         resp.restore.and_then(|r| r.pid).ok_or(CriuError::Protocol("RESTORE answer without a pid"))
     }

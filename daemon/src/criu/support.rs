@@ -1,9 +1,10 @@
 //! What this CRIU can do for sockets on this kernel: whether it can dump network sockets at all,
 //! and how it can lock established TCP connections while it dumps and restores them.
 
+use std::path::Path;
 use std::process::{Command, Stdio};
 
-use super::{Criu, CriuVersion};
+use super::{CriuOps, CriuVersion};
 
 /// How CRIU keeps established TCP connections quiet (no packet in or out) from the moment it
 /// freezes a tree until the tree runs again: without a lock the kernel would answer the peer's
@@ -63,10 +64,10 @@ fn kernel_version(release: &str) -> Option<(u32, u32)> {
 /// The lock to use: `forced` if given and available; else nftables when this CRIU was built
 /// with it and the kernel has it (no program needed), else iptables when its programs are
 /// installed. `Err(why)` when none of those is available.
-pub fn choose_network_lock(criu: &Criu, forced: Option<NetworkLock>) -> Result<NetworkLock, String> {
+pub fn choose_network_lock(criu: &dyn CriuOps, forced: Option<NetworkLock>) -> Result<NetworkLock, String> {
     const NO_NFTABLES: &str = "CRIU's nftables lock is unavailable (`criu check --feature nftables` fails)";
     const NO_IPTABLES: &str = "iptables is not installed (no iptables on PATH)";
-    let nftables = || nftables_supported(criu).then_some(NetworkLock::Nftables).ok_or(NO_NFTABLES);
+    let nftables = || criu.supports_nftables().then_some(NetworkLock::Nftables).ok_or(NO_NFTABLES);
     let iptables = || program_on_path("iptables").then_some(NetworkLock::Iptables).ok_or(NO_IPTABLES);
     let chosen = match forced {
         Some(NetworkLock::Nftables) => nftables(),
@@ -79,8 +80,8 @@ pub fn choose_network_lock(criu: &Criu, forced: Option<NetworkLock>) -> Result<N
 }
 
 /// `criu check --feature nftables`: the feature checks have no RPC form.
-fn nftables_supported(criu: &Criu) -> bool {
-    Command::new(criu.path())
+pub(super) fn nftables_supported(criu: &Path) -> bool {
+    Command::new(criu)
         .args(["check", "--feature", "nftables"])
         .stdin(Stdio::null())
         .stdout(Stdio::null())

@@ -28,6 +28,8 @@
 //! GPU work or the copy takes (seconds per GiB at worst): call them from a blocking thread.
 
 mod error;
+#[cfg(test)]
+pub mod fake;
 mod procs;
 mod sys;
 mod uuid;
@@ -39,7 +41,7 @@ use std::time::Instant;
 use tracing::{debug, info};
 
 pub use error::{CallTarget, CudaError, code, error_name};
-pub use procs::cuda_candidates;
+pub use procs::{cuda_candidates, nvidia_device_holders, open_gpu_minors, uuid_of_minor};
 pub use uuid::{GpuUuid, format_uuid, parse_uuid};
 
 /// One GPU as the CUDA driver sees it.

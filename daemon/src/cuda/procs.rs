@@ -15,24 +15,35 @@ use tracing::debug;
 /// `cuCheckpointProcessCheckpoint` the `/dev/nvidia*` descriptors are closed but libcuda stays
 /// mapped, so a checkpointed process still qualifies.
 pub fn cuda_candidates(pids: &[i32]) -> Vec<i32> {
+    matching(pids, maps_line_is_cuda)
+}
+
+/// Which of `pids` hold an NVIDIA device file, open or mapped (libcuda alone does not count):
+/// a child forked from a CUDA process holds them without a CUDA context of its own.
+pub fn nvidia_device_holders(pids: &[i32]) -> Vec<i32> {
+    matching(pids, maps_line_is_device)
+}
+
+/// Which of `pids` map a file `maps_line` accepts or hold an NVIDIA device descriptor.
+fn matching(pids: &[i32], maps_line: fn(&str) -> bool) -> Vec<i32> {
     let proc = Path::new("/proc");
     pids.iter()
         .copied()
-        .filter(|&pid| match uses_cuda(proc, pid) {
+        .filter(|&pid| match scan(proc, pid, maps_line) {
             Ok(yes) => yes,
             Err(err) => {
-                debug!(pid, %err, "cannot inspect process for CUDA");
+                debug!(pid, %err, "cannot inspect process for NVIDIA files");
                 false
             }
         })
         .collect()
 }
 
-fn uses_cuda(proc: &Path, pid: i32) -> io::Result<bool> {
+fn scan(proc: &Path, pid: i32, maps_line: fn(&str) -> bool) -> io::Result<bool> {
     let dir = proc.join(pid.to_string());
     let maps = fs::File::open(dir.join("maps"))?;
     for line in BufReader::new(maps).lines() {
-        if maps_line_is_cuda(&line?) {
+        if maps_line(&line?) {
             return Ok(true);
         }
     }
@@ -57,9 +68,38 @@ fn maps_line_is_cuda(line: &str) -> bool {
     file.starts_with("libcuda.so") || is_nvidia_device(path)
 }
 
+/// One line of `/proc/PID/maps` mapping an NVIDIA device file.
+fn maps_line_is_device(line: &str) -> bool {
+    line.splitn(6, ' ').nth(5).is_some_and(|path| is_nvidia_device(path.trim_start()))
+}
+
 /// `/dev/nvidia0`, `/dev/nvidiactl`, `/dev/nvidia-uvm`, `/dev/nvidia-caps/...`.
 fn is_nvidia_device(path: &str) -> bool {
     path.starts_with("/dev/nvidia")
+}
+
+/// The GPUs (by device minor number) that `pids` hold open as `/dev/nvidiaN`.
+pub fn open_gpu_minors(pids: &[i32]) -> Vec<u32> {
+    let mut minors: Vec<u32> = pids
+        .iter()
+        .filter_map(|pid| crate::linux::proc::fd_targets(*pid).ok())
+        .flatten()
+        .filter_map(|(_, target)| target.to_str()?.strip_prefix("/dev/nvidia")?.parse().ok())
+        .collect();
+    minors.sort_unstable();
+    minors.dedup();
+    minors
+}
+
+/// The UUID of the GPU with device minor `minor`, from the driver's /proc files.
+pub fn uuid_of_minor(minor: u32) -> Option<String> {
+    let dirs = std::fs::read_dir("/proc/driver/nvidia/gpus").ok()?;
+    dirs.filter_map(|d| std::fs::read_to_string(d.ok()?.path().join("information")).ok()).find_map(|info| {
+        let field = |name: &str| info.lines().find_map(|l| l.strip_prefix(name)).map(str::trim);
+        (field("Device Minor:")? == minor.to_string())
+            .then(|| field("GPU UUID:").map(str::to_string))
+            .flatten()
+    })
 }
 
 #[cfg(test)]
@@ -103,11 +143,18 @@ mod tests {
         let dir = root.path().join("42");
         fs::create_dir_all(dir.join("fd")).unwrap();
         fs::write(dir.join("maps"), "1000-2000 r--p 00000000 08:01 7 /usr/lib64/libcuda.so.1\n").unwrap();
-        assert!(uses_cuda(root.path(), 42).unwrap());
+        assert!(scan(root.path(), 42, maps_line_is_cuda).unwrap());
+        assert!(!scan(root.path(), 42, maps_line_is_device).unwrap(), "libcuda is no device file");
 
         fs::write(dir.join("maps"), "1000-2000 r--p 00000000 08:01 7 /usr/lib/libc.so.6\n").unwrap();
-        assert!(!uses_cuda(root.path(), 42).unwrap());
+        assert!(!scan(root.path(), 42, maps_line_is_cuda).unwrap());
         std::os::unix::fs::symlink("/dev/nvidiactl", dir.join("fd").join("3")).unwrap();
-        assert!(uses_cuda(root.path(), 42).unwrap());
+        assert!(scan(root.path(), 42, maps_line_is_cuda).unwrap());
+        assert!(scan(root.path(), 42, maps_line_is_device).unwrap());
+    }
+
+    #[test]
+    fn nothing_open_without_a_gpu() {
+        assert!(open_gpu_minors(&[std::process::id() as i32]).is_empty());
     }
 }

@@ -6,12 +6,11 @@ use std::os::fd::AsRawFd;
 
 use nix::sys::socket::{setsockopt, sockopt};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
 use std::time::Instant;
 
 use super::CheckpointError;
 use crate::criu::pageserver::{self, HeaderLayout, PageServerError};
-use crate::criu::{Criu, CriuError, CriuVersion, DumpSpec};
+use crate::criu::{CriuError, CriuOps, CriuVersion, DumpSpec};
 use crate::store::{Staged, Staging};
 
 /// Send and receive buffer of the page-server socketpair.
@@ -48,7 +47,7 @@ pub(super) struct Dump {
 /// Dumps `spec` (its images directory gets the non-page images) and stages its pages, at most
 /// `staging_limit` bytes of them in memory. Blocking.
 pub(super) fn dump(
-    criu: &Criu,
+    criu: &dyn CriuOps,
     version: CriuVersion,
     mut spec: DumpSpec,
     staging_limit: u64,
@@ -66,7 +65,7 @@ pub(super) fn dump(
         .map_err(|e| DumpFailure::Local("page-server thread", e))?;
     spec.page_server_fd = Some(theirs.as_raw_fd());
     let mut frozen_at = None;
-    let dumped = criu.dump(&spec, |script| {
+    let dumped = criu.dump(&spec, &mut |script| {
         if script == "pre-dump" {
             frozen_at = Some(Instant::now());
         }
@@ -85,14 +84,7 @@ pub(super) fn dump(
 
 /// A default bound for staged pages: a quarter of this machine's memory.
 pub fn default_staging_limit() -> u64 {
-    meminfo_total(Path::new("/proc/meminfo")).map(|total| total / 4).unwrap_or(1 << 30)
-}
-
-fn meminfo_total(path: &Path) -> Option<u64> {
-    let text = std::fs::read_to_string(path).ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    crate::linux::proc::memory_total().map(|total| total / 4).unwrap_or(1 << 30)
 }
 
 #[cfg(test)]
@@ -101,8 +93,7 @@ mod tests {
 
     #[test]
     fn staging_default_is_a_quarter_of_memory() {
-        let total = meminfo_total(Path::new("/proc/meminfo")).unwrap();
+        let total = crate::linux::proc::memory_total().unwrap();
         assert_eq!(default_staging_limit(), total / 4);
-        assert!(meminfo_total(Path::new("/nonexistent")).is_none());
     }
 }

@@ -177,18 +177,19 @@ impl Engine {
         pids: &[i32],
         progress: &ProgressFn,
     ) -> Result<Option<Suspended>, CheckpointError> {
-        let candidates = cuda::cuda_candidates(pids);
+        let candidates = self.host.cuda_candidates(pids);
         if candidates.is_empty() {
             return Ok(None);
         }
         let gpu = self.gpu.clone().ok_or_else(|| GpuError::NoDriver(candidates.clone()))?;
         progress(ProgressUpdate { phase: "gpu checkpoint", done: 0, total: 0 });
+        let host = self.host.clone();
         let suspended = tokio::task::spawn_blocking(move || {
             let (users, others): (Vec<i32>, Vec<i32>) =
                 candidates.into_iter().partition(|p| gpu.state(*p).is_ok_and(|s| s.is_some()));
             // Children forked from a CUDA process keep its device files without a context of
             // their own; CRIU cannot dump those, so refuse before anything is frozen.
-            let orphans: Vec<i32> = others.into_iter().filter(|p| holds_nvidia_files(*p)).collect();
+            let orphans = host.nvidia_device_holders(&others);
             if !orphans.is_empty() {
                 return Err(GpuError::DeviceFilesWithoutContext(orphans));
             }
@@ -219,9 +220,9 @@ impl Engine {
 /// The GPUs the CUDA processes have open (all GPUs when that cannot be told), for the manifest.
 fn gpu_devices(gpu: &Arc<dyn cuda::GpuCheckpointer>, pids: &[i32]) -> Vec<GpuDevice> {
     let all = gpu.gpus().unwrap_or_default();
-    let open: Vec<cuda::GpuUuid> = super::gpu_map::open_gpu_minors(pids)
+    let open: Vec<cuda::GpuUuid> = cuda::open_gpu_minors(pids)
         .into_iter()
-        .filter_map(|m| cuda::parse_uuid(&super::gpu_map::uuid_of_minor(m)?).ok())
+        .filter_map(|m| cuda::parse_uuid(&cuda::uuid_of_minor(m)?).ok())
         .collect();
     all.into_iter()
         .filter(|g| open.is_empty() || open.contains(&g.uuid))
@@ -229,18 +230,10 @@ fn gpu_devices(gpu: &Arc<dyn cuda::GpuCheckpointer>, pids: &[i32]) -> Vec<GpuDev
         .collect()
 }
 
-/// Whether `pid` has an NVIDIA device file open or mapped.
-fn holds_nvidia_files(pid: i32) -> bool {
-    let open = proc::fd_targets(pid).is_ok_and(|fds| fds.iter().any(|(_, t)| t.starts_with("/dev/nvidia")));
-    open || proc::mapped_paths(pid).iter().any(|p| p.starts_with("/dev/nvidia"))
-}
-
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-
     use super::*;
-    use crate::cuda::GpuInfo;
+    use crate::cuda::fake::FakeGpu;
 
     #[test]
     fn new_ranges_are_what_the_checkpoint_added() {
@@ -251,61 +244,9 @@ mod tests {
         assert!(new_ranges(&before, &before).is_empty());
     }
 
-    /// A driver that records calls and fails the checkpoint of one pid.
-    #[derive(Default)]
-    struct Fake {
-        calls: Mutex<Vec<String>>,
-        fail_checkpoint_of: Option<i32>,
-        states: Mutex<std::collections::HashMap<i32, ProcessState>>,
-    }
-
-    impl Fake {
-        fn log(&self, call: &str, pid: i32, to: Option<ProcessState>) {
-            self.calls.lock().unwrap().push(format!("{call} {pid}"));
-            if let Some(s) = to {
-                self.states.lock().unwrap().insert(pid, s);
-            }
-        }
-    }
-
-    impl GpuCheckpointer for Fake {
-        fn driver_version(&self) -> i32 {
-            13000
-        }
-        fn gpus(&self) -> Result<Vec<GpuInfo>, CudaError> {
-            Ok(Vec::new())
-        }
-        fn state(&self, pid: i32) -> Result<Option<ProcessState>, CudaError> {
-            Ok(Some(*self.states.lock().unwrap().get(&pid).unwrap_or(&ProcessState::Running)))
-        }
-        fn lock(&self, pid: i32, _timeout_ms: u32) -> Result<(), CudaError> {
-            self.log("lock", pid, Some(ProcessState::Locked));
-            Ok(())
-        }
-        fn checkpoint(&self, pid: i32) -> Result<(), CudaError> {
-            if self.fail_checkpoint_of == Some(pid) {
-                return Err(CudaError::Unsupported { reason: "injected".into() });
-            }
-            self.log("checkpoint", pid, Some(ProcessState::Checkpointed));
-            Ok(())
-        }
-        fn restore(
-            &self,
-            pid: i32,
-            _pairs: &[(crate::cuda::GpuUuid, crate::cuda::GpuUuid)],
-        ) -> Result<(), CudaError> {
-            self.log("restore", pid, Some(ProcessState::Locked));
-            Ok(())
-        }
-        fn unlock(&self, pid: i32) -> Result<(), CudaError> {
-            self.log("unlock", pid, Some(ProcessState::Running));
-            Ok(())
-        }
-    }
-
     #[test]
     fn a_failed_checkpoint_leaves_every_process_running_and_unlocked() {
-        let fake = Arc::new(Fake { fail_checkpoint_of: Some(2), ..Default::default() });
+        let fake = Arc::new(FakeGpu { fail_checkpoint_of: Some(2), ..Default::default() });
         let gpu: Arc<dyn GpuCheckpointer> = fake.clone();
         let err = suspend(&gpu, &[1, 2]).unwrap_err();
         assert!(matches!(err, GpuError::Suspend { pid: 2, .. }));
@@ -320,7 +261,7 @@ mod tests {
 
     #[test]
     fn suspend_then_resume_round_trip() {
-        let fake = Arc::new(Fake::default());
+        let fake = Arc::new(FakeGpu::default());
         let gpu: Arc<dyn GpuCheckpointer> = fake.clone();
         let s = suspend(&gpu, &[7]).unwrap();
         assert_eq!(s.pids, [7]);

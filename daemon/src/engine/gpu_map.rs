@@ -84,30 +84,6 @@ fn fits(recorded: &GpuDevice, target: &GpuInfo) -> bool {
     recorded.name == target.name && target.total_memory >= recorded.total_memory
 }
 
-/// The GPUs (by device minor number) that `pids` hold open as `/dev/nvidiaN`.
-pub fn open_gpu_minors(pids: &[i32]) -> Vec<u32> {
-    let mut minors: Vec<u32> = pids
-        .iter()
-        .filter_map(|pid| crate::linux::proc::fd_targets(*pid).ok())
-        .flatten()
-        .filter_map(|(_, target)| target.to_str()?.strip_prefix("/dev/nvidia")?.parse().ok())
-        .collect();
-    minors.sort_unstable();
-    minors.dedup();
-    minors
-}
-
-/// The UUID of the GPU with device minor `minor`, from the driver's /proc files.
-pub fn uuid_of_minor(minor: u32) -> Option<String> {
-    let dirs = std::fs::read_dir("/proc/driver/nvidia/gpus").ok()?;
-    dirs.filter_map(|d| std::fs::read_to_string(d.ok()?.path().join("information")).ok()).find_map(|info| {
-        let field = |name: &str| info.lines().find_map(|l| l.strip_prefix(name)).map(str::trim);
-        (field("Device Minor:")? == minor.to_string())
-            .then(|| field("GPU UUID:").map(str::to_string))
-            .flatten()
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -162,10 +138,5 @@ mod tests {
             plan(&[recorded(9, "B200", 180)], &node, &[]),
             Err(GpuMapError::NoCandidate { .. })
         ));
-    }
-
-    #[test]
-    fn nothing_open_without_a_gpu() {
-        assert!(open_gpu_minors(&[std::process::id() as i32]).is_empty());
     }
 }

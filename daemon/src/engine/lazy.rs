@@ -57,10 +57,14 @@ pub enum LazyError {
     Start(#[source] CriuError),
     #[error("serving memory to CRIU's lazy-pages daemon failed")]
     Serve(#[source] PageServerError),
-    #[error("CRIU's lazy-pages daemon ended with {exit:?} before all memory was in{}", log_suffix(.log_tail))]
+    #[error("CRIU's lazy-pages daemon ended ({}) before all memory was in{}", exit_text(.exit), log_suffix(.log_tail))]
     Daemon { exit: Option<ExitKind>, log_tail: String },
     #[error("the tree could not be guarded, so it was not let run: {0}")]
     Guard(String),
+}
+
+fn exit_text(exit: &Option<ExitKind>) -> String {
+    exit.map_or_else(|| "no exit status".into(), |e| e.to_string())
 }
 
 fn log_suffix(tail: &str) -> String {
@@ -77,7 +81,12 @@ pub(super) struct LazySession {
     served: Arc<AtomicU64>,
     total: u64,
     guard: FaultGuard,
+    /// Kills the restored tree (and whatever it started since).
+    kill: KillTree,
 }
+
+/// Kills a restored tree: the processes of the checkpoint and whatever each started since.
+pub(super) type KillTree = Arc<dyn Fn() + Send + Sync>;
 
 /// Started at CRIU's "pre-resume" notification (every task's userfaultfd is with the
 /// lazy-pages daemon and the tree does not run yet): a `stasis-lazy-guard` process holding
@@ -245,14 +254,6 @@ impl PageSource for Served {
     }
 }
 
-/// Kills the restored tree: the processes of the checkpoint (restored under their old pids)
-/// and whatever each of them started since.
-pub(super) fn kill_tree(pids: &[i32]) {
-    let mut all: Vec<i32> = pids.iter().flat_map(|p| proc::process_tree(*p).unwrap_or_default()).collect();
-    all.extend(pids);
-    proc::signal_all(&all, Signal::SIGKILL);
-}
-
 impl Engine {
     /// Starts serving `memory` for a restore from `dir`: the prefetcher, our page server and
     /// CRIU's lazy-pages daemon, which is ready for the restore when this returns.
@@ -261,6 +262,7 @@ impl Engine {
         manifest: &Manifest,
         dir: &std::path::Path,
         memory: LazyMemory,
+        kill: KillTree,
     ) -> Result<LazySession, LazyError> {
         let total = memory.bytes();
         let (ours, theirs): (OwnedFd, OwnedFd) =
@@ -271,7 +273,7 @@ impl Engine {
         let served = Arc::new(AtomicU64::new(0));
         let layout = HeaderLayout::for_version(self.criu_version.major, self.criu_version.minor);
         let server = {
-            let (armed, manifest) = (armed.clone(), manifest.clone());
+            let (armed, kill) = (armed.clone(), kill.clone());
             let mut source = Served { reader, served: served.clone() };
             tokio::task::spawn_blocking(move || {
                 let mut conn = UnixStream::from(ours);
@@ -280,7 +282,7 @@ impl Engine {
                     && armed.load(Ordering::SeqCst)
                 {
                     warn!(error = %crate::error_chain(e), "lazy restore failed: killing the restored tree");
-                    kill_tree(&manifest.pids);
+                    kill();
                 }
                 // Only now may the daemon see the connection close.
                 drop(conn);
@@ -309,7 +311,7 @@ impl Engine {
                     started: Default::default(),
                     failure: Default::default(),
                 };
-                Ok(LazySession { daemon, fetch, server, armed, served, total, guard })
+                Ok(LazySession { daemon, fetch, server, armed, served, total, guard, kill })
             }
             Err(e) => {
                 fetch.stop();
@@ -336,7 +338,7 @@ impl LazySession {
         // A tree already let run (the guard started) is killed here; CRIU removes one it
         // could not restore.
         if let Some(guard) = self.guard.take() {
-            kill_tree(&self.guard.pids);
+            (self.kill)();
             guard.release();
         }
         let _ = nix::sys::signal::kill(Pid::from_raw(self.daemon.pid), Signal::SIGKILL);
@@ -351,19 +353,13 @@ impl LazySession {
     pub(super) fn watch(
         self,
         reaper: Reaper,
-        manifest: Manifest,
         progress: ProgressFn,
     ) -> tokio::task::JoinHandle<Result<(u64, Instant), LazyError>> {
-        tokio::spawn(async move { self.finish(&reaper, &manifest, &progress).await })
+        tokio::spawn(async move { self.finish(&reaper, &progress).await })
     }
 
-    async fn finish(
-        self,
-        reaper: &Reaper,
-        manifest: &Manifest,
-        progress: &ProgressFn,
-    ) -> Result<(u64, Instant), LazyError> {
-        let LazySession { daemon, fetch, mut server, served, total, guard, .. } = self;
+    async fn finish(self, reaper: &Reaper, progress: &ProgressFn) -> Result<(u64, Instant), LazyError> {
+        let LazySession { daemon, fetch, mut server, served, total, guard, kill, .. } = self;
         let served_result = loop {
             progress(ProgressUpdate { phase: "memory", done: served.load(Ordering::Relaxed), total });
             tokio::select! {
@@ -397,7 +393,7 @@ impl LazySession {
             }
         };
         if outcome.is_err() {
-            kill_tree(&manifest.pids);
+            kill();
         }
         if let Some(guard) = guard.take() {
             guard.release();

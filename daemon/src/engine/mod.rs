@@ -9,13 +9,17 @@ mod dump;
 mod error;
 mod gpu;
 mod gpu_map;
+mod host;
 mod ids;
 mod inspect;
 mod lazy;
 mod query;
 mod restore;
+#[cfg(test)]
+mod rollback_tests;
 mod run;
 mod sockets;
+mod start;
 mod state;
 mod workloads;
 
@@ -31,14 +35,14 @@ pub use query::{CheckpointSummary, StatusReport};
 pub use restore::{RestoreOutcome, RestoreParams, RestoreStats, RestoreTarget};
 pub use run::{RunOutcome, RunParams};
 use tokio_util::task::TaskTracker;
-use tracing::{info, warn};
 pub use workloads::Workload;
 
-use crate::criu::{Criu, CriuVersion, MIN_VERSION, NetworkLock, support};
-use crate::cuda::{CudaDriver, CudaError, GpuCheckpointer};
+use crate::criu::{CriuOps, CriuVersion, NetworkLock};
+use crate::cuda::GpuCheckpointer;
 use crate::linux::cgroup::WorkloadCgroup;
 use crate::linux::reaper::Reaper;
 use crate::store::Store;
+use host::Host;
 use state::StateDir;
 use workloads::Registry;
 
@@ -59,7 +63,7 @@ pub struct EngineConfig {
     pub store_retry: std::time::Duration,
     /// How lazy restores fetch memory.
     pub lazy: crate::store::FetchSettings,
-    /// The network lock to use; `None` picks one (see [`support::choose_network_lock`]).
+    /// The network lock to use; `None` picks one (see [`crate::criu::support::choose_network_lock`]).
     pub network_lock: Option<NetworkLock>,
 }
 
@@ -76,7 +80,9 @@ pub type ProgressFn = Arc<dyn Fn(ProgressUpdate) + Send + Sync>;
 
 /// The checkpoint/restore engine of one node.
 pub struct Engine {
-    criu: Criu,
+    criu: Arc<dyn CriuOps>,
+    /// The kernel, as the jobs see it.
+    host: Arc<dyn Host>,
     criu_version: CriuVersion,
     /// Whether this CRIU can dump network sockets on this kernel (`Err(why)` if not).
     network_sockets: Result<(), String>,
@@ -98,106 +104,10 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Checks CRIU, opens the store and the state directory, becomes the reaper of restored
-    /// trees, and removes what an interrupted previous run left behind.
-    pub async fn start(config: EngineConfig) -> Result<Arc<Self>, StartError> {
-        let criu = Criu::new(&config.criu_path);
-        if !config.criu_path.exists() {
-            return Err(StartError::CriuMissing(config.criu_path));
-        }
-        let state = StateDir::open(&config.state_dir)
-            .map_err(|source| StartError::State { path: config.state_dir.clone(), source })?;
-        let criu_version = {
-            let criu = criu.clone();
-            let version = tokio::task::spawn_blocking(move || criu.version()).await;
-            version.map_err(StartError::Task)?
-        }
-        .map_err(|source| StartError::CriuUnusable { path: config.criu_path.clone(), source })?;
-        if criu_version < MIN_VERSION {
-            return Err(StartError::CriuTooOld { path: config.criu_path, version: criu_version });
-        }
-        let check_dir = state
-            .new_work_dir("criu-check")
-            .map_err(|source| StartError::State { path: config.state_dir.clone(), source })?;
-        {
-            let (criu, dir) = (criu.clone(), check_dir.path().to_path_buf());
-            tokio::task::spawn_blocking(move || criu.check(&dir))
-                .await
-                .map_err(StartError::Task)?
-                .map_err(|source| StartError::CriuCheck { path: config.criu_path.clone(), source })?;
-        }
-        drop(check_dir);
-        let network_sockets = support::network_sockets(criu_version, &crate::linux::proc::kernel_release());
-        let network_lock = {
-            let criu = criu.clone();
-            let forced = config.network_lock;
-            tokio::task::spawn_blocking(move || support::choose_network_lock(&criu, forced))
-                .await
-                .map_err(StartError::Task)?
-        };
-        if let (Some(lock), Err(why)) = (config.network_lock, &network_lock) {
-            return Err(StartError::NetworkLock { lock: lock.name(), why: why.clone() });
-        }
-        match (&network_sockets, &network_lock) {
-            (Ok(()), Ok(lock)) => info!(network_lock = lock.name(), "sockets supported"),
-            (Err(why), _) => warn!(reason = %why, "trees holding network sockets will be refused"),
-            (_, Err(why)) => warn!(reason = %why, "trees holding TCP connections will be refused"),
-        }
-        let store =
-            Store::open(&config.store_url, config.store_retry)?.with_node_tag(&node_tag(&config.state_dir));
-        let registry = Registry::load(&state.registry_file())
-            .map_err(|source| StartError::State { path: state.registry_file(), source })?;
-        let reaper = Reaper::start().map_err(StartError::Reaper)?;
-        let engine = Self {
-            criu,
-            criu_version,
-            network_sockets,
-            network_lock,
-            store,
-            state,
-            registry,
-            reaper,
-            jobs: TaskTracker::new(),
-            staging_limit: config.staging_limit.unwrap_or_else(dump::default_staging_limit),
-            gpu: load_gpu(),
-            keep_last: config.keep_last,
-            gc_grace: config.gc_grace,
-            lazy: config.lazy,
-            workload_locks: Default::default(),
-        };
-        engine.recover().await;
-        info!(criu = %engine.criu.path().display(), version = %criu_version, store = %config.store_url, "engine ready");
-        Ok(Arc::new(engine))
-    }
-
     /// Removes the cgroup of a workload whose tree is gone (CRIU recreates it on restore).
     fn release_cgroup(&self, workload: &str) {
         if let Some(path) = self.registry.get(workload).and_then(|w| w.cgroup) {
             WorkloadCgroup { path }.remove_if_empty();
-        }
-    }
-
-    /// Removes work directories, cgroups of workloads that are gone, and the packs of uploads
-    /// that a crash interrupted.
-    async fn recover(&self) {
-        for w in self.registry.all().iter().filter(|w| !crate::linux::proc::is_running(w.pid)) {
-            self.release_cgroup(&w.name);
-        }
-        if let Err(e) = self.state.clear_work() {
-            warn!(error = %e, "cannot clear old work directories");
-        }
-        let interrupted = self.state.inflight().unwrap_or_default();
-        if interrupted.is_empty() {
-            return;
-        }
-        match self.store.gc(None, self.gc_grace, true).await {
-            Ok(report) => {
-                info!(checkpoints = ?interrupted, packs = report.packs_deleted, "removed data of interrupted checkpoints");
-                interrupted.iter().for_each(|id| self.state.clear_inflight(id));
-            }
-            Err(e) => {
-                warn!(error = %e, "cannot remove data of interrupted checkpoints; the next start retries")
-            }
         }
     }
 
@@ -209,29 +119,5 @@ impl Engine {
     async fn lock_workload(&self, name: &str) -> tokio::sync::OwnedMutexGuard<()> {
         let lock = self.workload_locks.lock().await.entry(name.to_string()).or_default().clone();
         lock.lock_owned().await
-    }
-}
-
-/// A short tag for this node (host name and state directory), prefixed to its pack ids.
-fn node_tag(state_dir: &std::path::Path) -> String {
-    let seed = format!("{}:{}", crate::linux::proc::node_name(), state_dir.display());
-    hex::encode(&blake3::hash(seed.as_bytes()).as_bytes()[..4])
-}
-
-/// Loads the NVIDIA driver's checkpoint API; without a driver stasis checkpoints CPU-only trees.
-fn load_gpu() -> Option<Arc<dyn GpuCheckpointer>> {
-    match CudaDriver::load() {
-        Ok(driver) => {
-            info!(driver = driver.driver_version(), "GPU checkpointing available");
-            Some(Arc::new(driver))
-        }
-        Err(CudaError::NotInstalled { .. }) => {
-            info!("no NVIDIA driver: GPU checkpointing unavailable");
-            None
-        }
-        Err(e) => {
-            warn!(error = %e, "NVIDIA driver unusable for checkpointing");
-            None
-        }
     }
 }

@@ -3,7 +3,6 @@
 use super::ids::valid_checkpoint_id;
 use super::{Engine, QueryError, Workload};
 use crate::criu::images::{pagemap_file_name, pages_file_name};
-use crate::linux::proc;
 use crate::store::Manifest;
 use crate::store::{GcReport, Retention};
 
@@ -125,7 +124,7 @@ impl Engine {
             daemon_version: env!("CARGO_PKG_VERSION").into(),
             criu_version: self.criu_version.to_string(),
             criu_path: self.criu.path().display().to_string(),
-            kernel: proc::kernel_release(),
+            kernel: self.host.kernel_release(),
             gpu_support: match &self.gpu {
                 Some(gpu) => match gpu.gpus() {
                     Ok(gpus) => format!(
@@ -153,7 +152,7 @@ impl Engine {
                 .all()
                 .into_iter()
                 .map(|w| {
-                    let running = proc::is_running(w.pid);
+                    let running = self.host.is_running(w.pid);
                     (w, running)
                 })
                 .collect(),

@@ -1,31 +1,34 @@
 //! The restore job: fetch and verify the checkpoint, then let CRIU recreate the tree.
 //!
 //! ```text
-//! manifest (verified) -> process ids free? -> download images (size + BLAKE3 checked)
-//!   -> CRIU restore (the root becomes stasisd's child) -> workload registry updated
+//! manifest (verified) -> preflight: pids free, ports and addresses, GPUs placed
+//!   -> download images (size + BLAKE3 checked; a lazy restore leaves memory in the store)
+//!   -> CRIU restore (the root becomes stasisd's child) -> GPU state back -> registry updated
+//!   -> lazy: wait until every page is resident
 //! ```
-//! CRIU kills a tree it could not restore completely, so a failed restore leaves nothing
-//! running.
+//! Nothing partly restored is left running: CRIU kills a tree it could not restore, and a
+//! failure after CRIU's restore kills the tree ([`Restored`], and the lazy session).
 
+use std::os::fd::OwnedFd;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use nix::sys::signal::Signal;
 use tracing::{info, instrument, warn};
 
 use super::checkpoint::tree_options;
 use super::gpu::{self, GpuError};
 use super::gpu_map;
 use super::ids::valid_checkpoint_id;
+use super::lazy::{FaultGuard, KillTree, LazyError, LazySession};
+use super::sockets::{self, needs_network_support};
 use super::workloads::Workload;
 use super::{Engine, ProgressFn, ProgressUpdate, RestoreError};
-use crate::cuda::GpuUuid;
-use std::os::fd::OwnedFd;
-
-use super::lazy::{FaultGuard, LazySession};
-use super::sockets;
 use crate::criu::RestoreSpec;
+use crate::cuda::GpuUuid;
 use crate::linux::pty;
-use crate::store::{Manifest, MemoryMode};
+use crate::store::{LazyMemory, Manifest, MemoryMode};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RestoreTarget {
@@ -125,127 +128,178 @@ impl Engine {
     ) -> Result<RestoreOutcome, RestoreError> {
         let started = Instant::now();
         let manifest = self.find_manifest(&params.target).await?;
-        let id = manifest.id.clone();
         let _guard = self.lock_workload(&manifest.workload).await;
-        let busy = self.reaper.wait_gone(&manifest.pids, PIDS_FREE_WAIT).await;
-        if !busy.is_empty() {
-            return Err(RestoreError::PidsInUse { id, pids: busy });
-        }
-        let warnings = sockets::check_restore(&manifest.sockets, params.tcp_close)
-            .map_err(|reason| RestoreError::Sockets { id: id.clone(), reason })?;
-        for warning in &warnings {
-            warn!(checkpoint = %id, "{warning}");
-        }
-        let gpu_pairs = self.place_gpus(&manifest, &params.gpu_map)?;
-        let local = |what| move |source| RestoreError::Local { what, source };
+        let preflight = self.preflight(&manifest, &params.gpu_map, params.tcp_close).await?;
         let bytes = manifest.stats.map(|s| s.bytes_total).unwrap_or_default();
         let work = self.state.new_restore_dir(bytes).map_err(local("restore scratch directory"))?;
-
-        let report: crate::store::Progress = {
-            let progress = progress.clone();
-            Arc::new(move |done, total| progress(ProgressUpdate { phase: "download", done, total }))
-        };
         // Packs stay out of garbage collection's reach until every page is in.
-        let guard = self.store.begin_commit().await;
-        let mode = match params.lazy {
-            true => MemoryMode::Lazy { eager: &manifest.gpu_host_memory },
-            false => MemoryMode::Eager,
-        };
-        let (bytes_fetched, memory) = self.store.materialize_as(&manifest, work.path(), mode, report).await?;
+        let commit_guard = self.store.begin_commit().await;
+        let (bytes_fetched, memory) =
+            self.fetch_images(&manifest, work.path(), params.lazy, &progress).await?;
         let fetched = Instant::now();
-        let tree = tree_options(&manifest.options.clone().unwrap_or_default());
-        let inherit_fds =
-            self.replacement_terminals(&manifest.workload, &tree.external).map_err(local("terminal"))?;
+        let kill: KillTree = {
+            let (host, pids) = (self.host.clone(), manifest.pids.clone());
+            Arc::new(move || host.signal(&host.trees(&pids), Signal::SIGKILL))
+        };
         let session = match memory.is_empty() {
             true => None,
             false => Some(
-                self.start_lazy(&manifest, work.path(), memory)
+                self.start_lazy(&manifest, work.path(), memory, kill.clone())
                     .await
-                    .map_err(|source| RestoreError::LazyStart { id: id.clone(), source })?,
+                    .map_err(|source| RestoreError::LazyStart { id: manifest.id.clone(), source })?,
             ),
         };
-
-        progress(ProgressUpdate { phase: "restore", done: 0, total: 0 });
-        let images_dir = work.path().to_path_buf();
-        let spec = RestoreSpec {
-            images_dir,
-            tree,
-            inherit_fds,
-            lazy_pages: session.is_some(),
-            tcp_close: params.tcp_close,
-        };
-        session.iter().for_each(LazySession::arm);
-        let criu = self.criu.clone();
-        let faults = session.as_ref().map(LazySession::fault_guard);
-        let on_notify = {
-            let faults = faults.clone();
-            move |script: &str| match faults.as_ref().filter(|_| script == "pre-resume") {
-                Some(faults) => faults.start(),
-                None => Ok(()),
-            }
-        };
-        let restored = tokio::task::spawn_blocking(move || criu.restore(&spec, on_notify))
-            .await
-            .map_err(|e| local("restore thread")(std::io::Error::other(e)))
-            .and_then(|r| r.map_err(|source| RestoreError::Criu { id: id.clone(), source }));
-        let pid = match restored {
-            Ok(pid) => pid,
-            Err(e) => {
-                if let Some(session) = session {
-                    session.abort();
-                }
-                return Err(e);
-            }
-        };
-        if let Some(reason) = faults.as_ref().and_then(FaultGuard::not_started) {
-            // CRIU only logs a failed notification and lets the tree run: stop it.
-            super::lazy::kill_tree(&manifest.pids);
-            if let Some(session) = session {
-                session.abort();
-            }
-            let source = super::lazy::LazyError::Guard(reason);
-            return Err(RestoreError::Lazy { id, pid, source });
-        }
-        let watch = session.map(|s| s.watch(self.reaper.clone(), manifest.clone(), progress.clone()));
-        // On failure this kills the tree; the lazy session then ends by itself.
-        let gpu_restore_ms = self.reattach_gpu(&manifest, gpu_pairs, &progress).await?;
-        let first_run_ms = started.elapsed().as_millis() as u64;
-        let mut stats = RestoreStats {
+        let (pid, session) =
+            self.run_criu(&manifest, work.path(), params.tcp_close, session, &progress).await?;
+        let mut restored = Restored { kill, armed: true };
+        let watch = session.map(|s| s.watch(self.reaper.clone(), progress.clone()));
+        let gpu_restore_ms = self.reattach_gpu(&manifest, preflight.gpu_pairs, &progress).await?;
+        restored.armed = false;
+        let first_run_ms = ms(started.elapsed());
+        let stats = RestoreStats {
             restore_ms: first_run_ms,
-            fetch_ms: (fetched - started).as_millis() as u64,
-            criu_ms: fetched.elapsed().as_millis() as u64,
+            fetch_ms: ms(fetched - started),
+            criu_ms: ms(fetched.elapsed()),
             bytes_fetched,
             gpu_restore_ms,
             first_run_ms,
             resident_ms: first_run_ms,
             lazy: params.lazy,
         };
-        self.remember_restore(&manifest, pid).map_err(local("workload registry update"))?;
-        let outcome = |stats| RestoreOutcome {
-            id: id.clone(),
+        self.remember_restore(&manifest, pid);
+        let outcome = RestoreOutcome {
+            id: manifest.id.clone(),
             workload: manifest.workload.clone(),
             pid,
             stats,
-            warnings: warnings.clone(),
+            warnings: preflight.warnings,
         };
-        if let Some(watch) = watch {
-            info!(checkpoint = %id, pid, first_run_ms, "lazily restored tree runs");
-            if let Some(notify) = params.on_running {
-                notify(outcome(stats.clone()));
-            }
-            let watched = watch.await.map_err(|e| local("lazy restore task")(std::io::Error::other(e)))?;
-            let (lazy_bytes, resident_at) =
-                watched.map_err(|source| RestoreError::Lazy { id: id.clone(), pid, source })?;
-            stats.bytes_fetched += lazy_bytes;
-            stats.resident_ms = (resident_at - started).as_millis() as u64;
+        let outcome = match watch {
+            Some(watch) => self.wait_resident(outcome, watch, started, params.on_running).await?,
+            None => outcome,
+        };
+        drop(commit_guard);
+        info!(checkpoint = %outcome.id, workload = %outcome.workload, pid, stats = ?outcome.stats, "restored");
+        Ok(outcome)
+    }
+
+    /// Checks, before anything is restored, that this node can take the checkpoint: its pids
+    /// free, its sockets' ports and addresses, its GPUs.
+    async fn preflight(
+        &self,
+        manifest: &Manifest,
+        gpu_map: &[(GpuUuid, GpuUuid)],
+        tcp_close: bool,
+    ) -> Result<Preflight, RestoreError> {
+        let id = manifest.id.clone();
+        let busy = self.reaper.wait_gone(&manifest.pids, PIDS_FREE_WAIT).await;
+        if !busy.is_empty() {
+            return Err(RestoreError::PidsInUse { id, pids: busy });
         }
-        drop(guard);
-        info!(checkpoint = %id, workload = %manifest.workload, pid, ?stats, "restored");
-        Ok(outcome(stats))
+        let warnings = sockets::check_restore(&manifest.sockets, tcp_close)
+            .map_err(|reason| RestoreError::Sockets { id: id.clone(), reason })?;
+        if needs_network_support(&manifest.sockets)
+            && let Err(why) = &self.network_sockets
+        {
+            let reason = format!("the checkpoint holds network sockets, and {why}");
+            return Err(RestoreError::Sockets { id, reason });
+        }
+        for warning in &warnings {
+            warn!(checkpoint = %id, warning = %warning, "the restored tree will notice");
+        }
+        let gpu_pairs = self.place_gpus(manifest, gpu_map)?;
+        Ok(Preflight { warnings, gpu_pairs })
+    }
+
+    /// Writes the checkpoint's images into `dir`; a lazy restore leaves the memory it can
+    /// serve later in the store and returns it.
+    async fn fetch_images(
+        &self,
+        manifest: &Manifest,
+        dir: &Path,
+        lazy: bool,
+        progress: &ProgressFn,
+    ) -> Result<(u64, LazyMemory), RestoreError> {
+        let report: crate::store::Progress = {
+            let progress = progress.clone();
+            Arc::new(move |done, total| progress(ProgressUpdate { phase: "download", done, total }))
+        };
+        let mode = match lazy {
+            true => MemoryMode::Lazy { eager: &manifest.gpu_host_memory },
+            false => MemoryMode::Eager,
+        };
+        Ok(self.store.materialize_as(manifest, dir, mode, report).await?)
+    }
+
+    /// Lets CRIU restore the tree from `dir` (serving lazy memory through `session`); returns
+    /// the restored root's pid. A failure leaves nothing running: CRIU removes a tree it could
+    /// not restore, and one whose fault guard did not start is killed.
+    async fn run_criu(
+        &self,
+        manifest: &Manifest,
+        dir: &Path,
+        tcp_close: bool,
+        session: Option<LazySession>,
+        progress: &ProgressFn,
+    ) -> Result<(i32, Option<LazySession>), RestoreError> {
+        let id = manifest.id.clone();
+        let tree = tree_options(&manifest.options.clone().unwrap_or_default());
+        let inherit_fds =
+            self.replacement_terminals(&manifest.workload, &tree.external).map_err(local("terminal"))?;
+        progress(ProgressUpdate { phase: "restore", done: 0, total: 0 });
+        let lazy_pages = session.is_some();
+        let spec = RestoreSpec { images_dir: dir.to_path_buf(), tree, inherit_fds, lazy_pages, tcp_close };
+        session.iter().for_each(LazySession::arm);
+        let faults = session.as_ref().map(LazySession::fault_guard);
+        let mut on_notify = {
+            let faults = faults.clone();
+            move |script: &str| match faults.as_ref().filter(|_| script == "pre-resume") {
+                Some(faults) => faults.start(),
+                None => Ok(()),
+            }
+        };
+        let criu = self.criu.clone();
+        let restored = tokio::task::spawn_blocking(move || criu.restore(&spec, &mut on_notify))
+            .await
+            .map_err(|e| local("restore thread")(std::io::Error::other(e)))
+            .and_then(|r| r.map_err(|source| RestoreError::Criu { id: id.clone(), source }));
+        let unguarded = faults.as_ref().and_then(FaultGuard::not_started);
+        match (restored, unguarded) {
+            (Ok(pid), None) => Ok((pid, session)),
+            (Ok(pid), Some(reason)) => {
+                // CRIU only logs a failed notification and lets the tree run: abort kills it.
+                session.into_iter().for_each(LazySession::abort);
+                Err(RestoreError::Lazy { id, pid, source: LazyError::Guard(reason) })
+            }
+            (Err(e), _) => {
+                session.into_iter().for_each(LazySession::abort);
+                Err(e)
+            }
+        }
+    }
+
+    /// Reports a lazily restored tree running, then waits until its memory is resident.
+    async fn wait_resident(
+        &self,
+        mut outcome: RestoreOutcome,
+        watch: tokio::task::JoinHandle<Result<(u64, Instant), LazyError>>,
+        started: Instant,
+        on_running: Option<Box<dyn FnOnce(RestoreOutcome) + Send>>,
+    ) -> Result<RestoreOutcome, RestoreError> {
+        info!(checkpoint = %outcome.id, pid = outcome.pid, first_run_ms = outcome.stats.first_run_ms, "lazily restored tree runs");
+        if let Some(notify) = on_running {
+            notify(outcome.clone());
+        }
+        let watched = watch.await.map_err(|e| local("lazy restore task")(std::io::Error::other(e)))?;
+        let (id, pid) = (outcome.id.clone(), outcome.pid);
+        let (lazy_bytes, resident_at) = watched.map_err(|source| RestoreError::Lazy { id, pid, source })?;
+        outcome.stats.bytes_fetched += lazy_bytes;
+        outcome.stats.resident_ms = ms(resident_at - started);
+        Ok(outcome)
     }
 
     /// Puts the device memory of the restored CUDA processes back and unlocks them. On failure
-    /// the restored tree is killed: a job without its GPU state must not run on.
+    /// the caller's [`Restored`] kills the tree: a job without its GPU state must not run on.
     async fn reattach_gpu(
         &self,
         manifest: &Manifest,
@@ -256,9 +310,7 @@ impl Engine {
             return Ok(0);
         }
         let id = manifest.id.clone();
-        let kill = |pids: &[i32]| crate::linux::proc::signal_all(pids, nix::sys::signal::Signal::SIGKILL);
         let Some(gpu) = self.gpu.clone() else {
-            kill(&manifest.pids);
             return Err(RestoreError::Gpu { id, source: GpuError::NoDriver(manifest.gpu_pids.clone()) });
         };
         progress(ProgressUpdate { phase: "gpu restore", done: 0, total: 0 });
@@ -266,10 +318,7 @@ impl Engine {
         let result = tokio::task::spawn_blocking(move || gpu::reattach(&gpu, &pids, &pairs))
             .await
             .map_err(|e| RestoreError::Local { what: "GPU thread", source: std::io::Error::other(e) })?;
-        result.map_err(|source| {
-            kill(&manifest.pids);
-            RestoreError::Gpu { id, source }
-        })
+        result.map_err(|source| RestoreError::Gpu { id, source })
     }
 
     /// Where the checkpoint's GPU state goes on this node; refuses an incompatible node
@@ -311,7 +360,15 @@ impl Engine {
             .collect()
     }
 
-    fn remember_restore(&self, manifest: &Manifest, pid: i32) -> std::io::Result<()> {
+    /// Records the restored tree in the workload registry. A failure is logged, not
+    /// returned: the tree runs, and the registry is bookkeeping.
+    fn remember_restore(&self, manifest: &Manifest, pid: i32) {
+        if let Err(e) = self.record_restore(manifest, pid) {
+            warn!(workload = %manifest.workload, error = %e, "cannot record the restore in the workload registry");
+        }
+    }
+
+    fn record_restore(&self, manifest: &Manifest, pid: i32) -> std::io::Result<()> {
         if self.registry.get(&manifest.workload).is_some() {
             return self.registry.update(&manifest.workload, |w| w.pid = pid);
         }
@@ -325,4 +382,35 @@ impl Engine {
             last_checkpoint: Some(manifest.id.clone()),
         })
     }
+}
+
+/// What [`Engine::preflight`] found.
+struct Preflight {
+    /// What the restored tree will notice (see `sockets::check_restore`).
+    warnings: Vec<String>,
+    /// Where its GPU state goes: (checkpoint GPU, this node's GPU).
+    gpu_pairs: Vec<(GpuUuid, GpuUuid)>,
+}
+
+/// A tree CRIU restored: killed (with whatever it started) when dropped armed, so that no
+/// exit of the job between CRIU's restore and its end leaves a partly restored tree running.
+struct Restored {
+    kill: KillTree,
+    armed: bool,
+}
+
+impl Drop for Restored {
+    fn drop(&mut self) {
+        if self.armed {
+            (self.kill)();
+        }
+    }
+}
+
+fn local(what: &'static str) -> impl Fn(std::io::Error) -> RestoreError {
+    move |source| RestoreError::Local { what, source }
+}
+
+fn ms(d: Duration) -> u64 {
+    d.as_millis() as u64
 }

@@ -12,7 +12,6 @@ use tracing::info;
 use super::workloads::{Workload, derived_name, valid_name};
 use super::{Engine, RunError};
 use crate::linux::cgroup::{WorkloadCgroup, v2_root};
-use crate::linux::proc;
 use crate::linux::sys::{ChildSetup, spawn};
 
 /// What to start.
@@ -42,7 +41,7 @@ impl Engine {
             Some(name) => return Err(RunError::BadName(name)),
             None => derived_name(&program, &format!("{:06x}", rand::random::<u32>() & 0xff_ffff)),
         };
-        if let Some(existing) = self.registry.get(&name).filter(|w| proc::is_running(w.pid)) {
+        if let Some(existing) = self.registry.get(&name).filter(|w| self.host.is_running(w.pid)) {
             return Err(RunError::AlreadyRunning { name, pid: existing.pid });
         }
         let setup_err = |what| {

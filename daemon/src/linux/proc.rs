@@ -170,6 +170,14 @@ pub fn parse_locks(text: &str) -> BTreeSet<i32> {
         .collect()
 }
 
+/// This machine's memory in bytes (`MemTotal` of /proc/meminfo).
+pub fn memory_total() -> Option<u64> {
+    let text = fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// Resident memory of `pid` in bytes (`VmRSS`), 0 when unknown.
 pub fn resident_bytes(pid: i32) -> u64 {
     let Ok(text) = fs::read_to_string(format!("/proc/{pid}/status")) else { return 0 };

@@ -110,3 +110,17 @@ pub fn socket_domain(socket: BorrowedFd<'_>) -> io::Result<i32> {
     }
     Ok(domain)
 }
+
+/// A descriptor of our own for `fd`, a descriptor this process holds (for test doubles of
+/// programs that are handed raw descriptors, like CRIU).
+#[cfg(test)]
+pub fn duplicate(fd: RawFd) -> io::Result<OwnedFd> {
+    // SAFETY: fcntl(F_DUPFD_CLOEXEC) takes integers by value and returns a new descriptor or
+    // -1; it never touches memory, and an invalid `fd` makes it fail with EBADF.
+    let copy = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if copy < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this descriptor to us and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(copy) })
+}

@@ -16,7 +16,7 @@ mod rollback;
 use std::collections::{HashMap, HashSet};
 
 pub use restore_check::check_restore;
-pub use rollback::{leave_repair, unlock};
+pub use rollback::{Connection, leave_repair, unlock};
 use stasis_proto::stasis::v1::SocketRecord;
 use tracing::debug;
 

@@ -1,0 +1,277 @@
+//! The checkpoint job.
+//!
+//! ```text
+//! resolve target -> inspect tree (CRIU options; refusals before anything is touched)
+//!   -> GPU phase -> CRIU dump (tree frozen; afterwards left running, or left stopped for
+//!   eviction) -> upload pages and images -> write manifest (commit)
+//!   -> eviction: kill the stopped tree
+//! on any failure after the GPU phase: the tree is given back as it was (`hold.rs`)
+//! ```
+
+mod hold;
+mod store;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use tracing::{info, instrument, warn};
+
+use super::dump::{self, Dump};
+use super::ids::{checkpoint_id, now_unix_ms};
+use super::inspect::TreeInfo;
+use super::workloads::{Workload, derived_name};
+use super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
+use crate::criu::DumpSpec;
+use hold::Hold;
+pub(in crate::engine) use store::tree_options;
+use store::{DumpTiming, Dumped, ms};
+
+/// Which tree to checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    Pid(i32),
+    Workload(String),
+}
+
+pub struct CheckpointParams {
+    pub target: Target,
+    /// Keep the tree running afterwards; otherwise it is stopped once the checkpoint is stored.
+    pub leave_running: bool,
+    /// Called once the tree is resumed (or stopped, for eviction) and before the checkpoint
+    /// is stored, with what is known then; for callers that do not wait until durable.
+    pub on_resumed: Option<Box<dyn FnOnce(CheckpointOutcome) + Send>>,
+}
+
+impl std::fmt::Debug for CheckpointParams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CheckpointParams")
+            .field("target", &self.target)
+            .field("leave_running", &self.leave_running)
+            .field("on_resumed", &self.on_resumed.is_some())
+            .finish()
+    }
+}
+
+/// Timings and sizes of one checkpoint (the API's message: plain data).
+pub use stasis_proto::stasis::v1::CheckpointStats;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointOutcome {
+    pub id: String,
+    pub workload: String,
+    pub pid: i32,
+    pub left_running: bool,
+    /// Whether the checkpoint is stored (false only in an early answer, see `on_resumed`).
+    pub durable: bool,
+    pub stats: CheckpointStats,
+}
+
+/// How long an evicted tree may take to disappear after SIGKILL.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+
+/// One checkpoint in progress: what the steps after the dump need to know.
+struct Job {
+    id: String,
+    workload: String,
+    pid: i32,
+    created_unix_ms: u64,
+    started: Instant,
+    leave_running: bool,
+}
+
+/// Called once the tree runs again (or is held stopped), before the checkpoint is stored.
+type OnResumed = Option<Box<dyn FnOnce(CheckpointOutcome) + Send>>;
+
+impl Engine {
+    /// Checkpoints a tree, as a job that finishes even if the caller goes away.
+    pub async fn checkpoint(
+        self: &Arc<Self>,
+        params: CheckpointParams,
+        progress: ProgressFn,
+    ) -> Result<CheckpointOutcome, CheckpointError> {
+        if self.jobs.is_closed() {
+            return Err(CheckpointError::ShuttingDown);
+        }
+        let this = self.clone();
+        let job = self.jobs.spawn(async move { this.checkpoint_job(params, progress).await });
+        job.await.map_err(|e| CheckpointError::Local { what: "job", source: std::io::Error::other(e) })?
+    }
+
+    fn resolve_target(&self, target: &Target) -> Result<(String, i32), CheckpointError> {
+        match target {
+            Target::Pid(pid) => {
+                if !self.host.is_running(*pid) {
+                    return Err(CheckpointError::NoSuchProcess(*pid));
+                }
+                let name = match self.registry.by_pid(*pid) {
+                    Some(w) => w.name,
+                    None => {
+                        let program = self.host.command(*pid).ok().and_then(|c| c.into_iter().next());
+                        derived_name(&program.unwrap_or_default(), &pid.to_string())
+                    }
+                };
+                Ok((name, *pid))
+            }
+            Target::Workload(name) => {
+                let w =
+                    self.registry.get(name).ok_or_else(|| CheckpointError::UnknownWorkload(name.clone()))?;
+                if !self.host.is_running(w.pid) {
+                    return Err(CheckpointError::NotRunning { workload: w.name, pid: w.pid });
+                }
+                Ok((w.name, w.pid))
+            }
+        }
+    }
+
+    #[instrument(skip_all, fields(target = ?params.target, leave_running = params.leave_running))]
+    async fn checkpoint_job(
+        &self,
+        params: CheckpointParams,
+        progress: ProgressFn,
+    ) -> Result<CheckpointOutcome, CheckpointError> {
+        let started = Instant::now();
+        let (workload, pid) = self.resolve_target(&params.target)?;
+        let _guard = self.lock_workload(&workload).await;
+        let tree = self.prepare_tree(&workload, pid)?;
+        let created_unix_ms = now_unix_ms();
+        let id = checkpoint_id(created_unix_ms);
+        let work = self
+            .state
+            .new_work_dir(&id)
+            .map_err(|source| CheckpointError::Local { what: "work directory", source })?;
+        info!(checkpoint = %id, workload = %workload, pid, pids = tree.pids.len(), options = ?tree.options.describe(), "dumping");
+        let job = Job { id, workload, pid, created_unix_ms, started, leave_running: params.leave_running };
+        let mut hold = Hold::new(self, &tree, work.path());
+        hold.suspended_gpu(self.suspend_gpu(&tree.pids, &progress).await?);
+        let stored =
+            self.dump_and_store(&job, params.on_resumed, &mut hold, &tree, work.path(), &progress).await;
+        match stored {
+            Ok(stats) => {
+                hold.release();
+                Ok(self.finish(job, &tree, stats).await)
+            }
+            Err(e) => Err(hold.give_back(e).await),
+        }
+    }
+
+    /// Inspects the tree of `pid` and refuses, before anything touches it, what cannot be
+    /// dumped.
+    fn prepare_tree(&self, workload: &str, pid: i32) -> Result<TreeInfo, CheckpointError> {
+        if !self.host.is_running(pid) {
+            return Err(CheckpointError::NoSuchProcess(pid));
+        }
+        let mut tree = self.host.inspect(pid).map_err(|source| CheckpointError::Inspect { pid, source })?;
+        if let Some(reason) = tree.sockets.refusal(&self.network_sockets, &self.network_lock) {
+            return Err(CheckpointError::Sockets { workload: workload.into(), reason });
+        }
+        if tree.options.tcp_established {
+            tree.options.network_lock = self.network_lock.as_ref().ok().copied();
+        }
+        Ok(tree)
+    }
+
+    /// Dumps the tree, lets it run on (or keeps it stopped), and stores the checkpoint.
+    async fn dump_and_store(
+        &self,
+        job: &Job,
+        on_resumed: OnResumed,
+        hold: &mut Hold<'_>,
+        tree: &TreeInfo,
+        images: &Path,
+        progress: &ProgressFn,
+    ) -> Result<CheckpointStats, CheckpointError> {
+        let (Dump { frozen_at, staged }, dump_done) = self.dump_tree(job, tree, images, progress).await?;
+        let gpu_restore_ms = if job.leave_running { hold.resume_gpu().await? } else { 0 };
+        progress(ProgressUpdate { phase: "resumed", done: 0, total: 0 });
+        let frozen_ms = frozen_at.map(|t| ms(dump_done - t));
+        if let Some(notify) = on_resumed {
+            let dump_ms = ms(dump_done - job.started);
+            let stats =
+                CheckpointStats { frozen_ms: frozen_ms.unwrap_or_default(), dump_ms, ..Default::default() };
+            notify(job.outcome(false, stats));
+        }
+        let frozen_ms = frozen_ms.unwrap_or_else(|| ms(dump_done - job.started));
+        let timing = DumpTiming { started: job.started, dump_done, frozen_ms };
+        let (id, workload, created_unix_ms) = (&job.id, &job.workload, job.created_unix_ms);
+        let dumped = Dumped { id, workload, tree, created_unix_ms, timing, gpu: hold.gpu(), gpu_restore_ms };
+        self.store_checkpoint(dumped, staged, images, progress).await
+    }
+
+    /// Runs CRIU's dump with stasisd's page server; returns the dump and when it ended.
+    async fn dump_tree(
+        &self,
+        job: &Job,
+        tree: &TreeInfo,
+        images: &Path,
+        progress: &ProgressFn,
+    ) -> Result<(Dump, Instant), CheckpointError> {
+        progress(ProgressUpdate { phase: "dump", done: 0, total: 0 });
+        let spec = DumpSpec {
+            pid: job.pid,
+            images_dir: images.to_path_buf(),
+            tree: tree.options.clone(),
+            leave_running: job.leave_running,
+            leave_stopped: !job.leave_running,
+            page_server_fd: None,
+        };
+        let (criu, version, limit) = (self.criu.clone(), self.criu_version, self.staging_limit);
+        let dumped = tokio::task::spawn_blocking(move || dump::dump(criu.as_ref(), version, spec, limit))
+            .await
+            .map_err(|e| CheckpointError::Local { what: "dump thread", source: std::io::Error::other(e) })?;
+        let dump = dumped.map_err(|failure| failure.into_error(job.workload.clone()))?;
+        Ok((dump, Instant::now()))
+    }
+
+    /// The checkpoint is stored: an evicted tree is killed, the registry updated, retention
+    /// applied.
+    async fn finish(&self, job: Job, tree: &TreeInfo, mut stats: CheckpointStats) -> CheckpointOutcome {
+        if !job.leave_running {
+            self.host.signal(&self.host.trees(&tree.pids), Signal::SIGKILL);
+            let left = self.reaper.wait_gone(&tree.pids, KILL_WAIT).await;
+            if left.is_empty() {
+                self.release_cgroup(&job.workload);
+            } else {
+                warn!(checkpoint = %job.id, pids = ?left, "evicted processes still present (not our children?)");
+            }
+        }
+        stats.total_ms = ms(job.started.elapsed());
+        self.remember_checkpoint(&job.workload, job.pid, tree, &job.id);
+        info!(checkpoint = %job.id, workload = %job.workload, ?stats, "checkpoint stored");
+        self.apply_retention().await;
+        job.outcome(true, stats)
+    }
+
+    fn remember_checkpoint(&self, workload: &str, pid: i32, tree: &TreeInfo, id: &str) {
+        let result = if self.registry.get(workload).is_some() {
+            self.registry.update(workload, |w| w.last_checkpoint = Some(id.into()))
+        } else {
+            self.registry.put(Workload {
+                name: workload.into(),
+                pid,
+                command: tree.command.clone(),
+                managed: false,
+                log_path: None,
+                cgroup: None,
+                last_checkpoint: Some(id.into()),
+            })
+        };
+        if let Err(e) = result {
+            warn!(workload, error = %e, "cannot record checkpoint in the workload registry");
+        }
+    }
+}
+
+impl Job {
+    fn outcome(&self, durable: bool, stats: CheckpointStats) -> CheckpointOutcome {
+        CheckpointOutcome {
+            id: self.id.clone(),
+            workload: self.workload.clone(),
+            pid: self.pid,
+            left_running: self.leave_running,
+            durable,
+            stats,
+        }
+    }
+}

@@ -1,0 +1,142 @@
+//! Storing a dumped tree: its pages and images into the store, then the manifest (the commit),
+//! and the conversions between the engine's CRIU options and the manifest's.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use stasis_proto::stasis::v1::DumpOptions;
+
+use super::super::dump::SPILL_FILE;
+use super::super::gpu::Suspended;
+use super::super::inspect::TreeInfo;
+use super::super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
+use super::CheckpointStats;
+use crate::criu::{LOG_FILE, NetworkLock, TreeOptions};
+use crate::store::{Manifest, Staged, StoredDump};
+
+/// A tree CRIU has dumped, about to be stored as checkpoint `id`.
+pub(super) struct Dumped<'a> {
+    pub id: &'a str,
+    pub workload: &'a str,
+    pub tree: &'a TreeInfo,
+    pub created_unix_ms: u64,
+    pub timing: DumpTiming,
+    /// What the GPU phase did, and how long putting the CUDA state back took (tree run on).
+    pub gpu: Option<&'a Suspended>,
+    pub gpu_restore_ms: u64,
+}
+
+/// When the job started and the dump ended, and how long CRIU kept the tree frozen.
+pub(super) struct DumpTiming {
+    pub started: Instant,
+    pub dump_done: Instant,
+    pub frozen_ms: u64,
+}
+
+impl Engine {
+    /// Stores the dump's pages (`staged`) and images and commits the manifest. Packs of a failed attempt stay
+    /// unreferenced until garbage collection (another checkpoint may already share them).
+    pub(super) async fn store_checkpoint(
+        &self,
+        dumped: Dumped<'_>,
+        staged: Staged,
+        images: &Path,
+        progress: &ProgressFn,
+    ) -> Result<CheckpointStats, CheckpointError> {
+        let id = dumped.id;
+        let store_err = |source| CheckpointError::Store { id: id.into(), source: Box::new(source) };
+        self.state
+            .mark_inflight(id)
+            .map_err(|source| CheckpointError::Local { what: "in-flight marker", source })?;
+        let report: crate::store::Progress = {
+            let progress = progress.clone();
+            Arc::new(move |done, total| progress(ProgressUpdate { phase: "upload", done, total }))
+        };
+        let guard = self.store.begin_commit().await;
+        let skip = [LOG_FILE, SPILL_FILE];
+        let stored =
+            self.store.store_dump(Arc::new(staged), images, &skip, report).await.map_err(store_err)?;
+        let stats = stats(&dumped, &stored);
+        let manifest = self.manifest(&dumped, stored, stats);
+        self.store.commit(&manifest, &guard).await.map_err(store_err)?;
+        drop(guard);
+        self.state.clear_inflight(id);
+        Ok(stats)
+    }
+
+    /// The manifest of a stored dump.
+    fn manifest(&self, d: &Dumped<'_>, stored: StoredDump, stats: CheckpointStats) -> Manifest {
+        let gpu = d.gpu;
+        Manifest {
+            id: d.id.into(),
+            workload: d.workload.into(),
+            created_unix_ms: d.created_unix_ms,
+            node: self.host.node_name(),
+            kernel: self.host.kernel_release(),
+            criu_version: self.criu_version.to_string(),
+            root_pid: d.tree.pids[0],
+            pids: d.tree.pids.clone(),
+            command: d.tree.command.clone(),
+            options: Some(dump_options(&d.tree.options)),
+            parent_id: self.registry.get(d.workload).and_then(|w| w.last_checkpoint).unwrap_or_default(),
+            files: stored.files,
+            memory: stored.memory,
+            gpu_pids: gpu.map(|g| g.pids.clone()).unwrap_or_default(),
+            gpus: gpu.map(|g| g.devices.clone()).unwrap_or_default(),
+            gpu_host_memory: gpu.map(|g| g.host_memory.clone()).unwrap_or_default(),
+            cuda_driver: self.gpu.as_ref().map(|g| g.driver_version()).unwrap_or_default(),
+            stats: Some(stats),
+            sockets: d.tree.sockets.records.clone(),
+        }
+    }
+}
+
+/// The stats of a stored dump, as of now.
+fn stats(d: &Dumped<'_>, stored: &StoredDump) -> CheckpointStats {
+    let (timing, gpu) = (&d.timing, d.gpu);
+    CheckpointStats {
+        frozen_ms: timing.frozen_ms,
+        total_ms: ms(timing.started.elapsed()),
+        durable_ms: ms(timing.started.elapsed()),
+        bytes_total: stored.chunks.bytes_total,
+        bytes_uploaded: stored.bytes_uploaded,
+        chunks_total: stored.chunks.chunks_total,
+        chunks_new: stored.chunks.chunks_new,
+        chunks_zero: stored.chunks.chunks_zero,
+        gpu_lock_ms: gpu.map(|g| g.times.lock_ms).unwrap_or_default(),
+        gpu_checkpoint_ms: gpu.map(|g| g.times.checkpoint_ms).unwrap_or_default(),
+        gpu_restore_ms: d.gpu_restore_ms,
+        gpu_bytes: gpu.map(|g| g.bytes).unwrap_or_default(),
+        dump_ms: ms(timing.dump_done - timing.started),
+        store_ms: ms(timing.dump_done.elapsed()),
+    }
+}
+
+pub(super) fn ms(d: Duration) -> u64 {
+    d.as_millis() as u64
+}
+
+fn dump_options(t: &TreeOptions) -> DumpOptions {
+    DumpOptions {
+        shell_job: t.shell_job,
+        tcp_established: t.tcp_established,
+        ext_unix_sk: t.ext_unix_sk,
+        file_locks: t.file_locks,
+        external: t.external.clone(),
+        link_remap: t.link_remap,
+        network_lock: t.network_lock.map(|l| l.name().to_string()).unwrap_or_default(),
+    }
+}
+
+pub(in crate::engine) fn tree_options(d: &DumpOptions) -> TreeOptions {
+    TreeOptions {
+        shell_job: d.shell_job,
+        tcp_established: d.tcp_established,
+        ext_unix_sk: d.ext_unix_sk,
+        file_locks: d.file_locks,
+        external: d.external.clone(),
+        link_remap: d.link_remap,
+        network_lock: NetworkLock::from_name(&d.network_lock),
+    }
+}

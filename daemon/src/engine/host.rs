@@ -1,0 +1,210 @@
+//! The kernel as the engine's jobs see it: processes, their state and signals, what a tree
+//! holds, and its sockets' repair mode. [`LinuxHost`] does it through `linux/`; the unit tests
+//! of the jobs' rollback paths use fakes, so those paths run without root, CRIU or a workload.
+
+use std::collections::HashSet;
+use std::io;
+
+use nix::sys::signal::Signal;
+
+use super::inspect::{self, TreeInfo};
+use super::sockets::{self, Connection};
+use crate::linux::proc::{self, ProcStat};
+
+/// What the engine's jobs ask of the kernel.
+pub trait Host: Send + Sync {
+    /// Whether `pid` exists and is not a zombie.
+    fn is_running(&self, pid: i32) -> bool;
+    /// The command line of `pid`.
+    fn command(&self, pid: i32) -> io::Result<Vec<String>>;
+    /// What the tree rooted at `root` holds, and so how CRIU must dump it.
+    fn inspect(&self, root: i32) -> io::Result<TreeInfo>;
+    /// Which of `pids` are stopped (job control) now.
+    fn stopped(&self, pids: &[i32]) -> Vec<i32>;
+    /// Every process of the trees rooted at `roots`, roots first (children forked since a
+    /// tree was inspected included).
+    fn trees(&self, roots: &[i32]) -> Vec<i32>;
+    /// Sends `signal` to each of `pids`, ignoring those that are gone.
+    fn signal(&self, pids: &[i32], signal: Signal);
+    /// Which of `pids` use CUDA, as far as their mappings and descriptors tell.
+    fn cuda_candidates(&self, pids: &[i32]) -> Vec<i32>;
+    /// Which of `pids` hold NVIDIA device files (open or mapped).
+    fn nvidia_device_holders(&self, pids: &[i32]) -> Vec<i32>;
+    /// Takes the TCP sockets of `pids` out of repair mode (see `sockets::leave_repair`).
+    fn leave_repair(&self, pids: &[i32], reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>);
+    /// This node's name and kernel release, for manifests.
+    fn node_name(&self) -> String;
+    fn kernel_release(&self) -> String;
+}
+
+/// The real kernel.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct LinuxHost;
+
+impl Host for LinuxHost {
+    fn is_running(&self, pid: i32) -> bool {
+        proc::is_running(pid)
+    }
+
+    fn command(&self, pid: i32) -> io::Result<Vec<String>> {
+        proc::cmdline(pid)
+    }
+
+    fn inspect(&self, root: i32) -> io::Result<TreeInfo> {
+        inspect::inspect(root)
+    }
+
+    fn stopped(&self, pids: &[i32]) -> Vec<i32> {
+        pids.iter().copied().filter(|p| ProcStat::read(*p).is_ok_and(|s| s.is_stopped())).collect()
+    }
+
+    fn trees(&self, roots: &[i32]) -> Vec<i32> {
+        let mut all: Vec<i32> = roots.to_vec();
+        for root in roots {
+            all.extend(proc::process_tree(*root).unwrap_or_default());
+        }
+        let mut seen = HashSet::new();
+        all.retain(|p| seen.insert(*p));
+        all
+    }
+
+    fn signal(&self, pids: &[i32], signal: Signal) {
+        proc::signal_all(pids, signal);
+    }
+
+    fn cuda_candidates(&self, pids: &[i32]) -> Vec<i32> {
+        crate::cuda::cuda_candidates(pids)
+    }
+
+    fn nvidia_device_holders(&self, pids: &[i32]) -> Vec<i32> {
+        crate::cuda::nvidia_device_holders(pids)
+    }
+
+    fn leave_repair(&self, pids: &[i32], reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>) {
+        sockets::leave_repair(pids, reuse_addr)
+    }
+
+    fn node_name(&self) -> String {
+        proc::node_name()
+    }
+
+    fn kernel_release(&self) -> String {
+        proc::kernel_release()
+    }
+}
+
+#[cfg(test)]
+pub(super) mod fake {
+    //! A kernel of made-up processes that records what it is asked to do.
+
+    use std::collections::{HashMap, HashSet};
+    use std::io;
+    use std::sync::Mutex;
+
+    use nix::sys::signal::Signal;
+
+    use super::Host;
+    use crate::engine::inspect::TreeInfo;
+    use crate::engine::sockets::Connection;
+
+    #[derive(Debug, Default)]
+    pub struct FakeHost {
+        /// The trees `inspect` answers with, by root.
+        pub trees: Mutex<HashMap<i32, TreeInfo>>,
+        /// Processes that exist; `signal(SIGKILL)` removes them.
+        pub running: Mutex<HashSet<i32>>,
+        /// Processes stopped now (SIGSTOP'ed by the fake CRIU, or before).
+        pub stopped: Mutex<HashSet<i32>>,
+        /// Processes with CUDA loaded.
+        pub cuda: Vec<i32>,
+        /// Every signal sent, in order.
+        pub signals: Mutex<Vec<(i32, Signal)>>,
+        /// Calls of `leave_repair`.
+        pub repairs: Mutex<usize>,
+    }
+
+    impl FakeHost {
+        /// A host running the tree `info`.
+        pub fn with_tree(info: TreeInfo) -> FakeHost {
+            let host = FakeHost::default();
+            host.running.lock().unwrap().extend(info.pids.iter().copied());
+            host.trees.lock().unwrap().insert(info.pids[0], info);
+            host
+        }
+
+        pub fn signals_of(&self, signal: Signal) -> Vec<i32> {
+            self.signals.lock().unwrap().iter().filter(|(_, s)| *s == signal).map(|(p, _)| *p).collect()
+        }
+    }
+
+    impl Host for FakeHost {
+        fn is_running(&self, pid: i32) -> bool {
+            self.running.lock().unwrap().contains(&pid)
+        }
+
+        fn command(&self, pid: i32) -> io::Result<Vec<String>> {
+            Ok(vec![format!("fake-{pid}")])
+        }
+
+        fn inspect(&self, root: i32) -> io::Result<TreeInfo> {
+            self.trees
+                .lock()
+                .unwrap()
+                .get(&root)
+                .cloned()
+                .ok_or_else(|| io::Error::from_raw_os_error(libc::ESRCH))
+        }
+
+        fn stopped(&self, pids: &[i32]) -> Vec<i32> {
+            let stopped = self.stopped.lock().unwrap();
+            pids.iter().copied().filter(|p| stopped.contains(p)).collect()
+        }
+
+        fn trees(&self, roots: &[i32]) -> Vec<i32> {
+            let trees = self.trees.lock().unwrap();
+            let mut all: Vec<i32> = roots.to_vec();
+            for root in roots {
+                all.extend(trees.get(root).map(|t| t.pids.clone()).unwrap_or_default());
+            }
+            let mut seen = HashSet::new();
+            all.retain(|p| seen.insert(*p));
+            all
+        }
+
+        fn signal(&self, pids: &[i32], signal: Signal) {
+            for &pid in pids {
+                self.signals.lock().unwrap().push((pid, signal));
+                match signal {
+                    Signal::SIGKILL => {
+                        self.running.lock().unwrap().remove(&pid);
+                    }
+                    Signal::SIGCONT => {
+                        self.stopped.lock().unwrap().remove(&pid);
+                    }
+                    _ => {}
+                }
+            }
+        }
+
+        fn cuda_candidates(&self, pids: &[i32]) -> Vec<i32> {
+            pids.iter().copied().filter(|p| self.cuda.contains(p)).collect()
+        }
+
+        fn nvidia_device_holders(&self, pids: &[i32]) -> Vec<i32> {
+            self.cuda_candidates(pids)
+        }
+
+        fn leave_repair(&self, _pids: &[i32], _reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>) {
+            *self.repairs.lock().unwrap() += 1;
+            (Vec::new(), Vec::new())
+        }
+
+        fn node_name(&self) -> String {
+            "fake-node".into()
+        }
+
+        fn kernel_release(&self) -> String {
+            "6.18.0-fake".into()
+        }
+    }
+}

@@ -1,0 +1,196 @@
+//! The checkpoint and restore jobs' failure paths, run against fakes of CRIU, the kernel and
+//! the GPU driver (and a real file store in a temporary directory): what each failure leaves
+//! behind is checked call by call.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tempfile::TempDir;
+
+use super::host::fake::FakeHost;
+use super::inspect::TreeInfo;
+use super::start::{CriuSupport, Parts};
+use super::state::StateDir;
+use super::workloads::Registry;
+use super::{
+    CheckpointError, CheckpointOutcome, CheckpointParams, Engine, EngineConfig, ProgressFn, RestoreError,
+    RestoreParams, RestoreTarget, Target,
+};
+use crate::criu::fake::FakeCriu;
+use crate::criu::{NetworkLock, TreeOptions};
+use crate::cuda::fake::FakeGpu;
+use crate::linux::reaper::Reaper;
+use crate::store::{FetchSettings, Store};
+
+/// Pids above Linux's largest possible pid_max: no real process can have them, so nothing
+/// the jobs do to them can reach a real process.
+const ROOT: i32 = 4_194_401;
+const CHILD: i32 = 4_194_402;
+
+struct Rig {
+    engine: Arc<Engine>,
+    host: Arc<FakeHost>,
+    criu: Arc<FakeCriu>,
+    gpu: Arc<FakeGpu>,
+    dir: TempDir,
+}
+
+/// A two-process tree whose root uses CUDA, with `CHILD` already stopped before any
+/// checkpoint (job control). `criu` gets hooks that stop the tree on a dump (as CRIU's
+/// leave-stopped does) and start it on a restore.
+fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
+    let tree = TreeInfo {
+        pids: vec![ROOT, CHILD],
+        command: vec!["fake".into()],
+        options: TreeOptions::default(),
+        sockets: Default::default(),
+    };
+    let host = Arc::new(FakeHost { cuda: vec![ROOT], ..FakeHost::with_tree(tree) });
+    host.stopped.lock().unwrap().insert(CHILD);
+    let on_dump = host.clone();
+    criu.on_dump = Some(Box::new(move |spec| {
+        if spec.leave_stopped {
+            on_dump.stopped.lock().unwrap().extend([ROOT, CHILD]);
+        }
+    }));
+    let on_restore = host.clone();
+    criu.on_restore = Some(Box::new(move |_| on_restore.running.lock().unwrap().extend([ROOT, CHILD])));
+    criu.restored_pid = ROOT;
+    let (criu, gpu) = (Arc::new(criu), Arc::new(gpu));
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineConfig {
+        state_dir: dir.path().join("state"),
+        store_url: format!("file://{}", dir.path().join("store").display()),
+        criu_path: "/fake/criu".into(),
+        staging_limit: Some(64 << 20),
+        keep_last: None,
+        gc_grace: Duration::from_secs(3600),
+        store_retry: Duration::ZERO,
+        lazy: FetchSettings { cache_bytes: 64 << 20, timeout: Duration::from_secs(5), fresh_first: false },
+        network_lock: None,
+    };
+    let state = StateDir::open(&config.state_dir).unwrap();
+    let parts = Parts {
+        criu: criu.clone(),
+        support: CriuSupport {
+            version: criu.version,
+            network_sockets: Ok(()),
+            network_lock: Ok(NetworkLock::Nftables),
+        },
+        host: host.clone(),
+        gpu: Some(gpu.clone()),
+        store: Store::open(&config.store_url, config.store_retry).unwrap(),
+        registry: Registry::load(&state.registry_file()).unwrap(),
+        state,
+        reaper: Reaper::start().unwrap(),
+    };
+    let engine = Arc::new(Engine::assemble(parts, &config));
+    Rig { engine, host, criu, gpu, dir }
+}
+
+fn quiet() -> ProgressFn {
+    Arc::new(|_| {})
+}
+
+impl Rig {
+    async fn checkpoint(&self, leave_running: bool) -> Result<CheckpointOutcome, CheckpointError> {
+        let params = CheckpointParams { target: Target::Pid(ROOT), leave_running, on_resumed: None };
+        self.engine.checkpoint(params, quiet()).await
+    }
+
+    async fn restore(&self, id: &str) -> Result<super::RestoreOutcome, RestoreError> {
+        let params = RestoreParams {
+            target: RestoreTarget::Checkpoint(id.into()),
+            gpu_map: Vec::new(),
+            lazy: false,
+            tcp_close: false,
+            on_running: None,
+        };
+        self.engine.restore(params, quiet()).await
+    }
+
+    /// Makes every upload to the file store fail: a file where its packs go.
+    fn break_store(&self) {
+        let store = self.dir.path().join("store");
+        std::fs::create_dir_all(&store).unwrap();
+        std::fs::write(store.join("packs"), b"in the way").unwrap();
+    }
+
+    async fn checkpoints(&self) -> usize {
+        self.engine.list(None).await.unwrap().len()
+    }
+}
+
+#[tokio::test]
+async fn an_eviction_whose_storing_fails_gives_the_tree_back_as_it_was() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    r.break_store();
+    let err = r.checkpoint(false).await.unwrap_err();
+    assert!(matches!(err, CheckpointError::Store { .. }), "{err}");
+    // Connections out of repair mode, the processes CRIU stopped continued (the one stopped
+    // before stays stopped), the CUDA state put back; nothing killed, nothing stored.
+    assert_eq!(*r.host.repairs.lock().unwrap(), 1);
+    assert_eq!(r.host.signals_of(Signal::SIGCONT), [ROOT]);
+    assert!(r.host.signals_of(Signal::SIGKILL).is_empty());
+    let expected = ["lock", "checkpoint", "restore", "unlock"].map(|c| format!("{c} {ROOT}"));
+    assert_eq!(r.gpu.calls(), expected);
+    assert_eq!(r.checkpoints().await, 0);
+}
+
+#[tokio::test]
+async fn a_failed_dump_puts_the_cuda_state_back_and_touches_nothing_else() {
+    let criu =
+        FakeCriu { fail_dump: Some("Error (criu/sk-inet.c:1): injected".into()), ..Default::default() };
+    let r = rig(criu, FakeGpu::default());
+    let err = r.checkpoint(false).await.unwrap_err();
+    assert!(matches!(err, CheckpointError::Dump { .. }), "{err}");
+    assert!(crate::error_chain(&err).contains("injected"), "{}", crate::error_chain(&err));
+    assert!(r.host.signals_of(Signal::SIGKILL).is_empty());
+    assert!(r.host.signals_of(Signal::SIGCONT).is_empty(), "CRIU never stopped the tree");
+    assert_eq!(r.gpu.calls().last().map(String::as_str), Some(format!("unlock {ROOT}").as_str()));
+    assert_eq!(r.checkpoints().await, 0);
+}
+
+#[tokio::test]
+async fn a_leave_running_checkpoint_whose_storing_fails_resumes_the_gpu_once() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    r.break_store();
+    let err = r.checkpoint(true).await.unwrap_err();
+    assert!(matches!(err, CheckpointError::Store { .. }), "{err}");
+    // The GPU state went back right after the dump; the rollback must not do it again.
+    let expected = ["lock", "checkpoint", "restore", "unlock"].map(|c| format!("{c} {ROOT}"));
+    assert_eq!(r.gpu.calls(), expected);
+    assert!(r.host.signals_of(Signal::SIGKILL).is_empty());
+}
+
+#[tokio::test]
+async fn a_stored_eviction_kills_the_tree_and_a_restore_whose_gpu_step_fails_kills_it_again() {
+    let gpu = FakeGpu { fail_restore_of: Some(ROOT), ..Default::default() };
+    let r = rig(FakeCriu::default(), gpu);
+    let ck = r.checkpoint(false).await.unwrap();
+    assert!(ck.durable && !ck.left_running);
+    assert_eq!(r.host.signals_of(Signal::SIGKILL), [ROOT, CHILD]);
+    assert_eq!(r.checkpoints().await, 1);
+
+    r.host.signals.lock().unwrap().clear();
+    let err = r.restore(&ck.id).await.unwrap_err();
+    assert!(matches!(err, RestoreError::Gpu { .. }), "{err}");
+    assert_eq!(r.criu.calls().iter().filter(|c| c.starts_with("restore")).count(), 1);
+    // The whole restored tree goes: a job without its GPU state must not run on.
+    assert_eq!(r.host.signals_of(Signal::SIGKILL), [ROOT, CHILD]);
+    assert!(r.host.running.lock().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn a_restore_criu_refuses_leaves_nothing_to_kill_and_the_checkpoint_whole() {
+    let criu =
+        FakeCriu { fail_restore: Some("Error (criu/cr-restore.c:1): injected".into()), ..Default::default() };
+    let r = rig(criu, FakeGpu::default());
+    let ck = r.checkpoint(false).await.unwrap();
+    r.host.signals.lock().unwrap().clear();
+    let err = r.restore(&ck.id).await.unwrap_err();
+    assert!(matches!(err, RestoreError::Criu { .. }), "{err}");
+    assert!(r.host.signals.lock().unwrap().is_empty(), "CRIU removes what it could not restore");
+    assert_eq!(r.checkpoints().await, 1);
+}

@@ -1,0 +1,179 @@
+//! Starting the engine: CRIU checked (version, `criu check`, what it can do for sockets), the
+//! state directory, store and workload registry opened, the reaper started; then what an
+//! interrupted previous run left behind is cleaned up.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+use super::host::{Host, LinuxHost};
+use super::state::StateDir;
+use super::workloads::Registry;
+use super::{Engine, EngineConfig, StartError, dump};
+use crate::criu::{Criu, CriuOps, CriuVersion, MIN_VERSION, NetworkLock, support};
+use crate::cuda::{CudaDriver, CudaError, GpuCheckpointer};
+use crate::linux::reaper::Reaper;
+use crate::store::Store;
+
+/// What CRIU can do on this node, found at start.
+#[derive(Debug, Clone)]
+pub(super) struct CriuSupport {
+    pub version: CriuVersion,
+    /// Whether it can dump network sockets on this kernel (`Err(why)` if not).
+    pub network_sockets: Result<(), String>,
+    /// How it locks established TCP connections (`Err(why)` if no way is available).
+    pub network_lock: Result<NetworkLock, String>,
+}
+
+/// Everything an engine is made of.
+pub(super) struct Parts {
+    pub criu: Arc<dyn CriuOps>,
+    pub support: CriuSupport,
+    pub host: Arc<dyn Host>,
+    pub gpu: Option<Arc<dyn GpuCheckpointer>>,
+    pub store: Store,
+    pub state: StateDir,
+    pub registry: Registry,
+    pub reaper: Reaper,
+}
+
+impl Engine {
+    /// Checks CRIU, opens the store and the state directory, becomes the reaper of restored
+    /// trees, and removes what an interrupted previous run left behind.
+    pub async fn start(config: EngineConfig) -> Result<Arc<Self>, StartError> {
+        if !config.criu_path.exists() {
+            return Err(StartError::CriuMissing(config.criu_path));
+        }
+        let criu: Arc<dyn CriuOps> = Arc::new(Criu::new(&config.criu_path));
+        let state_err = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| StartError::State { path, source }
+        };
+        let state = StateDir::open(&config.state_dir).map_err(state_err(&config.state_dir))?;
+        let support = probe_criu(&criu, &state, &config).await?;
+        let store =
+            Store::open(&config.store_url, config.store_retry)?.with_node_tag(&node_tag(&config.state_dir));
+        let registry = Registry::load(&state.registry_file()).map_err(state_err(&state.registry_file()))?;
+        let reaper = Reaper::start().map_err(StartError::Reaper)?;
+        let (host, gpu) = (Arc::new(LinuxHost), load_gpu());
+        let engine =
+            Engine::assemble(Parts { criu, support, host, gpu, store, state, registry, reaper }, &config);
+        engine.recover().await;
+        info!(criu = %engine.criu.path().display(), version = %engine.criu_version, store = %config.store_url, "engine ready");
+        Ok(Arc::new(engine))
+    }
+
+    /// An engine of `parts` with the settings of `config`.
+    pub(super) fn assemble(parts: Parts, config: &EngineConfig) -> Engine {
+        let Parts { criu, support, host, gpu, store, state, registry, reaper } = parts;
+        Engine {
+            criu,
+            host,
+            criu_version: support.version,
+            network_sockets: support.network_sockets,
+            network_lock: support.network_lock,
+            store,
+            state,
+            registry,
+            reaper,
+            jobs: TaskTracker::new(),
+            staging_limit: config.staging_limit.unwrap_or_else(dump::default_staging_limit),
+            gpu,
+            keep_last: config.keep_last,
+            gc_grace: config.gc_grace,
+            lazy: config.lazy,
+            workload_locks: Default::default(),
+        }
+    }
+
+    /// Removes work directories, cgroups of workloads that are gone, and the packs of uploads
+    /// that a crash interrupted.
+    async fn recover(&self) {
+        for w in self.registry.all().iter().filter(|w| !self.host.is_running(w.pid)) {
+            self.release_cgroup(&w.name);
+        }
+        if let Err(e) = self.state.clear_work() {
+            warn!(error = %e, "cannot clear old work directories");
+        }
+        let interrupted = self.state.inflight().unwrap_or_default();
+        if interrupted.is_empty() {
+            return;
+        }
+        match self.store.gc(None, self.gc_grace, true).await {
+            Ok(report) => {
+                info!(checkpoints = ?interrupted, packs = report.packs_deleted, "removed data of interrupted checkpoints");
+                interrupted.iter().for_each(|id| self.state.clear_inflight(id));
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot remove data of interrupted checkpoints; the next start retries")
+            }
+        }
+    }
+}
+
+/// Asks CRIU its version, runs `criu check`, and finds what it can do for sockets here.
+async fn probe_criu(
+    criu: &Arc<dyn CriuOps>,
+    state: &StateDir,
+    config: &EngineConfig,
+) -> Result<CriuSupport, StartError> {
+    let path = config.criu_path.clone();
+    let version = blocking(criu, |c| c.version())
+        .await?
+        .map_err(|source| StartError::CriuUnusable { path: path.clone(), source })?;
+    if version < MIN_VERSION {
+        return Err(StartError::CriuTooOld { path, version });
+    }
+    let check_dir = state
+        .new_work_dir("criu-check")
+        .map_err(|source| StartError::State { path: config.state_dir.clone(), source })?;
+    let dir = check_dir.path().to_path_buf();
+    blocking(criu, move |c| c.check(&dir)).await?.map_err(|source| StartError::CriuCheck { path, source })?;
+    let network_sockets = support::network_sockets(version, &crate::linux::proc::kernel_release());
+    let forced = config.network_lock;
+    let network_lock = blocking(criu, move |c| support::choose_network_lock(c, forced)).await?;
+    if let (Some(lock), Err(why)) = (forced, &network_lock) {
+        return Err(StartError::NetworkLock { lock: lock.name(), why: why.clone() });
+    }
+    match (&network_sockets, &network_lock) {
+        (Ok(()), Ok(lock)) => info!(network_lock = lock.name(), "sockets supported"),
+        (Err(why), _) => warn!(reason = %why, "trees holding network sockets will be refused"),
+        (_, Err(why)) => warn!(reason = %why, "trees holding TCP connections will be refused"),
+    }
+    Ok(CriuSupport { version, network_sockets, network_lock })
+}
+
+/// Runs `f` on CRIU in a blocking thread.
+async fn blocking<T: Send + 'static>(
+    criu: &Arc<dyn CriuOps>,
+    f: impl FnOnce(&dyn CriuOps) -> T + Send + 'static,
+) -> Result<T, StartError> {
+    let criu = criu.clone();
+    tokio::task::spawn_blocking(move || f(criu.as_ref())).await.map_err(StartError::Task)
+}
+
+/// A short tag for this node (host name and state directory), prefixed to its pack ids.
+fn node_tag(state_dir: &Path) -> String {
+    let seed = format!("{}:{}", crate::linux::proc::node_name(), state_dir.display());
+    hex::encode(&blake3::hash(seed.as_bytes()).as_bytes()[..4])
+}
+
+/// Loads the NVIDIA driver's checkpoint API; without a driver stasis checkpoints CPU-only trees.
+fn load_gpu() -> Option<Arc<dyn GpuCheckpointer>> {
+    match CudaDriver::load() {
+        Ok(driver) => {
+            info!(driver = driver.driver_version(), "GPU checkpointing available");
+            Some(Arc::new(driver))
+        }
+        Err(CudaError::NotInstalled { .. }) => {
+            info!("no NVIDIA driver: GPU checkpointing unavailable");
+            None
+        }
+        Err(e) => {
+            warn!(error = %e, "NVIDIA driver unusable for checkpointing");
+            None
+        }
+    }
+}
