@@ -20,6 +20,8 @@ pub enum CriuError {
     Exited { log_tail: String },
     #[error("unexpected answer from CRIU: {0}")]
     Protocol(&'static str),
+    #[error("CRIU's {0} did not get ready within {1:?}")]
+    Timeout(&'static str, std::time::Duration),
     #[error("cannot open images directory {path}")]
     ImagesDir {
         path: PathBuf,

@@ -9,7 +9,7 @@ mod error;
 #[cfg(test)]
 pub mod fake;
 pub mod images;
-pub mod lazy;
+pub mod lazy_pages;
 mod log;
 mod options;
 pub mod pageserver;
@@ -20,7 +20,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 
 pub use error::{CriuError, log_section};
-pub use lazy::LazyPagesDaemon;
+pub use lazy_pages::LazyPagesDaemon;
 pub use log::tail_of as log_tail_of;
 pub use options::{DumpSpec, RestoreSpec, TreeOptions};
 use stasis_proto::criu::{Request, RequestType};
@@ -92,7 +92,7 @@ impl CriuOps for Criu {
     }
 
     fn start_lazy_pages(&self, images_dir: &Path, page_server: RawFd) -> Result<LazyPagesDaemon, CriuError> {
-        lazy::start_lazy_pages(&self.path, images_dir, page_server)
+        lazy_pages::start_lazy_pages(&self.path, images_dir, page_server)
     }
 
     fn version(&self) -> Result<CriuVersion, CriuError> {

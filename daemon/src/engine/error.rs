@@ -181,7 +181,7 @@ pub enum RestoreError {
     LazyStart {
         id: String,
         #[source]
-        source: super::lazy::LazyError,
+        source: super::hot_restore::LazyError,
     },
     #[error(
         "lazy restore of checkpoint {id} failed before all memory arrived; the restored tree \
@@ -191,7 +191,7 @@ pub enum RestoreError {
         id: String,
         pid: i32,
         #[source]
-        source: super::lazy::LazyError,
+        source: super::hot_restore::LazyError,
     },
 }
 

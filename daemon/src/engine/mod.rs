@@ -10,9 +10,9 @@ mod error;
 mod gpu;
 mod gpu_map;
 mod host;
+mod hot_restore;
 mod ids;
 mod inspect;
-mod lazy;
 mod query;
 mod restore;
 #[cfg(test)]
@@ -29,8 +29,8 @@ use std::sync::Arc;
 
 pub use checkpoint::{CheckpointOutcome, CheckpointParams, CheckpointStats, Target};
 pub use error::{CheckpointError, QueryError, RestoreError, RunError, StartError};
+pub use hot_restore::LazyError;
 pub use ids::{now_unix_ms, valid_checkpoint_id};
-pub use lazy::LazyError;
 pub use query::{CheckpointSummary, StatusReport};
 pub use restore::{RestoreOutcome, RestoreParams, RestoreStats, RestoreTarget};
 pub use run::{RunOutcome, RunParams};

@@ -20,8 +20,8 @@ use tracing::{info, instrument, warn};
 use super::checkpoint::tree_options;
 use super::gpu::{self, GpuError};
 use super::gpu_map;
+use super::hot_restore::{FaultGuard, KillTree, LazyError, LazySession};
 use super::ids::valid_checkpoint_id;
-use super::lazy::{FaultGuard, KillTree, LazyError, LazySession};
 use super::sockets::{self, needs_network_support};
 use super::workloads::Workload;
 use super::{Engine, ProgressFn, ProgressUpdate, RestoreError};
@@ -41,7 +41,7 @@ pub struct RestoreParams {
     pub target: RestoreTarget,
     /// GPUs to move the checkpoint's GPU state to: (checkpoint GPU, this node's GPU).
     pub gpu_map: Vec<(GpuUuid, GpuUuid)>,
-    /// Run the tree before its memory is local (see `engine/lazy.rs`).
+    /// Run the tree before its memory is local (see `engine/hot_restore/`).
     pub lazy: bool,
     /// Restore established TCP connections closed (their local addresses may not be here).
     pub tcp_close: bool,
@@ -75,6 +75,29 @@ pub struct RestoreStats {
     /// From request until every page is resident.
     pub resident_ms: u64,
     pub lazy: bool,
+}
+
+impl RestoreStats {
+    /// The stats of a tree that runs now, its images fetched at `fetched`.
+    fn running(
+        started: Instant,
+        fetched: Instant,
+        bytes_fetched: u64,
+        gpu_restore_ms: u64,
+        lazy: bool,
+    ) -> Self {
+        let first_run_ms = ms(started.elapsed());
+        RestoreStats {
+            restore_ms: first_run_ms,
+            fetch_ms: ms(fetched - started),
+            criu_ms: ms(fetched.elapsed()),
+            bytes_fetched,
+            gpu_restore_ms,
+            first_run_ms,
+            resident_ms: first_run_ms,
+            lazy,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -155,17 +178,7 @@ impl Engine {
         let watch = session.map(|s| s.watch(self.reaper.clone(), progress.clone()));
         let gpu_restore_ms = self.reattach_gpu(&manifest, preflight.gpu_pairs, &progress).await?;
         restored.armed = false;
-        let first_run_ms = ms(started.elapsed());
-        let stats = RestoreStats {
-            restore_ms: first_run_ms,
-            fetch_ms: ms(fetched - started),
-            criu_ms: ms(fetched.elapsed()),
-            bytes_fetched,
-            gpu_restore_ms,
-            first_run_ms,
-            resident_ms: first_run_ms,
-            lazy: params.lazy,
-        };
+        let stats = RestoreStats::running(started, fetched, bytes_fetched, gpu_restore_ms, params.lazy);
         self.remember_restore(&manifest, pid);
         let outcome = RestoreOutcome {
             id: manifest.id.clone(),
@@ -254,7 +267,7 @@ impl Engine {
         let mut on_notify = {
             let faults = faults.clone();
             move |script: &str| match faults.as_ref().filter(|_| script == "pre-resume") {
-                Some(faults) => faults.start(),
+                Some(faults) => faults.start().map_err(|e| crate::error_chain(e.as_ref())),
                 None => Ok(()),
             }
         };

@@ -13,7 +13,7 @@ use futures::{StreamExt, TryStreamExt};
 use stasis_proto::stasis::v1::{ChunkRef, Codec};
 
 use super::index::{ChunkHash, ChunkLoc};
-use super::lazy::{LazyChunk, LazyMemory};
+use super::lazy_memory::{LazyChunk, LazyMemory};
 use super::{Manifest, Progress, Store, StoreError};
 use crate::criu::images::{pagemap_file_name, pages_file_name, write_pagemap};
 use crate::criu::pageserver::{PE_LAZY, PageRun};

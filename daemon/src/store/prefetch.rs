@@ -23,7 +23,7 @@ use tokio::sync::Notify;
 use tracing::{debug, warn};
 
 use super::assemble::decode_chunk;
-use super::lazy::LazyMemory;
+use super::lazy_memory::LazyMemory;
 use super::{Store, StoreError};
 
 /// Chunks a fault or a CRIU request waits for are fetched in batches of at most this much
@@ -53,8 +53,16 @@ pub enum LazyFetchError {
     NotLazy { pid: u64, vaddr: u64 },
     #[error("the store did not deliver memory of checkpoint {id} within {secs} s")]
     Timeout { id: String, secs: u64 },
-    #[error("fetching memory of checkpoint {id} failed: {reason}")]
-    Store { id: String, reason: String },
+    #[error("fetching memory of checkpoint {id} failed")]
+    Store {
+        id: String,
+        #[source]
+        source: Arc<StoreError>,
+    },
+    #[error("chunk {chunk} of checkpoint {id} (pack {pack}) is corrupted: {reason}")]
+    Corrupt { id: String, chunk: String, pack: String, reason: String },
+    #[error("the fetch task of checkpoint {id} failed: {reason}")]
+    Task { id: String, reason: String },
     #[error("the lazy restore was stopped")]
     Stopped,
 }
@@ -332,7 +340,7 @@ async fn fetch_batch(
     let fetched = tokio::time::timeout(timeout, futures::future::try_join_all(fetches)).await;
     let fetched = match fetched {
         Err(_) => return Err(LazyFetchError::Timeout { id, secs: timeout.as_secs() }),
-        Ok(Err(e)) => return Err(LazyFetchError::Store { id, reason: crate::error_chain(&e) }),
+        Ok(Err(e)) => return Err(LazyFetchError::Store { id, source: Arc::new(e) }),
         Ok(Ok(f)) => f,
     };
     let verify = shared.clone();
@@ -342,10 +350,11 @@ async fn fetch_batch(
             for (i, blob) in chunks.into_iter().zip(blobs) {
                 let (hash, loc) = verify.memory.chunks[i].stored.as_ref().expect("stored");
                 verify.fetched.fetch_add(blob.len() as u64, Ordering::Relaxed);
-                let data = decode_chunk(&blob, loc, hash).map_err(|reason| {
-                    let id = verify.memory.id.clone();
-                    let reason = format!("chunk {} (pack {pack}) is corrupted: {reason}", hex::encode(hash));
-                    LazyFetchError::Store { id, reason }
+                let data = decode_chunk(&blob, loc, hash).map_err(|reason| LazyFetchError::Corrupt {
+                    id: verify.memory.id.clone(),
+                    chunk: hex::encode(hash),
+                    pack: pack.to_string(),
+                    reason: reason.to_string(),
                 })?;
                 out.push((i, Arc::new(data)));
             }
@@ -353,7 +362,7 @@ async fn fetch_batch(
         Ok(out)
     })
     .await
-    .map_err(|e| LazyFetchError::Store { id: shared.memory.id.clone(), reason: e.to_string() })??;
+    .map_err(|e| LazyFetchError::Task { id: shared.memory.id.clone(), reason: e.to_string() })??;
     let mut st = shared.lock();
     for (i, data) in decoded {
         st.served[i] = 0;

@@ -21,10 +21,8 @@
 //! and if stasisd itself dies the guard kills the tree. (Children the tree forks later get
 //! userfaultfds only the daemon holds: for them the kill comes a moment after its death.)
 
-use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -34,17 +32,17 @@ use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use nix::unistd::Pid;
 use tracing::{info, warn};
 
+mod guard;
+
+pub(in crate::engine) use guard::{FaultGuard, GuardError};
+
 use super::{Engine, ProgressFn, ProgressUpdate};
 use crate::criu::CriuError;
-use crate::criu::lazy::{LazyPagesDaemon, PageSource, ServeStats, serve_requests};
+use crate::criu::lazy_pages::{LazyPagesDaemon, PageSource, ServeStats, serve_requests};
 use crate::criu::pageserver::{HeaderLayout, PageServerError};
-use crate::linux::proc;
 use crate::linux::reaper::{ExitKind, Reaper};
-use crate::linux::sys::{ChildSetup, copy_fd_of, spawn};
 use crate::store::{LazyFetch, LazyMemory, LazyReader, Manifest};
 
-/// The guard's executable, next to stasisd's.
-const GUARD_BIN: &str = "stasis-lazy-guard";
 /// How long the lazy-pages daemon may take to exit after its session ended.
 const DAEMON_EXIT_WAIT: Duration = Duration::from_secs(10);
 /// Progress of the lazy phase is reported this often.
@@ -59,8 +57,8 @@ pub enum LazyError {
     Serve(#[source] PageServerError),
     #[error("CRIU's lazy-pages daemon ended ({}) before all memory was in{}", exit_text(.exit), log_suffix(.log_tail))]
     Daemon { exit: Option<ExitKind>, log_tail: String },
-    #[error("the tree could not be guarded, so it was not let run: {0}")]
-    Guard(String),
+    #[error("the tree could not be guarded, so it was not let run")]
+    Guard(#[source] Arc<GuardError>),
 }
 
 fn exit_text(exit: &Option<ExitKind>) -> String {
@@ -88,152 +86,6 @@ pub(super) struct LazySession {
 /// Kills a restored tree: the processes of the checkpoint and whatever each started since.
 pub(super) type KillTree = Arc<dyn Fn() + Send + Sync>;
 
-/// Started at CRIU's "pre-resume" notification (every task's userfaultfd is with the
-/// lazy-pages daemon and the tree does not run yet): a `stasis-lazy-guard` process holding
-/// copies of those userfaultfds, so that a fault waits rather than reads zeros if the daemon
-/// dies, and that kills the tree if stasisd dies before the memory is in.
-#[derive(Clone)]
-pub(super) struct FaultGuard {
-    daemon: i32,
-    reaper: Reaper,
-    pids: Vec<i32>,
-    started: Arc<std::sync::Mutex<Option<GuardProcess>>>,
-    /// Why the guard could not start (CRIU only logs a failed notification and goes on).
-    failure: Arc<std::sync::Mutex<Option<String>>>,
-}
-
-/// How long the restore's userfaultfds may take to reach the lazy-pages daemon.
-const UFFDS_WAIT: Duration = Duration::from_secs(5);
-
-/// A running `stasis-lazy-guard`; writing a byte to `control` (or dropping it after stasisd
-/// died) ends it.
-struct GuardProcess {
-    pid: i32,
-    control: std::fs::File,
-}
-
-impl GuardProcess {
-    /// Lets the guard go without killing anything: the tree is resident, or already killed.
-    fn release(mut self) {
-        if let Err(e) = self.control.write_all(b"r") {
-            warn!(pid = self.pid, error = %e, "cannot release the lazy-restore guard");
-        }
-    }
-}
-
-impl FaultGuard {
-    /// Starts the guard. A failure is recorded: the restore then kills the tree rather than
-    /// let it run unguarded.
-    pub(super) fn start(&self) -> Result<(), String> {
-        let result = self.try_start();
-        if let Err(reason) = &result {
-            *self.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
-        }
-        result
-    }
-
-    /// Why the guard is not running, if it is not and should be.
-    pub(super) fn not_started(&self) -> Option<String> {
-        if self.started.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
-            return None;
-        }
-        if let Some(failure) = self.failure.lock().unwrap_or_else(|p| p.into_inner()).clone() {
-            return Some(failure);
-        }
-        // Not needed when the daemon finished before the tree ran.
-        match self.reaper.peek_exit(self.daemon) {
-            Some(ExitKind::Exited(0)) => None,
-            _ => Some("CRIU did not announce pre-resume".into()),
-        }
-    }
-
-    /// The daemon's userfaultfds: one per live task, some possibly still in transit from the
-    /// restore, so it waits a little for all of them.
-    fn daemon_uffds(&self) -> Result<Vec<i32>, String> {
-        let deadline = Instant::now() + UFFDS_WAIT;
-        loop {
-            let fds = proc::fd_targets(self.daemon)
-                .map_err(|e| format!("cannot list the lazy-pages daemon's descriptors: {e}"))?;
-            let uffds: Vec<i32> = fds
-                .into_iter()
-                .filter(|(_, target)| target.as_os_str() == "anon_inode:[userfaultfd]")
-                .map(|(fd, _)| fd)
-                .collect();
-            if uffds.len() >= self.pids.len() || Instant::now() >= deadline {
-                if uffds.len() < self.pids.len() {
-                    // Zombies of the tree get none; a missing one is a task left unguarded.
-                    warn!(found = uffds.len(), tasks = self.pids.len(), "fewer userfaultfds than tasks");
-                }
-                return Ok(uffds);
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    /// Whether the daemon has already exited with success (within a short wait for its exit to
-    /// be collected); an error when it ended otherwise.
-    fn daemon_done(&self) -> Result<bool, String> {
-        let deadline = Instant::now() + Duration::from_secs(1);
-        loop {
-            match self.reaper.peek_exit(self.daemon) {
-                Some(ExitKind::Exited(0)) => return Ok(true),
-                Some(exit) => return Err(format!("the lazy-pages daemon ended with {exit:?}")),
-                None if Instant::now() >= deadline => return Ok(false),
-                None => std::thread::sleep(Duration::from_millis(10)),
-            }
-        }
-    }
-
-    /// Copies of the daemon's userfaultfds.
-    fn copy_uffds(&self) -> Result<Vec<OwnedFd>, String> {
-        let copies = self
-            .daemon_uffds()?
-            .into_iter()
-            .map(|fd| copy_fd_of(self.daemon, fd))
-            .collect::<Result<Vec<OwnedFd>, _>>()
-            .map_err(|e| format!("cannot copy the lazy-pages daemon's userfaultfds: {e}"))?;
-        if copies.is_empty() {
-            return Err("the lazy-pages daemon holds no userfaultfd at pre-resume".into());
-        }
-        Ok(copies)
-    }
-
-    fn try_start(&self) -> Result<(), String> {
-        let copies = match self.copy_uffds() {
-            Ok(copies) => copies,
-            // The daemon may have brought every page in and exited before the tree runs (its
-            // background transfer starts once CRIU says the restore is done): nothing to guard.
-            Err(reason) => return if self.daemon_done()? { Ok(()) } else { Err(reason) },
-        };
-        let exe = std::env::current_exe().map(|p| p.with_file_name(GUARD_BIN)).map_err(|e| e.to_string())?;
-        let (control_r, control_w) =
-            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| e.to_string())?;
-        let pids: Vec<String> = self.pids.iter().map(i32::to_string).collect();
-        let mut cmd = Command::new(&exe);
-        cmd.args(["--root", &self.pids[0].to_string(), "--pids", &pids.join(",")])
-            .stdin(Stdio::from(control_r))
-            .stdout(Stdio::null());
-        let setup = ChildSetup {
-            new_session: true,
-            keep_fds: copies.iter().map(AsRawFd::as_raw_fd).collect(),
-            ..Default::default()
-        };
-        let child = spawn(&mut cmd, setup).map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
-        info!(
-            guard = child.id(),
-            userfaultfds = copies.len(),
-            "lazy-restore guard holds the tree's userfaultfds"
-        );
-        let guard = GuardProcess { pid: child.id() as i32, control: std::fs::File::from(control_w) };
-        *self.started.lock().unwrap_or_else(|p| p.into_inner()) = Some(guard);
-        Ok(())
-    }
-
-    fn take(&self) -> Option<GuardProcess> {
-        self.started.lock().unwrap_or_else(|p| p.into_inner()).take()
-    }
-}
-
 /// The page server's view of the prefetcher; counts what it serves.
 struct Served {
     reader: LazyReader,
@@ -254,6 +106,30 @@ impl PageSource for Served {
     }
 }
 
+/// Serves CRIU's lazy-pages daemon on `conn` from `source`, in a blocking thread; once `armed`
+/// (the tree exists), a failure kills the tree before the connection closes.
+fn serve(
+    conn: OwnedFd,
+    layout: HeaderLayout,
+    mut source: Served,
+    armed: Arc<AtomicBool>,
+    kill: KillTree,
+) -> tokio::task::JoinHandle<Result<ServeStats, PageServerError>> {
+    tokio::task::spawn_blocking(move || {
+        let mut conn = UnixStream::from(conn);
+        let result = serve_requests(&mut conn, layout, &mut source);
+        if let Err(e) = &result
+            && armed.load(Ordering::SeqCst)
+        {
+            warn!(error = %crate::error_chain(e), "lazy restore failed: killing the restored tree");
+            kill();
+        }
+        // Only now may the daemon see the connection close.
+        drop(conn);
+        result
+    })
+}
+
 impl Engine {
     /// Starts serving `memory` for a restore from `dir`: the prefetcher, our page server and
     /// CRIU's lazy-pages daemon, which is ready for the restore when this returns.
@@ -272,23 +148,8 @@ impl Engine {
         let armed = Arc::new(AtomicBool::new(false));
         let served = Arc::new(AtomicU64::new(0));
         let layout = HeaderLayout::for_version(self.criu_version.major, self.criu_version.minor);
-        let server = {
-            let (armed, kill) = (armed.clone(), kill.clone());
-            let mut source = Served { reader, served: served.clone() };
-            tokio::task::spawn_blocking(move || {
-                let mut conn = UnixStream::from(ours);
-                let result = serve_requests(&mut conn, layout, &mut source);
-                if let Err(e) = &result
-                    && armed.load(Ordering::SeqCst)
-                {
-                    warn!(error = %crate::error_chain(e), "lazy restore failed: killing the restored tree");
-                    kill();
-                }
-                // Only now may the daemon see the connection close.
-                drop(conn);
-                result
-            })
-        };
+        let source = Served { reader, served: served.clone() };
+        let server = serve(ours, layout, source, armed.clone(), kill.clone());
         let criu = self.criu.clone();
         let images = dir.to_path_buf();
         let started = tokio::task::spawn_blocking(move || {
@@ -304,13 +165,7 @@ impl Engine {
                 let _ = self.reaper.take_exit(daemon.pid);
                 let mut pids = vec![manifest.root_pid];
                 pids.extend(manifest.pids.iter().filter(|p| **p != manifest.root_pid));
-                let guard = FaultGuard {
-                    daemon: daemon.pid,
-                    reaper: self.reaper.clone(),
-                    pids,
-                    started: Default::default(),
-                    failure: Default::default(),
-                };
+                let guard = FaultGuard::new(daemon.pid, self.reaper.clone(), pids);
                 Ok(LazySession { daemon, fetch, server, armed, served, total, guard, kill })
             }
             Err(e) => {

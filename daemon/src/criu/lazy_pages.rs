@@ -149,7 +149,7 @@ pub(super) fn start_lazy_pages(
             let timeout = PollTimeout::try_from(left.as_millis() as i32).unwrap_or(PollTimeout::MAX);
             let mut fds = [PollFd::new(ready_r.as_fd(), PollFlags::POLLIN)];
             match poll(&mut fds, timeout) {
-                Ok(0) => return failed(CriuError::Protocol("criu lazy-pages did not get ready in time")),
+                Ok(0) => return failed(CriuError::Timeout("lazy-pages daemon", READY_TIMEOUT)),
                 Err(nix::Error::EINTR) => continue,
                 Err(e) => return failed(CriuError::Io(e.into())),
                 Ok(_) => break,

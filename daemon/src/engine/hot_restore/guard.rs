@@ -1,0 +1,196 @@
+//! The lazy-restore guard: from CRIU's "pre-resume" notification until the tree's memory is in,
+//! a `stasis-lazy-guard` process holds copies of the tree's userfaultfds, so that a fault waits
+//! rather than reads zeros if CRIU's lazy-pages daemon dies, and kills the tree if stasisd dies.
+
+use std::io::Write;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+use crate::linux::proc;
+use crate::linux::reaper::{ExitKind, Reaper};
+use crate::linux::sys::{ChildSetup, copy_fd_of, spawn};
+
+/// The guard's executable, next to stasisd's.
+const GUARD_BIN: &str = "stasis-lazy-guard";
+
+/// Why the lazy-restore guard could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum GuardError {
+    #[error("cannot list the lazy-pages daemon's descriptors")]
+    ListFds(#[source] std::io::Error),
+    #[error("cannot copy the lazy-pages daemon's userfaultfds")]
+    CopyFds(#[source] std::io::Error),
+    #[error("the lazy-pages daemon holds no userfaultfd at pre-resume")]
+    NoUserfaultfd,
+    #[error("the lazy-pages daemon ended ({0}) before the tree ran")]
+    DaemonEnded(ExitKind),
+    #[error("CRIU did not announce pre-resume")]
+    NoPreResume,
+    #[error("cannot start {exe}")]
+    Spawn {
+        exe: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Started at CRIU's "pre-resume" notification (every task's userfaultfd is with the
+/// lazy-pages daemon and the tree does not run yet): a `stasis-lazy-guard` process holding
+/// copies of those userfaultfds, so that a fault waits rather than reads zeros if the daemon
+/// dies, and that kills the tree if stasisd dies before the memory is in.
+#[derive(Clone)]
+pub(in crate::engine) struct FaultGuard {
+    daemon: i32,
+    reaper: Reaper,
+    pids: Vec<i32>,
+    started: Arc<std::sync::Mutex<Option<GuardProcess>>>,
+    /// Why the guard could not start (CRIU only logs a failed notification and goes on).
+    failure: Arc<std::sync::Mutex<Option<Arc<GuardError>>>>,
+}
+
+/// How long the restore's userfaultfds may take to reach the lazy-pages daemon.
+const UFFDS_WAIT: Duration = Duration::from_secs(5);
+
+/// A running `stasis-lazy-guard`; writing a byte to `control` (or dropping it after stasisd
+/// died) ends it.
+pub(super) struct GuardProcess {
+    pid: i32,
+    control: std::fs::File,
+}
+
+impl GuardProcess {
+    /// Lets the guard go without killing anything: the tree is resident, or already killed.
+    pub(super) fn release(mut self) {
+        if let Err(e) = self.control.write_all(b"r") {
+            warn!(pid = self.pid, error = %e, "cannot release the lazy-restore guard");
+        }
+    }
+}
+
+impl FaultGuard {
+    /// A guard, not started yet, for the tree `pids` (root first) that the lazy-pages daemon
+    /// `daemon` serves.
+    pub(super) fn new(daemon: i32, reaper: Reaper, pids: Vec<i32>) -> FaultGuard {
+        FaultGuard { daemon, reaper, pids, started: Default::default(), failure: Default::default() }
+    }
+
+    /// Starts the guard. A failure is recorded: the restore then kills the tree rather than
+    /// let it run unguarded.
+    pub(in crate::engine) fn start(&self) -> Result<(), Arc<GuardError>> {
+        let result = self.try_start().map_err(Arc::new);
+        if let Err(reason) = &result {
+            *self.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
+        }
+        result
+    }
+
+    /// Why the guard is not running, if it is not and should be.
+    pub(in crate::engine) fn not_started(&self) -> Option<Arc<GuardError>> {
+        if self.started.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+            return None;
+        }
+        if let Some(failure) = self.failure.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Some(failure);
+        }
+        // Not needed when the daemon finished before the tree ran.
+        match self.reaper.peek_exit(self.daemon) {
+            Some(ExitKind::Exited(0)) => None,
+            _ => Some(Arc::new(GuardError::NoPreResume)),
+        }
+    }
+
+    /// The daemon's userfaultfds: one per live task, some possibly still in transit from the
+    /// restore, so it waits a little for all of them.
+    fn daemon_uffds(&self) -> Result<Vec<i32>, GuardError> {
+        let deadline = Instant::now() + UFFDS_WAIT;
+        loop {
+            let fds = proc::fd_targets(self.daemon).map_err(GuardError::ListFds)?;
+            let uffds: Vec<i32> = fds
+                .into_iter()
+                .filter(|(_, target)| target.as_os_str() == "anon_inode:[userfaultfd]")
+                .map(|(fd, _)| fd)
+                .collect();
+            if uffds.len() >= self.pids.len() || Instant::now() >= deadline {
+                if uffds.len() < self.pids.len() {
+                    // Zombies of the tree get none; a missing one is a task left unguarded.
+                    warn!(found = uffds.len(), tasks = self.pids.len(), "fewer userfaultfds than tasks");
+                }
+                return Ok(uffds);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Whether the daemon has already exited with success (within a short wait for its exit to
+    /// be collected); an error when it ended otherwise.
+    fn daemon_done(&self) -> Result<bool, GuardError> {
+        let deadline = Instant::now() + Duration::from_secs(1);
+        loop {
+            match self.reaper.peek_exit(self.daemon) {
+                Some(ExitKind::Exited(0)) => return Ok(true),
+                Some(exit) => return Err(GuardError::DaemonEnded(exit)),
+                None if Instant::now() >= deadline => return Ok(false),
+                None => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    }
+
+    /// Copies of the daemon's userfaultfds.
+    fn copy_uffds(&self) -> Result<Vec<OwnedFd>, GuardError> {
+        let copies = self
+            .daemon_uffds()?
+            .into_iter()
+            .map(|fd| copy_fd_of(self.daemon, fd))
+            .collect::<Result<Vec<OwnedFd>, _>>()
+            .map_err(GuardError::CopyFds)?;
+        if copies.is_empty() {
+            return Err(GuardError::NoUserfaultfd);
+        }
+        Ok(copies)
+    }
+
+    fn try_start(&self) -> Result<(), GuardError> {
+        let copies = match self.copy_uffds() {
+            Ok(copies) => copies,
+            // The daemon may have brought every page in and exited before the tree runs (its
+            // background transfer starts once CRIU says the restore is done): nothing to guard.
+            Err(reason) => return if self.daemon_done()? { Ok(()) } else { Err(reason) },
+        };
+        let spawn_err = |exe: &std::path::Path| {
+            let exe = exe.to_path_buf();
+            move |source| GuardError::Spawn { exe, source }
+        };
+        let exe = std::env::current_exe()
+            .map(|p| p.with_file_name(GUARD_BIN))
+            .map_err(spawn_err(std::path::Path::new(GUARD_BIN)))?;
+        let (control_r, control_w) =
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| spawn_err(&exe)(e.into()))?;
+        let pids: Vec<String> = self.pids.iter().map(i32::to_string).collect();
+        let mut cmd = Command::new(&exe);
+        cmd.args(["--root", &self.pids[0].to_string(), "--pids", &pids.join(",")])
+            .stdin(Stdio::from(control_r))
+            .stdout(Stdio::null());
+        let setup = ChildSetup {
+            new_session: true,
+            keep_fds: copies.iter().map(AsRawFd::as_raw_fd).collect(),
+            ..Default::default()
+        };
+        let child = spawn(&mut cmd, setup).map_err(spawn_err(&exe))?;
+        info!(
+            guard = child.id(),
+            userfaultfds = copies.len(),
+            "lazy-restore guard holds the tree's userfaultfds"
+        );
+        let guard = GuardProcess { pid: child.id() as i32, control: std::fs::File::from(control_w) };
+        *self.started.lock().unwrap_or_else(|p| p.into_inner()) = Some(guard);
+        Ok(())
+    }
+
+    pub(super) fn take(&self) -> Option<GuardProcess> {
+        self.started.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
