@@ -2,9 +2,12 @@
 //!
 //! - [`engine`]: the typed domain API (run, checkpoint, restore, list, delete, status);
 //! - [`grpc`]: the thin `stasis.v1` adapter over the engine;
-//! - [`criu`]: driving CRIU over its swrk RPC;
+//! - [`criu`]: driving CRIU over its swrk RPC (behind the `CriuOps` seam), its images and page
+//!   server, and what it can do on this kernel;
+//! - [`cuda`]: NVIDIA's driver checkpoint API (loaded at run time) and finding CUDA processes;
 //! - [`store`]: manifests and checkpoint data in object storage;
-//! - [`linux`]: /proc, cgroups, spawning and reaping;
+//! - [`linux`]: /proc, sockets, nftables and iptables locks, cgroups, ptys, spawning and
+//!   reaping (with `cuda`'s FFI, the only `unsafe` code);
 //! - [`config`] and [`server`]: the daemon's settings and lifecycle.
 
 pub mod config;

@@ -2,7 +2,9 @@
 //! SIGTERM or SIGINT stop taking requests and let running jobs finish.
 
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
+
+use nix::sys::stat::{Mode, umask};
 use std::path::{Path, PathBuf};
 
 use tokio::net::UnixListener;
@@ -91,7 +93,30 @@ fn bind(path: &Path) -> Result<UnixListener, ServeError> {
         }
         std::fs::remove_file(path).map_err(err)?;
     }
-    let listener = UnixListener::bind(path).map_err(err)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
-    Ok(listener)
+    // Created with mode 0600 rather than changed after: no moment in which others may connect.
+    // The umask is the process's; nothing else creates files while the daemon starts serving.
+    let old = umask(Mode::from_bits_truncate(0o177));
+    let listener = UnixListener::bind(path);
+    umask(old);
+    listener.map_err(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn the_socket_is_created_root_only_and_a_live_one_is_never_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run/stasisd.sock");
+        let listener = bind(&path).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "socket mode {mode:o}");
+        assert!(matches!(bind(&path), Err(ServeError::SocketInUse(_))));
+        drop(listener);
+        // A stale socket file (nobody listening) is replaced.
+        bind(&path).unwrap();
+    }
 }

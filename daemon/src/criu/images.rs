@@ -37,6 +37,12 @@ pub fn dump_run_id(images_dir: &Path) -> io::Result<Option<String>> {
     Ok(entry.dump_criu_run_id.filter(|id| !id.is_empty()))
 }
 
+/// The pid whose memory a page-server destination id names, if it names a task's memory
+/// (not a shared-memory segment's).
+pub fn task_of(dst_id: u64) -> Option<u64> {
+    (dst_id & 0xff == TYPE_TASK).then_some(dst_id >> 8)
+}
+
 /// The pagemap file name CRIU expects for a page-server destination id.
 pub fn pagemap_file_name(dst_id: u64) -> Option<String> {
     let id = dst_id >> 8;
@@ -101,6 +107,8 @@ mod tests {
         assert_eq!(pagemap_file_name((1234 << 8) | 1).as_deref(), Some("pagemap-1234.img"));
         assert_eq!(pagemap_file_name((77 << 8) | 2).as_deref(), Some("pagemap-shmem-77.img"));
         assert_eq!(pagemap_file_name(5), None);
+        assert_eq!(task_of((1234 << 8) | 1), Some(1234));
+        assert_eq!(task_of((77 << 8) | 2), None);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("pagemap-1.img");
         let run = PageRun { dst_id: 257, vaddr: 0x1000, nr_pages: 3, flags: PE_PRESENT };

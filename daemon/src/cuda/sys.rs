@@ -1,13 +1,13 @@
-//! Raw FFI to the CUDA driver (`libcuda.so.1`), opened with `dlopen` at run time: the only
-//! `unsafe` code of the daemon.
+//! Raw FFI to the CUDA driver (`libcuda.so.1`), opened with `dlopen` at run time: the CUDA
+//! side of the daemon's `unsafe` code (the rest is in `linux/sys.rs`).
 //!
 //! Nothing here links against CUDA, so the daemon builds, runs and unit-tests on machines
 //! without a GPU. [`Api::load`] resolves every symbol once; each method below is a safe shim
 //! around one driver call and returns the raw `CUresult` (turning codes into errors is the job
 //! of the safe API in `cuda/mod.rs`).
 //!
-//! Declarations follow `cuda.h` (CUDA 12.8 .. 13.4) and the notes in
-//! `shared/reference/gpu_anchors.md` section (d).
+//! Declarations follow `cuda.h` (CUDA 12.8 .. 13.4): the `cuCheckpoint*` functions and their
+//! argument structs, whose reserved fields must be zero.
 
 use std::ffi::{CStr, c_char, c_int, c_uint};
 use std::mem::{ManuallyDrop, offset_of, size_of};

@@ -64,7 +64,7 @@ impl std::fmt::Debug for RestoreParams {
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RestoreStats {
-    /// From request until the tree runs.
+    /// From request until the tree runs (the same as `first_run_ms`; the API's older name).
     pub restore_ms: u64,
     pub fetch_ms: u64,
     pub criu_ms: u64,

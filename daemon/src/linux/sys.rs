@@ -49,14 +49,15 @@ pub fn spawn(cmd: &mut Command, setup: ChildSetup) -> io::Result<Child> {
     cmd.spawn()
 }
 
-/// Maps a file that only this process writes, for reading.
+/// Maps a file that only this process wrote, for reading; takes the caller's handle so that
+/// nothing of ours writes it any more.
 ///
-/// The caller promises the file is private to it (created exclusively, mode 0600, in the
-/// daemon's state directory) and no longer written.
-pub fn map_private_file(file: &std::fs::File) -> io::Result<memmap2::Mmap> {
+/// The caller promises the file is private to it: created exclusively, mode 0600, in the
+/// daemon's own state directory, so no other process writes it either.
+pub fn map_private_file(file: std::fs::File) -> io::Result<memmap2::Mmap> {
     // SAFETY: mapping is unsound only if the file changes while mapped; per this function's
     // contract nobody writes the file any more, so the mapped bytes stay as they are.
-    unsafe { memmap2::Mmap::map(file) }
+    unsafe { memmap2::Mmap::map(&file) }
 }
 
 /// Drops this process's mapping of `len` bytes at `offset` of a read-only file mapping, so

@@ -15,7 +15,7 @@ use stasis_proto::stasis::v1::{ChunkRef, Codec};
 use super::index::{ChunkHash, ChunkLoc};
 use super::lazy_memory::{LazyChunk, LazyMemory};
 use super::{Manifest, Progress, Store, StoreError};
-use crate::criu::images::{pagemap_file_name, pages_file_name, write_pagemap};
+use crate::criu::images::{pagemap_file_name, pages_file_name, task_of, write_pagemap};
 use crate::criu::pageserver::{PE_LAZY, PageRun};
 use stasis_proto::stasis::v1::AddressRange;
 
@@ -43,17 +43,13 @@ pub enum MemoryMode<'a> {
 impl MemoryMode<'_> {
     fn leaves_lazy(&self, dst_id: u64, run: &PageRun) -> bool {
         let Self::Lazy { eager } = self else { return false };
-        let pid = dst_id >> 8;
+        let Some(pid) = task_of(dst_id) else { return false };
         let end = run.vaddr + run.byte_len();
-        dst_id & 0xff == PS_TYPE_TASK
-            && run.flags & PE_LAZY != 0
+        run.flags & PE_LAZY != 0
             && run.has_data()
             && !eager.iter().any(|r| r.pid as u64 == pid && r.start < end && r.end > run.vaddr)
     }
 }
-
-/// CRIU's pagemap type of a task's memory (the low byte of a pagemap id).
-const PS_TYPE_TASK: u64 = 1;
 
 impl Store {
     /// Writes the images of `manifest` into `dir`. Returns the bytes fetched from the store.

@@ -62,7 +62,7 @@ impl Staging {
         let spill = match self.spill {
             Some(mut file) => {
                 file.flush()?;
-                Some(map_private_file(&file)?)
+                Some(map_private_file(file)?)
             }
             None => None,
         };
