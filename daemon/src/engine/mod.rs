@@ -27,6 +27,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+pub(crate) use checkpoint::convert_stats;
 pub use checkpoint::{CheckpointOutcome, CheckpointParams, CheckpointStats, Target};
 pub use error::{CheckpointError, QueryError, RestoreError, RunError, StartError};
 pub use hot_restore::LazyError;

@@ -42,7 +42,7 @@ impl From<&Manifest> for CheckpointSummary {
             files: image_names(m),
             criu_options: super::checkpoint::tree_options(&m.options.clone().unwrap_or_default()).describe(),
             sockets: m.sockets.iter().map(super::sockets::describe).collect(),
-            stats: m.stats.unwrap_or_default(),
+            stats: m.stats.as_ref().map(super::checkpoint::stats_of).unwrap_or_default(),
         }
     }
 }

@@ -167,7 +167,7 @@ impl From<ProgressUpdate> for pb::Progress {
 impl From<CheckpointOutcome> for pb::CheckpointResult {
     fn from(o: CheckpointOutcome) -> Self {
         Self {
-            stats: Some(o.stats),
+            stats: Some(api_stats(&o.stats)),
             id: o.id,
             workload: o.workload,
             pid: o.pid,
@@ -202,7 +202,7 @@ impl From<RestoreOutcome> for pb::RestoreResult {
 impl From<CheckpointSummary> for pb::CheckpointInfo {
     fn from(c: CheckpointSummary) -> Self {
         Self {
-            stats: Some(c.stats),
+            stats: Some(api_stats(&c.stats)),
             id: c.id,
             workload: c.workload,
             pid: c.pid,
@@ -255,6 +255,11 @@ impl From<StatusReport> for pb::StatusResponse {
                 .collect(),
         }
     }
+}
+
+/// The API's message for a checkpoint's stats.
+fn api_stats(s: &crate::engine::CheckpointStats) -> pb::CheckpointStats {
+    crate::engine::convert_stats!(s => pb::CheckpointStats)
 }
 
 #[cfg(test)]

@@ -5,13 +5,13 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use stasis_proto::stasis::v1::DumpOptions;
+use stasis_proto::stasis::v1::{DumpOptions, StoredStats};
 
 use super::super::dump::SPILL_FILE;
 use super::super::gpu::Suspended;
 use super::super::inspect::TreeInfo;
 use super::super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
-use super::CheckpointStats;
+use super::{CheckpointStats, convert_stats};
 use crate::criu::{LOG_FILE, NetworkLock, TreeOptions};
 use crate::store::{Manifest, Staged, StoredDump};
 
@@ -86,7 +86,7 @@ impl Engine {
             gpus: gpu.map(|g| g.devices.clone()).unwrap_or_default(),
             gpu_host_memory: gpu.map(|g| g.host_memory.clone()).unwrap_or_default(),
             cuda_driver: self.gpu.as_ref().map(|g| g.driver_version()).unwrap_or_default(),
-            stats: Some(stats),
+            stats: Some(stored_stats(&stats)),
             sockets: d.tree.sockets.records.clone(),
         }
     }
@@ -111,6 +111,16 @@ fn stats(d: &Dumped<'_>, stored: &StoredDump) -> CheckpointStats {
         dump_ms: ms(timing.dump_done - timing.started),
         store_ms: ms(timing.dump_done.elapsed()),
     }
+}
+
+/// The manifest's record of `s`.
+fn stored_stats(s: &CheckpointStats) -> StoredStats {
+    convert_stats!(s => StoredStats)
+}
+
+/// The stats a manifest recorded.
+pub(in crate::engine) fn stats_of(s: &StoredStats) -> CheckpointStats {
+    convert_stats!(s => CheckpointStats)
 }
 
 pub(super) fn ms(d: Duration) -> u64 {

@@ -29,7 +29,6 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
-use nix::unistd::Pid;
 use tracing::{info, warn};
 
 mod guard;
@@ -40,6 +39,7 @@ use super::{Engine, ProgressFn, ProgressUpdate};
 use crate::criu::CriuError;
 use crate::criu::lazy_pages::{LazyPagesDaemon, PageSource, ServeStats, serve_requests};
 use crate::criu::pageserver::{HeaderLayout, PageServerError};
+use crate::linux::proc;
 use crate::linux::reaper::{ExitKind, Reaper};
 use crate::store::{LazyFetch, LazyMemory, LazyReader, Manifest};
 
@@ -196,7 +196,7 @@ impl LazySession {
             (self.kill)();
             guard.release();
         }
-        let _ = nix::sys::signal::kill(Pid::from_raw(self.daemon.pid), Signal::SIGKILL);
+        proc::signal_all(&[self.daemon.pid], Signal::SIGKILL);
         self.fetch.stop();
     }
 
@@ -226,7 +226,7 @@ impl LazySession {
         let exit = match tokio::time::timeout(DAEMON_EXIT_WAIT, reaper.wait_exit(daemon.pid)).await {
             Ok(exit) => Some(exit),
             Err(_) => {
-                let _ = nix::sys::signal::kill(Pid::from_raw(daemon.pid), Signal::SIGKILL);
+                proc::signal_all(&[daemon.pid], Signal::SIGKILL);
                 tokio::time::timeout(DAEMON_EXIT_WAIT, reaper.wait_exit(daemon.pid)).await.ok()
             }
         };
