@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::{StreamExt, TryStreamExt};
-use stasis_proto::stasis::v1::{ChunkRef, Codec};
+use stasis_proto::stasis::v1::{ChunkRef, Codec, FileImage, MemoryImage};
 
 use super::index::{ChunkHash, ChunkLoc};
 use super::lazy_memory::{LazyChunk, LazyMemory};
@@ -28,6 +28,28 @@ struct Placement {
     hash: ChunkHash,
     file: Arc<File>,
     offset: u64,
+}
+
+/// Where every chunk a restore needs goes, by the pack that holds it.
+type Plan = HashMap<Arc<str>, Vec<Placement>>;
+
+/// A restore's images being laid out in `dir`: where each stored chunk goes, and which memory
+/// stays in the store.
+struct Assembly<'a> {
+    id: &'a str,
+    dir: &'a Path,
+    mode: MemoryMode<'a>,
+    plan: Plan,
+    lazy: LazyMemory,
+}
+
+fn corrupt(id: &str, what: &str, reason: String) -> StoreError {
+    StoreError::Corrupt { id: id.into(), file: what.into(), reason }
+}
+
+fn local(path: &Path) -> impl Fn(std::io::Error) -> StoreError {
+    let path = path.display().to_string();
+    move |source| StoreError::Local { path: path.clone(), source }
 }
 
 /// Which memory a restore leaves in the store, to be served on demand.
@@ -74,77 +96,93 @@ impl Store {
     ) -> Result<(u64, LazyMemory), StoreError> {
         self.refresh_index().await?;
         let id = manifest.id.as_str();
-        let corrupt =
-            |what: &str, reason: String| StoreError::Corrupt { id: id.into(), file: what.into(), reason };
-        let local = |path: &Path| {
-            let path = path.display().to_string();
-            move |source| StoreError::Local { path, source }
-        };
-        let mut plan: HashMap<Arc<str>, Vec<Placement>> = HashMap::new();
+        let mut a = Assembly { id, dir, mode, plan: Plan::new(), lazy: LazyMemory::new(id) };
         for file in &manifest.files {
-            if file.name.contains('/') || file.name.starts_with('.') || file.name.is_empty() {
-                return Err(corrupt(&file.name, "the manifest names an unsafe file path".into()));
-            }
-            let path = dir.join(&file.name);
-            let out = Arc::new(create_sized(&path, file.size).map_err(local(&path))?);
-            let placed = self.place(id, &file.name, &file.chunks, &out, 0, &mut plan)?;
-            if placed != file.size {
-                return Err(corrupt(
-                    &file.name,
-                    format!("chunks hold {placed} bytes, the file {}", file.size),
-                ));
-            }
+            self.plan_file(&mut a, file)?;
         }
-        let mut lazy = LazyMemory::new(id);
         for (i, image) in manifest.memory.iter().enumerate() {
-            let name = pagemap_file_name(image.dst_id)
-                .ok_or_else(|| corrupt("memory", format!("unknown pagemap id {:#x}", image.dst_id)))?;
-            let pages_id = i as u32 + 1;
-            let pages = dir.join(pages_file_name(pages_id));
-            let out = Arc::new(create_sized(&pages, 0).map_err(local(&pages))?);
-            let (mut chunks, mut written) = (image.chunks.as_slice(), 0u64);
-            let mut runs = Vec::with_capacity(image.runs.len());
-            for r in &image.runs {
-                let mut run =
-                    PageRun { dst_id: image.dst_id, vaddr: r.vaddr, nr_pages: r.nr_pages, flags: r.flags };
-                if run.has_data() {
-                    let n = chunks_covering(chunks, run.byte_len())
-                        .ok_or_else(|| corrupt(&name, format!("chunks do not cut at {:#x}", run.vaddr)))?;
-                    let (mine, rest) = chunks.split_at(n);
-                    chunks = rest;
-                    if mode.leaves_lazy(image.dst_id, &run) {
-                        let resolved: Result<Vec<LazyChunk>, StoreError> = mine
-                            .iter()
-                            .map(|c| {
-                                Ok(LazyChunk {
-                                    stored: self.resolve(id, &name, c)?,
-                                    len: c.len,
-                                    fresh: c.fresh,
-                                })
-                            })
-                            .collect();
-                        lazy.push_run(image.dst_id >> 8, run.vaddr, resolved?);
-                        run.flags = PE_LAZY;
-                    } else {
-                        if matches!(mode, MemoryMode::Lazy { .. }) {
-                            // CRIU's restore skips lazy-flagged pages in lazy mode: restoring
-                            // this run eagerly means dropping the flag.
-                            run.flags &= !PE_LAZY;
-                        }
-                        written += self.place(id, &name, mine, &out, written, &mut plan)?;
-                    }
-                }
-                runs.push(run);
-            }
-            if !chunks.is_empty() {
-                return Err(corrupt(&name, "chunks hold more bytes than its pages".into()));
-            }
-            out.set_len(written).map_err(local(&pages))?;
-            let pagemap = dir.join(&name);
-            write_pagemap(&pagemap, pages_id, &runs).map_err(local(&pagemap))?;
+            self.plan_memory(&mut a, image, i as u32 + 1)?;
         }
+        let Assembly { plan, mut lazy, .. } = a;
         lazy.finish();
+        let fetched = self.fetch_plan(id, plan, progress).await?;
+        Ok((fetched, lazy))
+    }
 
+    /// Creates image file `file` in `dir` and plans where its chunks go.
+    fn plan_file(&self, a: &mut Assembly<'_>, file: &FileImage) -> Result<(), StoreError> {
+        let (id, dir, plan) = (a.id, a.dir, &mut a.plan);
+        if file.name.contains('/') || file.name.starts_with('.') || file.name.is_empty() {
+            return Err(corrupt(id, &file.name, "the manifest names an unsafe file path".into()));
+        }
+        let path = dir.join(&file.name);
+        let out = Arc::new(create_sized(&path, file.size).map_err(local(&path))?);
+        let placed = self.place(id, &file.name, &file.chunks, &out, 0, plan)?;
+        if placed != file.size {
+            return Err(corrupt(
+                id,
+                &file.name,
+                format!("chunks hold {placed} bytes, the file {}", file.size),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Writes the pagemap of memory image `image` (its pages going to `pages-<pages_id>.img`)
+    /// and plans where its chunks go; the runs `mode` leaves in the store go to `lazy`.
+    fn plan_memory(
+        &self,
+        a: &mut Assembly<'_>,
+        image: &MemoryImage,
+        pages_id: u32,
+    ) -> Result<(), StoreError> {
+        let (id, dir, mode) = (a.id, a.dir, a.mode);
+        let (plan, lazy) = (&mut a.plan, &mut a.lazy);
+        let name = pagemap_file_name(image.dst_id)
+            .ok_or_else(|| corrupt(id, "memory", format!("unknown pagemap id {:#x}", image.dst_id)))?;
+        let pages = dir.join(pages_file_name(pages_id));
+        let out = Arc::new(create_sized(&pages, 0).map_err(local(&pages))?);
+        let (mut chunks, mut written) = (image.chunks.as_slice(), 0u64);
+        let mut runs = Vec::with_capacity(image.runs.len());
+        for r in &image.runs {
+            let mut run =
+                PageRun { dst_id: image.dst_id, vaddr: r.vaddr, nr_pages: r.nr_pages, flags: r.flags };
+            if run.has_data() {
+                let n = chunks_covering(chunks, run.byte_len())
+                    .ok_or_else(|| corrupt(id, &name, format!("chunks do not cut at {:#x}", run.vaddr)))?;
+                let (mine, rest) = chunks.split_at(n);
+                chunks = rest;
+                if mode.leaves_lazy(image.dst_id, &run) {
+                    let resolved: Result<Vec<LazyChunk>, StoreError> = mine
+                        .iter()
+                        .map(|c| {
+                            Ok(LazyChunk { stored: self.resolve(id, &name, c)?, len: c.len, fresh: c.fresh })
+                        })
+                        .collect();
+                    lazy.push_run(image.dst_id >> 8, run.vaddr, resolved?);
+                    run.flags = PE_LAZY;
+                } else {
+                    if matches!(mode, MemoryMode::Lazy { .. }) {
+                        // CRIU's restore skips lazy-flagged pages in lazy mode: restoring this
+                        // run eagerly means dropping the flag.
+                        run.flags &= !PE_LAZY;
+                    }
+                    written += self.place(id, &name, mine, &out, written, plan)?;
+                }
+            }
+            runs.push(run);
+        }
+        if !chunks.is_empty() {
+            return Err(corrupt(id, &name, "chunks hold more bytes than its pages".into()));
+        }
+        out.set_len(written).map_err(local(&pages))?;
+        let pagemap = dir.join(&name);
+        write_pagemap(&pagemap, pages_id, &runs).map_err(local(&pagemap))
+    }
+
+    /// Fetches every pack `plan` needs, several at a time, writing their chunks where the plan
+    /// says. Returns the bytes fetched.
+    async fn fetch_plan(&self, id: &str, plan: Plan, progress: Progress) -> Result<u64, StoreError> {
         let total: u64 = plan.values().flatten().map(|p| u64::from(p.loc.stored_len)).sum();
         let fetched = Arc::new(AtomicU64::new(0));
         futures::stream::iter(plan)
@@ -160,7 +198,7 @@ impl Store {
             .buffer_unordered(PACKS_IN_FLIGHT)
             .try_collect::<()>()
             .await?;
-        Ok((fetched.load(Ordering::Relaxed), lazy))
+        Ok(fetched.load(Ordering::Relaxed))
     }
 
     /// Where chunk `chunk` of `what` is stored; `None` for a zero chunk.
