@@ -20,7 +20,7 @@
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::criu::NetworkLock;
 
@@ -44,11 +44,16 @@ fn setup_criu() -> PathBuf {
 }
 
 /// stasisd: the stasis checkpoint/restore daemon.
-#[derive(Debug, Clone, Parser, Default)]
+///
+/// Each setting is declared once, here: as a command-line flag (clap) and as the key of the
+/// same name in the TOML file (serde). Flags win over the file, the file over the defaults.
+#[derive(Debug, Clone, Parser, Default, Deserialize, Serialize)]
 #[command(version, about)]
+#[serde(deny_unknown_fields)]
 pub struct Args {
     /// TOML configuration file (default /etc/stasis/stasisd.toml, if it exists).
     #[arg(long)]
+    #[serde(skip)]
     pub config: Option<PathBuf>,
     /// Unix socket to serve the API on.
     #[arg(long)]
@@ -99,7 +104,7 @@ pub struct Args {
 }
 
 /// The `network_lock` setting.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum NetworkLockSetting {
     #[default]
@@ -120,7 +125,7 @@ impl NetworkLockSetting {
 }
 
 /// What a lazy restore prefetches first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum LazyPrefetch {
     /// Address order, as CRIU's background transfer asks (measured better; bench/RESULTS.md).
@@ -130,30 +135,12 @@ pub enum LazyPrefetch {
     FreshFirst,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     #[default]
     Text,
     Json,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileConfig {
-    socket: Option<PathBuf>,
-    store: Option<String>,
-    state_dir: Option<PathBuf>,
-    criu: Option<PathBuf>,
-    log_format: Option<LogFormat>,
-    staging_mib: Option<u64>,
-    keep_last: Option<usize>,
-    gc_grace_secs: Option<u64>,
-    store_retry_secs: Option<u64>,
-    lazy_cache_mib: Option<u64>,
-    lazy_timeout_secs: Option<u64>,
-    lazy_prefetch: Option<LazyPrefetch>,
-    network_lock: Option<NetworkLockSetting>,
 }
 
 /// The settings in effect.
@@ -188,38 +175,35 @@ pub enum ConfigError {
         #[source]
         source: toml::de::Error,
     },
+    #[error("cannot combine the flags with the configuration file: {0}")]
+    Merge(String),
     #[error("invalid setting {key}: {reason}")]
     Invalid { key: &'static str, reason: &'static str },
 }
 
 impl DaemonConfig {
     /// Combines flags, the configuration file and defaults.
-    pub fn resolve(args: Args) -> Result<Self, ConfigError> {
-        let file = match &args.config {
+    pub fn resolve(flags: Args) -> Result<Self, ConfigError> {
+        let file = match &flags.config {
             Some(path) => read_file(path)?,
             None if Path::new(DEFAULT_CONFIG).exists() => read_file(Path::new(DEFAULT_CONFIG))?,
-            None => FileConfig::default(),
+            None => Args::default(),
         };
+        let s = overlay(file, flags)?;
         let config = Self {
-            socket: args.socket.or(file.socket).unwrap_or_else(|| DEFAULT_SOCKET.into()),
-            store_url: args.store.or(file.store).unwrap_or_else(|| DEFAULT_STORE.into()),
-            state_dir: args.state_dir.or(file.state_dir).unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
-            criu_path: args.criu.or(file.criu).unwrap_or_else(default_criu),
-            log_format: args.log_format.or(file.log_format).unwrap_or_default(),
-            staging_mib: args.staging_mib.or(file.staging_mib),
-            keep_last: args.keep_last.or(file.keep_last).unwrap_or(DEFAULT_KEEP_LAST),
-            gc_grace_secs: args.gc_grace_secs.or(file.gc_grace_secs).unwrap_or(DEFAULT_GC_GRACE_SECS),
-            store_retry_secs: args
-                .store_retry_secs
-                .or(file.store_retry_secs)
-                .unwrap_or(DEFAULT_STORE_RETRY_SECS),
-            lazy_cache_mib: args.lazy_cache_mib.or(file.lazy_cache_mib).unwrap_or(DEFAULT_LAZY_CACHE_MIB),
-            lazy_timeout_secs: args
-                .lazy_timeout_secs
-                .or(file.lazy_timeout_secs)
-                .unwrap_or(DEFAULT_LAZY_TIMEOUT_SECS),
-            lazy_prefetch: args.lazy_prefetch.or(file.lazy_prefetch).unwrap_or_default(),
-            network_lock: args.network_lock.or(file.network_lock).unwrap_or_default(),
+            socket: s.socket.unwrap_or_else(|| DEFAULT_SOCKET.into()),
+            store_url: s.store.unwrap_or_else(|| DEFAULT_STORE.into()),
+            state_dir: s.state_dir.unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
+            criu_path: s.criu.unwrap_or_else(default_criu),
+            log_format: s.log_format.unwrap_or_default(),
+            staging_mib: s.staging_mib,
+            keep_last: s.keep_last.unwrap_or(DEFAULT_KEEP_LAST),
+            gc_grace_secs: s.gc_grace_secs.unwrap_or(DEFAULT_GC_GRACE_SECS),
+            store_retry_secs: s.store_retry_secs.unwrap_or(DEFAULT_STORE_RETRY_SECS),
+            lazy_cache_mib: s.lazy_cache_mib.unwrap_or(DEFAULT_LAZY_CACHE_MIB),
+            lazy_timeout_secs: s.lazy_timeout_secs.unwrap_or(DEFAULT_LAZY_TIMEOUT_SECS),
+            lazy_prefetch: s.lazy_prefetch.unwrap_or_default(),
+            network_lock: s.network_lock.unwrap_or_default(),
         };
         if config.lazy_timeout_secs == 0 || config.lazy_timeout_secs > 86_400 {
             let reason = "must be 1 to 86400 seconds (a lazy restore kills the tree when it passes)";
@@ -229,7 +213,19 @@ impl DaemonConfig {
     }
 }
 
-fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
+/// `flags` over `file`: each setting given on the command line replaces the file's.
+fn overlay(file: Args, flags: Args) -> Result<Args, ConfigError> {
+    let object = |args: Args| match serde_json::to_value(args) {
+        Ok(serde_json::Value::Object(map)) => Ok(map),
+        Ok(_) => Err(ConfigError::Merge("settings are not a table".into())),
+        Err(e) => Err(ConfigError::Merge(e.to_string())),
+    };
+    let mut merged = object(file)?;
+    merged.extend(object(flags)?.into_iter().filter(|(_, value)| !value.is_null()));
+    serde_json::from_value(serde_json::Value::Object(merged)).map_err(|e| ConfigError::Merge(e.to_string()))
+}
+
+fn read_file(path: &Path) -> Result<Args, ConfigError> {
     let text =
         std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
     toml::from_str(&text).map_err(|source| ConfigError::Parse { path: path.into(), source })
