@@ -9,6 +9,7 @@
 
 mod daemon;
 mod logs;
+pub mod memtest;
 mod peer;
 pub mod procfs;
 pub mod s3;

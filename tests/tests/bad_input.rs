@@ -1,31 +1,38 @@
 //! Wrong pids, unknown or malformed ids, and damaged checkpoints in the store: each is a
 //! clean error (exit status 1, `error: ...` saying what is wrong), and the daemon keeps
-//! serving. One daemon for all of them, in sequence.
+//! serving. One test, and one daemon, per case.
 
 #![forbid(unsafe_code)]
 
 use std::fs::OpenOptions;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use stasis_tests::{Daemon, TIMEOUT, expect_within, procfs, python_workload, skip_unless_ready};
 
-/// `status --json` still answers.
-fn still_serving(d: &Daemon, after: &str) {
+/// A well-formed checkpoint id that no store holds.
+const UNKNOWN_ID: &str = "20200101-000000-abcdef";
+
+/// An id that would be a path outside the store, were it used as one.
+const PATH_LIKE_ID: &str = "../../etc";
+
+/// Runs `stasis <args>`, which must fail with an error mentioning one of `any_of`, and checks
+/// that the daemon still answers afterwards; returns the error.
+fn refused(d: &Daemon, args: &[&str], any_of: &[&str]) -> String {
+    let what = format!("`stasis {}`", args.join(" "));
+    let err = d.cli_err(args);
+    let lower = err.to_lowercase();
+    assert!(
+        any_of.iter().any(|needle| lower.contains(needle)),
+        "{what}: the error should mention one of {any_of:?}, got:\n{err}"
+    );
     let out = d.cli(&["status", "--json"]);
     assert!(
         out.status.success(),
-        "stasisd stopped serving after {after}: {}\n{}",
+        "stasisd stopped serving after {what}: {}\n{}",
         String::from_utf8_lossy(&out.stderr),
         d.log_tail(40)
     );
-}
-
-fn assert_mentions(stderr: &str, any_of: &[&str], what: &str) {
-    let lower = stderr.to_lowercase();
-    assert!(
-        any_of.iter().any(|needle| lower.contains(needle)),
-        "{what}: the error should mention one of {any_of:?}, got:\n{stderr}"
-    );
+    err
 }
 
 /// Runs a counter and checkpoints it (evicting it); returns (checkpoint id, pid).
@@ -37,22 +44,21 @@ fn evicted_counter(d: &Daemon, base: &str) -> (String, i32) {
     (ck["id"].as_str().expect("checkpoint id").to_owned(), w.pid)
 }
 
+/// A daemon with one evicted counter whose manifest then had a byte flipped; returns the daemon,
+/// the checkpoint's id and the counter's pid.
+fn daemon_with_a_flipped_manifest() -> (Daemon, String, i32) {
+    let d = Daemon::start();
+    let (id, pid) = evicted_counter(&d, "flipped");
+    flip_byte_in_the_middle(&d.store_dir().join("manifests").join(format!("{id}.manifest")));
+    (d, id, pid)
+}
+
 fn flip_byte_in_the_middle(path: &Path) {
     let mut bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     assert!(bytes.len() > 16, "{} is suspiciously small", path.display());
     let middle = bytes.len() / 2;
     bytes[middle] ^= 0x01;
     std::fs::write(path, bytes).unwrap();
-}
-
-/// Something done to a pack file.
-type Damage = fn(&Path);
-
-/// The pack data files of the daemon's store.
-fn pack_files(d: &Daemon) -> Vec<std::path::PathBuf> {
-    let dir = d.store_dir().join("packs");
-    let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
-    entries.map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "pack")).collect()
 }
 
 fn truncate_by_one(path: &Path) {
@@ -63,78 +69,133 @@ fn truncate_by_one(path: &Path) {
     file.set_len(len - 1).unwrap();
 }
 
-#[test]
-fn bad_input_is_a_clean_error_and_the_daemon_keeps_serving() {
-    skip_unless_ready!();
+fn delete(path: &Path) {
+    std::fs::remove_file(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+}
+
+/// The pack data files of the daemon's store.
+fn pack_files(d: &Daemon) -> Vec<PathBuf> {
+    let dir = d.store_dir().join("packs");
+    let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
+    entries.map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "pack")).collect()
+}
+
+/// Runs `stasis <verb> ../../etc [flags]` next to a directory `etc` holding a file: it must be
+/// refused as not an id, and the file must still be there.
+fn path_like_id_is_refused(verb: &str, flags: &[&str]) {
     let d = Daemon::start();
-
-    // A pid that does not exist.
-    let missing_pid = 4_000_000;
-    assert!(!procfs::exists(missing_pid));
-    let err = d.cli_err(&["checkpoint", &missing_pid.to_string(), "--json"]);
-    assert_mentions(&err, &["does not exist"], "checkpoint of a missing pid");
-    still_serving(&d, "checkpoint of a missing pid");
-
-    // A well-formed id that is not in the store.
-    let err = d.cli_err(&["restore", "20200101-000000-abcdef", "--json"]);
-    assert_mentions(&err, &["not found"], "restore of an unknown id");
-    still_serving(&d, "restore of an unknown id");
-    let err = d.cli_err(&["show", "20200101-000000-abcdef", "--json"]);
-    assert_mentions(&err, &["not found"], "show of an unknown id");
-
-    // Malformed ids never reach the store (and never escape it).
     let canary = d.dir().join("etc");
     std::fs::create_dir(&canary).unwrap();
     std::fs::write(canary.join("keep"), "x").unwrap();
-    for args in
-        [&["restore", "../../etc", "--json"][..], &["show", "../../etc", "--json"], &["delete", "../../etc"]]
-    {
-        let err = d.cli_err(args);
-        assert_mentions(&err, &["not a checkpoint id"], &format!("`stasis {}`", args.join(" ")));
-        still_serving(&d, &format!("`stasis {}`", args.join(" ")));
-    }
-    assert!(canary.join("keep").exists(), "delete ../../etc removed something outside the store");
+    let mut args = vec![verb, PATH_LIKE_ID];
+    args.extend_from_slice(flags);
+    refused(&d, &args, &["not a checkpoint id"]);
+    assert!(canary.join("keep").exists(), "`stasis {verb} {PATH_LIKE_ID}` touched a file outside the store");
+}
 
-    // A manifest with one byte flipped: restore and show refuse it.
-    let (flipped, flipped_pid) = evicted_counter(&d, "flipped");
-    let manifest = d.store_dir().join("manifests").join(format!("{flipped}.manifest"));
-    flip_byte_in_the_middle(&manifest);
-    let err = d.cli_err(&["restore", &flipped, "--json"]);
-    assert_mentions(&err, &["corrupted", "checksum"], "restore of a flipped manifest");
-    assert!(!procfs::alive(flipped_pid), "a refused restore must not start anything");
-    still_serving(&d, "restore of a flipped manifest");
-    let err = d.cli_err(&["show", &flipped, "--json"]);
-    assert_mentions(&err, &["corrupted", "checksum"], "show of a flipped manifest");
-    still_serving(&d, "show of a flipped manifest");
+/// Evicts a counter to a fresh store, does `damage` to the packs its checkpoint wrote, and
+/// restores it: the restore must fail with an error naming the checkpoint and mentioning one of
+/// `expected`, and leave nothing running. (A store of its own: checkpoints share chunks, so
+/// damage to one pack would show in every checkpoint referencing a chunk in it.)
+fn restore_with_damaged_packs(base: &str, damage: fn(&Path), expected: &[&str]) {
+    let d = Daemon::start();
+    let before = pack_files(&d);
+    let (id, pid) = evicted_counter(&d, base);
+    let fresh: Vec<_> = pack_files(&d).into_iter().filter(|p| !before.contains(p)).collect();
+    assert!(!fresh.is_empty(), "checkpoint {id} wrote no pack");
+    fresh.iter().for_each(|p| damage(p));
 
-    // Damaged packs: a flipped byte, a lost last byte, a deleted pack. Each case gets a store of
-    // its own: checkpoints share chunks, so damage to one pack shows in every checkpoint that
-    // references a chunk in it, whichever is read first.
-    let damages: [(&str, Damage, &[&str]); 3] = [
-        ("corrupt", flip_byte_in_the_middle, &["corrupted"]),
-        ("truncated", truncate_by_one, &["truncated"]),
-        ("missing", |p: &Path| std::fs::remove_file(p).unwrap(), &["missing"]),
-    ];
-    for (base, damage, expected) in damages {
-        let d = Daemon::start();
-        let before = pack_files(&d);
-        let (id, pid) = evicted_counter(&d, base);
-        let fresh: Vec<_> = pack_files(&d).into_iter().filter(|p| !before.contains(p)).collect();
-        assert!(!fresh.is_empty(), "checkpoint {id} wrote no pack");
-        fresh.iter().for_each(|p| damage(p));
-        let err = d.cli_err(&["restore", &id, "--json"]);
-        assert_mentions(&err, expected, &format!("restore of a checkpoint with a {base} pack"));
-        assert_mentions(&err, &[&id], "the error names the checkpoint");
-        assert!(
-            !procfs::alive(pid),
-            "a failed restore must not leave a (half-)restored process {pid} behind"
-        );
-        still_serving(&d, &format!("restore with a {base} pack"));
-        // Its manifest is intact, so show works; the damage is found when the data is read.
-        let shown = d.json(&["show", &id, "--json"]);
-        assert_eq!(shown["id"], id.as_str());
-    }
+    let err = refused(&d, &["restore", &id, "--json"], expected);
+    assert!(err.contains(&id), "the error should name checkpoint {id}:\n{err}");
+    assert!(!procfs::alive(pid), "a failed restore must not leave a (half-)restored process {pid} behind");
+    // Its manifest is intact, so show works; the damage is found when the data is read.
+    let shown = d.json(&["show", &id, "--json"]);
+    assert_eq!(shown["pid"], pid, "show of checkpoint {id} with {base} packs: {shown}");
+}
 
-    // One damaged checkpoint does not break listing the store.
-    d.json(&["list", "--json"]);
+#[test]
+fn checkpoint_of_a_pid_that_does_not_exist_says_it_does_not_exist() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let missing_pid = 4_000_000;
+    assert!(!procfs::exists(missing_pid));
+    refused(&d, &["checkpoint", &missing_pid.to_string(), "--json"], &["does not exist"]);
+}
+
+#[test]
+fn restore_of_an_unknown_id_says_not_found() {
+    skip_unless_ready!();
+    refused(&Daemon::start(), &["restore", UNKNOWN_ID, "--json"], &["not found"]);
+}
+
+#[test]
+fn show_of_an_unknown_id_says_not_found() {
+    skip_unless_ready!();
+    refused(&Daemon::start(), &["show", UNKNOWN_ID, "--json"], &["not found"]);
+}
+
+#[test]
+fn restore_of_a_path_like_id_is_refused_as_not_an_id() {
+    skip_unless_ready!();
+    path_like_id_is_refused("restore", &["--json"]);
+}
+
+#[test]
+fn show_of_a_path_like_id_is_refused_as_not_an_id() {
+    skip_unless_ready!();
+    path_like_id_is_refused("show", &["--json"]);
+}
+
+#[test]
+fn delete_of_a_path_like_id_is_refused_and_deletes_nothing_outside_the_store() {
+    skip_unless_ready!();
+    path_like_id_is_refused("delete", &[]);
+}
+
+#[test]
+fn restore_of_a_checkpoint_with_a_flipped_manifest_byte_says_corrupted_and_starts_nothing() {
+    skip_unless_ready!();
+    let (d, id, pid) = daemon_with_a_flipped_manifest();
+    refused(&d, &["restore", &id, "--json"], &["corrupted", "checksum"]);
+    assert!(!procfs::alive(pid), "a refused restore must not start anything");
+}
+
+#[test]
+fn show_of_a_checkpoint_with_a_flipped_manifest_byte_says_corrupted() {
+    skip_unless_ready!();
+    let (d, id, _) = daemon_with_a_flipped_manifest();
+    refused(&d, &["show", &id, "--json"], &["corrupted", "checksum"]);
+}
+
+#[test]
+fn list_leaves_out_a_checkpoint_with_a_damaged_manifest_and_lists_the_others() {
+    skip_unless_ready!();
+    let (d, damaged, _) = daemon_with_a_flipped_manifest();
+    let (intact, _) = evicted_counter(&d, "intact");
+    let listed = d.json(&["list", "--json"]);
+    let ids: Vec<&str> = listed["checkpoints"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no checkpoints array in {listed}"))
+        .iter()
+        .filter_map(|c| c["id"].as_str())
+        .collect();
+    assert_eq!(ids, [intact.as_str()], "list with {damaged} damaged: {listed}");
+}
+
+#[test]
+fn restore_with_a_flipped_byte_in_a_pack_says_corrupted() {
+    skip_unless_ready!();
+    restore_with_damaged_packs("corrupt", flip_byte_in_the_middle, &["corrupted"]);
+}
+
+#[test]
+fn restore_with_a_pack_missing_its_last_byte_says_truncated() {
+    skip_unless_ready!();
+    restore_with_damaged_packs("truncated", truncate_by_one, &["truncated"]);
+}
+
+#[test]
+fn restore_with_a_deleted_pack_says_missing() {
+    skip_unless_ready!();
+    restore_with_damaged_packs("missing", delete, &["missing"]);
 }

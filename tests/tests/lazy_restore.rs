@@ -10,20 +10,17 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use stasis_tests::s3::S3Server;
-use stasis_tests::{Daemon, TIMEOUT, bin, expect_within, procfs, python_workload, skip_unless_ready};
+use stasis_tests::{Daemon, TIMEOUT, expect_within, memtest, procfs, python_workload, skip_unless_ready};
 
 #[test]
 fn lazily_restored_threads_go_on_and_memory_matches_once_resident() {
     skip_unless_ready!();
     let d = Daemon::start();
-    let memtest = bin("stasis-memtest").to_string_lossy().into_owned();
     // 4 threads with 48 MiB each, rewriting their memory while they run.
-    let w = d.run("memtest", &[memtest, "4".into(), "48".into()]);
-    w.wait_line_after(0, "memtest `ready`", |l| l == "ready");
+    let w = d.run("memtest", &memtest::argv(4, 48));
+    memtest::wait_ready(&w);
     let tids = procfs::tids(w.pid);
-    procfs::signal(w.pid, Signal::SIGUSR1);
-    let (_, paused) = w.wait_line_after(0, "`paused ...`", |l| l.starts_with("paused "));
-    let sum = paused.split_whitespace().find_map(|f| f.strip_prefix("checksum=")).unwrap().to_string();
+    let paused = memtest::pause(&w);
 
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
@@ -38,20 +35,10 @@ fn lazily_restored_threads_go_on_and_memory_matches_once_resident() {
     assert!(stats["bytes_fetched"].as_u64().unwrap() > 0, "{r}");
     assert_eq!(procfs::tids(w.pid), tids, "the restored process must have the same threads");
 
-    let seen = w.lines().len();
-    procfs::signal(w.pid, Signal::SIGUSR2);
-    let (_, line) =
-        w.wait_line_after(seen, "`checksum=...` after the restore", |l| l.starts_with("checksum="));
-    assert_eq!(line.strip_prefix("checksum=").unwrap(), sum, "memory after the lazy restore differs");
+    assert_eq!(memtest::checksum(&w), paused.checksum, "memory after the lazy restore differs");
 
     // The threads resume and keep working on the restored memory.
-    let seen = w.lines().len();
-    procfs::signal(w.pid, Signal::SIGUSR1);
-    w.wait_line_after(seen, "`resumed`", |l| l == "resumed");
-    std::thread::sleep(Duration::from_millis(300));
-    let seen = w.lines().len();
-    procfs::signal(w.pid, Signal::SIGUSR1);
-    w.wait_line_after(seen, "second `paused ...`", |l| l.starts_with("paused "));
+    memtest::run_past(&w, paused.iterations);
     assert!(procfs::running(w.pid));
 }
 
@@ -179,8 +166,7 @@ fn a_tree_lazily_restored_by_a_stasisd_that_crashes_is_killed_by_its_guard() {
     let Some(s3) = S3Server::start() else { return };
     // Threads that keep computing on their memory: without the guard they would run on,
     // on zeros where memory had not arrived, instead of crashing.
-    let memtest = bin("stasis-memtest").to_string_lossy().into_owned();
-    let (mut d, pid, restore, stderr) = lazy_restore_over_s3(&s3, &[memtest, "2".into(), "80".into()]);
+    let (mut d, pid, restore, stderr) = lazy_restore_over_s3(&s3, &memtest::argv(2, 80));
     // stasisd dies mid-way: its page server goes with it, so the memory can no longer arrive.
     d.kill9_and_restart();
     let (success, _) = outcome(restore, stderr);

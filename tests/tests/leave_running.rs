@@ -3,8 +3,6 @@
 
 #![forbid(unsafe_code)]
 
-use std::time::Duration;
-
 use stasis_tests::{Daemon, TIMEOUT, expect_within, procfs, python_workload, skip_unless_ready};
 
 #[test]
@@ -28,17 +26,13 @@ fn leave_running_keeps_the_original_going_and_restores_the_checkpointed_state() 
         procfs::proc_state(w.pid)
     );
     assert_eq!(procfs::tracer(w.pid), Some(0), "the original is still traced after the checkpoint");
-    w.wait_number("count ", at_return + 5);
-    std::thread::sleep(Duration::from_secs(1));
+    // The original counts on for a second (20 counts at 50 ms) past the checkpoint.
+    w.wait_number("count ", at_return + 20);
     assert!(procfs::running(w.pid), "state of the original: {:?}", procfs::proc_state(w.pid));
 
     procfs::kill9(w.pid);
     expect_within(TIMEOUT, "the killed original to be reaped", || (!procfs::exists(w.pid)).then_some(()));
     let at_kill = w.last_number("count ").unwrap();
-    assert!(
-        at_kill >= at_return + 10,
-        "the original should have counted on for a second: {at_return} -> {at_kill}"
-    );
     let before = w.lines().len();
 
     let r = d.json(&["restore", &id, "--json"]);

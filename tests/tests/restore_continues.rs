@@ -6,9 +6,8 @@
 
 use std::fmt::Write as _;
 
-use nix::sys::signal::Signal;
 use stasis_tests::{
-    Daemon, TIMEOUT, Workload, bin, expect_within, procfs, python_workload, skip_unless_ready,
+    Daemon, TIMEOUT, Workload, expect_within, memtest, procfs, python_workload, skip_unless_ready,
 };
 
 /// Checkpoints `w` by workload name without --leave-running; checks the result and that the
@@ -90,15 +89,11 @@ fn counter_continues_after_eviction_and_restore() {
 fn memtest_memory_is_identical_after_restore_and_threads_go_on() {
     skip_unless_ready!();
     let d = Daemon::start();
-    let memtest = bin("stasis-memtest").to_string_lossy().into_owned();
-    let w = d.run("memtest", &[memtest, "4".into(), "16".into()]);
-    w.wait_line_after(0, "memtest `ready`", |l| l == "ready");
+    let w = d.run("memtest", &memtest::argv(4, 16));
+    memtest::wait_ready(&w);
     let tids = procfs::tids(w.pid);
     assert_eq!(tids.len(), 5, "main thread and 4 workers: {tids:?}");
-
-    procfs::signal(w.pid, Signal::SIGUSR1);
-    let (at, paused) = w.wait_line_after(0, "`paused ...`", |l| l.starts_with("paused "));
-    let (sum, iterations) = parse_paused(&paused);
+    let paused = memtest::pause(&w);
 
     let ck = evict(&d, &w, &[w.pid]);
     assert!(
@@ -107,44 +102,13 @@ fn memtest_memory_is_identical_after_restore_and_threads_go_on() {
     );
     restore(&d, &w, &ck);
     assert_eq!(procfs::tids(w.pid), tids, "the restored process must have the same threads");
-
-    let seen = w.lines().len();
-    procfs::signal(w.pid, Signal::SIGUSR2);
-    let (_, line) =
-        w.wait_line_after(seen, "`checksum=...` after the restore", |l| l.starts_with("checksum="));
-    let restored_sum = line.strip_prefix("checksum=").unwrap();
-    assert_eq!(restored_sum, sum, "memory after the restore differs from memory at the checkpoint");
-
-    let seen = w.lines().len();
-    procfs::signal(w.pid, Signal::SIGUSR1);
-    w.wait_line_after(seen, "`resumed`", |l| l == "resumed");
-    std::thread::sleep(std::time::Duration::from_millis(500));
-    let seen = w.lines().len();
-    procfs::signal(w.pid, Signal::SIGUSR1);
-    let (_, paused_again) = w.wait_line_after(seen, "second `paused ...`", |l| l.starts_with("paused "));
-    let (_, iterations_again) = parse_paused(&paused_again);
-    assert!(
-        iterations_again > iterations,
-        "the restored threads should keep working: iterations {iterations} at the checkpoint, \
-         {iterations_again} after resuming (log line {at}: {paused})"
+    assert_eq!(
+        memtest::checksum(&w),
+        paused.checksum,
+        "memory after the restore differs from memory at the checkpoint"
     );
-}
-
-/// `paused checksum=<hex> iterations=<n>` -> (hex, n).
-fn parse_paused(line: &str) -> (String, u64) {
-    let mut sum = None;
-    let mut iterations = None;
-    for field in line.split_whitespace() {
-        if let Some(v) = field.strip_prefix("checksum=") {
-            sum = Some(v.to_owned());
-        } else if let Some(v) = field.strip_prefix("iterations=") {
-            iterations = v.parse().ok();
-        }
-    }
-    match (sum, iterations) {
-        (Some(sum), Some(iterations)) => (sum, iterations),
-        _ => panic!("malformed memtest line: {line}"),
-    }
+    // The restored threads keep working: they get past the batches done at the checkpoint.
+    memtest::run_past(&w, paused.iterations);
 }
 
 #[test]

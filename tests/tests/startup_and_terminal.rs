@@ -14,10 +14,13 @@ use stasis_tests::{
 fn a_job_on_a_terminal_is_checkpointed_by_pid_and_restored() {
     skip_unless_ready!();
     let d = Daemon::start();
-    // `script` runs the job on a new pseudo-terminal, as an interactive shell would.
+    // `script` runs the job on a new pseudo-terminal, as an interactive shell would, and
+    // copies what the job prints there to `typescript`.
     let job = python_workload("counter.py", &[]).join(" ");
+    let typescript = d.dir().join("typescript");
     let mut terminal = Command::new("script")
-        .args(["-qfc", &job, "/dev/null"])
+        .args(["-qfc", &job])
+        .arg(&typescript)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .spawn()
@@ -27,7 +30,9 @@ fn a_job_on_a_terminal_is_checkpointed_by_pid_and_restored() {
             .into_iter()
             .find(|p| procfs::cmdline(*p).is_some_and(|c| c.iter().any(|a| a.ends_with("counter.py"))))
     });
-    std::thread::sleep(std::time::Duration::from_millis(500));
+    let counted = expect_within(TIMEOUT, "the job to count on its terminal", || {
+        numbered(&stasis_tests::complete_lines(&typescript), "count ").last().copied().filter(|n| *n >= 3)
+    });
     let ck = d.json(&["checkpoint", &pid.to_string(), "--json"]);
     let workload = ck["workload"].as_str().unwrap().to_owned();
     let shown = d.json(&["show", ck["id"].as_str().unwrap(), "--json"]);
@@ -45,7 +50,10 @@ fn a_job_on_a_terminal_is_checkpointed_by_pid_and_restored() {
         let n = numbered(&lines, "count ");
         (n.len() >= 3).then_some(n)
     });
-    assert!(counts[0] > 1, "the restored job continues, it does not start over: {counts:?}");
+    assert!(
+        counts[0] >= counted,
+        "the restored job continues from count {counted} or later, it does not start over: {counts:?}"
+    );
     assert!(counts.windows(2).all(|w| w[1] == w[0] + 1), "{counts:?}");
     procfs::kill9(pid);
 }

@@ -61,6 +61,8 @@ fn list_show_and_delete_checkpoints() {
     }
     let pids = shown["pids"].as_array().unwrap_or_else(|| panic!("show has no pids: {shown}"));
     assert!(pids.iter().any(|p| *p == w.pid), "show's pids should include the root: {shown}");
+    let second_shown = d.json(&["show", &second_id, "--json"]);
+    let other_shown = d.json(&["show", other_ck["id"].as_str().unwrap(), "--json"]);
 
     d.ok(&["delete", &first_id]);
     let listed = d.json(&["list", "--workload", &w.name, "--json"]);
@@ -75,6 +77,8 @@ fn list_show_and_delete_checkpoints() {
     assert!(err.contains("not found"), "restore of a deleted checkpoint: {err}");
 
     // The remaining checkpoints are untouched.
-    assert_eq!(d.json(&["show", &second_id, "--json"])["id"], second_id.as_str());
+    assert_eq!(d.json(&["show", &second_id, "--json"]), second_shown, "after deleting {first_id}");
+    let other_id = other_ck["id"].as_str().unwrap();
+    assert_eq!(d.json(&["show", other_id, "--json"]), other_shown, "after deleting {first_id}");
     assert_eq!(ids(&d.json(&["list", "--json"])).len(), 2);
 }

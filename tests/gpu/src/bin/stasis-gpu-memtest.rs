@@ -88,7 +88,7 @@ fn run(args: &Args) -> Result<ExitCode, GpuError> {
         say(format_args!("verify FAILED at word {w} gen={generation} mismatches={}", first.mismatches));
         return Ok(ExitCode::from(2));
     }
-    say(format_args!("ready gib={} checksum={:016x}", args.gib, first.checksum));
+    say(format_args!("{}", ready_line(args.gib, first.checksum)));
 
     let mut done = 0u64;
     while args.iterations == 0 || done < args.iterations {
@@ -107,6 +107,12 @@ fn run(args: &Args) -> Result<ExitCode, GpuError> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The line saying the memory is filled: `--gib` as given (`1`, not `1.0`), the checksum in
+/// 16 hex digits.
+fn ready_line(gib: f64, checksum: u64) -> String {
+    format!("ready gib={gib} checksum={checksum:016x}")
 }
 
 /// u32 words in `gib` GiB; 0 for a size out of range.
@@ -134,9 +140,7 @@ mod tests {
 
     #[test]
     fn ready_line_prints_gib_as_given() {
-        assert_eq!(
-            format!("ready gib={} checksum={:016x}", 1.0f64, 255u64),
-            "ready gib=1 checksum=00000000000000ff"
-        );
+        assert_eq!(ready_line(1.0, 255), "ready gib=1 checksum=00000000000000ff");
+        assert_eq!(ready_line(0.25, u64::MAX), "ready gib=0.25 checksum=ffffffffffffffff");
     }
 }
