@@ -15,6 +15,7 @@
 //! lazy_timeout_secs = 60                    # a lazy restore's wait for the store, then kill
 //! lazy_prefetch = "address"                 # or "fresh-first"
 //! network_lock = "auto"                     # or "nftables", "iptables"
+//! network_lock_keep_secs = 1800             # an eviction's lock kept for a restore here
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -33,6 +34,7 @@ pub const DEFAULT_GC_GRACE_SECS: u64 = 3600;
 pub const DEFAULT_STORE_RETRY_SECS: u64 = 30;
 pub const DEFAULT_LAZY_CACHE_MIB: u64 = 1024;
 pub const DEFAULT_LAZY_TIMEOUT_SECS: u64 = 60;
+pub const DEFAULT_NETWORK_LOCK_KEEP_SECS: u64 = 1800;
 
 /// Where scripts/setup-criu.sh installs CRIU, relative to the source tree stasisd was built
 /// from (overridable at build time with STASIS_CRIU_PREFIX).
@@ -101,6 +103,10 @@ pub struct Args {
     /// CRIU and the kernel have it, else iptables when installed), nftables or iptables.
     #[arg(long)]
     pub network_lock: Option<NetworkLockSetting>,
+    /// Seconds the network lock of an evicted tree's connections is kept for a restore on this
+    /// node (default 1800; by then TCP peers have given up on the connections).
+    #[arg(long)]
+    pub network_lock_keep_secs: Option<u64>,
 }
 
 /// The `network_lock` setting.
@@ -159,6 +165,7 @@ pub struct DaemonConfig {
     pub lazy_timeout_secs: u64,
     pub lazy_prefetch: LazyPrefetch,
     pub network_lock: NetworkLockSetting,
+    pub network_lock_keep_secs: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -204,6 +211,7 @@ impl DaemonConfig {
             lazy_timeout_secs: s.lazy_timeout_secs.unwrap_or(DEFAULT_LAZY_TIMEOUT_SECS),
             lazy_prefetch: s.lazy_prefetch.unwrap_or_default(),
             network_lock: s.network_lock.unwrap_or_default(),
+            network_lock_keep_secs: s.network_lock_keep_secs.unwrap_or(DEFAULT_NETWORK_LOCK_KEEP_SECS),
         };
         if config.lazy_timeout_secs == 0 || config.lazy_timeout_secs > 86_400 {
             let reason = "must be 1 to 86400 seconds (a lazy restore kills the tree when it passes)";

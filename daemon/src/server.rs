@@ -52,6 +52,7 @@ pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
             fresh_first: config.lazy_prefetch == LazyPrefetch::FreshFirst,
         },
         network_lock: config.network_lock.forced(),
+        network_lock_keep: std::time::Duration::from_secs(config.network_lock_keep_secs),
     })
     .await?;
     let listener = bind(&config.socket)?;

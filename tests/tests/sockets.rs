@@ -81,6 +81,11 @@ fn evict_and_restore(lock: &str, restore_flags: &[&str]) {
     expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
     let before = w.lines();
     let at_eviction = *numbered(&before, "tick ").last().expect("ticks before the eviction");
+    if lock == "nftables" {
+        // The lock CRIU leaves is recorded, to be removed if no restore here takes it over.
+        let locks = std::fs::read_dir(d.dir().join("state/netlocks")).expect("netlocks directory").count();
+        assert_eq!(locks, 1, "the eviction's network lock should be recorded");
+    }
 
     let shown = d.json(&["show", &id, "--json"]);
     let sockets: Vec<&str> =

@@ -86,18 +86,25 @@ fn push(out: &mut Vec<u8>, message: &impl Message) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::criu::pageserver::PE_PRESENT;
+
+    /// Writes an inventory image recording CRIU run `run_id` into `dir`, as CRIU does.
+    pub(crate) fn write_inventory(dir: &Path, run_id: &str) -> Vec<u8> {
+        let entry = InventoryEntry { dump_criu_run_id: Some(run_id.into()) };
+        let mut data = 0x5831_1116u32.to_ne_bytes().to_vec();
+        push(&mut data, &entry);
+        std::fs::write(dir.join(INVENTORY_FILE), &data).unwrap();
+        data
+    }
 
     #[test]
     fn run_id_from_an_inventory() {
         let dir = tempfile::tempdir().unwrap();
-        let entry = InventoryEntry { dump_criu_run_id: Some("6383c660-7823-49bd-b693-208f034c13bd".into()) };
-        let mut data = 0x5831_1116u32.to_ne_bytes().to_vec();
-        push(&mut data, &entry);
-        std::fs::write(dir.path().join(INVENTORY_FILE), &data).unwrap();
-        assert_eq!(dump_run_id(dir.path()).unwrap().as_deref(), entry.dump_criu_run_id.as_deref());
+        let run_id = "6383c660-7823-49bd-b693-208f034c13bd";
+        let data = write_inventory(dir.path(), run_id);
+        assert_eq!(dump_run_id(dir.path()).unwrap().as_deref(), Some(run_id));
         std::fs::write(dir.path().join(INVENTORY_FILE), &data[..10]).unwrap();
         assert!(dump_run_id(dir.path()).is_err());
     }

@@ -66,6 +66,8 @@ pub struct EngineConfig {
     pub lazy: crate::store::FetchSettings,
     /// The network lock to use; `None` picks one (see [`crate::criu::support::choose_network_lock`]).
     pub network_lock: Option<NetworkLock>,
+    /// How long the network lock of an eviction is kept for a restore on this node.
+    pub network_lock_keep: std::time::Duration,
 }
 
 /// A progress report of a long operation.
@@ -89,6 +91,8 @@ pub struct Engine {
     network_sockets: Result<(), String>,
     /// How established TCP connections are locked during dumps (`Err(why)` if no way is).
     network_lock: Result<NetworkLock, String>,
+    /// The network locks evictions left on this node.
+    left_locks: sockets::LeftLocks,
     store: Store,
     state: StateDir,
     registry: Registry,

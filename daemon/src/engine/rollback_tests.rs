@@ -69,6 +69,7 @@ fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
         store_retry: Duration::ZERO,
         lazy: FetchSettings { cache_bytes: 64 << 20, timeout: Duration::from_secs(5), fresh_first: false },
         network_lock: None,
+        network_lock_keep: Duration::from_secs(1800),
     };
     let state = StateDir::open(&config.state_dir).unwrap();
     let parts = Parts {

@@ -9,6 +9,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use super::host::{Host, LinuxHost};
+use super::sockets::{LeftLocks, SWEEP_EVERY};
 use super::state::StateDir;
 use super::workloads::Registry;
 use super::{Engine, EngineConfig, StartError, dump};
@@ -61,6 +62,7 @@ impl Engine {
         let engine =
             Engine::assemble(Parts { criu, support, host, gpu, store, state, registry, reaper }, &config);
         engine.recover().await;
+        sweep_left_locks(engine.left_locks.clone(), config.network_lock_keep);
         info!(criu = %engine.criu.path().display(), version = %engine.criu_version, store = %config.store_url, "engine ready");
         Ok(Arc::new(engine))
     }
@@ -74,6 +76,7 @@ impl Engine {
             criu_version: support.version,
             network_sockets: support.network_sockets,
             network_lock: support.network_lock,
+            left_locks: LeftLocks::at(state.netlocks_dir()),
             store,
             state,
             registry,
@@ -111,6 +114,18 @@ impl Engine {
             }
         }
     }
+}
+
+/// Removes old network locks of evictions now and every [`SWEEP_EVERY`], for as long as the
+/// daemon runs.
+fn sweep_left_locks(locks: LeftLocks, keep: std::time::Duration) {
+    tokio::spawn(async move {
+        loop {
+            let sweeping = locks.clone();
+            let _ = tokio::task::spawn_blocking(move || sweeping.sweep(keep)).await;
+            tokio::time::sleep(SWEEP_EVERY).await;
+        }
+    });
 }
 
 /// Asks CRIU its version, runs `criu check`, and finds what it can do for sockets here.

@@ -5,6 +5,7 @@
 //! <state>/logs/<name>.log     stdout and stderr of managed workloads
 //! <state>/work/<job>/         CRIU image directories of running jobs, removed afterwards
 //! <state>/inflight/<id>       checkpoints being uploaded; any found at start are orphans
+//! <state>/netlocks/<run id>   network locks evictions left (see sockets/left_locks.rs)
 //! /dev/shm/stasis-restore-<daemon>-<random>/   restore scratch, when memory has room
 //! ```
 
@@ -24,7 +25,7 @@ impl StateDir {
     /// Creates the layout under `root` (mode 0700: images hold process memory).
     pub fn open(root: &Path) -> io::Result<Self> {
         use std::os::unix::fs::DirBuilderExt;
-        for sub in ["", "logs", "work", "inflight"] {
+        for sub in ["", "logs", "work", "inflight", "netlocks"] {
             fs::DirBuilder::new().recursive(true).mode(0o700).create(root.join(sub))?;
         }
         Ok(Self { root: root.to_path_buf() })
@@ -32,6 +33,10 @@ impl StateDir {
 
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    pub fn netlocks_dir(&self) -> PathBuf {
+        self.root.join("netlocks")
     }
 
     pub fn registry_file(&self) -> PathBuf {

@@ -3,11 +3,12 @@
 //! CRIU's nftables network lock puts the connections it dumps into a table of its own and
 //! leaves that table in place when the dumped tree is left stopped, because the connections are
 //! meant to stay silent until a restore takes them over. When stasisd instead resumes such a
-//! tree (storing its checkpoint failed), it removes the table itself.
+//! tree (storing its checkpoint failed), or no restore comes in time, it removes the table.
 //!
-//! The request is one nf_tables batch: BATCH_BEGIN, DELTABLE (family inet, NFTA_TABLE_NAME),
-//! BATCH_END; the kernel answers the DELTABLE with an NLMSG_ERROR carrying 0 or an errno, or
-//! refuses the whole batch (no permission, no nf_tables) with an error on BATCH_BEGIN.
+//! A request is one nf_tables batch: BATCH_BEGIN, the table request (family inet,
+//! NFTA_TABLE_NAME), BATCH_END; the kernel answers the request with an NLMSG_ERROR carrying 0
+//! or an errno, or refuses the whole batch (no permission, no nf_tables) with an error on
+//! BATCH_BEGIN.
 
 use std::io;
 use std::os::fd::AsRawFd;
@@ -28,12 +29,28 @@ const NLM_F_ACK: u16 = 0x4;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
 const NFNL_MSG_BATCH_END: u16 = 0x11;
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
+#[cfg(test)]
+const NFT_MSG_NEWTABLE: u16 = 0;
 const NFT_MSG_DELTABLE: u16 = 2;
+#[cfg(test)]
+const NLM_F_CREATE: u16 = 0x400;
 const NFTA_TABLE_NAME: u16 = 1;
 const NFPROTO_INET: u8 = 1;
 
 /// Deletes table `name` of family inet. `Ok(false)` when no such table exists.
 pub fn delete_inet_table(name: &str) -> io::Result<bool> {
+    table_request(NFT_MSG_DELTABLE, 0, name)
+}
+
+/// Creates an empty table `name` of family inet (as CRIU's lock does, for tests).
+#[cfg(test)]
+pub fn create_inet_table(name: &str) -> io::Result<bool> {
+    table_request(NFT_MSG_NEWTABLE, NLM_F_CREATE, name)
+}
+
+/// Sends one table request (`kind`, with `flags` beyond REQUEST|ACK) in a batch and waits
+/// for its answer. `Ok(false)` when no such table exists.
+fn table_request(kind: u16, flags: u16, name: &str) -> io::Result<bool> {
     let sock = socket(
         AddressFamily::Netlink,
         SockType::Raw,
@@ -42,7 +59,7 @@ pub fn delete_inet_table(name: &str) -> io::Result<bool> {
     )?;
     setsockopt(&sock, sockopt::ReceiveTimeout, &TimeVal::new(ANSWER_TIMEOUT.as_secs() as _, 0))?;
     let seq = 1;
-    let batch = delete_table_batch(name, seq);
+    let batch = table_batch(kind, flags, name, seq);
     sendto(sock.as_raw_fd(), &batch, &NetlinkAddr::new(0, 0), MsgFlags::empty())?;
     let mut buf = [0u8; 8192];
     loop {
@@ -58,7 +75,7 @@ pub fn delete_inet_table(name: &str) -> io::Result<bool> {
 }
 
 /// The batch's outcome among the messages in `buf`, if they settle it: the errno of an error
-/// on any of its three messages, or 0 for the DELTABLE's acknowledgement.
+/// on any of its three messages, or 0 for the request's acknowledgement.
 fn answer(buf: &[u8], seq: u32) -> io::Result<Option<i32>> {
     for (at_seq, errno) in errors(buf)? {
         if (seq..=seq + 2).contains(&at_seq) && (errno != 0 || at_seq == seq + 1) {
@@ -68,8 +85,9 @@ fn answer(buf: &[u8], seq: u32) -> io::Result<Option<i32>> {
     Ok(None)
 }
 
-/// The three messages of a batch deleting table `name`; the DELTABLE has sequence `seq + 1`.
-fn delete_table_batch(name: &str, seq: u32) -> Vec<u8> {
+/// The three messages of a batch with one table request (`kind`) for table `name`; the
+/// request has sequence `seq + 1`.
+fn table_batch(kind: u16, flags: u16, name: &str, seq: u32) -> Vec<u8> {
     let mut out = Vec::new();
     let batch_genmsg = nfgenmsg(0, NFNL_SUBSYS_NFTABLES);
     message(&mut out, NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, seq, &batch_genmsg);
@@ -80,8 +98,8 @@ fn delete_table_batch(name: &str, seq: u32) -> Vec<u8> {
     body.extend_from_slice(&NFTA_TABLE_NAME.to_ne_bytes());
     body.extend_from_slice(&value);
     pad(&mut body);
-    let kind = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELTABLE;
-    message(&mut out, kind, NLM_F_REQUEST | NLM_F_ACK, seq + 1, &body);
+    let kind = (NFNL_SUBSYS_NFTABLES << 8) | kind;
+    message(&mut out, kind, NLM_F_REQUEST | NLM_F_ACK | flags, seq + 1, &body);
     message(&mut out, NFNL_MSG_BATCH_END, NLM_F_REQUEST, seq + 2, &batch_genmsg);
     out
 }
@@ -136,7 +154,7 @@ mod tests {
 
     #[test]
     fn batch_layout() {
-        let batch = delete_table_batch("CRIU-x", 7);
+        let batch = table_batch(NFT_MSG_DELTABLE, 0, "CRIU-x", 7);
         // BATCH_BEGIN (20 bytes), DELTABLE (16 + 4 + 4 + 7 -> 32), BATCH_END (20).
         assert_eq!(batch.len(), 20 + 32 + 20);
         assert_eq!(u16::from_ne_bytes([batch[4], batch[5]]), NFNL_MSG_BATCH_BEGIN);

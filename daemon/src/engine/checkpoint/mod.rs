@@ -23,7 +23,7 @@ use super::ids::{checkpoint_id, now_unix_ms};
 use super::inspect::TreeInfo;
 use super::workloads::{Workload, derived_name};
 use super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
-use crate::criu::DumpSpec;
+use crate::criu::{DumpSpec, NetworkLock};
 use hold::Hold;
 use store::{DumpTiming, Dumped, ms};
 pub(in crate::engine) use store::{stats_of, tree_options};
@@ -201,7 +201,7 @@ impl Engine {
         match stored {
             Ok(stats) => {
                 hold.release();
-                Ok(self.finish(job, &tree, stats).await)
+                Ok(self.finish(job, &tree, work.path(), stats).await)
             }
             Err(e) => Err(hold.give_back(e).await),
         }
@@ -277,7 +277,21 @@ impl Engine {
 
     /// The checkpoint is stored: an evicted tree is killed, the registry updated, retention
     /// applied.
-    async fn finish(&self, job: Job, tree: &TreeInfo, mut stats: CheckpointStats) -> CheckpointOutcome {
+    async fn finish(
+        &self,
+        job: Job,
+        tree: &TreeInfo,
+        images: &Path,
+        mut stats: CheckpointStats,
+    ) -> CheckpointOutcome {
+        let locked =
+            tree.sockets.has_established_tcp() && tree.options.network_lock == Some(NetworkLock::Nftables);
+        if !job.leave_running
+            && locked
+            && let Err(e) = self.left_locks.record(images)
+        {
+            warn!(checkpoint = %job.id, error = %e, "cannot record the eviction's network lock; it stays");
+        }
         if !job.leave_running {
             self.host.signal(&self.host.trees(&tree.pids), Signal::SIGKILL);
             let left = self.reaper.wait_gone(&tree.pids, KILL_WAIT).await;

@@ -8,13 +8,16 @@
 //!   remove CRIU's lock, so the resumed tree talks again              (rollback.rs)
 //! restore: a listener's port taken, or a local address missing -> refuse before CRIU runs;
 //!   a loopback peer gone -> warn (the tree will find that connection reset)   (restore_check.rs)
+//! an eviction never restored here: its lock removed after a while           (left_locks.rs)
 //! ```
 
+mod left_locks;
 mod restore_check;
 mod rollback;
 
 use std::collections::{HashMap, HashSet};
 
+pub use left_locks::{LeftLocks, SWEEP_EVERY};
 pub use restore_check::check_restore;
 pub use rollback::{Connection, leave_repair, unlock};
 use stasis_proto::stasis::v1::SocketRecord;

@@ -98,6 +98,16 @@ fn unlock_nftables(images_dir: &Path) -> Option<String> {
         Ok(None) => return Some("the dump records no CRIU run id, so its nftables lock stays".into()),
         Err(e) => return Some(format!("cannot read the dump's run id ({e}), so its nftables lock stays")),
     };
+    match remove_lock_table(&run_id) {
+        Ok(true) => None,
+        Ok(false) => Some(format!("no nftables lock table of CRIU run {run_id} was found")),
+        Err(why) => Some(format!("CRIU's nftables lock could not be removed ({why})")),
+    }
+}
+
+/// Deletes the nftables table CRIU run `run_id` locked connections in: `Ok(true)` if it was
+/// there, `Ok(false)` if not, `Err(why)` if it could not be deleted.
+pub(super) fn remove_lock_table(run_id: &str) -> Result<bool, String> {
     let whole = format!("CRIU-{run_id}");
     let cut: String = whole.chars().take(CUT_TABLE_NAME).collect();
     let mut failures = Vec::new();
@@ -105,14 +115,14 @@ fn unlock_nftables(images_dir: &Path) -> Option<String> {
         match nft::delete_inet_table(&name) {
             Ok(true) => {
                 info!(table = %name, "removed CRIU's network lock");
-                return None;
+                return Ok(true);
             }
             Ok(false) => debug!(table = %name, "no such nftables table"),
             Err(e) => failures.push(format!("{name}: {e}")),
         }
     }
-    Some(match failures.is_empty() {
-        true => format!("no nftables lock table of CRIU run {run_id} was found"),
-        false => format!("CRIU's nftables lock could not be removed ({})", failures.join("; ")),
-    })
+    match failures.is_empty() {
+        true => Ok(false),
+        false => Err(failures.join("; ")),
+    }
 }
