@@ -48,31 +48,47 @@ fn assert_http_answers(port: u16) {
 #[test]
 fn eviction_and_restore_keep_every_socket_going() {
     skip_unless_ready!();
-    evict_and_restore("nftables", &[]);
+    evict_and_restore(&locking_with("nftables"), &[]);
 }
 
 #[test]
 fn eviction_and_lazy_restore_keep_every_socket_going() {
     skip_unless_ready!();
-    evict_and_restore("nftables", &["--lazy"]);
+    evict_and_restore(&locking_with("nftables"), &["--lazy"]);
 }
 
 #[test]
 fn eviction_and_restore_with_the_iptables_lock_keep_every_socket_going() {
     skip_unless_ready!();
-    evict_and_restore("iptables", &[]);
+    evict_and_restore(&locking_with("iptables"), &[]);
 }
 
-/// Evicts the workload from a daemon locking connections with `lock`, restores it with
-/// `restore_flags`, and checks every socket carried on.
-fn evict_and_restore(lock: &str, restore_flags: &[&str]) {
+#[test]
+fn connections_are_locked_where_no_iptables_program_is_found() {
+    skip_unless_ready!();
+    // Debian keeps iptables in /usr/sbin: without it on PATH, `auto` must still lock.
     let d = Daemon::start_with(&DaemonOptions {
-        args: vec!["--network-lock".into(), lock.into()],
+        env: vec![("PATH".into(), "/usr/bin:/bin".into())],
         ..Default::default()
     });
+    assert_eq!(d.json(&["status", "--json"])["network_lock"], "nftables");
+    evict_and_restore(&d, &[]);
+}
+
+fn locking_with(lock: &str) -> Daemon {
+    Daemon::start_with(&DaemonOptions {
+        args: vec!["--network-lock".into(), lock.into()],
+        ..Default::default()
+    })
+}
+
+/// Evicts the workload from `d`, restores it with `restore_flags`, and checks every socket
+/// carried on.
+fn evict_and_restore(d: &Daemon, restore_flags: &[&str]) {
+    let lock = d.json(&["status", "--json"])["network_lock"].as_str().expect("network lock").to_owned();
     let peer = EchoPeer::start();
     let http = free_port();
-    let w = start(&d, &peer, http, true);
+    let w = start(d, &peer, http, true);
     assert_http_answers(http);
 
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
