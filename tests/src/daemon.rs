@@ -262,24 +262,27 @@ impl Daemon {
     }
 
     /// Kills (SIGKILL) every process tree this daemon knows of: the workloads of
-    /// `status --json` and those started by [`Daemon::run`]. A pid is only killed while it
-    /// still runs the workload's command, so a reused pid is left alone.
+    /// `status --json` and those started by [`Daemon::run`]. A pid is only killed while it is
+    /// in the workload's cgroup or runs the workload's command, so a reused pid is left alone.
+    /// (The command alone is not enough: a lazily restored process shows an empty command line
+    /// until the page holding it has arrived.)
     fn kill_workloads(&self) {
-        let mut roots: Vec<(i32, Vec<String>)> =
-            self.started.borrow().iter().map(|w| (w.pid, w.argv.clone())).collect();
+        let mut roots: Vec<(i32, String, Vec<String>)> =
+            self.started.borrow().iter().map(|w| (w.pid, w.name.clone(), w.argv.clone())).collect();
         if let Ok(out) = run_with_timeout(self.command(&["status", "--json"]), TIMEOUT) {
             let status: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
             for w in status["workloads"].as_array().into_iter().flatten() {
                 let command = w["command"].as_array().into_iter().flatten();
                 let argv = command.filter_map(|a| a.as_str().map(str::to_owned));
-                if let Some(pid) = w["pid"].as_i64() {
-                    roots.push((pid as i32, argv.collect()));
+                if let (Some(pid), Some(name)) = (w["pid"].as_i64(), w["name"].as_str()) {
+                    roots.push((pid as i32, name.to_owned(), argv.collect()));
                 }
             }
         }
         let mut doomed = Vec::new();
-        for (pid, argv) in roots {
-            if pid > 1 && procfs::cmdline(pid).as_ref() == Some(&argv) {
+        for (pid, name, argv) in roots {
+            let in_cgroup = procfs::cgroup(pid).is_some_and(|c| c.ends_with(&format!("/stasis/{name}")));
+            if pid > 1 && (in_cgroup || procfs::cmdline(pid).as_ref() == Some(&argv)) {
                 doomed.push(pid);
                 doomed.extend(procfs::descendants(pid));
             }

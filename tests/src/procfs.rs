@@ -57,6 +57,13 @@ pub fn cmdline(pid: i32) -> Option<Vec<String>> {
     )
 }
 
+/// The cgroup (v2) of `pid`, as /proc/PID/cgroup names it: `/stasis/<workload>` for a workload
+/// stasisd runs in a cgroup of its own.
+pub fn cgroup(pid: i32) -> Option<String> {
+    let text = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    text.lines().find_map(|line| line.strip_prefix("0::")).map(str::to_owned)
+}
+
 /// The thread ids of `pid`.
 pub fn tids(pid: i32) -> BTreeSet<i32> {
     fs::read_dir(format!("/proc/{pid}/task"))
