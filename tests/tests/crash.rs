@@ -84,3 +84,47 @@ fn sigterm_lets_a_running_checkpoint_finish() {
     assert!(d.store_dir().join("manifests").join(format!("{id}.manifest")).exists(), "{result}");
     assert!(procfs::running(w.pid), "the workload runs on after stasisd stopped");
 }
+
+#[test]
+fn a_crash_mid_eviction_gives_the_held_workload_back_at_the_next_start() {
+    skip_unless_ready!();
+    let mut d = Daemon::start();
+    // A process of the test's own, checkpointed by pid: its parent stays alive, so stasisd's
+    // death does not orphan its process group (which would make the kernel continue it).
+    let out = d.dir().join("memhog.out");
+    let mut child = std::process::Command::new(stasis_tests::python())
+        .arg(stasis_tests::workload_script("memhog.py"))
+        .arg("512")
+        .stdout(std::fs::File::create(&out).expect("output file"))
+        .spawn()
+        .expect("starting memhog.py");
+    let pid = child.id() as i32;
+    expect_within(Duration::from_secs(60), "the workload to be ready", || {
+        std::fs::read_to_string(&out).ok()?.lines().any(|l| l == "ready").then_some(())
+    });
+    let mut checkpoint = d
+        .command(&["checkpoint", &pid.to_string(), "--json"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("starting the eviction");
+    let (inflight, packs) = (d.dir().join("state/inflight"), d.store_dir().join("packs"));
+    expect_within(TIMEOUT, "an upload in flight", || {
+        (!files_with(&inflight, "").is_empty() && !files_with(&packs, ".pack").is_empty()).then_some(())
+    });
+    // CRIU dumped the tree and left it stopped for the eviction; stasisd dies holding it.
+    assert_eq!(procfs::proc_state(pid), Some('T'), "the evicted tree should be held stopped");
+    d.kill9_and_restart();
+    let _ = checkpoint.wait();
+
+    expect_within(TIMEOUT, "the held workload to be given back", || {
+        (procfs::proc_state(pid).is_some_and(|s| s != 'T')).then_some(())
+    });
+    assert!(procfs::running(pid), "state of the workload: {:?}", procfs::proc_state(pid));
+    let listed = d.json(&["list", "--json"]);
+    assert_eq!(listed["checkpoints"].as_array().map(Vec::len), Some(0), "{listed}");
+    assert!(files_with(&d.dir().join("state/held"), "").is_empty(), "the record was not cleared");
+    // And it can be evicted for real now.
+    d.json(&["checkpoint", &pid.to_string(), "--json"]);
+    let _ = child.wait();
+}

@@ -94,6 +94,7 @@ impl Engine {
     /// Removes work directories, cgroups of workloads that are gone, and the packs of uploads
     /// that a crash interrupted.
     async fn recover(&self) {
+        self.recover_held().await;
         for w in self.registry.all().iter().filter(|w| !self.host.is_running(w.pid)) {
             self.release_cgroup(&w.name);
         }

@@ -6,6 +6,8 @@
 //! <state>/work/<job>/         CRIU image directories of running jobs, removed afterwards
 //! <state>/inflight/<id>       checkpoints being uploaded; any found at start are orphans
 //! <state>/netlocks/<run id>   network locks evictions left (see sockets/left_locks.rs)
+//! <state>/held/<id>.json      trees a checkpoint holds (stopped, GPU-suspended); a crashed
+//!                             stasisd's next start gives them back (checkpoint/held.rs)
 //! /dev/shm/stasis-restore-<daemon>-<random>/   restore scratch, when memory has room
 //! ```
 
@@ -25,7 +27,7 @@ impl StateDir {
     /// Creates the layout under `root` (mode 0700: images hold process memory).
     pub fn open(root: &Path) -> io::Result<Self> {
         use std::os::unix::fs::DirBuilderExt;
-        for sub in ["", "logs", "work", "inflight", "netlocks"] {
+        for sub in ["", "logs", "work", "inflight", "netlocks", "held"] {
             fs::DirBuilder::new().recursive(true).mode(0o700).create(root.join(sub))?;
         }
         Ok(Self { root: root.to_path_buf() })
@@ -33,6 +35,10 @@ impl StateDir {
 
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    pub fn held_dir(&self) -> PathBuf {
+        self.root.join("held")
     }
 
     pub fn netlocks_dir(&self) -> PathBuf {

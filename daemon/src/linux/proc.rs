@@ -18,6 +18,9 @@ pub struct ProcStat {
     pub pgrp: i32,
     pub session: i32,
     pub tty_nr: i32,
+    /// When the process started, in clock ticks since boot: with the pid, it names one process
+    /// (a pid can be reused, this pair cannot).
+    pub start_time: Option<u64>,
 }
 
 impl ProcStat {
@@ -42,7 +45,9 @@ impl ProcStat {
         let pgrp = num()?;
         let session = num()?;
         let tty_nr = num()?;
-        Some(Self { pid, comm, state, ppid, pgrp, session, tty_nr })
+        // Fields 8 to 21 (tpgid .. itrealvalue) are skipped; 22 is the start time.
+        let start_time = rest.nth(14).and_then(|t| t.parse().ok());
+        Some(Self { pid, comm, state, ppid, pgrp, session, tty_nr, start_time })
     }
 
     /// A zombie or dead task: it holds its pid but runs no more.
@@ -230,6 +235,9 @@ mod tests {
         assert_eq!(s.pid, 42);
         assert_eq!(s.comm, "my (odd) prog");
         assert_eq!((s.state, s.ppid, s.pgrp, s.session, s.tty_nr), ('S', 1, 42, 42, 34816));
+        assert_eq!(s.start_time, None, "a short line has no start time");
+        let me = ProcStat::read(std::process::id() as i32).unwrap();
+        assert!(me.start_time.is_some_and(|t| t > 0));
         assert!(!s.is_dead());
         assert!(ProcStat::parse("garbage").is_none());
     }

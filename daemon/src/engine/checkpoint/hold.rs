@@ -12,6 +12,7 @@ use std::path::Path;
 use nix::sys::signal::Signal;
 use tracing::{error, warn};
 
+use super::held::HeldTree;
 use super::super::gpu::Suspended;
 use super::super::inspect::TreeInfo;
 use super::super::sockets;
@@ -20,6 +21,8 @@ use super::super::{CheckpointError, Engine};
 pub(super) struct Hold<'a> {
     engine: &'a Engine,
     tree: &'a TreeInfo,
+    /// What a crashed stasisd's next start needs to give the tree back (`held.rs`).
+    record: HeldTree,
     /// The dump's images: they name CRIU's network lock.
     images: &'a Path,
     /// Processes stopped before the checkpoint began: they stay stopped.
@@ -32,16 +35,27 @@ pub(super) struct Hold<'a> {
 }
 
 impl<'a> Hold<'a> {
-    /// Takes hold of `tree`; call before anything touches it.
-    pub fn new(engine: &'a Engine, tree: &'a TreeInfo, images: &'a Path) -> Hold<'a> {
+    /// Takes hold of `tree` for checkpoint `id`; call before anything touches it.
+    pub fn new(engine: &'a Engine, id: &str, tree: &'a TreeInfo, images: &'a Path) -> Hold<'a> {
         let stopped_before = engine.host.stopped(&tree.pids);
-        Hold { engine, tree, images, stopped_before, gpu: None, gpu_suspended: false, settled: false }
+        let record = HeldTree::new(id, tree, &stopped_before, images);
+        let hold = Hold { engine, tree, record, images, stopped_before, gpu: None, gpu_suspended: false, settled: false };
+        hold.save_record();
+        hold
+    }
+
+    fn save_record(&self) {
+        if let Err(e) = self.record.save(&self.engine.state.held_dir()) {
+            warn!(checkpoint = %self.record.id, error = %e, "cannot record the held tree; a crash now would leave it held");
+        }
     }
 
     /// Records the CUDA state the GPU phase moved into host memory.
     pub fn suspended_gpu(&mut self, gpu: Option<Suspended>) {
         self.gpu_suspended = gpu.is_some();
+        self.record.gpu_pids = gpu.as_ref().map(|g| g.pids.clone()).unwrap_or_default();
         self.gpu = gpu;
+        self.save_record();
     }
 
     /// What the GPU phase did (for the manifest).
@@ -57,7 +71,8 @@ impl<'a> Hold<'a> {
         self.engine.resume_gpu(&self.gpu).await
     }
 
-    /// The checkpoint is stored: what is left is the job's to finish.
+    /// The checkpoint is stored: what is left is the job's to finish, which clears the record
+    /// once the tree is settled (`HeldTree::clear`).
     pub fn release(mut self) {
         self.settled = true;
     }
@@ -74,6 +89,7 @@ impl<'a> Hold<'a> {
         for problem in &problems {
             warn!(problem = %problem, "rollback incomplete");
         }
+        HeldTree::clear(&self.engine.state.held_dir(), &self.record.id);
         CheckpointError::with_rollback(cause, problems)
     }
 

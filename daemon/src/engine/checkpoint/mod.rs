@@ -8,6 +8,7 @@
 //! on any failure after the GPU phase: the tree is given back as it was (`hold.rs`)
 //! ```
 
+mod held;
 mod hold;
 mod store;
 
@@ -194,7 +195,7 @@ impl Engine {
             .map_err(|source| CheckpointError::Local { what: "work directory", source })?;
         info!(checkpoint = %id, workload = %workload, pid, pids = tree.pids.len(), options = ?tree.options.describe(), "dumping");
         let job = Job { id, workload, pid, created_unix_ms, started, leave_running: params.leave_running };
-        let mut hold = Hold::new(self, &tree, work.path());
+        let mut hold = Hold::new(self, &job.id, &tree, work.path());
         hold.suspended_gpu(self.suspend_gpu(&tree.pids, &progress).await?);
         let stored =
             self.dump_and_store(&job, params.on_resumed, &mut hold, &tree, work.path(), &progress).await;
@@ -301,6 +302,7 @@ impl Engine {
                 warn!(checkpoint = %job.id, pids = ?left, "evicted processes still present (not our children?)");
             }
         }
+        held::HeldTree::clear(&self.state.held_dir(), &job.id);
         stats.total_ms = ms(job.started.elapsed());
         self.remember_checkpoint(&job.workload, job.pid, tree, &job.id);
         info!(checkpoint = %job.id, workload = %job.workload, ?stats, "checkpoint stored");

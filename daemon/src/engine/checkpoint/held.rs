@@ -1,0 +1,146 @@
+//! The record of a tree a checkpoint holds, for the case stasisd dies holding it.
+//!
+//! From before the GPU phase until the job has settled the tree (resumed it, or killed it
+//! after an eviction committed), `<state>/held/<id>.json` says which processes it holds (by
+//! pid and start time, so a reused pid is never touched), which were stopped before, which
+//! had their CUDA state moved, and where CRIU's images (naming its network lock) are. The next
+//! start of stasisd settles every tree a record names:
+//!
+//! - the checkpoint committed (its manifest exists): the eviction is completed, the tree killed;
+//! - otherwise the tree is given back: connections out of repair mode and unlocked, stopped
+//!   processes continued, CUDA state put back.
+//!
+//! Either way a workload never stays stopped, and never ends up both gone and uncheckpointed.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use nix::sys::signal::Signal;
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use super::super::inspect::TreeInfo;
+use super::super::{Engine, sockets};
+use crate::criu::NetworkLock;
+use crate::linux::proc::ProcStat;
+
+/// What a checkpoint job holds of its tree.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub(super) struct HeldTree {
+    pub id: String,
+    /// (pid, start time) of every process of the tree.
+    pub processes: Vec<(i32, u64)>,
+    pub stopped_before: Vec<i32>,
+    /// Processes whose CUDA state is in host memory.
+    pub gpu_pids: Vec<i32>,
+    /// CRIU's images directory of the job.
+    pub images: PathBuf,
+    pub network_lock: Option<String>,
+    pub reuse_addr: Vec<u64>,
+}
+
+impl HeldTree {
+    pub fn new(id: &str, tree: &TreeInfo, stopped_before: &[i32], images: &Path) -> HeldTree {
+        let processes = tree
+            .pids
+            .iter()
+            .filter_map(|&pid| Some((pid, ProcStat::read(pid).ok()?.start_time?)))
+            .collect();
+        HeldTree {
+            id: id.into(),
+            processes,
+            stopped_before: stopped_before.to_vec(),
+            gpu_pids: Vec::new(),
+            images: images.to_path_buf(),
+            network_lock: tree.options.network_lock.map(|l| l.name().into()),
+            reuse_addr: tree.sockets.reuse_addr.iter().copied().collect(),
+        }
+    }
+
+    fn path(dir: &Path, id: &str) -> PathBuf {
+        dir.join(format!("{id}.json"))
+    }
+
+    /// Writes the record into `dir` (the state directory's `held/`).
+    pub fn save(&self, dir: &Path) -> std::io::Result<()> {
+        let json = serde_json::to_vec(self).map_err(std::io::Error::other)?;
+        std::fs::write(Self::path(dir, &self.id), json)
+    }
+
+    pub fn clear(dir: &Path, id: &str) {
+        let _ = std::fs::remove_file(Self::path(dir, id));
+    }
+
+    /// The records in `dir`, with those that cannot be read named for the log.
+    fn all(dir: &Path) -> Vec<Result<HeldTree, String>> {
+        let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+        entries
+            .flatten()
+            .map(|e| {
+                let text = std::fs::read(e.path()).map_err(|err| format!("{}: {err}", e.path().display()))?;
+                serde_json::from_slice(&text).map_err(|err| format!("{}: {err}", e.path().display()))
+            })
+            .collect()
+    }
+
+    /// The recorded processes that still exist as the same processes.
+    fn alive(&self) -> Vec<i32> {
+        self.processes
+            .iter()
+            .filter(|(pid, start)| ProcStat::read(*pid).is_ok_and(|s| !s.is_dead() && s.start_time == Some(*start)))
+            .map(|(pid, _)| *pid)
+            .collect()
+    }
+}
+
+impl Engine {
+    /// Settles the trees a crashed stasisd held (see the module's documentation). Runs at
+    /// start, before work directories are cleared.
+    pub(in crate::engine) async fn recover_held(&self) {
+        let dir = self.state.held_dir();
+        for record in HeldTree::all(&dir) {
+            let held = match record {
+                Ok(held) => held,
+                Err(why) => {
+                    warn!(record = %why, "unreadable record of a held tree; removing it");
+                    continue;
+                }
+            };
+            self.settle(&held).await;
+            HeldTree::clear(&dir, &held.id);
+        }
+        // Unreadable records too: nothing can be done with them.
+        let _ = std::fs::remove_dir_all(&dir).and_then(|()| std::fs::create_dir_all(&dir));
+    }
+
+    async fn settle(&self, held: &HeldTree) {
+        let pids = held.alive();
+        if pids.is_empty() {
+            return;
+        }
+        if self.store.manifest(&held.id).await.is_ok() {
+            info!(checkpoint = %held.id, ?pids, "completing an eviction a crash interrupted: killing the tree");
+            self.host.signal(&self.host.trees(&pids), Signal::SIGKILL);
+            return;
+        }
+        info!(checkpoint = %held.id, ?pids, "giving back a tree a crash left held");
+        let reuse: HashSet<u64> = held.reuse_addr.iter().copied().collect();
+        let (reopened, mut problems) = self.host.leave_repair(&pids, &reuse);
+        let lock = held.network_lock.as_deref().and_then(NetworkLock::from_name);
+        problems.extend(sockets::unlock(&reopened, &held.images, lock, &self.reaper).await);
+        let stopped: Vec<i32> =
+            self.host.stopped(&pids).into_iter().filter(|p| !held.stopped_before.contains(p)).collect();
+        self.host.signal(&stopped, Signal::SIGCONT);
+        let gpu_pids: Vec<i32> = held.gpu_pids.iter().copied().filter(|p| pids.contains(p)).collect();
+        if let (false, Some(gpu)) = (gpu_pids.is_empty(), self.gpu.clone()) {
+            match tokio::task::spawn_blocking(move || super::super::gpu::resume(&gpu, &gpu_pids)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => problems.push(crate::error_chain(&e)),
+                Err(e) => problems.push(format!("the GPU thread failed: {e}")),
+            }
+        }
+        for problem in problems {
+            warn!(checkpoint = %held.id, problem = %problem, "giving back a held tree was incomplete");
+        }
+    }
+}
