@@ -41,11 +41,8 @@ pub(super) struct HeldTree {
 
 impl HeldTree {
     pub fn new(id: &str, tree: &TreeInfo, stopped_before: &[i32], images: &Path) -> HeldTree {
-        let processes = tree
-            .pids
-            .iter()
-            .filter_map(|&pid| Some((pid, ProcStat::read(pid).ok()?.start_time?)))
-            .collect();
+        let processes =
+            tree.pids.iter().filter_map(|&pid| Some((pid, ProcStat::read(pid).ok()?.start_time?))).collect();
         HeldTree {
             id: id.into(),
             processes,
@@ -87,7 +84,9 @@ impl HeldTree {
     fn alive(&self) -> Vec<i32> {
         self.processes
             .iter()
-            .filter(|(pid, start)| ProcStat::read(*pid).is_ok_and(|s| !s.is_dead() && s.start_time == Some(*start)))
+            .filter(|(pid, start)| {
+                ProcStat::read(*pid).is_ok_and(|s| !s.is_dead() && s.start_time == Some(*start))
+            })
             .map(|(pid, _)| *pid)
             .collect()
     }

@@ -12,11 +12,11 @@ use std::path::Path;
 use nix::sys::signal::Signal;
 use tracing::{error, warn};
 
-use super::held::HeldTree;
 use super::super::gpu::Suspended;
 use super::super::inspect::TreeInfo;
 use super::super::sockets;
 use super::super::{CheckpointError, Engine};
+use super::held::HeldTree;
 
 pub(super) struct Hold<'a> {
     engine: &'a Engine,
@@ -39,7 +39,16 @@ impl<'a> Hold<'a> {
     pub fn new(engine: &'a Engine, id: &str, tree: &'a TreeInfo, images: &'a Path) -> Hold<'a> {
         let stopped_before = engine.host.stopped(&tree.pids);
         let record = HeldTree::new(id, tree, &stopped_before, images);
-        let hold = Hold { engine, tree, record, images, stopped_before, gpu: None, gpu_suspended: false, settled: false };
+        let hold = Hold {
+            engine,
+            tree,
+            record,
+            images,
+            stopped_before,
+            gpu: None,
+            gpu_suspended: false,
+            settled: false,
+        };
         hold.save_record();
         hold
     }
