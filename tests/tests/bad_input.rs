@@ -123,6 +123,22 @@ fn checkpoint_of_a_pid_that_does_not_exist_says_it_does_not_exist() {
 }
 
 #[test]
+fn checkpoints_of_init_a_kernel_thread_stasisd_or_a_tree_holding_stasisd_are_refused_up_front() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let stasisd = d.pid().to_string();
+    refused(&d, &["checkpoint", "1"], &["it is init"]);
+    // kthreadd, the parent of every kernel thread.
+    refused(&d, &["checkpoint", "2"], &["it is a kernel thread"]);
+    refused(&d, &["checkpoint", &stasisd], &["it is stasisd itself"]);
+    // stasisd's parent here is this test process: its tree holds stasisd.
+    let me = std::process::id().to_string();
+    refused(&d, &["checkpoint", &me], &[&format!("its tree holds process {stasisd}, stasisd itself")]);
+    assert!(procfs::running(d.pid()), "stasisd must not have frozen itself");
+    assert_eq!(procfs::tracer(d.pid()), Some(0), "nothing may trace stasisd");
+}
+
+#[test]
 fn restore_of_an_unknown_id_says_not_found() {
     skip_unless_ready!();
     refused(&Daemon::start(), &["restore", UNKNOWN_ID, "--json"], &["not found"]);

@@ -77,6 +77,8 @@ pub enum RunError {
 pub enum CheckpointError {
     #[error("process {0} does not exist")]
     NoSuchProcess(i32),
+    #[error("process {pid} cannot be checkpointed: {reason}; nothing was touched")]
+    Untouchable { pid: i32, reason: String },
     #[error("unknown workload {0:?}")]
     UnknownWorkload(String),
     #[error("workload {workload} is not running (its last pid {pid} is gone)")]

@@ -19,6 +19,9 @@ pub trait Host: Send + Sync {
     fn command(&self, pid: i32) -> io::Result<Vec<String>>;
     /// What the tree rooted at `root` holds, and so how CRIU must dump it.
     fn inspect(&self, root: i32) -> io::Result<TreeInfo>;
+    /// What `pid` is, if it may not be checkpointed at all: init, a kernel thread, or stasisd
+    /// itself.
+    fn untouchable(&self, pid: i32) -> Option<String>;
     /// Which of `pids` are stopped (job control) now.
     fn stopped(&self, pids: &[i32]) -> Vec<i32>;
     /// Every process of the trees rooted at `roots`, roots first (children forked since a
@@ -52,6 +55,19 @@ impl Host for LinuxHost {
 
     fn inspect(&self, root: i32) -> io::Result<TreeInfo> {
         inspect::inspect(root)
+    }
+
+    fn untouchable(&self, pid: i32) -> Option<String> {
+        if pid == 1 {
+            return Some("init, the system's first process".into());
+        }
+        if pid == std::process::id() as i32 {
+            return Some("stasisd itself".into());
+        }
+        ProcStat::read(pid)
+            .ok()
+            .filter(ProcStat::is_kernel_thread)
+            .map(|s| format!("a kernel thread ({})", s.comm))
     }
 
     fn stopped(&self, pids: &[i32]) -> Vec<i32> {
@@ -153,6 +169,10 @@ pub(super) mod fake {
                 .get(&root)
                 .cloned()
                 .ok_or_else(|| io::Error::from_raw_os_error(libc::ESRCH))
+        }
+
+        fn untouchable(&self, pid: i32) -> Option<String> {
+            (pid == 1).then(|| "init".into())
         }
 
         fn stopped(&self, pids: &[i32]) -> Vec<i32> {

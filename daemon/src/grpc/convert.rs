@@ -47,7 +47,9 @@ impl From<CheckpointError> for Status {
     fn from(e: CheckpointError) -> Self {
         let code = match &e {
             CheckpointError::NoSuchProcess(_) | CheckpointError::UnknownWorkload(_) => Code::NotFound,
-            CheckpointError::NotRunning { .. } | CheckpointError::Sockets { .. } => Code::FailedPrecondition,
+            CheckpointError::NotRunning { .. }
+            | CheckpointError::Sockets { .. }
+            | CheckpointError::Untouchable { .. } => Code::FailedPrecondition,
             CheckpointError::Dump { .. } | CheckpointError::PageServer { .. } => Code::Aborted,
             CheckpointError::Store { source, .. } => store_code(source),
             CheckpointError::ShuttingDown => Code::Unavailable,

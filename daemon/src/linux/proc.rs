@@ -21,6 +21,8 @@ pub struct ProcStat {
     /// When the process started, in clock ticks since boot: with the pid, it names one process
     /// (a pid can be reused, this pair cannot).
     pub start_time: Option<u64>,
+    /// The kernel's per-task flags (`PF_*`).
+    pub flags: Option<u32>,
 }
 
 impl ProcStat {
@@ -45,14 +47,22 @@ impl ProcStat {
         let pgrp = num()?;
         let session = num()?;
         let tty_nr = num()?;
-        // Fields 8 to 21 (tpgid .. itrealvalue) are skipped; 22 is the start time.
-        let start_time = rest.nth(14).and_then(|t| t.parse().ok());
-        Some(Self { pid, comm, state, ppid, pgrp, session, tty_nr, start_time })
+        // Field 8 is tpgid, 9 the flags; 10 to 21 (minflt .. itrealvalue) are skipped; 22 is
+        // the start time.
+        let flags = rest.nth(1).and_then(|f| f.parse().ok());
+        let start_time = rest.nth(12).and_then(|t| t.parse().ok());
+        Some(Self { pid, comm, state, ppid, pgrp, session, tty_nr, start_time, flags })
     }
 
     /// A zombie or dead task: it holds its pid but runs no more.
     pub fn is_dead(&self) -> bool {
         matches!(self.state, 'Z' | 'X' | 'x')
+    }
+
+    /// A kernel thread (`PF_KTHREAD`): no user-space process to checkpoint.
+    pub fn is_kernel_thread(&self) -> bool {
+        const PF_KTHREAD: u32 = 0x0020_0000;
+        self.flags.is_some_and(|f| f & PF_KTHREAD != 0)
     }
 
     /// Stopped by a signal (or a tracer).
@@ -238,6 +248,9 @@ mod tests {
         assert_eq!(s.start_time, None, "a short line has no start time");
         let me = ProcStat::read(std::process::id() as i32).unwrap();
         assert!(me.start_time.is_some_and(|t| t > 0));
+        assert!(!me.is_kernel_thread());
+        // kthreadd, the parent of every kernel thread, is pid 2.
+        assert!(ProcStat::read(2).unwrap().is_kernel_thread());
         assert!(!s.is_dead());
         assert!(ProcStat::parse("garbage").is_none());
     }

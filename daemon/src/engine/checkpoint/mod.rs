@@ -214,7 +214,17 @@ impl Engine {
         if !self.host.is_running(pid) {
             return Err(CheckpointError::NoSuchProcess(pid));
         }
+        if let Some(what) = self.host.untouchable(pid) {
+            return Err(CheckpointError::Untouchable { pid, reason: format!("it is {what}") });
+        }
         let mut tree = self.host.inspect(pid).map_err(|source| CheckpointError::Inspect { pid, source })?;
+        // A tree holding stasisd (its parent shell's, say) would have stasisd freeze itself.
+        if let Some((held, what)) = tree.pids.iter().find_map(|&p| Some((p, self.host.untouchable(p)?))) {
+            return Err(CheckpointError::Untouchable {
+                pid,
+                reason: format!("its tree holds process {held}, {what}"),
+            });
+        }
         if let Some(reason) = tree.sockets.refusal(&self.network_sockets, &self.network_lock) {
             return Err(CheckpointError::Sockets { workload: workload.into(), reason });
         }
