@@ -281,7 +281,8 @@ impl Daemon {
         }
         let mut doomed = Vec::new();
         for (pid, name, argv) in roots {
-            let in_cgroup = procfs::cgroup(pid).is_some_and(|c| c.ends_with(&format!("/stasis/{name}")));
+            let in_cgroup = procfs::cgroup(pid)
+                .is_some_and(|c| c.contains("/stasis/") && c.ends_with(&format!("/{name}")));
             if pid > 1 && (in_cgroup || procfs::cmdline(pid).as_ref() == Some(&argv)) {
                 doomed.push(pid);
                 doomed.extend(procfs::descendants(pid));

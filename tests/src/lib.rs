@@ -17,7 +17,7 @@ mod workload;
 
 use std::path::{Path, PathBuf};
 
-pub use daemon::{Daemon, DaemonOptions};
+pub use daemon::{Daemon, DaemonOptions, pid_of};
 pub use logs::{complete_lines, expect_within, numbered, wait_for};
 pub use peer::EchoPeer;
 pub use workload::Workload;

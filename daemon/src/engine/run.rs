@@ -56,7 +56,10 @@ impl Engine {
             .open(&log_path)
             .map_err(setup_err("its log file"))?;
         let cgroup = match v2_root() {
-            Some(root) => Some(WorkloadCgroup::create(&root, &name).map_err(setup_err("its cgroup"))?),
+            Some(root) => Some(
+                WorkloadCgroup::create(&root, self.store.node_tag(), &name)
+                    .map_err(setup_err("its cgroup"))?,
+            ),
             None => None,
         };
         let procs = cgroup.as_ref().map(|c| c.open_procs()).transpose().map_err(setup_err("its cgroup"))?;

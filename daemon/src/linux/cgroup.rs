@@ -17,16 +17,17 @@ pub fn v2_root() -> Option<PathBuf> {
     Path::new(HYBRID_V2).join("cgroup.procs").exists().then(|| HYBRID_V2.into())
 }
 
-/// The cgroup of one workload: `<v2 root>/stasis/<name>`.
+/// The cgroup of one workload: `<v2 root>/stasis/<daemon>/<name>`, where `<daemon>` tells
+/// apart the daemons of one machine (each has its own workloads, of possibly the same names).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkloadCgroup {
     pub path: PathBuf,
 }
 
 impl WorkloadCgroup {
-    /// Creates (or reuses) the workload's cgroup.
-    pub fn create(root: &Path, workload: &str) -> io::Result<Self> {
-        let path = root.join("stasis").join(workload);
+    /// Creates (or reuses) the cgroup of `workload` of daemon `daemon`.
+    pub fn create(root: &Path, daemon: &str, workload: &str) -> io::Result<Self> {
+        let path = root.join("stasis").join(daemon).join(workload);
         fs::create_dir_all(&path)?;
         Ok(Self { path })
     }

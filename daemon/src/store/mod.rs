@@ -120,6 +120,12 @@ impl Store {
         self
     }
 
+    /// This node's tag (its host name and state directory, hashed): it prefixes the node's
+    /// pack names, and names its daemon's cgroups.
+    pub fn node_tag(&self) -> &str {
+        &self.node_tag
+    }
+
     pub fn url(&self) -> &str {
         &self.url
     }
