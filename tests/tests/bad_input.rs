@@ -196,6 +196,18 @@ fn list_leaves_out_a_checkpoint_with_a_damaged_manifest_and_lists_the_others() {
         .filter_map(|c| c["id"].as_str())
         .collect();
     assert_eq!(ids, [intact.as_str()], "list with {damaged} damaged: {listed}");
+    let unreadable = listed["unreadable"].to_string();
+    assert!(unreadable.contains(&damaged), "list should name the unreadable checkpoint: {listed}");
+}
+
+#[test]
+fn gc_stops_rather_than_collect_the_data_of_an_unreadable_checkpoint() {
+    skip_unless_ready!();
+    let (d, damaged, _) = daemon_with_a_flipped_manifest();
+    let packs = pack_files(&d);
+    let err = refused(&d, &["gc"], &["garbage collection stopped"]);
+    assert!(err.contains(&damaged), "the error should name the checkpoint: {err}");
+    assert_eq!(pack_files(&d), packs, "gc must not delete any pack while a manifest is unreadable");
 }
 
 #[test]

@@ -13,6 +13,9 @@ pub async fn run(client: &mut Client, args: ListArgs) -> anyhow::Result<()> {
     if args.json {
         return output::print_json(&response);
     }
+    for damaged in &response.unreadable {
+        eprintln!("warning: unreadable checkpoint {damaged}");
+    }
     if response.checkpoints.is_empty() {
         return output::print("no checkpoints");
     }

@@ -173,11 +173,12 @@ fn checkpoint_info_has_every_field() {
 
 #[test]
 fn list_response_wraps_checkpoint_infos() {
-    let l = ListResponse { checkpoints: vec![info(), info()] };
+    let l = ListResponse { checkpoints: vec![info(), info()], unreadable: vec!["ck-9: corrupted".into()] };
     let v = json_of(&l);
     assert_eq!(v["checkpoints"].as_array().map(Vec::len), Some(2));
     assert_eq!(v["checkpoints"][1], json_of(&info()));
-    assert_eq!(json_of(&ListResponse::default()), json!({ "checkpoints": [] }));
+    assert_eq!(v["unreadable"], json!(["ck-9: corrupted"]));
+    assert_eq!(json_of(&ListResponse::default()), json!({ "checkpoints": [], "unreadable": [] }));
 }
 
 #[test]

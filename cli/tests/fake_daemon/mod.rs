@@ -92,7 +92,7 @@ impl Stasis for FakeDaemon {
 
     async fn list(&self, _: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
         let checkpoints = vec![info("ck-1"), info("ck-2")];
-        Ok(Response::new(ListResponse { checkpoints }))
+        Ok(Response::new(ListResponse { checkpoints, unreadable: Vec::new() }))
     }
 
     async fn show(&self, req: Request<ShowRequest>) -> Result<Response<CheckpointInfo>, Status> {

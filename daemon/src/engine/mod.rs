@@ -32,7 +32,7 @@ pub use checkpoint::{CheckpointOutcome, CheckpointParams, CheckpointStats, Targe
 pub use error::{CheckpointError, QueryError, RestoreError, RunError, StartError};
 pub use hot_restore::LazyError;
 pub use ids::{now_unix_ms, valid_checkpoint_id};
-pub use query::{CheckpointSummary, StatusReport};
+pub use query::{CheckpointList, CheckpointSummary, StatusReport};
 pub use restore::{RestoreOutcome, RestoreParams, RestoreStats, RestoreTarget};
 pub use run::{RunOutcome, RunParams};
 use tokio_util::task::TaskTracker;

@@ -58,6 +58,14 @@ fn image_names(m: &Manifest) -> Vec<String> {
     names
 }
 
+/// The checkpoints in the store (of a workload), and those whose manifest cannot be read
+/// ("ID: why"; their workload is unknown, so they are listed whatever the filter).
+#[derive(Debug, Clone, Default)]
+pub struct CheckpointList {
+    pub checkpoints: Vec<CheckpointSummary>,
+    pub unreadable: Vec<String>,
+}
+
 /// The daemon's state for `stasis status`.
 #[derive(Debug, Clone)]
 pub struct StatusReport {
@@ -78,13 +86,16 @@ pub struct StatusReport {
 
 impl Engine {
     /// Checkpoints in the store, oldest first, optionally of one workload only.
-    pub async fn list(&self, workload: Option<&str>) -> Result<Vec<CheckpointSummary>, QueryError> {
-        let manifests = self.store.manifests().await?;
-        Ok(manifests
+    pub async fn list(&self, workload: Option<&str>) -> Result<CheckpointList, QueryError> {
+        let listing = self.store.listing().await?;
+        let checkpoints = listing
+            .manifests
             .iter()
             .filter(|m| workload.is_none_or(|w| m.workload == w))
             .map(CheckpointSummary::from)
-            .collect())
+            .collect();
+        let unreadable = listing.unreadable.into_iter().map(|(id, why)| format!("{id}: {why}")).collect();
+        Ok(CheckpointList { checkpoints, unreadable })
     }
 
     /// One checkpoint, its manifest verified.

@@ -25,7 +25,8 @@ fn store_code(e: &StoreError) -> Code {
         | StoreError::Corrupt { .. }
         | StoreError::CorruptChunk { .. }
         | StoreError::MissingChunk { .. }
-        | StoreError::MissingPack { .. } => Code::DataLoss,
+        | StoreError::MissingPack { .. }
+        | StoreError::Unreadable { .. } => Code::DataLoss,
         StoreError::Backend { .. } => Code::Unavailable,
         StoreError::Local { .. } => Code::Internal,
     }

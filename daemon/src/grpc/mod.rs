@@ -122,7 +122,8 @@ impl Stasis for StasisService {
     async fn list(&self, req: Request<pb::ListRequest>) -> Result<Response<pb::ListResponse>, Status> {
         let workload = Some(req.into_inner().workload).filter(|w| !w.is_empty());
         let list = self.engine.list(workload.as_deref()).await?;
-        Ok(Response::new(pb::ListResponse { checkpoints: list.into_iter().map(Into::into).collect() }))
+        let checkpoints = list.checkpoints.into_iter().map(Into::into).collect();
+        Ok(Response::new(pb::ListResponse { checkpoints, unreadable: list.unreadable }))
     }
 
     async fn show(&self, req: Request<pb::ShowRequest>) -> Result<Response<pb::CheckpointInfo>, Status> {

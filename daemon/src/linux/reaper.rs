@@ -41,6 +41,9 @@ pub struct Reaper {
 struct ReaperInner {
     exits: Mutex<HashMap<i32, ExitKind>>,
     changed: Notify,
+    /// Set by [`Reaper::start`]: a default `Reaper` (for tests of code that takes one) reaps
+    /// nothing, so it cannot take the exit of a child someone else waits for.
+    reaping: std::sync::atomic::AtomicBool,
 }
 
 impl Reaper {
@@ -48,6 +51,7 @@ impl Reaper {
     pub fn start() -> std::io::Result<Self> {
         nix::sys::prctl::set_child_subreaper(true).map_err(std::io::Error::from)?;
         let reaper = Self::default();
+        reaper.inner.reaping.store(true, std::sync::atomic::Ordering::Relaxed);
         let mut sigchld = signal(SignalKind::child())?;
         let this = reaper.clone();
         tokio::spawn(async move {
@@ -61,6 +65,9 @@ impl Reaper {
     }
 
     fn reap_all(&self) {
+        if !self.inner.reaping.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
         loop {
             match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
                 Ok(WaitStatus::Exited(pid, code)) => self.record(pid.as_raw(), ExitKind::Exited(code)),

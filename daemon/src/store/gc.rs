@@ -16,7 +16,7 @@ use tracing::info;
 
 use super::chunks::FinishedPack;
 use super::index::ChunkHash;
-use super::{Store, StoreError, envelope};
+use super::{Listing, Store, StoreError, envelope};
 
 /// Packs whose live bytes are below this fraction are rewritten.
 const REPACK_BELOW: f64 = 0.5;
@@ -51,7 +51,16 @@ impl Store {
     ) -> Result<GcReport, StoreError> {
         let _exclusive = self.gc_lock.write().await;
         let mut report = GcReport::default();
-        let mut manifests = self.manifests().await?;
+        let Listing { mut manifests, unreadable } = self.listing().await?;
+        // Chunks only an unreadable manifest references would look unreferenced: a manifest
+        // read failing for a moment must not cost its checkpoint its data.
+        if let Some((id, why)) = unreadable.first() {
+            return Err(StoreError::Unreadable {
+                id: id.clone(),
+                reason: why.clone(),
+                more: unreadable.len() - 1,
+            });
+        }
         if let Some(r) = retention {
             for id in expired(&manifests, r) {
                 self.delete(&id).await?;

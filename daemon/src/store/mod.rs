@@ -74,6 +74,13 @@ pub enum StoreError {
     MissingPack { id: String, pack: String },
     #[error("chunk {chunk} of checkpoint {id} (pack {pack}) is corrupted: {reason}")]
     CorruptChunk { id: String, chunk: String, pack: String, reason: String },
+    #[error(
+        "garbage collection stopped: the manifest of checkpoint {id} cannot be read ({reason}){}, \
+         and the chunks only it references would look unreferenced; repair or delete it, then \
+         collect again",
+        if *.more > 0 { format!(" nor those of {more} other checkpoint(s)") } else { String::new() }
+    )]
+    Unreadable { id: String, reason: String, more: usize },
     #[error("local file {path} could not be read or written")]
     Local {
         path: String,
@@ -98,6 +105,14 @@ pub struct Store {
 
 /// Held while a checkpoint decides which chunks to reference and commits its manifest.
 pub type CommitGuard = tokio::sync::OwnedRwLockReadGuard<()>;
+
+/// The checkpoints of a store: the readable manifests and the ids that could not be read.
+#[derive(Debug, Default)]
+pub struct Listing {
+    pub manifests: Vec<Manifest>,
+    /// (checkpoint id, why its manifest could not be read)
+    pub unreadable: Vec<(String, String)>,
+}
 
 impl Store {
     /// Opens the store at `url` (`file:///dir`, `s3://bucket/prefix`, `gs://…`, `az://…`);
@@ -213,16 +228,25 @@ impl Store {
 
     /// All readable manifests, oldest first. Unreadable ones are logged and left out.
     pub async fn manifests(&self) -> Result<Vec<Manifest>, StoreError> {
-        let mut out = Vec::new();
+        Ok(self.listing().await?.manifests)
+    }
+
+    /// All manifests, oldest first, and the checkpoints whose manifest could not be read (with
+    /// why): a caller that decides what is garbage must not take those for absent.
+    pub async fn listing(&self) -> Result<Listing, StoreError> {
+        let mut listing = Listing::default();
         for id in self.checkpoint_ids().await? {
             match self.manifest(&id).await {
-                Ok(m) => out.push(m),
-                Err(e) => warn!(checkpoint = %id, error = %e, "skipping unreadable manifest"),
+                Ok(m) => listing.manifests.push(m),
+                Err(e) => {
+                    warn!(checkpoint = %id, error = %e, "unreadable manifest");
+                    listing.unreadable.push((id, crate::error_chain(&e)));
+                }
             }
         }
         // Ids sort by second only; within a second the creation time orders them.
-        out.sort_by(|a, b| (a.created_unix_ms, &a.id).cmp(&(b.created_unix_ms, &b.id)));
-        Ok(out)
+        listing.manifests.sort_by(|a, b| (a.created_unix_ms, &a.id).cmp(&(b.created_unix_ms, &b.id)));
+        Ok(listing)
     }
 
     /// Deletes checkpoint `id` (its manifest). Its chunks stay until garbage collection finds
