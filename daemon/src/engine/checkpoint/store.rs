@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use stasis_proto::stasis::v1::{DumpOptions, StoredStats};
+use tracing::{info, warn};
 
 use super::super::dump::SPILL_FILE;
 use super::super::gpu::Suspended;
@@ -55,14 +56,35 @@ impl Engine {
         };
         let guard = self.store.begin_commit().await;
         let skip = [LOG_FILE, SPILL_FILE];
-        let stored =
-            self.store.store_dump(Arc::new(staged), images, &skip, report).await.map_err(store_err)?;
-        let stats = stats(&dumped, &stored);
-        let manifest = self.manifest(&dumped, stored, stats);
-        self.store.commit(&manifest, &guard).await.map_err(store_err)?;
+        let committed = async {
+            let stored = self.store.store_dump(Arc::new(staged), images, &skip, report).await?;
+            let stats = stats(&dumped, &stored);
+            self.store.commit(&self.manifest(&dumped, stored, stats), &guard).await?;
+            Ok(stats)
+        }
+        .await;
         drop(guard);
-        self.state.clear_inflight(id);
-        Ok(stats)
+        if committed.is_err() {
+            self.remove_orphans(id).await;
+        } else {
+            self.state.clear_inflight(id);
+        }
+        committed.map_err(store_err)
+    }
+
+    /// Removes what a failed upload left in the store (this node's unreferenced packs), so
+    /// a store that ran full has room again at once rather than after the GC grace period.
+    /// Other uploads of this node hold commit guards, which garbage collection waits for.
+    async fn remove_orphans(&self, id: &str) {
+        match self.store.gc(None, self.gc_grace, true).await {
+            Ok(report) => {
+                info!(checkpoint = %id, packs = report.packs_deleted, "removed what the failed upload left");
+                self.state.clear_inflight(id);
+            }
+            Err(e) => {
+                warn!(checkpoint = %id, error = %e, "cannot remove what the failed upload left; the next start retries")
+            }
+        }
     }
 
     /// The manifest of a stored dump.

@@ -1,0 +1,60 @@
+//! A store that runs out of space mid-upload: the eviction fails naming the store, the
+//! workload runs on, and what the failed upload wrote is removed at once, so the next (smaller)
+//! checkpoint fits.
+
+#![forbid(unsafe_code)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use nix::mount::{MntFlags, MsFlags, mount, umount2};
+use stasis_tests::{Daemon, expect_within, procfs, python_workload, skip_unless_ready};
+
+/// A size-limited tmpfs mounted over a directory for the test's duration.
+struct SmallDisk(PathBuf);
+
+impl SmallDisk {
+    fn mount(at: &Path, mib: u64) -> SmallDisk {
+        std::fs::create_dir_all(at).expect("mount point");
+        let options = format!("size={mib}m,mode=0700");
+        mount(Some("tmpfs"), at, Some("tmpfs"), MsFlags::empty(), Some(options.as_str()))
+            .unwrap_or_else(|e| panic!("mounting a {mib} MiB tmpfs on {}: {e}", at.display()));
+        SmallDisk(at.to_path_buf())
+    }
+
+    fn used_bytes(&self) -> u64 {
+        let stat = nix::sys::statvfs::statvfs(&self.0).expect("statvfs");
+        (stat.blocks() - stat.blocks_free()) * stat.fragment_size()
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = umount2(&self.0, MntFlags::MNT_DETACH);
+    }
+}
+
+#[test]
+fn a_store_that_runs_full_fails_the_eviction_keeps_the_job_and_frees_its_space() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let disk = SmallDisk::mount(&d.store_dir(), 48);
+    // 96 MiB of random memory cannot fit in 48 MiB, compressed or not.
+    let w = d.run("big", &python_workload("memhog.py", &["96"]));
+    expect_within(Duration::from_secs(60), "the workload to be ready", || {
+        w.lines().iter().any(|l| l == "ready").then_some(())
+    });
+
+    let err = d.cli_err(&["checkpoint", "--workload", &w.name]);
+    assert!(err.contains("storing checkpoint"), "the error should name the store: {err}");
+    assert!(err.to_lowercase().contains("space"), "the error should say the store is full: {err}");
+    assert!(procfs::running(w.pid), "the workload: {:?}", procfs::proc_state(w.pid));
+    let used = disk.used_bytes();
+    assert!(used < 4 << 20, "the failed upload's packs should be gone, {used} bytes are still used");
+
+    // The space is there again: a small checkpoint fits.
+    let small = d.run("small", &python_workload("counter.py", &[]));
+    small.wait_number("count ", 3);
+    d.json(&["checkpoint", "--workload", &small.name, "--leave-running", "--json"]);
+    procfs::kill9(w.pid);
+}
