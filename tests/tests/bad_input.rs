@@ -98,6 +98,11 @@ fn path_like_id_is_refused(verb: &str, flags: &[&str]) {
 /// `expected`, and leave nothing running. (A store of its own: checkpoints share chunks, so
 /// damage to one pack would show in every checkpoint referencing a chunk in it.)
 fn restore_with_damaged_packs(base: &str, damage: fn(&Path), expected: &[&str]) {
+    restore_with_damaged_packs_as(base, damage, expected, &[]);
+}
+
+/// [`restore_with_damaged_packs`], restoring with `flags`.
+fn restore_with_damaged_packs_as(base: &str, damage: fn(&Path), expected: &[&str], flags: &[&str]) {
     let d = Daemon::start();
     let before = pack_files(&d);
     let (id, pid) = evicted_counter(&d, base);
@@ -105,7 +110,9 @@ fn restore_with_damaged_packs(base: &str, damage: fn(&Path), expected: &[&str]) 
     assert!(!fresh.is_empty(), "checkpoint {id} wrote no pack");
     fresh.iter().for_each(|p| damage(p));
 
-    let err = refused(&d, &["restore", &id, "--json"], expected);
+    let mut restore = vec!["restore", &id, "--json"];
+    restore.extend_from_slice(flags);
+    let err = refused(&d, &restore, expected);
     assert!(err.contains(&id), "the error should name checkpoint {id}:\n{err}");
     assert!(!procfs::alive(pid), "a failed restore must not leave a (half-)restored process {pid} behind");
     // Its manifest is intact, so show works; the damage is found when the data is read.
@@ -214,6 +221,12 @@ fn gc_stops_rather_than_collect_the_data_of_an_unreadable_checkpoint() {
 fn restore_with_a_flipped_byte_in_a_pack_says_corrupted() {
     skip_unless_ready!();
     restore_with_damaged_packs("corrupt", flip_byte_in_the_middle, &["corrupted"]);
+}
+
+#[test]
+fn lazy_restore_with_a_flipped_byte_in_a_pack_says_corrupted() {
+    skip_unless_ready!();
+    restore_with_damaged_packs_as("lazy-corrupt", flip_byte_in_the_middle, &["corrupted"], &["--lazy"]);
 }
 
 #[test]

@@ -186,6 +186,16 @@ pub enum RestoreError {
         source: super::hot_restore::LazyError,
     },
     #[error(
+        "lazy restore of checkpoint {id} failed while CRIU restored the tree (CRIU: {criu}), \
+         because its memory could not be served; nothing was restored"
+    )]
+    LazyDuringRestore {
+        id: String,
+        #[source]
+        source: super::hot_restore::LazyError,
+        criu: Box<CriuError>,
+    },
+    #[error(
         "lazy restore of checkpoint {id} failed before all memory arrived; the restored tree \
          (pid {pid}) was killed"
     )]

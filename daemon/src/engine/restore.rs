@@ -285,8 +285,15 @@ impl Engine {
                 Err(RestoreError::Lazy { id, pid, source: LazyError::Guard(reason) })
             }
             (Err(e), _) => {
-                session.into_iter().for_each(LazySession::abort);
-                Err(e)
+                let Some(mut session) = session else { return Err(e) };
+                let served = session.serve_failure().await;
+                session.abort();
+                match (served, e) {
+                    (Some(source), RestoreError::Criu { source: criu, .. }) => {
+                        Err(RestoreError::LazyDuringRestore { id, source, criu: Box::new(criu) })
+                    }
+                    (_, e) => Err(e),
+                }
             }
         }
     }

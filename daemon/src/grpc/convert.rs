@@ -76,7 +76,7 @@ impl From<RestoreError> for Status {
             RestoreError::GpuPlacement { .. } => Code::FailedPrecondition,
             RestoreError::Local { .. } => Code::Internal,
             RestoreError::LazyStart { .. } => Code::Internal,
-            RestoreError::Lazy { .. } => Code::Aborted,
+            RestoreError::Lazy { .. } | RestoreError::LazyDuringRestore { .. } => Code::Aborted,
         };
         status(code, &e)
     }

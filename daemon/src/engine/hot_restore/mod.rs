@@ -45,6 +45,8 @@ use crate::store::{LazyFetch, LazyMemory, LazyReader, Manifest};
 
 /// How long the lazy-pages daemon may take to exit after its session ended.
 const DAEMON_EXIT_WAIT: Duration = Duration::from_secs(10);
+/// How long a failed restore waits to learn whether serving its memory failed first.
+const SERVE_END_WAIT: Duration = Duration::from_secs(1);
 /// Progress of the lazy phase is reported this often.
 const PROGRESS_EVERY: Duration = Duration::from_millis(250);
 
@@ -185,6 +187,16 @@ impl LazySession {
     /// The guard to start at CRIU's "pre-resume" notification.
     pub(super) fn fault_guard(&self) -> FaultGuard {
         self.guard.clone()
+    }
+
+    /// Why serving memory failed, if it did: when CRIU's restore fails because serving its
+    /// pages failed (and the serving side killed the tree), that is the reason to report, not
+    /// CRIU's "killed by signal 9". Waits a moment for the serving side to finish.
+    pub(super) async fn serve_failure(&mut self) -> Option<LazyError> {
+        match tokio::time::timeout(SERVE_END_WAIT, &mut self.server).await {
+            Ok(Ok(Err(e))) => Some(LazyError::Serve(e)),
+            _ => None,
+        }
     }
 
     /// Ends a session whose restore failed.
