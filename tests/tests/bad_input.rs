@@ -240,3 +240,20 @@ fn restore_with_a_deleted_pack_says_missing() {
     skip_unless_ready!();
     restore_with_damaged_packs("missing", delete, &["missing"]);
 }
+
+#[test]
+fn gc_runs_past_a_truncated_pack_index_keeping_that_pack_and_naming_it() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let (kept, pid) = evicted_counter(&d, "kept");
+    let pack_file = pack_files(&d).into_iter().next().expect("the checkpoint wrote a pack");
+    let damaged = pack_file.with_extension("idx");
+    truncate_by_one(&damaged);
+    let pack = damaged.file_stem().and_then(|s| s.to_str()).expect("pack name").to_owned();
+    let report = d.json(&["gc", "--json"]);
+    assert_eq!(report["damaged_packs"], serde_json::json!([pack]), "gc report: {report}");
+    assert!(damaged.with_extension("pack").exists(), "the pack with the damaged index must be kept");
+    // The checkpoint is still listed; its restore finds the damage when it reads the index.
+    let shown = d.json(&["show", &kept, "--json"]);
+    assert_eq!(shown["pid"], pid, "show: {shown}");
+}

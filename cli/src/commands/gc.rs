@@ -13,6 +13,9 @@ pub async fn run(client: &mut Client, args: GcArgs) -> anyhow::Result<()> {
     if args.json {
         return output::print_json(&response);
     }
+    for pack in &response.damaged_packs {
+        eprintln!("warning: the index of pack {pack} cannot be read; the pack was kept");
+    }
     output::print(&format!(
         "deleted {} checkpoints, {} packs, repacked {}; freed {}",
         response.checkpoints_deleted.len(),

@@ -226,10 +226,14 @@ fn gc_response_keeps_64_bit_counts_as_exact_numbers() {
         packs_deleted: 3,
         packs_repacked: 0,
         bytes_freed: u64::MAX,
+        damaged_packs: vec!["n-1".into()],
     };
     assert_eq!(
         json_of(&r),
-        json!({ "checkpoints_deleted": ["ck-1"], "packs_deleted": 3, "packs_repacked": 0, "bytes_freed": u64::MAX })
+        json!({
+            "checkpoints_deleted": ["ck-1"], "packs_deleted": 3, "packs_repacked": 0, "bytes_freed": u64::MAX,
+            "damaged_packs": ["n-1"],
+        })
     );
 }
 

@@ -115,6 +115,7 @@ impl Stasis for FakeDaemon {
             packs_deleted: 2,
             packs_repacked: 1,
             bytes_freed: 5 << 20,
+            damaged_packs: Vec::new(),
         }))
     }
 

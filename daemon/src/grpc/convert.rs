@@ -230,6 +230,7 @@ impl From<GcReport> for pb::GcResponse {
             packs_deleted: r.packs_deleted,
             packs_repacked: r.packs_repacked,
             bytes_freed: r.bytes_freed,
+            damaged_packs: r.damaged_packs,
         }
     }
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use futures::TryStreamExt;
 use stasis_proto::stasis::v1::{Manifest, PackIndex};
-use tracing::info;
+use tracing::{info, warn};
 
 use super::chunks::FinishedPack;
 use super::index::ChunkHash;
@@ -33,6 +33,8 @@ pub struct GcReport {
     pub packs_deleted: u64,
     pub packs_repacked: u64,
     pub bytes_freed: u64,
+    /// Packs whose index cannot be read: kept, since they may hold chunks a checkpoint needs.
+    pub damaged_packs: Vec<String>,
 }
 
 /// How long ago `at` was (zero for times in the future).
@@ -96,7 +98,16 @@ impl Store {
                 }
                 continue;
             }
-            let index = self.read_pack_index(&pack).await?;
+            let index = match self.read_pack_index(&pack).await {
+                Ok(index) => index,
+                // Its chunks are unknown, so it may hold live ones: keep it, say so, go on.
+                Err(e @ StoreError::Envelope { .. }) => {
+                    warn!(pack = %pack, error = %crate::error_chain(&e), "pack index unreadable; pack kept");
+                    report.damaged_packs.push(pack);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             let total: u64 = index.entries.iter().map(|e| u64::from(e.stored_len)).sum();
             let live_entries: Vec<_> =
                 index.entries.iter().filter(|e| is_live(&live, &e.hash)).cloned().collect();
