@@ -144,15 +144,21 @@ pub fn reattach(
     pairs: &[(crate::cuda::GpuUuid, crate::cuda::GpuUuid)],
 ) -> Result<u64, GpuError> {
     let started = Instant::now();
+    // Every process is tried, also after one fails: a process not tried would stay locked.
+    let mut first_failure = None;
     for &pid in pids {
         let result = gpu.restore(pid, pairs).and_then(|()| gpu.unlock(pid));
         if let Err(source) = result {
             let state =
                 gpu.state(pid).ok().flatten().map(|s| format!("{s:?}")).unwrap_or_else(|| "unknown".into());
-            return Err(GpuError::Stuck { pid, state, source });
+            warn!(pid, state = %state, error = %source, "GPU restore failed");
+            first_failure.get_or_insert(GpuError::Stuck { pid, state, source });
         }
     }
-    Ok(started.elapsed().as_millis() as u64)
+    match first_failure {
+        Some(e) => Err(e),
+        None => Ok(started.elapsed().as_millis() as u64),
+    }
 }
 
 fn rollback(gpu: &Arc<dyn GpuCheckpointer>, checkpointed: &[i32], locked: &[i32]) {

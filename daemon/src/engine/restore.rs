@@ -280,8 +280,12 @@ impl Engine {
         match (restored, unguarded) {
             (Ok(pid), None) => Ok((pid, session)),
             (Ok(pid), Some(reason)) => {
-                // CRIU only logs a failed notification and lets the tree run: abort kills it.
-                session.into_iter().for_each(LazySession::abort);
+                // CRIU only logs a failed notification and lets the tree run: kill it, since
+                // nothing guards its faults.
+                if let Some(session) = session {
+                    session.kill_tree();
+                    session.abort();
+                }
                 Err(RestoreError::Lazy { id, pid, source: LazyError::Guard(reason) })
             }
             (Err(e), _) => {

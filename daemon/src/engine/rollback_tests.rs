@@ -119,6 +119,11 @@ impl Rig {
         std::fs::write(store.join("packs"), b"in the way").unwrap();
     }
 
+    /// Records of held trees left in the state directory (none once a job has settled).
+    fn held_records(&self) -> usize {
+        std::fs::read_dir(self.dir.path().join("state/held")).map(|d| d.count()).unwrap_or(0)
+    }
+
     async fn checkpoints(&self) -> usize {
         self.engine.list(None).await.unwrap().checkpoints.len()
     }
@@ -138,6 +143,17 @@ async fn an_eviction_whose_storing_fails_gives_the_tree_back_as_it_was() {
     let expected = ["lock", "checkpoint", "restore", "unlock"].map(|c| format!("{c} {ROOT}"));
     assert_eq!(r.gpu.calls(), expected);
     assert_eq!(r.checkpoints().await, 0);
+    assert_eq!(r.held_records(), 0);
+}
+
+#[tokio::test]
+async fn a_failed_gpu_checkpoint_rolls_back_and_leaves_no_record() {
+    let r = rig(FakeCriu::default(), FakeGpu { fail_checkpoint_of: Some(ROOT), ..Default::default() });
+    let err = r.checkpoint(false).await.unwrap_err();
+    assert!(matches!(err, CheckpointError::Gpu(_)), "{err}");
+    assert!(r.criu.calls().is_empty(), "nothing may be dumped");
+    assert!(r.host.signals.lock().unwrap().is_empty());
+    assert_eq!(r.held_records(), 0, "a record left behind would be settled at the next start");
 }
 
 #[tokio::test]
@@ -164,6 +180,16 @@ async fn a_leave_running_checkpoint_whose_storing_fails_resumes_the_gpu_once() {
     let expected = ["lock", "checkpoint", "restore", "unlock"].map(|c| format!("{c} {ROOT}"));
     assert_eq!(r.gpu.calls(), expected);
     assert!(r.host.signals_of(Signal::SIGKILL).is_empty());
+    assert_eq!(r.held_records(), 0);
+}
+
+#[tokio::test]
+async fn a_leave_running_checkpoint_holds_nothing_once_the_tree_runs_again() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    let ck = r.checkpoint(true).await.unwrap();
+    assert!(ck.durable && ck.left_running);
+    assert!(r.host.signals.lock().unwrap().is_empty(), "a tree left running is neither continued nor killed");
+    assert_eq!(r.held_records(), 0, "a record would have a restart kill or continue a running tree");
 }
 
 #[tokio::test]

@@ -23,6 +23,7 @@ use super::super::inspect::TreeInfo;
 use super::super::{Engine, sockets};
 use crate::criu::NetworkLock;
 use crate::linux::proc::ProcStat;
+use crate::store::StoreError;
 
 /// What a checkpoint job holds of its tree.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -117,10 +118,23 @@ impl Engine {
         if pids.is_empty() {
             return;
         }
-        if self.store.manifest(&held.id).await.is_ok() {
-            info!(checkpoint = %held.id, ?pids, "completing an eviction a crash interrupted: killing the tree");
-            self.host.signal(&self.host.trees(&pids), Signal::SIGKILL);
-            return;
+        match self.store.manifest(&held.id).await {
+            Ok(_) => {
+                info!(checkpoint = %held.id, ?pids, "completing an eviction a crash interrupted: killing the tree");
+                self.host.signal(&self.host.trees(&pids), Signal::SIGKILL);
+                if held.network_lock.as_deref() == Some(NetworkLock::Nftables.name())
+                    && let Err(e) = self.left_locks.record(&held.images)
+                {
+                    warn!(checkpoint = %held.id, error = %e, "cannot record the eviction's network lock; it stays");
+                }
+                return;
+            }
+            Err(StoreError::NotFound(_)) => {}
+            Err(e) => warn!(
+                checkpoint = %held.id,
+                error = %crate::error_chain(&e),
+                "cannot tell whether the interrupted checkpoint committed; giving the tree back (the checkpoint may exist too)"
+            ),
         }
         info!(checkpoint = %held.id, ?pids, "giving back a tree a crash left held");
         let reuse: HashSet<u64> = held.reuse_addr.iter().copied().collect();

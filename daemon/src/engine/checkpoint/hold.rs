@@ -72,8 +72,17 @@ impl<'a> Hold<'a> {
         self.gpu.as_ref()
     }
 
-    /// Puts the CUDA state back now (a tree that runs on); returns how long that took.
-    pub async fn resume_gpu(&mut self) -> Result<u64, CheckpointError> {
+    /// The tree runs on after its dump (`--leave-running`, CRIU unlocked its connections):
+    /// once its CUDA state is back, nothing of it is held any more, so a crash from here on
+    /// must not have the next start settle it.
+    pub async fn runs_again(&mut self) -> Result<u64, CheckpointError> {
+        let took = self.resume_gpu().await?;
+        HeldTree::clear(&self.engine.state.held_dir(), &self.record.id);
+        Ok(took)
+    }
+
+    /// Puts the CUDA state back now; returns how long that took.
+    async fn resume_gpu(&mut self) -> Result<u64, CheckpointError> {
         if !std::mem::take(&mut self.gpu_suspended) {
             return Ok(0);
         }
@@ -105,8 +114,9 @@ impl<'a> Hold<'a> {
     /// Takes the tree's connections out of CRIU's repair mode and removes its lock (nothing to
     /// do unless CRIU left the tree stopped after dumping it).
     async fn reopen_connections(&self) -> Vec<String> {
-        let (host, pids, reuse) =
-            (self.engine.host.clone(), self.tree.pids.clone(), self.tree.sockets.reuse_addr.clone());
+        let host = self.engine.host.clone();
+        // Children forked since the tree was inspected were dumped (and stopped) too.
+        let (pids, reuse) = (host.trees(&self.tree.pids), self.tree.sockets.reuse_addr.clone());
         let repaired = tokio::task::spawn_blocking(move || host.leave_repair(&pids, &reuse)).await;
         let (reopened, mut problems) =
             repaired.unwrap_or_else(|e| (Vec::new(), vec![format!("the connection rollback failed: {e}")]));
@@ -118,8 +128,9 @@ impl<'a> Hold<'a> {
     /// Continues every process of the tree that is stopped now but was not before.
     fn continue_processes(&self) {
         let host = &self.engine.host;
+        let all = host.trees(&self.tree.pids);
         let stopped: Vec<i32> =
-            host.stopped(&self.tree.pids).into_iter().filter(|p| !self.stopped_before.contains(p)).collect();
+            host.stopped(&all).into_iter().filter(|p| !self.stopped_before.contains(p)).collect();
         host.signal(&stopped, Signal::SIGCONT);
     }
 }

@@ -196,7 +196,10 @@ impl Engine {
         info!(checkpoint = %id, workload = %workload, pid, pids = tree.pids.len(), options = ?tree.options.describe(), "dumping");
         let job = Job { id, workload, pid, created_unix_ms, started, leave_running: params.leave_running };
         let mut hold = Hold::new(self, &job.id, &tree, work.path());
-        hold.suspended_gpu(self.suspend_gpu(&tree.pids, &progress).await?);
+        match self.suspend_gpu(&tree.pids, &progress).await {
+            Ok(suspended) => hold.suspended_gpu(suspended),
+            Err(e) => return Err(hold.give_back(e).await),
+        }
         let stored =
             self.dump_and_store(&job, params.on_resumed, &mut hold, &tree, work.path(), &progress).await;
         match stored {
@@ -245,7 +248,7 @@ impl Engine {
         progress: &ProgressFn,
     ) -> Result<CheckpointStats, CheckpointError> {
         let (Dump { frozen_at, staged }, dump_done) = self.dump_tree(job, tree, images, progress).await?;
-        let gpu_restore_ms = if job.leave_running { hold.resume_gpu().await? } else { 0 };
+        let gpu_restore_ms = if job.leave_running { hold.runs_again().await? } else { 0 };
         progress(ProgressUpdate { phase: "resumed", done: 0, total: 0 });
         let frozen_ms = frozen_at.map(|t| ms(dump_done - t));
         if let Some(notify) = on_resumed {
@@ -295,8 +298,8 @@ impl Engine {
         images: &Path,
         mut stats: CheckpointStats,
     ) -> CheckpointOutcome {
-        let locked =
-            tree.sockets.has_established_tcp() && tree.options.network_lock == Some(NetworkLock::Nftables);
+        // Also when the survey saw no connection: one accepted before the freeze was locked too.
+        let locked = tree.options.tcp_established && tree.options.network_lock == Some(NetworkLock::Nftables);
         if !job.leave_running
             && locked
             && let Err(e) = self.left_locks.record(images)

@@ -36,8 +36,8 @@ pub(super) struct DumpTiming {
 }
 
 impl Engine {
-    /// Stores the dump's pages (`staged`) and images and commits the manifest. Packs of a failed attempt stay
-    /// unreferenced until garbage collection (another checkpoint may already share them).
+    /// Stores the dump's pages (`staged`) and images and commits the manifest. What a failed
+    /// attempt uploaded is removed in the background (see `remove_orphans`).
     pub(super) async fn store_checkpoint(
         &self,
         dumped: Dumped<'_>,
@@ -64,27 +64,31 @@ impl Engine {
         }
         .await;
         drop(guard);
-        if committed.is_err() {
-            self.remove_orphans(id).await;
-        } else {
-            self.state.clear_inflight(id);
+        match committed {
+            Ok(_) => self.state.clear_inflight(id),
+            Err(_) => self.remove_orphans(id),
         }
         committed.map_err(store_err)
     }
 
     /// Removes what a failed upload left in the store (this node's unreferenced packs), so
-    /// a store that ran full has room again at once rather than after the GC grace period.
-    /// Other uploads of this node hold commit guards, which garbage collection waits for.
-    async fn remove_orphans(&self, id: &str) {
-        match self.store.gc(None, self.gc_grace, true).await {
-            Ok(report) => {
-                info!(checkpoint = %id, packs = report.packs_deleted, "removed what the failed upload left");
-                self.state.clear_inflight(id);
+    /// a store that ran full has room again soon rather than after the GC grace period. In the
+    /// background: the collection waits for other uploads' commit guards, and the failed job's
+    /// tree must not wait for it.
+    fn remove_orphans(&self, id: &str) {
+        let (store, state, grace, id) =
+            (self.store.clone(), self.state.clone(), self.gc_grace, id.to_string());
+        tokio::spawn(async move {
+            match store.gc(None, grace, true).await {
+                Ok(report) => {
+                    info!(checkpoint = %id, packs = report.packs_deleted, "removed what the failed upload left");
+                    state.clear_inflight(&id);
+                }
+                Err(e) => {
+                    warn!(checkpoint = %id, error = %e, "cannot remove what the failed upload left; the next start retries")
+                }
             }
-            Err(e) => {
-                warn!(checkpoint = %id, error = %e, "cannot remove what the failed upload left; the next start retries")
-            }
-        }
+        });
     }
 
     /// The manifest of a stored dump.

@@ -199,6 +199,11 @@ impl LazySession {
         }
     }
 
+    /// Kills the tree this session serves (and whatever it started).
+    pub(super) fn kill_tree(&self) {
+        (self.kill)();
+    }
+
     /// Ends a session whose restore failed.
     pub(super) fn abort(self) {
         self.armed.store(false, Ordering::SeqCst);
