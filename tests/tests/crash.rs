@@ -92,13 +92,15 @@ fn a_crash_mid_eviction_gives_the_held_workload_back_at_the_next_start() {
     // A process of the test's own, checkpointed by pid: its parent stays alive, so stasisd's
     // death does not orphan its process group (which would make the kernel continue it).
     let out = d.dir().join("memhog.out");
-    let mut child = std::process::Command::new(stasis_tests::python())
+    let child = std::process::Command::new(stasis_tests::python())
         .arg(stasis_tests::workload_script("memhog.py"))
         .arg("512")
         .stdout(std::fs::File::create(&out).expect("output file"))
         .spawn()
         .expect("starting memhog.py");
-    let pid = child.id() as i32;
+    // Killed and reaped however the test ends (a failure would leave it stopped otherwise).
+    let child = KillOnDrop(child);
+    let pid = child.0.id() as i32;
     expect_within(Duration::from_secs(60), "the workload to be ready", || {
         std::fs::read_to_string(&out).ok()?.lines().any(|l| l == "ready").then_some(())
     });
@@ -126,5 +128,13 @@ fn a_crash_mid_eviction_gives_the_held_workload_back_at_the_next_start() {
     assert!(files_with(&d.dir().join("state/held"), "").is_empty(), "the record was not cleared");
     // And it can be evicted for real now.
     d.json(&["checkpoint", &pid.to_string(), "--json"]);
-    let _ = child.wait();
+}
+
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
