@@ -121,7 +121,7 @@ fn outcome(
 fn a_store_that_stops_answering_gets_the_lazily_restored_tree_killed_with_the_reason() {
     skip_unless_ready!();
     let Some(s3) = S3Server::start() else { return };
-    let (_d, pid, restore, stderr) = lazy_restore_over_s3(&s3, &python_workload("memhog.py", &["160"]));
+    let (d, pid, restore, stderr) = lazy_restore_over_s3(&s3, &python_workload("memhog.py", &["160"]));
     // The store hangs: connections are accepted, nothing is answered.
     procfs::signal(s3.pid(), Signal::SIGSTOP);
     let stopped = Instant::now();
@@ -133,6 +133,11 @@ fn a_store_that_stops_answering_gets_the_lazily_restored_tree_killed_with_the_re
     assert!(rest.contains("did not deliver memory"), "the error says why: {rest}");
     assert!(stopped.elapsed() < Duration::from_secs(30), "ended after {:?}", stopped.elapsed());
     expect_within(TIMEOUT, "the restored tree to be gone", || (!procfs::exists(pid)).then_some(()));
+    // A caller that did not wait (--no-wait) finds the reason in status.
+    let workloads = d.workloads();
+    let failed = workloads.iter().find(|w| w["pid"] == pid).expect("the workload in status");
+    let why = failed["last_error"].as_str().unwrap_or_default();
+    assert!(why.contains("did not deliver memory"), "status should say why the restore failed: {failed}");
 }
 
 #[test]

@@ -24,9 +24,12 @@ fn describe(s: &StatusResponse) -> String {
         format!("state dir: {}", s.state_dir),
         format!("workloads: {}", s.workloads.len()),
     ];
-    lines.extend(s.workloads.iter().map(|w| {
+    for w in &s.workloads {
         let state = if w.running { "running" } else { "exited" };
-        format!("  {} pid {} {state}: {}", w.name, w.pid, w.command.join(" "))
-    }));
+        lines.push(format!("  {} pid {} {state}: {}", w.name, w.pid, w.command.join(" ")));
+        if !w.last_error.is_empty() {
+            lines.push(format!("    last restore failed: {}", w.last_error));
+        }
+    }
     lines.join("\n")
 }

@@ -198,6 +198,7 @@ fn status_response_lists_workloads() {
             pid: 4242,
             running: false,
             command: vec!["sleep".into(), "100".into()],
+            last_error: "the store did not deliver memory".into(),
         }],
     };
     assert_eq!(
@@ -213,7 +214,10 @@ fn status_response_lists_workloads() {
             "store_url": "file:///var/lib/stasis/store",
             "state_dir": "/var/lib/stasis",
             "workloads": [
-                { "name": "train", "pid": 4242, "running": false, "command": ["sleep", "100"] },
+                {
+                    "name": "train", "pid": 4242, "running": false, "command": ["sleep", "100"],
+                    "last_error": "the store did not deliver memory",
+                },
             ],
         })
     );

@@ -125,6 +125,7 @@ impl Stasis for FakeDaemon {
             pid: 4242,
             running: true,
             command: vec!["sleep".into()],
+            last_error: String::new(),
         }];
         Ok(Response::new(StatusResponse { daemon_version: "9.9".into(), workloads, ..Default::default() }))
     }

@@ -188,7 +188,16 @@ impl Engine {
             warnings: preflight.warnings,
         };
         let outcome = match watch {
-            Some(watch) => self.wait_resident(outcome, watch, started, params.on_running).await?,
+            Some(watch) => {
+                let resident = self.wait_resident(outcome, watch, started, params.on_running).await;
+                if let Err(e) = &resident {
+                    let why = crate::error_chain(e);
+                    if let Err(e) = self.registry.update(&manifest.workload, |w| w.last_error = Some(why)) {
+                        warn!(workload = %manifest.workload, error = %e, "cannot record the failure in the registry");
+                    }
+                }
+                resident?
+            }
             None => outcome,
         };
         drop(commit_guard);
@@ -394,7 +403,10 @@ impl Engine {
 
     fn record_restore(&self, manifest: &Manifest, pid: i32) -> std::io::Result<()> {
         if self.registry.get(&manifest.workload).is_some() {
-            return self.registry.update(&manifest.workload, |w| w.pid = pid);
+            return self.registry.update(&manifest.workload, |w| {
+                w.pid = pid;
+                w.last_error = None;
+            });
         }
         self.registry.put(Workload {
             name: manifest.workload.clone(),
@@ -404,6 +416,7 @@ impl Engine {
             log_path: Some(self.state.log_file(&manifest.workload)),
             cgroup: None,
             last_checkpoint: Some(manifest.id.clone()),
+            last_error: None,
         })
     }
 }

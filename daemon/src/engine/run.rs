@@ -91,6 +91,7 @@ impl Engine {
                 log_path: Some(log_path.clone()),
                 cgroup: cgroup.map(|c| c.path),
                 last_checkpoint: None,
+                last_error: None,
             })
             .map_err(setup_err("the workload registry"))?;
         info!(workload = %name, pid, "workload started");

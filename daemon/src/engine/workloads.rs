@@ -20,6 +20,10 @@ pub struct Workload {
     pub log_path: Option<PathBuf>,
     pub cgroup: Option<PathBuf>,
     pub last_checkpoint: Option<String>,
+    /// Why its last restore failed after the tree ran (a lazy restore whose memory stopped
+    /// arriving), for callers that did not wait; cleared by the next restore or checkpoint.
+    #[serde(default)]
+    pub last_error: Option<String>,
 }
 
 /// Persistent map of workload name to [`Workload`].
@@ -118,11 +122,13 @@ mod tests {
             log_path: None,
             cgroup: None,
             last_checkpoint: None,
+            last_error: Some("the store did not deliver memory".into()),
         };
         reg.put(w.clone()).unwrap();
         reg.update("train", |w| w.pid = 11).unwrap();
         let again = Registry::load(&file).unwrap();
         assert_eq!(again.get("train").unwrap().pid, 11);
+        assert_eq!(again.get("train").unwrap().last_error, w.last_error, "the last error persists");
         assert_eq!(again.by_pid(11).unwrap().name, "train");
         assert!(again.by_pid(10).is_none());
     }

@@ -255,6 +255,7 @@ impl From<StatusReport> for pb::StatusResponse {
                     pid: w.pid,
                     running,
                     command: w.command,
+                    last_error: w.last_error.unwrap_or_default(),
                 })
                 .collect(),
         }

@@ -325,7 +325,10 @@ impl Engine {
 
     fn remember_checkpoint(&self, workload: &str, pid: i32, tree: &TreeInfo, id: &str) {
         let result = if self.registry.get(workload).is_some() {
-            self.registry.update(workload, |w| w.last_checkpoint = Some(id.into()))
+            self.registry.update(workload, |w| {
+                w.last_checkpoint = Some(id.into());
+                w.last_error = None;
+            })
         } else {
             self.registry.put(Workload {
                 name: workload.into(),
@@ -335,6 +338,7 @@ impl Engine {
                 log_path: None,
                 cgroup: None,
                 last_checkpoint: Some(id.into()),
+                last_error: None,
             })
         };
         if let Err(e) = result {
