@@ -93,6 +93,17 @@ impl Reaper {
         self.inner.changed.notify_waiters();
     }
 
+    /// Drops an exit recorded for `pid` by an earlier process of the same pid, which nobody
+    /// took: call right after starting a child. Safe against the child's own exit: exits are
+    /// recorded under the same lock, and a child reaped before the lock is taken no longer
+    /// exists, so its (real) exit is kept.
+    pub fn forget_earlier_exit(&self, pid: i32) {
+        let mut exits = self.inner.exits.lock().unwrap_or_else(|p| p.into_inner());
+        if std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            exits.remove(&pid);
+        }
+    }
+
     /// Takes the recorded exit of `pid`, if it has been reaped.
     pub fn take_exit(&self, pid: i32) -> Option<ExitKind> {
         let mut exits = self.inner.exits.lock().unwrap_or_else(|p| p.into_inner());
@@ -125,6 +136,7 @@ impl Reaper {
         cmd.stderr(std::process::Stdio::piped());
         let mut child = cmd.spawn()?;
         let pid = child.id() as i32;
+        self.forget_earlier_exit(pid);
         let stderr = child.stderr.take();
         let text = tokio::task::spawn_blocking(move || {
             let mut text = String::new();
@@ -151,5 +163,24 @@ impl Reaper {
             }
             let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_exit_recorded_for_a_live_pid_is_an_earlier_process_s_and_is_forgotten() {
+        let reaper = Reaper::default();
+        let alive = std::process::id() as i32;
+        // Above any pid_max: no process has it, so an exit recorded for it is its own.
+        let gone = 4_194_403;
+        reaper.record(alive, ExitKind::Exited(3));
+        reaper.record(gone, ExitKind::Signaled(9));
+        reaper.forget_earlier_exit(alive);
+        reaper.forget_earlier_exit(gone);
+        assert_eq!(reaper.peek_exit(alive), None);
+        assert_eq!(reaper.peek_exit(gone), Some(ExitKind::Signaled(9)));
     }
 }

@@ -163,8 +163,8 @@ impl Engine {
         .map_err(|e| LazyError::Start(CriuError::Io(std::io::Error::other(e))));
         match started.and_then(|d| d.map_err(LazyError::Start)) {
             Ok(daemon) => {
-                // Any exit recorded for this pid is an earlier process's: the daemon is alive.
-                let _ = self.reaper.take_exit(daemon.pid);
+                // The daemon is ready, so alive: an exit recorded for its pid is an earlier one's.
+                self.reaper.forget_earlier_exit(daemon.pid);
                 let mut pids = vec![manifest.root_pid];
                 pids.extend(manifest.pids.iter().filter(|p| **p != manifest.root_pid));
                 let guard = FaultGuard::new(daemon.pid, self.reaper.clone(), pids);
