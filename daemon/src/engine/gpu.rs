@@ -213,9 +213,9 @@ impl Engine {
     }
 
     /// Puts device memory back and unlocks CUDA; returns how long it took.
-    pub(super) async fn resume_gpu(&self, suspended: &Option<Suspended>) -> Result<u64, CheckpointError> {
-        let (Some(gpu), Some(s)) = (self.gpu.clone(), suspended) else { return Ok(0) };
-        let pids = s.pids.clone();
+    pub(super) async fn resume_gpu(&self, pids: &[i32]) -> Result<u64, CheckpointError> {
+        let (Some(gpu), false) = (self.gpu.clone(), pids.is_empty()) else { return Ok(0) };
+        let pids = pids.to_vec();
         let took = tokio::task::spawn_blocking(move || resume(&gpu, &pids))
             .await
             .map_err(|e| CheckpointError::Local { what: "GPU thread", source: std::io::Error::other(e) })??;

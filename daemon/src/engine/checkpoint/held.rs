@@ -19,8 +19,9 @@ use nix::sys::signal::Signal;
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
+use super::super::Engine;
 use super::super::inspect::TreeInfo;
-use super::super::{Engine, sockets};
+use super::hold::HeldProcesses;
 use crate::criu::NetworkLock;
 use crate::linux::proc::ProcStat;
 use crate::store::StoreError;
@@ -137,21 +138,16 @@ impl Engine {
             ),
         }
         info!(checkpoint = %held.id, ?pids, "giving back a tree a crash left held");
-        let reuse: HashSet<u64> = held.reuse_addr.iter().copied().collect();
-        let (reopened, mut problems) = self.host.leave_repair(&pids, &reuse);
-        let lock = held.network_lock.as_deref().and_then(NetworkLock::from_name);
-        problems.extend(sockets::unlock(&reopened, &held.images, lock, &self.reaper).await);
-        let stopped: Vec<i32> =
-            self.host.stopped(&pids).into_iter().filter(|p| !held.stopped_before.contains(p)).collect();
-        self.host.signal(&stopped, Signal::SIGCONT);
-        let gpu_pids: Vec<i32> = held.gpu_pids.iter().copied().filter(|p| pids.contains(p)).collect();
-        if let (false, Some(gpu)) = (gpu_pids.is_empty(), self.gpu.clone()) {
-            match tokio::task::spawn_blocking(move || super::super::gpu::resume(&gpu, &gpu_pids)).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => problems.push(crate::error_chain(&e)),
-                Err(e) => problems.push(format!("the GPU thread failed: {e}")),
-            }
-        }
+        let reuse_addr: HashSet<u64> = held.reuse_addr.iter().copied().collect();
+        let tree = HeldProcesses {
+            gpu_pids: held.gpu_pids.iter().copied().filter(|p| pids.contains(p)).collect(),
+            pids,
+            stopped_before: &held.stopped_before,
+            reuse_addr: &reuse_addr,
+            images: &held.images,
+            lock: held.network_lock.as_deref().and_then(NetworkLock::from_name),
+        };
+        let problems = self.give_tree_back(tree).await;
         for problem in problems {
             warn!(checkpoint = %held.id, problem = %problem, "giving back a held tree was incomplete");
         }

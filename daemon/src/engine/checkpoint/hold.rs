@@ -7,6 +7,7 @@
 //! itself (processes stopped before the checkpoint stay stopped), and the CUDA checkpoint.
 //! A `Hold` dropped without either (a panic) still continues the tree's processes.
 
+use std::collections::HashSet;
 use std::path::Path;
 
 use nix::sys::signal::Signal;
@@ -17,6 +18,7 @@ use super::super::inspect::TreeInfo;
 use super::super::sockets;
 use super::super::{CheckpointError, Engine};
 use super::held::HeldTree;
+use crate::criu::NetworkLock;
 
 pub(super) struct Hold<'a> {
     engine: &'a Engine,
@@ -83,10 +85,17 @@ impl<'a> Hold<'a> {
 
     /// Puts the CUDA state back now; returns how long that took.
     async fn resume_gpu(&mut self) -> Result<u64, CheckpointError> {
-        if !std::mem::take(&mut self.gpu_suspended) {
-            return Ok(0);
+        let pids = self.suspended_pids();
+        self.gpu_suspended = false;
+        self.engine.resume_gpu(&pids).await
+    }
+
+    /// The processes whose CUDA state is still in host memory.
+    fn suspended_pids(&self) -> Vec<i32> {
+        match (self.gpu_suspended, &self.gpu) {
+            (true, Some(gpu)) => gpu.pids.clone(),
+            _ => Vec::new(),
         }
-        self.engine.resume_gpu(&self.gpu).await
     }
 
     /// The checkpoint is stored: what is left is the job's to finish, which clears the record
@@ -99,39 +108,62 @@ impl<'a> Hold<'a> {
     /// with whatever could not be undone.
     pub async fn give_back(mut self, cause: CheckpointError) -> CheckpointError {
         self.settled = true;
-        let mut problems = self.reopen_connections().await;
-        self.continue_processes();
-        if let Err(e) = self.resume_gpu().await {
-            problems.push(crate::error_chain(&e));
-        }
+        // Children forked since the tree was inspected were dumped (and stopped) too.
+        let tree = HeldProcesses {
+            pids: self.engine.host.trees(&self.tree.pids),
+            stopped_before: &self.stopped_before,
+            reuse_addr: &self.tree.sockets.reuse_addr,
+            images: self.images,
+            lock: self.tree.options.network_lock,
+            gpu_pids: self.suspended_pids(),
+        };
+        self.gpu_suspended = false;
+        let problems = self.engine.give_tree_back(tree).await;
         for problem in &problems {
             warn!(problem = %problem, "rollback incomplete");
         }
         HeldTree::clear(&self.engine.state.held_dir(), &self.record.id);
         CheckpointError::with_rollback(cause, problems)
     }
+}
 
-    /// Takes the tree's connections out of CRIU's repair mode and removes its lock (nothing to
-    /// do unless CRIU left the tree stopped after dumping it).
-    async fn reopen_connections(&self) -> Vec<String> {
-        let host = self.engine.host.clone();
-        // Children forked since the tree was inspected were dumped (and stopped) too.
-        let (pids, reuse) = (host.trees(&self.tree.pids), self.tree.sockets.reuse_addr.clone());
+/// The processes of a tree a checkpoint touched, and what it did to them.
+pub(super) struct HeldProcesses<'a> {
+    /// Every process of the tree.
+    pub pids: Vec<i32>,
+    /// Those stopped before the checkpoint: they stay stopped.
+    pub stopped_before: &'a [i32],
+    /// Inodes of connections with `SO_REUSEADDR` set.
+    pub reuse_addr: &'a HashSet<u64>,
+    /// The dump's images: they name CRIU's network lock.
+    pub images: &'a Path,
+    pub lock: Option<NetworkLock>,
+    /// Those whose CUDA state is in host memory.
+    pub gpu_pids: Vec<i32>,
+}
+
+impl Engine {
+    /// Gives a tree back as it was before a checkpoint touched it, in order: its connections
+    /// out of CRIU's repair mode and lock (nothing to do unless CRIU left the tree stopped after
+    /// dumping it), its processes continued, its CUDA state put back. Returns what could not
+    /// be undone.
+    pub(super) async fn give_tree_back(&self, tree: HeldProcesses<'_>) -> Vec<String> {
+        let (host, pids, reuse) = (self.host.clone(), tree.pids.clone(), tree.reuse_addr.clone());
         let repaired = tokio::task::spawn_blocking(move || host.leave_repair(&pids, &reuse)).await;
         let (reopened, mut problems) =
             repaired.unwrap_or_else(|e| (Vec::new(), vec![format!("the connection rollback failed: {e}")]));
-        let lock = self.tree.options.network_lock;
-        problems.extend(sockets::unlock(&reopened, self.images, lock, &self.engine.reaper).await);
+        problems.extend(sockets::unlock(&reopened, tree.images, tree.lock, &self.reaper).await);
+        self.continue_stopped(&tree.pids, tree.stopped_before);
+        if let Err(e) = self.resume_gpu(&tree.gpu_pids).await {
+            problems.push(crate::error_chain(&e));
+        }
         problems
     }
 
-    /// Continues every process of the tree that is stopped now but was not before.
-    fn continue_processes(&self) {
-        let host = &self.engine.host;
-        let all = host.trees(&self.tree.pids);
-        let stopped: Vec<i32> =
-            host.stopped(&all).into_iter().filter(|p| !self.stopped_before.contains(p)).collect();
-        host.signal(&stopped, Signal::SIGCONT);
+    /// Continues every process of `pids` that is stopped now but was not `before`.
+    fn continue_stopped(&self, pids: &[i32], before: &[i32]) {
+        let stopped: Vec<i32> = self.host.stopped(pids).into_iter().filter(|p| !before.contains(p)).collect();
+        self.host.signal(&stopped, Signal::SIGCONT);
     }
 }
 
@@ -139,7 +171,7 @@ impl Drop for Hold<'_> {
     fn drop(&mut self) {
         if !self.settled {
             error!(pids = ?self.tree.pids, "checkpoint ended without settling its tree; continuing it");
-            self.continue_processes();
+            self.engine.continue_stopped(&self.engine.host.trees(&self.tree.pids), &self.stopped_before);
         }
     }
 }
