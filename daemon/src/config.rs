@@ -245,12 +245,7 @@ fn default_criu() -> PathBuf {
     if let Ok(setup) = setup.canonicalize() {
         return setup;
     }
-    std::env::var_os("PATH")
-        .into_iter()
-        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-        .map(|dir| dir.join("criu"))
-        .find(|c| c.exists())
-        .unwrap_or_else(|| "criu".into())
+    crate::linux::find_program("criu").unwrap_or_else(|| "criu".into())
 }
 
 #[cfg(test)]

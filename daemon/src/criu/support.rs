@@ -68,7 +68,9 @@ pub fn choose_network_lock(criu: &dyn CriuOps, forced: Option<NetworkLock>) -> R
     const NO_NFTABLES: &str = "CRIU's nftables lock is unavailable (`criu check --feature nftables` fails)";
     const NO_IPTABLES: &str = "iptables is not installed (no iptables on PATH)";
     let nftables = || criu.supports_nftables().then_some(NetworkLock::Nftables).ok_or(NO_NFTABLES);
-    let iptables = || program_on_path("iptables").then_some(NetworkLock::Iptables).ok_or(NO_IPTABLES);
+    let iptables = || {
+        crate::linux::find_program("iptables").is_some().then_some(NetworkLock::Iptables).ok_or(NO_IPTABLES)
+    };
     let chosen = match forced {
         Some(NetworkLock::Nftables) => nftables(),
         Some(NetworkLock::Iptables) => iptables(),
@@ -88,11 +90,6 @@ pub(super) fn nftables_supported(criu: &Path) -> bool {
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success())
-}
-
-fn program_on_path(name: &str) -> bool {
-    std::env::var_os("PATH")
-        .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(name).is_file()))
 }
 
 #[cfg(test)]

@@ -10,3 +10,9 @@ pub mod proc;
 pub mod pty;
 pub mod reaper;
 pub mod sys;
+
+/// The first file named `name` in a directory of `PATH`, as a shell would find the program.
+pub fn find_program(name: &str) -> Option<std::path::PathBuf> {
+    let paths = std::env::var_os("PATH")?;
+    std::env::split_paths(&paths).map(|dir| dir.join(name)).find(|p| p.is_file())
+}
