@@ -2,7 +2,7 @@
 //! scripts/test.sh into .stasis/venv), with a bucket, and the options that point stasisd at it.
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
@@ -34,7 +34,7 @@ impl S3Server {
             eprintln!("skipping: moto_server not installed (scripts/test.sh installs it)");
             return None;
         }
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = crate::free_port();
         let child = Command::new(moto)
             .args(["-H", "127.0.0.1", "-p", &port.to_string()])
             .stdout(Stdio::null())

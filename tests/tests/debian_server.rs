@@ -8,7 +8,7 @@
 #![forbid(unsafe_code)]
 
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::time::Instant;
 
 use serde_json::Value;
@@ -165,7 +165,7 @@ fn stats(result: &Value) -> String {
 fn redis_with_300_mb_survives_eviction_and_leave_running_checkpoints() {
     skip_unless_ready!();
     let redis = redis_server();
-    let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+    let port = stasis_tests::free_port();
     let d = Daemon::start();
     let port_arg = port.to_string();
     let argv: Vec<String> = [&redis, "--port", &port_arg, "--bind", "127.0.0.1", "--save", ""]
