@@ -32,6 +32,11 @@ pub fn valid_checkpoint_id(id: &str) -> bool {
         })
 }
 
+/// A duration in whole milliseconds, as stats report it.
+pub(super) fn ms(d: std::time::Duration) -> u64 {
+    d.as_millis() as u64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

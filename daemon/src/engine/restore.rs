@@ -21,7 +21,7 @@ use super::checkpoint::tree_options;
 use super::gpu::{self, GpuError};
 use super::gpu_map;
 use super::hot_restore::{FaultGuard, KillTree, LazyError, LazySession};
-use super::ids::valid_checkpoint_id;
+use super::ids::{ms, valid_checkpoint_id};
 use super::sockets::{self, needs_network_support};
 use super::workloads::Workload;
 use super::{Engine, ProgressFn, ProgressUpdate, RestoreError};
@@ -446,8 +446,4 @@ impl Drop for Restored {
 
 fn local(what: &'static str) -> impl Fn(std::io::Error) -> RestoreError {
     move |source| RestoreError::Local { what, source }
-}
-
-fn ms(d: Duration) -> u64 {
-    d.as_millis() as u64
 }

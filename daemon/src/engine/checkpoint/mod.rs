@@ -20,13 +20,13 @@ use nix::sys::signal::Signal;
 use tracing::{info, instrument, warn};
 
 use super::dump::{self, Dump};
-use super::ids::{checkpoint_id, now_unix_ms};
+use super::ids::{checkpoint_id, ms, now_unix_ms};
 use super::inspect::TreeInfo;
 use super::workloads::{Workload, derived_name};
 use super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
 use crate::criu::{DumpSpec, NetworkLock};
 use hold::Hold;
-use store::{DumpTiming, Dumped, ms};
+use store::{DumpTiming, Dumped};
 pub(in crate::engine) use store::{stats_of, tree_options};
 
 /// Which tree to checkpoint.

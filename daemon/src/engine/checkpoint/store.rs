@@ -3,13 +3,14 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use stasis_proto::stasis::v1::{DumpOptions, StoredStats};
 use tracing::{info, warn};
 
 use super::super::dump::SPILL_FILE;
 use super::super::gpu::Suspended;
+use super::super::ids::ms;
 use super::super::inspect::TreeInfo;
 use super::super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
 use super::{CheckpointStats, convert_stats};
@@ -147,10 +148,6 @@ fn stored_stats(s: &CheckpointStats) -> StoredStats {
 /// The stats a manifest recorded.
 pub(in crate::engine) fn stats_of(s: &StoredStats) -> CheckpointStats {
     convert_stats!(s => CheckpointStats)
-}
-
-pub(super) fn ms(d: Duration) -> u64 {
-    d.as_millis() as u64
 }
 
 fn dump_options(t: &TreeOptions) -> DumpOptions {
