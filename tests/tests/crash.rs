@@ -95,7 +95,11 @@ fn a_crash_mid_eviction_gives_the_held_workload_back_at_the_next_start() {
     let child = std::process::Command::new(stasis_tests::python())
         .arg(stasis_tests::workload_script("memhog.py"))
         .arg("512")
+        // Its own stdio: whatever the test runner's are (a socket to a CI agent, say), CRIU
+        // may be unable to dump them.
+        .stdin(Stdio::null())
         .stdout(std::fs::File::create(&out).expect("output file"))
+        .stderr(Stdio::null())
         .spawn()
         .expect("starting memhog.py");
     // Killed and reaped however the test ends (a failure would leave it stopped otherwise).
@@ -104,14 +108,21 @@ fn a_crash_mid_eviction_gives_the_held_workload_back_at_the_next_start() {
     expect_within(Duration::from_secs(60), "the workload to be ready", || {
         std::fs::read_to_string(&out).ok()?.lines().any(|l| l == "ready").then_some(())
     });
+    let errors = d.dir().join("checkpoint.err");
     let mut checkpoint = d
         .command(&["checkpoint", &pid.to_string(), "--json"])
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&errors).expect("error file"))
         .spawn()
         .expect("starting the eviction");
     let (inflight, packs) = (d.dir().join("state/inflight"), d.store_dir().join("packs"));
     expect_within(TIMEOUT, "an upload in flight", || {
+        if let Ok(Some(status)) = checkpoint.try_wait() {
+            panic!(
+                "the eviction ended early ({status}): {}",
+                std::fs::read_to_string(&errors).unwrap_or_default()
+            );
+        }
         (!files_with(&inflight, "").is_empty() && !files_with(&packs, ".pack").is_empty()).then_some(())
     });
     // CRIU dumped the tree and left it stopped for the eviction; stasisd dies holding it.

@@ -124,7 +124,13 @@ impl Engine {
             return Err(RestoreError::ShuttingDown);
         }
         let this = self.clone();
-        let job = self.jobs.spawn(async move { this.restore_job(params, progress).await });
+        let job = self.jobs.spawn(async move {
+            let result = this.restore_job(params, progress).await;
+            if let Err(e) = &result {
+                warn!(error = %crate::error_chain(e), "restore failed");
+            }
+            result
+        });
         job.await.map_err(|e| RestoreError::Local { what: "job", source: std::io::Error::other(e) })?
     }
 

@@ -147,7 +147,13 @@ impl Engine {
             return Err(CheckpointError::ShuttingDown);
         }
         let this = self.clone();
-        let job = self.jobs.spawn(async move { this.checkpoint_job(params, progress).await });
+        let job = self.jobs.spawn(async move {
+            let result = this.checkpoint_job(params, progress).await;
+            if let Err(e) = &result {
+                warn!(error = %crate::error_chain(e), "checkpoint failed");
+            }
+            result
+        });
         job.await.map_err(|e| CheckpointError::Local { what: "job", source: std::io::Error::other(e) })?
     }
 
