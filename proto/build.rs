@@ -4,8 +4,9 @@
 /// The `stasis.v1` messages the CLI prints with `--json`. They derive `serde::Serialize`, so
 /// the JSON output has the proto field names (snake_case) and nesting, with absent messages
 /// as `null` and 64-bit integers as numbers (unlike the proto3 JSON mapping).
-const PRINTED: [&str; 10] = [
+const PRINTED: [&str; 11] = [
     "RunResponse",
+    "RestoreRunning",
     "CheckpointResult",
     "CheckpointStats",
     "RestoreResult",

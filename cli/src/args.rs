@@ -40,6 +40,33 @@ pub enum Command {
     Status(StatusArgs),
     /// Apply retention and reclaim store space no checkpoint references.
     Gc(GcArgs),
+    /// Set or remove a workload's idle period: idle that long, it is checkpointed and
+    /// stopped, and restored on its next use.
+    Idle(IdleArgs),
+    /// Restore a reclaimed (idle) workload now.
+    Wake(WakeArgs),
+}
+
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("period").required(true).args(["after", "off"])))]
+pub struct IdleArgs {
+    /// The workload.
+    pub workload: String,
+    /// Reclaim it after this long without activity: 90s, 30m, 2h (a bare number is seconds).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub after: Option<std::time::Duration>,
+    /// Never reclaim it.
+    #[arg(long)]
+    pub off: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct WakeArgs {
+    /// The reclaimed workload.
+    pub workload: String,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -63,6 +90,10 @@ pub struct RunArgs {
     /// Extra environment variable for the command; repeatable.
     #[arg(long, value_name = "KEY=VALUE", value_parser = parse_env_var)]
     pub env: Vec<String>,
+    /// Reclaim the workload after this long without activity (checkpointed and stopped;
+    /// restored on its next use): 90s, 30m, 2h (a bare number is seconds).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub idle_after: Option<std::time::Duration>,
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -151,6 +182,25 @@ pub struct StatusArgs {
 }
 
 /// Accepts `KEY=VALUE` with a non-empty key.
+/// A duration written as a number with an optional unit: ms, s (the default), m or h.
+fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let value: f64 =
+        number.parse().map_err(|_| format!("expected a duration like 30s, 5m or 2h, got `{s}`"))?;
+    let seconds = match unit {
+        "ms" => value / 1000.0,
+        "" | "s" => value,
+        "m" => value * 60.0,
+        "h" => value * 3600.0,
+        _ => return Err(format!("unknown unit `{unit}` in `{s}` (use ms, s, m or h)")),
+    };
+    if !(0.001..=365.0 * 86_400.0).contains(&seconds) {
+        return Err(format!("`{s}` is out of range (1ms to a year)"));
+    }
+    Ok(std::time::Duration::from_secs_f64(seconds))
+}
+
 fn parse_env_var(s: &str) -> Result<String, String> {
     match s.split_once('=') {
         Some((key, _)) if !key.is_empty() => Ok(s.to_owned()),
@@ -160,9 +210,30 @@ fn parse_env_var(s: &str) -> Result<String, String> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use clap::error::ErrorKind;
 
     use super::*;
+
+    #[test]
+    fn durations_take_units() {
+        assert_eq!(parse_duration("90"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("30m"), Ok(Duration::from_secs(1800)));
+        assert_eq!(parse_duration("1.5h"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert!(parse_duration("5 days").is_err());
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("m").is_err());
+    }
+
+    #[test]
+    fn idle_needs_a_period_or_off() {
+        assert!(Cli::try_parse_from(["stasis", "idle", "w"]).is_err());
+        assert!(Cli::try_parse_from(["stasis", "idle", "w", "--after", "1m", "--off"]).is_err());
+        let cli = Cli::try_parse_from(["stasis", "idle", "w", "--after", "1m"]).unwrap();
+        assert!(matches!(cli.command, Command::Idle(IdleArgs { after: Some(_), off: false, .. })));
+    }
 
     fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
         Cli::try_parse_from(std::iter::once("stasis").chain(args.iter().copied()))

@@ -100,3 +100,22 @@ async fn no_wait_answers_before_durable_and_gc_reports() {
     let (out, _) = stasis("gc").await;
     assert_eq!(out.stdout, "deleted 3 checkpoints, 2 packs, repacked 1; freed 5.0 MiB\n");
 }
+
+#[tokio::test]
+async fn idle_periods_wakes_and_their_status() {
+    let (out, _) = stasis("idle train --after 90s").await;
+    assert_eq!(out.stdout, "train is reclaimed after 90s idle\n", "{}", out.stderr);
+    let (out, _) = stasis("idle train --off").await;
+    assert_eq!(out.stdout, "train is never reclaimed\n", "{}", out.stderr);
+    let (out, _) = stasis("wake nb").await;
+    assert_eq!(out.stdout, "woke nb from ck-9: running as pid 77 after 180 ms, memory still arriving\n");
+    let (out, _) = stasis("wake train").await;
+    assert_eq!((out.code, out.stderr.trim()), (Some(1), "error: workload train is not reclaimed"));
+    let (out, _) = stasis("status").await;
+    assert!(out.stdout.contains("  train pid 4242 running, idle 12s of 1800s: sleep"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("  nb pid 77 reclaimed (checkpoint ck-9; woken on use): python3"),
+        "{}",
+        out.stdout
+    );
+}

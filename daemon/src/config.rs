@@ -16,6 +16,9 @@
 //! lazy_prefetch = "address"                 # or "fresh-first"
 //! network_lock = "auto"                     # or "nftables", "iptables"
 //! network_lock_keep_secs = 1800             # an eviction's lock kept for a restore here
+//! idle_cpu_percent = 0.5                    # idle reclaim: above this a workload is busy
+//! idle_read_bytes_per_sec = 1024            #   ... or above this many bytes read
+//! idle_tick_ms = 1000                       #   ... sampled this often
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -24,6 +27,7 @@ use clap::Parser;
 use serde::{Deserialize, Serialize};
 
 use crate::criu::NetworkLock;
+use crate::engine::{IdleSettings, Thresholds};
 
 pub const DEFAULT_SOCKET: &str = "/run/stasis/stasisd.sock";
 pub const DEFAULT_STORE: &str = "file:///var/lib/stasis/store";
@@ -107,6 +111,17 @@ pub struct Args {
     /// node (default 1800; by then TCP peers have given up on the connections).
     #[arg(long)]
     pub network_lock_keep_secs: Option<u64>,
+    /// Idle reclaim: CPU use (percent of one core, averaged over a tick) above which a
+    /// workload counts as busy (default 0.5).
+    #[arg(long)]
+    pub idle_cpu_percent: Option<f64>,
+    /// Idle reclaim: bytes read per second (from sockets, pipes or files) above which a
+    /// workload counts as busy (default 1024).
+    #[arg(long)]
+    pub idle_read_bytes_per_sec: Option<u64>,
+    /// Idle reclaim: milliseconds between samples of a workload's activity (default 1000).
+    #[arg(long)]
+    pub idle_tick_ms: Option<u64>,
 }
 
 /// The `network_lock` setting.
@@ -150,7 +165,7 @@ pub enum LogFormat {
 }
 
 /// The settings in effect.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct DaemonConfig {
     pub socket: PathBuf,
     pub store_url: String,
@@ -166,6 +181,7 @@ pub struct DaemonConfig {
     pub lazy_prefetch: LazyPrefetch,
     pub network_lock: NetworkLockSetting,
     pub network_lock_keep_secs: u64,
+    pub idle: IdleSettings,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -197,6 +213,7 @@ impl DaemonConfig {
             None => Args::default(),
         };
         let s = overlay(file, flags)?;
+        let idle = idle_settings(&s)?;
         let config = Self {
             socket: s.socket.unwrap_or_else(|| DEFAULT_SOCKET.into()),
             store_url: s.store.unwrap_or_else(|| DEFAULT_STORE.into()),
@@ -212,6 +229,7 @@ impl DaemonConfig {
             lazy_prefetch: s.lazy_prefetch.unwrap_or_default(),
             network_lock: s.network_lock.unwrap_or_default(),
             network_lock_keep_secs: s.network_lock_keep_secs.unwrap_or(DEFAULT_NETWORK_LOCK_KEEP_SECS),
+            idle,
         };
         if config.lazy_timeout_secs == 0 || config.lazy_timeout_secs > 86_400 {
             let reason = "must be 1 to 86400 seconds (a lazy restore kills the tree when it passes)";
@@ -219,6 +237,21 @@ impl DaemonConfig {
         }
         Ok(config)
     }
+}
+
+/// The idle-reclaim settings, defaults for those not given.
+fn idle_settings(s: &Args) -> Result<IdleSettings, ConfigError> {
+    let default = IdleSettings::default();
+    let cpu_percent = s.idle_cpu_percent.unwrap_or(default.thresholds.cpu_percent);
+    if !(0.0..=100.0).contains(&cpu_percent) {
+        return Err(ConfigError::Invalid { key: "idle_cpu_percent", reason: "must be 0 to 100" });
+    }
+    let tick = s.idle_tick_ms.map(std::time::Duration::from_millis).unwrap_or(default.tick);
+    if !(std::time::Duration::from_millis(50)..=std::time::Duration::from_secs(600)).contains(&tick) {
+        return Err(ConfigError::Invalid { key: "idle_tick_ms", reason: "must be 50 to 600000" });
+    }
+    let read_bytes_per_sec = s.idle_read_bytes_per_sec.unwrap_or(default.thresholds.read_bytes_per_sec);
+    Ok(IdleSettings { thresholds: Thresholds { cpu_percent, read_bytes_per_sec }, tick })
 }
 
 /// `flags` over `file`: each setting given on the command line replaces the file's.

@@ -53,6 +53,7 @@ pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
         },
         network_lock: config.network_lock.forced(),
         network_lock_keep: std::time::Duration::from_secs(config.network_lock_keep_secs),
+        idle: config.idle,
     })
     .await?;
     let listener = bind(&config.socket)?;

@@ -13,6 +13,7 @@ use crate::progress::ProgressLine;
 mod checkpoint;
 mod delete;
 mod gc;
+mod idle;
 mod list;
 mod restore;
 mod run;
@@ -31,6 +32,8 @@ pub async fn execute(socket: &Path, command: Command) -> anyhow::Result<()> {
         Command::Delete(args) => delete::run(&mut client, args).await,
         Command::Gc(args) => gc::run(&mut client, args).await,
         Command::Status(args) => status::run(&mut client, args).await,
+        Command::Idle(args) => idle::set(&mut client, args).await,
+        Command::Wake(args) => idle::wake(&mut client, args).await,
     }
 }
 

@@ -20,8 +20,13 @@ pub async fn run(client: &mut Client, args: RunArgs) -> anyhow::Result<()> {
         .into_os_string()
         .into_string()
         .map_err(|dir| anyhow::anyhow!("working directory {} is not UTF-8", dir.display()))?;
-    let request =
-        RunRequest { workload: args.workload.unwrap_or_default(), argv: args.command, cwd, env: args.env };
+    let request = RunRequest {
+        workload: args.workload.unwrap_or_default(),
+        argv: args.command,
+        cwd,
+        env: args.env,
+        idle_after_ms: args.idle_after.map(|d| d.as_millis() as u64).unwrap_or_default(),
+    };
     let response = client.rpc.run(request).await.map_err(|s| client.error(s))?.into_inner();
     if args.json {
         output::print_json(&response)

@@ -1,6 +1,6 @@
 //! `stasis status`: the daemon's version, configuration and workloads.
 
-use stasis_proto::stasis::v1::{StatusRequest, StatusResponse};
+use stasis_proto::stasis::v1::{StatusRequest, StatusResponse, WorkloadStatus};
 
 use crate::args::StatusArgs;
 use crate::client::Client;
@@ -9,6 +9,18 @@ use crate::output;
 pub async fn run(client: &mut Client, args: StatusArgs) -> anyhow::Result<()> {
     let status = client.rpc.status(StatusRequest {}).await.map_err(|s| client.error(s))?.into_inner();
     if args.json { output::print_json(&status) } else { output::print(&describe(&status)) }
+}
+
+/// "running, idle 12s of 30s", "reclaimed (checkpoint ...)", "exited".
+fn workload_state(w: &WorkloadStatus) -> String {
+    let secs = |ms: u64| format!("{}s", ms / 1000);
+    match (w.state.as_str(), w.idle_after_ms) {
+        ("running", 0) => "running".into(),
+        ("running", after) => format!("running, idle {} of {}", secs(w.idle_ms), secs(after)),
+        ("reclaimed", _) => format!("reclaimed (checkpoint {}; woken on use)", w.reclaimed_checkpoint),
+        ("stopped", _) | ("", _) if !w.running => "exited".into(),
+        (state, _) => state.into(),
+    }
 }
 
 /// `key: value` lines, then one line per workload.
@@ -25,8 +37,7 @@ fn describe(s: &StatusResponse) -> String {
         format!("workloads: {}", s.workloads.len()),
     ];
     for w in &s.workloads {
-        let state = if w.running { "running" } else { "exited" };
-        lines.push(format!("  {} pid {} {state}: {}", w.name, w.pid, w.command.join(" ")));
+        lines.push(format!("  {} pid {} {}: {}", w.name, w.pid, workload_state(w), w.command.join(" ")));
         if !w.last_error.is_empty() {
             lines.push(format!("    last restore failed: {}", w.last_error));
         }

@@ -199,6 +199,10 @@ fn status_response_lists_workloads() {
             running: false,
             command: vec!["sleep".into(), "100".into()],
             last_error: "the store did not deliver memory".into(),
+            state: "reclaimed".into(),
+            idle_ms: 0,
+            idle_after_ms: 30_000,
+            reclaimed_checkpoint: "20261123-120000-abcdef".into(),
         }],
     };
     assert_eq!(
@@ -216,7 +220,8 @@ fn status_response_lists_workloads() {
             "workloads": [
                 {
                     "name": "train", "pid": 4242, "running": false, "command": ["sleep", "100"],
-                    "last_error": "the store did not deliver memory",
+                    "last_error": "the store did not deliver memory", "state": "reclaimed", "idle_ms": 0,
+                    "idle_after_ms": 30_000, "reclaimed_checkpoint": "20261123-120000-abcdef",
                 },
             ],
         })

@@ -120,14 +120,50 @@ impl Stasis for FakeDaemon {
     }
 
     async fn status(&self, _: Request<StatusRequest>) -> Result<Response<StatusResponse>, Status> {
-        let workloads = vec![WorkloadStatus {
-            name: "train".into(),
-            pid: 4242,
-            running: true,
-            command: vec!["sleep".into()],
-            last_error: String::new(),
-        }];
+        let workloads = vec![
+            WorkloadStatus {
+                name: "train".into(),
+                pid: 4242,
+                running: true,
+                command: vec!["sleep".into()],
+                state: "running".into(),
+                idle_ms: 12_000,
+                idle_after_ms: 1_800_000,
+                ..Default::default()
+            },
+            WorkloadStatus {
+                name: "nb".into(),
+                pid: 77,
+                command: vec!["python3".into()],
+                state: "reclaimed".into(),
+                idle_after_ms: 60_000,
+                reclaimed_checkpoint: "ck-9".into(),
+                ..Default::default()
+            },
+        ];
         Ok(Response::new(StatusResponse { daemon_version: "9.9".into(), workloads, ..Default::default() }))
+    }
+
+    async fn set_idle(&self, req: Request<SetIdleRequest>) -> Result<Response<SetIdleResponse>, Status> {
+        match req.into_inner() {
+            r if r.workload == "train" && r.after_ms == 90_000 => Ok(Response::new(SetIdleResponse {})),
+            r if r.workload == "train" && r.after_ms == 0 => Ok(Response::new(SetIdleResponse {})),
+            r => Err(Status::not_found(format!("unexpected request {r:?}"))),
+        }
+    }
+
+    async fn wake(&self, req: Request<WakeRequest>) -> Result<Response<RestoreRunning>, Status> {
+        let workload = req.into_inner().workload;
+        if workload != "nb" {
+            return Err(Status::failed_precondition(format!("workload {workload} is not reclaimed")));
+        }
+        Ok(Response::new(RestoreRunning {
+            id: "ck-9".into(),
+            workload,
+            pid: 77,
+            first_run_ms: 180,
+            warnings: vec![],
+        }))
     }
 }
 

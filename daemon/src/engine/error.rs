@@ -57,6 +57,8 @@ pub enum RunError {
     BadName(String),
     #[error("workload {name} is already running as pid {pid}")]
     AlreadyRunning { name: String, pid: i32 },
+    #[error("workload {0} is reclaimed (idle); `stasis wake {0}` brings it back")]
+    Reclaimed(String),
     #[error("cannot prepare {what} for workload {workload}")]
     Setup {
         workload: String,
@@ -142,6 +144,11 @@ impl CheckpointError {
 pub enum RestoreError {
     #[error("{0:?} is not a checkpoint id (expected YYYYMMDD-HHMMSS-xxxxxx)")]
     BadId(String),
+    #[error(
+        "workload {0} is reclaimed (idle) and stasisd holds its ports for it: `stasis wake {0}` \
+         restores it"
+    )]
+    Reclaimed(String),
     #[error("workload {0:?} has no checkpoints")]
     NoCheckpoints(String),
     #[error(transparent)]
@@ -214,4 +221,23 @@ pub enum QueryError {
     BadId(String),
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// An idle-reclaim operation (`idle`, `wake`) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum IdleError {
+    #[error("unknown workload {0:?}")]
+    UnknownWorkload(String),
+    #[error("workload {0} is not reclaimed; there is nothing to wake")]
+    NotReclaimed(String),
+    #[error("waking workload {workload} failed; it stays reclaimed, its checkpoint restorable")]
+    Wake {
+        workload: String,
+        #[source]
+        source: std::sync::Arc<RestoreError>,
+    },
+    #[error("workload {0} was woken by something else meanwhile")]
+    WokenElsewhere(String),
+    #[error("cannot update the workload registry")]
+    Registry(#[source] io::Error),
 }

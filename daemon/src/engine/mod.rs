@@ -11,6 +11,7 @@ mod gpu;
 mod gpu_map;
 mod host;
 mod hot_restore;
+mod idle;
 mod ids;
 mod inspect;
 mod query;
@@ -29,8 +30,9 @@ use std::sync::Arc;
 
 pub(crate) use checkpoint::convert_stats;
 pub use checkpoint::{CheckpointOutcome, CheckpointParams, CheckpointStats, Target};
-pub use error::{CheckpointError, QueryError, RestoreError, RunError, StartError};
+pub use error::{CheckpointError, IdleError, QueryError, RestoreError, RunError, StartError};
 pub use hot_restore::LazyError;
+pub use idle::{IdleSettings, IdleState, Thresholds};
 pub use ids::{now_unix_ms, valid_checkpoint_id};
 pub use query::{CheckpointList, CheckpointSummary, StatusReport};
 pub use restore::{RestoreOutcome, RestoreParams, RestoreStats, RestoreTarget};
@@ -68,6 +70,8 @@ pub struct EngineConfig {
     pub network_lock: Option<NetworkLock>,
     /// How long the network lock of an eviction is kept for a restore on this node.
     pub network_lock_keep: std::time::Duration,
+    /// How idle workloads are told from busy ones.
+    pub idle: IdleSettings,
 }
 
 /// A progress report of a long operation.
@@ -104,6 +108,9 @@ pub struct Engine {
     lazy: crate::store::FetchSettings,
     /// The NVIDIA driver's checkpoint API, when a driver is installed.
     gpu: Option<Arc<dyn GpuCheckpointer>>,
+    /// Idle reclaim: the monitor's clocks, reclaims and wakers under way.
+    idle: idle::IdleBook,
+    idle_settings: IdleSettings,
     /// One job at a time per workload.
     workload_locks: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }

@@ -1,7 +1,7 @@
 //! Read-only and bookkeeping operations: list, show, delete, status.
 
 use super::ids::valid_checkpoint_id;
-use super::{Engine, QueryError, Workload};
+use super::{Engine, IdleState, QueryError, Workload};
 use crate::criu::images::{pagemap_file_name, pages_file_name};
 use crate::store::Manifest;
 use crate::store::{GcReport, Retention};
@@ -80,8 +80,8 @@ pub struct StatusReport {
     pub socket_support: String,
     /// The network lock in use, or "none (why)".
     pub network_lock: String,
-    /// Each workload with whether it runs now.
-    pub workloads: Vec<(Workload, bool)>,
+    /// Each workload with whether it runs now, and where it stands with idle reclaim.
+    pub workloads: Vec<(Workload, bool, IdleState)>,
 }
 
 impl Engine {
@@ -163,8 +163,9 @@ impl Engine {
                 .all()
                 .into_iter()
                 .map(|w| {
-                    let running = self.host.is_running(w.pid);
-                    (w, running)
+                    let running = w.reclaimed.is_none() && self.host.is_running(w.pid);
+                    let idle = self.idle_state(&w.name);
+                    (w, running, idle)
                 })
                 .collect(),
         }

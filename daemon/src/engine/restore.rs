@@ -158,6 +158,9 @@ impl Engine {
         let started = Instant::now();
         let manifest = self.find_manifest(&params.target).await?;
         let _guard = self.lock_workload(&manifest.workload).await;
+        if self.registry.get(&manifest.workload).is_some_and(|w| w.reclaimed.is_some()) {
+            return Err(RestoreError::Reclaimed(manifest.workload.clone()));
+        }
         let preflight = self.preflight(&manifest, &params.gpu_map, params.tcp_close).await?;
         let bytes = manifest.stats.map(|s| s.bytes_total).unwrap_or_default();
         let work = self.state.new_restore_dir(bytes).map_err(local("restore scratch directory"))?;
@@ -420,9 +423,8 @@ impl Engine {
             command: manifest.command.clone(),
             managed: false,
             log_path: Some(self.state.log_file(&manifest.workload)),
-            cgroup: None,
             last_checkpoint: Some(manifest.id.clone()),
-            last_error: None,
+            ..Default::default()
         })
     }
 }

@@ -70,6 +70,7 @@ fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
         lazy: FetchSettings { cache_bytes: 64 << 20, timeout: Duration::from_secs(5), fresh_first: false },
         network_lock: None,
         network_lock_keep: Duration::from_secs(1800),
+        idle: Default::default(),
     };
     let state = StateDir::open(&config.state_dir).unwrap();
     let parts = Parts {
@@ -97,7 +98,8 @@ fn quiet() -> ProgressFn {
 
 impl Rig {
     async fn checkpoint(&self, leave_running: bool) -> Result<CheckpointOutcome, CheckpointError> {
-        let params = CheckpointParams { target: Target::Pid(ROOT), leave_running, on_resumed: None };
+        let params =
+            CheckpointParams { target: Target::Pid(ROOT), leave_running, on_resumed: None, reclaim: None };
         self.engine.checkpoint(params, quiet()).await
     }
 
@@ -221,4 +223,41 @@ async fn a_restore_criu_refuses_leaves_nothing_to_kill_and_the_checkpoint_whole(
     assert!(matches!(err, RestoreError::Criu { .. }), "{err}");
     assert!(r.host.signals.lock().unwrap().is_empty(), "CRIU removes what it could not restore");
     assert_eq!(r.checkpoints().await, 1);
+}
+
+#[tokio::test]
+async fn a_reclaim_the_workload_interrupts_gives_the_stored_tree_back() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    // Used while its checkpoint was being taken.
+    let used = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let params = CheckpointParams {
+        target: Target::Pid(ROOT),
+        leave_running: false,
+        on_resumed: None,
+        reclaim: Some(used),
+    };
+    let ck = r.engine.checkpoint(params, quiet()).await.unwrap();
+    assert!(ck.durable && ck.left_running, "{ck:?}");
+    assert_eq!(r.checkpoints().await, 1, "the checkpoint is kept");
+    assert!(r.host.signals_of(Signal::SIGKILL).is_empty(), "nothing killed");
+    assert_eq!(r.host.signals_of(Signal::SIGCONT), [ROOT], "what CRIU stopped runs again");
+    assert_eq!(*r.host.repairs.lock().unwrap(), 1, "its connections out of repair mode");
+    let expected = ["lock", "checkpoint", "restore", "unlock"].map(|c| format!("{c} {ROOT}"));
+    assert_eq!(r.gpu.calls(), expected, "its CUDA state back");
+    assert_eq!(r.held_records(), 0);
+}
+
+#[tokio::test]
+async fn a_reclaim_nobody_interrupts_stops_the_tree() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    let used = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let params = CheckpointParams {
+        target: Target::Pid(ROOT),
+        leave_running: false,
+        on_resumed: None,
+        reclaim: Some(used),
+    };
+    let ck = r.engine.checkpoint(params, quiet()).await.unwrap();
+    assert!(ck.durable && !ck.left_running, "{ck:?}");
+    assert_eq!(r.host.signals_of(Signal::SIGKILL), [ROOT, CHILD]);
 }

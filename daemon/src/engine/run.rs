@@ -22,6 +22,8 @@ pub struct RunParams {
     pub argv: Vec<String>,
     pub cwd: Option<PathBuf>,
     pub env: Vec<(String, String)>,
+    /// Reclaim it after this long without activity (see `engine/idle/`).
+    pub idle_after: Option<std::time::Duration>,
 }
 
 /// A started workload.
@@ -41,8 +43,13 @@ impl Engine {
             Some(name) => return Err(RunError::BadName(name)),
             None => derived_name(&program, &format!("{:06x}", rand::random::<u32>() & 0xff_ffff)),
         };
-        if let Some(existing) = self.registry.get(&name).filter(|w| self.host.is_running(w.pid)) {
-            return Err(RunError::AlreadyRunning { name, pid: existing.pid });
+        if let Some(existing) = self.registry.get(&name) {
+            if existing.reclaimed.is_some() {
+                return Err(RunError::Reclaimed(name));
+            }
+            if self.host.is_running(existing.pid) {
+                return Err(RunError::AlreadyRunning { name, pid: existing.pid });
+            }
         }
         let setup_err = |what| {
             let workload = name.clone();
@@ -90,8 +97,8 @@ impl Engine {
                 managed: true,
                 log_path: Some(log_path.clone()),
                 cgroup: cgroup.map(|c| c.path),
-                last_checkpoint: None,
-                last_error: None,
+                idle_after_ms: params.idle_after.map(|d| d.as_millis() as u64),
+                ..Default::default()
             })
             .map_err(setup_err("the workload registry"))?;
         info!(workload = %name, pid, "workload started");

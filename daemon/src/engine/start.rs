@@ -64,7 +64,9 @@ impl Engine {
         engine.recover().await;
         sweep_left_locks(engine.left_locks.clone(), config.network_lock_keep);
         info!(criu = %engine.criu.path().display(), version = %engine.criu_version, store = %config.store_url, "engine ready");
-        Ok(Arc::new(engine))
+        let engine = Arc::new(engine);
+        engine.start_idle();
+        Ok(engine)
     }
 
     /// An engine of `parts` with the settings of `config`.
@@ -87,6 +89,8 @@ impl Engine {
             keep_last: config.keep_last,
             gc_grace: config.gc_grace,
             lazy: config.lazy,
+            idle: Default::default(),
+            idle_settings: config.idle,
             workload_locks: Default::default(),
         }
     }

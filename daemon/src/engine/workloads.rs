@@ -9,7 +9,7 @@ use std::sync::Mutex;
 use serde::{Deserialize, Serialize};
 
 /// What stasisd knows of one workload.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Workload {
     pub name: String,
     /// Root pid of the tree's current incarnation.
@@ -24,6 +24,12 @@ pub struct Workload {
     /// arriving), for callers that did not wait; cleared by the next restore or checkpoint.
     #[serde(default)]
     pub last_error: Option<String>,
+    /// Reclaimed after this long without activity (see `engine/idle/`); `None`: never.
+    #[serde(default)]
+    pub idle_after_ms: Option<u64>,
+    /// Set while the workload is reclaimed: stopped, waiting for its next use.
+    #[serde(default)]
+    pub reclaimed: Option<super::idle::Reclaimed>,
 }
 
 /// Persistent map of workload name to [`Workload`].
@@ -121,8 +127,8 @@ mod tests {
             managed: true,
             log_path: None,
             cgroup: None,
-            last_checkpoint: None,
             last_error: Some("the store did not deliver memory".into()),
+            ..Default::default()
         };
         reg.put(w.clone()).unwrap();
         reg.update("train", |w| w.pid = 11).unwrap();

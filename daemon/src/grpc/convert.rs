@@ -8,9 +8,9 @@ use tonic::{Code, Status};
 
 use crate::cuda::{GpuUuid, parse_uuid};
 use crate::engine::{
-    CheckpointError, CheckpointOutcome, CheckpointParams, CheckpointSummary, ProgressUpdate, QueryError,
-    RestoreError, RestoreOutcome, RestoreParams, RestoreTarget, RunError, RunOutcome, RunParams,
-    StatusReport, Target,
+    CheckpointError, CheckpointOutcome, CheckpointParams, CheckpointSummary, IdleError, IdleState,
+    ProgressUpdate, QueryError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget, RunError,
+    RunOutcome, RunParams, StatusReport, Target,
 };
 use crate::store::{GcReport, StoreError};
 
@@ -36,7 +36,7 @@ impl From<RunError> for Status {
     fn from(e: RunError) -> Self {
         let code = match &e {
             RunError::NoCommand | RunError::BadName(_) => Code::InvalidArgument,
-            RunError::AlreadyRunning { .. } => Code::AlreadyExists,
+            RunError::AlreadyRunning { .. } | RunError::Reclaimed(_) => Code::AlreadyExists,
             RunError::Spawn { source, .. } if source.kind() == std::io::ErrorKind::NotFound => Code::NotFound,
             RunError::Spawn { .. } | RunError::Setup { .. } => Code::Internal,
         };
@@ -65,18 +65,35 @@ impl From<CheckpointError> for Status {
 
 impl From<RestoreError> for Status {
     fn from(e: RestoreError) -> Self {
+        status(restore_code(&e), &e)
+    }
+}
+
+fn restore_code(e: &RestoreError) -> Code {
+    match e {
+        RestoreError::BadId(_) => Code::InvalidArgument,
+        RestoreError::Reclaimed(_) => Code::FailedPrecondition,
+        RestoreError::NoCheckpoints(_) => Code::NotFound,
+        RestoreError::Store(s) => store_code(s),
+        RestoreError::PidsInUse { .. } | RestoreError::Sockets { .. } => Code::FailedPrecondition,
+        RestoreError::Criu { .. } => Code::Aborted,
+        RestoreError::ShuttingDown => Code::Unavailable,
+        RestoreError::Gpu { .. } => Code::Internal,
+        RestoreError::GpuPlacement { .. } => Code::FailedPrecondition,
+        RestoreError::Local { .. } => Code::Internal,
+        RestoreError::LazyStart { .. } => Code::Internal,
+        RestoreError::Lazy { .. } | RestoreError::LazyDuringRestore { .. } => Code::Aborted,
+    }
+}
+
+impl From<IdleError> for Status {
+    fn from(e: IdleError) -> Self {
         let code = match &e {
-            RestoreError::BadId(_) => Code::InvalidArgument,
-            RestoreError::NoCheckpoints(_) => Code::NotFound,
-            RestoreError::Store(s) => store_code(s),
-            RestoreError::PidsInUse { .. } | RestoreError::Sockets { .. } => Code::FailedPrecondition,
-            RestoreError::Criu { .. } => Code::Aborted,
-            RestoreError::ShuttingDown => Code::Unavailable,
-            RestoreError::Gpu { .. } => Code::Internal,
-            RestoreError::GpuPlacement { .. } => Code::FailedPrecondition,
-            RestoreError::Local { .. } => Code::Internal,
-            RestoreError::LazyStart { .. } => Code::Internal,
-            RestoreError::Lazy { .. } | RestoreError::LazyDuringRestore { .. } => Code::Aborted,
+            IdleError::UnknownWorkload(_) => Code::NotFound,
+            IdleError::NotReclaimed(_) => Code::FailedPrecondition,
+            IdleError::Wake { source, .. } => restore_code(source),
+            IdleError::WokenElsewhere(_) => Code::Aborted,
+            IdleError::Registry(_) => Code::Internal,
         };
         status(code, &e)
     }
@@ -110,6 +127,7 @@ impl TryFrom<pb::RunRequest> for RunParams {
             argv: r.argv,
             cwd: Some(r.cwd).filter(|c| !c.is_empty()).map(Into::into),
             env,
+            idle_after: (r.idle_after_ms > 0).then(|| std::time::Duration::from_millis(r.idle_after_ms)),
         })
     }
 }
@@ -134,7 +152,7 @@ impl TryFrom<pb::CheckpointRequest> for CheckpointParams {
                 return Err(Status::invalid_argument("give a process id or a workload name"));
             }
         };
-        Ok(Self { target, leave_running: r.leave_running, on_resumed: None })
+        Ok(Self { target, leave_running: r.leave_running, on_resumed: None, reclaim: None })
     }
 }
 
@@ -250,12 +268,26 @@ impl From<StatusReport> for pb::StatusResponse {
             workloads: r
                 .workloads
                 .into_iter()
-                .map(|(w, running)| pb::WorkloadStatus {
-                    name: w.name,
-                    pid: w.pid,
-                    running,
-                    command: w.command,
-                    last_error: w.last_error.unwrap_or_default(),
+                .map(|(w, running, idle)| {
+                    let (state, idle_ms) = match (idle, running) {
+                        (IdleState::Reclaiming, _) => ("reclaiming", 0),
+                        (IdleState::Reclaimed, _) => ("reclaimed", 0),
+                        (IdleState::Waking, _) => ("waking", 0),
+                        (IdleState::Watched(idle), true) => ("running", idle.as_millis() as u64),
+                        (_, true) => ("running", 0),
+                        (_, false) => ("stopped", 0),
+                    };
+                    pb::WorkloadStatus {
+                        name: w.name,
+                        pid: w.pid,
+                        running,
+                        command: w.command,
+                        last_error: w.last_error.unwrap_or_default(),
+                        state: state.into(),
+                        idle_ms,
+                        idle_after_ms: w.idle_after_ms.unwrap_or_default(),
+                        reclaimed_checkpoint: w.reclaimed.map(|r| r.checkpoint).unwrap_or_default(),
+                    }
                 })
                 .collect(),
         }

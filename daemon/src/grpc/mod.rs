@@ -147,4 +147,25 @@ impl Stasis for StasisService {
     async fn status(&self, _req: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
         Ok(Response::new(self.engine.status().into()))
     }
+
+    async fn set_idle(
+        &self,
+        req: Request<pb::SetIdleRequest>,
+    ) -> Result<Response<pb::SetIdleResponse>, Status> {
+        let req = req.into_inner();
+        let after = (req.after_ms > 0).then(|| std::time::Duration::from_millis(req.after_ms));
+        self.engine.set_idle(&req.workload, after)?;
+        Ok(Response::new(pb::SetIdleResponse {}))
+    }
+
+    async fn wake(&self, req: Request<pb::WakeRequest>) -> Result<Response<pb::RestoreRunning>, Status> {
+        let o = self.engine.wake(&req.into_inner().workload).await?;
+        Ok(Response::new(pb::RestoreRunning {
+            id: o.id,
+            workload: o.workload,
+            pid: o.pid,
+            first_run_ms: o.stats.first_run_ms,
+            warnings: o.warnings,
+        }))
+    }
 }

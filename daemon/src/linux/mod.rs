@@ -6,6 +6,7 @@ pub mod cgroup;
 pub mod iptables;
 pub mod net;
 pub mod nft;
+pub mod port_watch;
 pub mod proc;
 pub mod pty;
 pub mod reaper;

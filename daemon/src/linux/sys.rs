@@ -125,3 +125,34 @@ pub fn duplicate(fd: RawFd) -> io::Result<OwnedFd> {
     // SAFETY: the kernel just returned this descriptor to us and nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(copy) })
 }
+
+/// Attaches a classic BPF program to a socket (`SO_ATTACH_FILTER`): the kernel then queues only
+/// the packets `program` accepts.
+pub fn attach_filter(socket: BorrowedFd<'_>, program: &[libc::sock_filter]) -> io::Result<()> {
+    let len = u16::try_from(program.len()).map_err(|_| io::Error::other("BPF program too long"))?;
+    let fprog = libc::sock_fprog { len, filter: program.as_ptr().cast_mut() };
+    // SAFETY: setsockopt reads `sizeof(sock_fprog)` bytes from `fprog`, which points at `len`
+    // instructions of `program`; the kernel copies them before returning, and neither is
+    // written to.
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_ATTACH_FILTER,
+            (&raw const fprog).cast(),
+            std::mem::size_of::<libc::sock_fprog>() as libc::socklen_t,
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `fd` registered with tokio's reactor, to wait on it without a thread.
+pub fn async_fd(fd: OwnedFd) -> io::Result<tokio::io::unix::AsyncFd<OwnedFd>> {
+    // SAFETY: the AsyncFd owns `fd`, an open descriptor that nothing else can close, and an
+    // OwnedFd's `as_raw_fd` always returns the descriptor it holds, so it stays the same open
+    // description for the AsyncFd's whole life.
+    unsafe { tokio::io::unix::AsyncFd::register(fd) }.map_err(io::Error::from)
+}

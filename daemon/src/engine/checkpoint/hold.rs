@@ -106,7 +106,13 @@ impl<'a> Hold<'a> {
 
     /// The checkpoint failed with `cause`: gives the tree back as it was, and returns `cause`
     /// with whatever could not be undone.
-    pub async fn give_back(mut self, cause: CheckpointError) -> CheckpointError {
+    pub async fn give_back(self, cause: CheckpointError) -> CheckpointError {
+        CheckpointError::with_rollback(cause, self.resume().await)
+    }
+
+    /// Gives the tree back as it was (its checkpoint failed, or is stored but the tree is to
+    /// run on); returns what could not be undone.
+    pub async fn resume(mut self) -> Vec<String> {
         self.settled = true;
         // Children forked since the tree was inspected were dumped (and stopped) too.
         let tree = HeldProcesses {
@@ -123,7 +129,7 @@ impl<'a> Hold<'a> {
             warn!(problem = %problem, "rollback incomplete");
         }
         HeldTree::clear(&self.engine.state.held_dir(), &self.record.id);
-        CheckpointError::with_rollback(cause, problems)
+        problems
     }
 }
 

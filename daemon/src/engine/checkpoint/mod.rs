@@ -14,6 +14,7 @@ mod store;
 
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
@@ -43,6 +44,10 @@ pub struct CheckpointParams {
     /// Called once the tree is resumed (or stopped, for eviction) and before the checkpoint
     /// is stored, with what is known then; for callers that do not wait until durable.
     pub on_resumed: Option<Box<dyn FnOnce(CheckpointOutcome) + Send>>,
+    /// An idle reclaim (see `engine/idle/`): set once the workload is used during it, in
+    /// which case the stored tree is given back rather than stopped. Its network lock is kept
+    /// for the waker, not swept.
+    pub reclaim: Option<Arc<AtomicBool>>,
 }
 
 impl std::fmt::Debug for CheckpointParams {
@@ -51,6 +56,7 @@ impl std::fmt::Debug for CheckpointParams {
             .field("target", &self.target)
             .field("leave_running", &self.leave_running)
             .field("on_resumed", &self.on_resumed.is_some())
+            .field("reclaim", &self.reclaim)
             .finish()
     }
 }
@@ -131,6 +137,8 @@ struct Job {
     created_unix_ms: u64,
     started: Instant,
     leave_running: bool,
+    /// Set when an idle reclaim is to back off (see [`CheckpointParams::reclaim`]).
+    reclaim: Option<Arc<AtomicBool>>,
 }
 
 /// Called once the tree runs again (or is held stopped), before the checkpoint is stored.
@@ -200,7 +208,8 @@ impl Engine {
             .new_work_dir(&id)
             .map_err(|source| CheckpointError::Local { what: "work directory", source })?;
         info!(checkpoint = %id, workload = %workload, pid, pids = tree.pids.len(), options = ?tree.options.describe(), "dumping");
-        let job = Job { id, workload, pid, created_unix_ms, started, leave_running: params.leave_running };
+        let leave_running = params.leave_running;
+        let job = Job { id, workload, pid, created_unix_ms, started, leave_running, reclaim: params.reclaim };
         let mut hold = Hold::new(self, &job.id, &tree, work.path());
         match self.suspend_gpu(&tree.pids, &progress).await {
             Ok(suspended) => hold.suspended_gpu(suspended),
@@ -209,6 +218,12 @@ impl Engine {
         let stored =
             self.dump_and_store(&job, params.on_resumed, &mut hold, &tree, work.path(), &progress).await;
         match stored {
+            Ok(stats) if job.used_during_reclaim() => {
+                // What could not be undone is logged; the checkpoint itself is good.
+                hold.resume().await;
+                let job = Job { leave_running: true, ..job };
+                Ok(self.finish(job, &tree, work.path(), stats).await)
+            }
             Ok(stats) => {
                 hold.release();
                 Ok(self.finish(job, &tree, work.path(), stats).await)
@@ -308,6 +323,7 @@ impl Engine {
         let locked = tree.options.tcp_established && tree.options.network_lock == Some(NetworkLock::Nftables);
         if !job.leave_running
             && locked
+            && job.reclaim.is_none()
             && let Err(e) = self.left_locks.record(images)
         {
             warn!(checkpoint = %job.id, error = %e, "cannot record the eviction's network lock; it stays");
@@ -340,11 +356,8 @@ impl Engine {
                 name: workload.into(),
                 pid,
                 command: tree.command.clone(),
-                managed: false,
-                log_path: None,
-                cgroup: None,
                 last_checkpoint: Some(id.into()),
-                last_error: None,
+                ..Default::default()
             })
         };
         if let Err(e) = result {
@@ -354,6 +367,11 @@ impl Engine {
 }
 
 impl Job {
+    /// An idle reclaim whose workload was used meanwhile (checked before an eviction stops it).
+    fn used_during_reclaim(&self) -> bool {
+        !self.leave_running && self.reclaim.as_ref().is_some_and(|used| used.load(Ordering::SeqCst))
+    }
+
     fn outcome(&self, durable: bool, stats: CheckpointStats) -> CheckpointOutcome {
         CheckpointOutcome {
             id: self.id.clone(),

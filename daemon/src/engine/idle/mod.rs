@@ -1,0 +1,170 @@
+//! Idle reclaim: a workload nobody uses gives its memory (and GPU) back, and comes back on
+//! its next use.
+//!
+//! ```text
+//! monitor, every tick: CPU time and bytes read by each workload with an idle policy
+//!   (activity.rs) -> idle for its whole period -> reclaim (reclaim.rs): an eviction
+//!   checkpoint; used meanwhile -> the tree is given back instead of stopped
+//! reclaimed: stasisd listens on the workload's ports and watches its locked connections
+//!   (wake.rs) -> first connection, data, or `stasis wake` -> lazy restore -> the first
+//!   connections are relayed to the restored listeners; later ones reach it directly
+//! ```
+
+mod activity;
+mod reclaim;
+mod wake;
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use activity::IdleClock;
+pub use activity::Thresholds;
+
+use super::{Engine, IdleError};
+
+/// A reclaimed workload: what waking it needs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reclaimed {
+    /// The eviction checkpoint it is restored from.
+    pub checkpoint: String,
+    pub since_unix_ms: u64,
+    /// Its listening TCP sockets: stasisd listens there while it is reclaimed.
+    pub listeners: Vec<SocketAddr>,
+    /// Local ports of its sockets (listeners and connections): a segment to one of them that
+    /// carries data, opens or closes a connection wakes it.
+    pub ports: Vec<u16>,
+}
+
+/// How idleness is measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IdleSettings {
+    pub thresholds: Thresholds,
+    /// How often workloads are sampled.
+    pub tick: Duration,
+}
+
+impl Default for IdleSettings {
+    fn default() -> Self {
+        IdleSettings { thresholds: Thresholds::default(), tick: Duration::from_secs(1) }
+    }
+}
+
+/// Where a workload stands with idle reclaim, for `stasis status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdleState {
+    /// Running, idle for this long (as of the last tick).
+    Watched(Duration),
+    Reclaiming,
+    Reclaimed,
+    Waking,
+    /// No idle policy, or not running.
+    Unwatched,
+}
+
+/// The idle monitor's bookkeeping.
+#[derive(Default)]
+pub(super) struct IdleBook {
+    clocks: Mutex<HashMap<String, IdleClock>>,
+    reclaiming: Mutex<HashSet<String>>,
+    waking: Mutex<HashSet<String>>,
+    wakers: Mutex<HashMap<String, wake::Waker>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl IdleBook {
+    /// The workload was used just now (started, restored, woken): its idle time starts over.
+    fn restart_clock(&self, name: &str) {
+        lock(&self.clocks).insert(name.to_owned(), IdleClock::new(Instant::now()));
+    }
+}
+
+impl Engine {
+    /// Sets (or, with `None`, removes) the idle period after which `name` is reclaimed.
+    pub fn set_idle(&self, name: &str, after: Option<Duration>) -> Result<(), IdleError> {
+        if self.registry.get(name).is_none() {
+            return Err(IdleError::UnknownWorkload(name.into()));
+        }
+        let after_ms = after.map(|d| d.as_millis() as u64);
+        self.registry.update(name, |w| w.idle_after_ms = after_ms).map_err(IdleError::Registry)?;
+        self.idle.restart_clock(name);
+        info!(workload = name, idle_after_ms = ?after_ms, "idle policy set");
+        Ok(())
+    }
+
+    /// Where `name` stands with idle reclaim.
+    pub fn idle_state(&self, name: &str) -> IdleState {
+        let reclaimed = self.registry.get(name).is_some_and(|w| w.reclaimed.is_some());
+        if lock(&self.idle.waking).contains(name) {
+            IdleState::Waking
+        } else if reclaimed {
+            IdleState::Reclaimed
+        } else if lock(&self.idle.reclaiming).contains(name) {
+            IdleState::Reclaiming
+        } else {
+            match lock(&self.idle.clocks).get(name) {
+                Some(clock) => IdleState::Watched(clock.idle_for(Instant::now())),
+                None => IdleState::Unwatched,
+            }
+        }
+    }
+
+    /// Starts the idle monitor, and a waker for every workload a previous run left reclaimed.
+    /// Both end with the engine.
+    pub(super) fn start_idle(self: &Arc<Self>) {
+        for w in self.registry.all() {
+            if let Some(reclaimed) = w.reclaimed {
+                info!(workload = %w.name, checkpoint = %reclaimed.checkpoint, "workload still reclaimed; waiting for its use");
+                self.arm_waker(&w.name, reclaimed);
+            }
+        }
+        let engine = Arc::downgrade(self);
+        let tick = self.idle_settings.tick;
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(tick).await;
+                let Some(engine) = Weak::upgrade(&engine) else { return };
+                if engine.jobs.is_closed() {
+                    return;
+                }
+                engine.idle_tick();
+            }
+        });
+    }
+
+    /// Samples every watched workload; starts the reclaim of those idle long enough.
+    fn idle_tick(self: &Arc<Self>) {
+        let limits = self.idle_settings.thresholds;
+        for w in self.registry.all() {
+            let watched = w.idle_after_ms.filter(|_| w.reclaimed.is_none() && self.host.is_running(w.pid));
+            let Some(after_ms) = watched else {
+                lock(&self.idle.clocks).remove(&w.name);
+                continue;
+            };
+            let sample = activity::sample(&self.host.trees(&[w.pid]));
+            let idle = lock(&self.idle.clocks)
+                .entry(w.name.clone())
+                .or_insert_with(|| IdleClock::new(sample.at))
+                .observe(sample, limits);
+            if idle < Duration::from_millis(after_ms) || !lock(&self.idle.reclaiming).insert(w.name.clone()) {
+                continue;
+            }
+            info!(workload = %w.name, idle_ms = idle.as_millis() as u64, "workload idle; reclaiming it");
+            let engine = self.clone();
+            self.jobs.spawn(async move {
+                if let Err(e) = engine.reclaim(&w.name).await {
+                    warn!(workload = %w.name, error = %crate::error_chain(&e), "reclaim failed; the workload runs on");
+                }
+                lock(&engine.idle.reclaiming).remove(&w.name);
+                engine.idle.restart_clock(&w.name);
+            });
+        }
+    }
+}

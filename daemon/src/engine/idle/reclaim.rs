@@ -1,0 +1,117 @@
+//! Reclaiming an idle workload: an eviction checkpoint that backs off if the workload is used
+//! while it runs.
+//!
+//! From the survey of its sockets until the checkpoint is durable, stasisd watches the
+//! workload's ports. A request that arrives meanwhile (a new connection, or data on one the
+//! dump locked) makes the job give the stored tree back instead of stopping it: the request
+//! is answered, late by the checkpoint's time, rather than lost.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use stasis_proto::stasis::v1::SocketRecord;
+use tracing::{info, warn};
+
+use super::Reclaimed;
+use crate::engine::ids::now_unix_ms;
+use crate::engine::sockets;
+use crate::engine::{CheckpointError, CheckpointParams, Engine, Target};
+use crate::linux::net::SocketKind;
+use crate::linux::port_watch::{MAX_PORTS, PortWatch};
+
+impl Engine {
+    /// Reclaims workload `name`; returns what waking it needs, or `None` when it was used
+    /// during the reclaim and runs on.
+    pub(super) async fn reclaim(self: &Arc<Self>, name: &str) -> Result<Option<Reclaimed>, CheckpointError> {
+        let w = self.registry.get(name).ok_or_else(|| CheckpointError::UnknownWorkload(name.into()))?;
+        let surveyed = sockets::survey(&self.host.trees(&[w.pid]));
+        let (listeners, ports) = wake_points(&surveyed.records);
+        let used = Arc::new(AtomicBool::new(false));
+        let watching = watch_ports(name, &ports, used.clone());
+        let params = CheckpointParams {
+            target: Target::Workload(name.into()),
+            leave_running: false,
+            on_resumed: None,
+            reclaim: Some(used.clone()),
+        };
+        let checkpointed = self.checkpoint(params, Arc::new(|_| {})).await;
+        if let Some(task) = watching {
+            task.abort();
+        }
+        let outcome = checkpointed?;
+        if outcome.left_running {
+            info!(workload = name, checkpoint = %outcome.id, "the workload was used during its reclaim; it runs on");
+            return Ok(None);
+        }
+        let reclaimed =
+            Reclaimed { checkpoint: outcome.id.clone(), since_unix_ms: now_unix_ms(), listeners, ports };
+        if let Err(e) = self.registry.update(name, |w| w.reclaimed = Some(reclaimed.clone())) {
+            warn!(workload = name, error = %e, "cannot record the reclaim in the registry; a restart forgets it");
+        }
+        info!(workload = name, checkpoint = %outcome.id, listeners = ?reclaimed.listeners, ports = ?reclaimed.ports, "workload reclaimed");
+        self.arm_waker(name, reclaimed.clone());
+        Ok(Some(reclaimed))
+    }
+}
+
+/// Watches `ports` until a segment that matters arrives, then sets `used`. Without a watch
+/// (no ports, or no packet socket) a reclaim cannot notice a request arriving meanwhile: the
+/// request then waits for the wake.
+fn watch_ports(name: &str, ports: &[u16], used: Arc<AtomicBool>) -> Option<tokio::task::JoinHandle<()>> {
+    if ports.is_empty() {
+        return None;
+    }
+    match PortWatch::open(ports) {
+        Ok(watch) => Some(tokio::spawn(async move {
+            if watch.next().await.is_ok() {
+                used.store(true, Ordering::SeqCst);
+            }
+        })),
+        Err(e) => {
+            warn!(workload = name, error = %e, "cannot watch the workload's ports during its reclaim");
+            None
+        }
+    }
+}
+
+/// The listening addresses (TCP, in this node's network namespace) of `records`, and the local
+/// ports of all their TCP sockets, at most [`MAX_PORTS`].
+fn wake_points(records: &[SocketRecord]) -> (Vec<SocketAddr>, Vec<u16>) {
+    let tcp = records.iter().filter(|r| r.kind == SocketKind::Tcp.name() && !r.foreign_netns);
+    let mut listeners: Vec<SocketAddr> = Vec::new();
+    let mut ports: Vec<u16> = Vec::new();
+    for r in tcp {
+        let Ok(local) = r.local.parse::<SocketAddr>() else { continue };
+        if r.state == "listen" && !listeners.contains(&local) {
+            listeners.push(local);
+        }
+        if !ports.contains(&local.port()) && ports.len() < MAX_PORTS {
+            ports.push(local.port());
+        }
+    }
+    (listeners, ports)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::sockets::record;
+
+    #[test]
+    fn listeners_and_every_local_port_wake() {
+        let mut other_ns = record("tcp", "listen", "0.0.0.0:9000", "");
+        other_ns.foreign_netns = true;
+        let records = vec![
+            record("tcp", "listen", "127.0.0.1:8888", ""),
+            record("tcp", "established", "127.0.0.1:8888", "127.0.0.1:50000"),
+            record("tcp", "established", "10.0.0.5:41000", "10.0.0.9:5432"),
+            record("udp", "", "0.0.0.0:5353", ""),
+            record("unix", "listen", "/run/x", ""),
+            other_ns,
+        ];
+        let (listeners, ports) = wake_points(&records);
+        assert_eq!(listeners, vec!["127.0.0.1:8888".parse::<SocketAddr>().unwrap()]);
+        assert_eq!(ports, vec![8888, 41000]);
+    }
+}

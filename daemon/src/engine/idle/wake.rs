@@ -1,0 +1,268 @@
+//! Waking a reclaimed workload on its next use.
+//!
+//! While a workload is reclaimed, its waker listens on the workload's listening addresses
+//! and watches the ports of its connections (which CRIU's lock keeps alive for the peers:
+//! their segments are dropped and retransmitted, not refused). The first connection, the
+//! first segment with data on a locked connection, or `stasis wake`, starts a lazy restore.
+//! Connections the waker accepted are relayed to the restored listeners; the locked
+//! connections resume as they were, their peers' retransmissions answered by the restored
+//! sockets. A failed wake leaves the workload reclaimed, and the waker listening again.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+use tracing::{debug, info, warn};
+
+use super::{Reclaimed, lock};
+use crate::engine::{Engine, IdleError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget};
+use crate::linux::port_watch::PortWatch;
+
+/// Why a wake failed, for every caller that waited for it.
+type WakeFailure = Arc<RestoreError>;
+
+/// A waiting `stasis wake`.
+type WakeReply = oneshot::Sender<Result<RestoreOutcome, WakeFailure>>;
+
+/// How long a failed wake waits before listening again.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// How long a relayed connection waits for the restored listener.
+const LISTENER_WAIT: Duration = Duration::from_secs(10);
+
+/// The waker of one reclaimed workload.
+pub(super) struct Waker {
+    requests: mpsc::UnboundedSender<WakeReply>,
+}
+
+/// What woke the workload.
+enum Trigger {
+    Connection(TcpStream, SocketAddr),
+    Segment(u16),
+    Asked(WakeReply),
+}
+
+impl Engine {
+    /// Starts waiting for the next use of reclaimed workload `name`.
+    pub(super) fn arm_waker(self: &Arc<Self>, name: &str, reclaimed: Reclaimed) {
+        let (requests, asked) = mpsc::unbounded_channel();
+        lock(&self.idle.wakers).insert(name.to_owned(), Waker { requests });
+        tokio::spawn(wait_and_wake(Arc::downgrade(self), name.to_owned(), reclaimed, asked));
+    }
+
+    /// Wakes reclaimed workload `name` now; returns once it runs (its memory may still be
+    /// arriving).
+    pub async fn wake(self: &Arc<Self>, name: &str) -> Result<RestoreOutcome, IdleError> {
+        let w = self.registry.get(name).ok_or_else(|| IdleError::UnknownWorkload(name.into()))?;
+        let Some(reclaimed) = w.reclaimed else { return Err(IdleError::NotReclaimed(name.into())) };
+        let waker = lock(&self.idle.wakers).get(name).map(|w| w.requests.clone());
+        let requests = match waker {
+            Some(requests) => requests,
+            None => {
+                self.arm_waker(name, reclaimed);
+                let waker = lock(&self.idle.wakers).get(name).map(|w| w.requests.clone());
+                waker.ok_or_else(|| IdleError::WokenElsewhere(name.into()))?
+            }
+        };
+        let (reply, answer) = oneshot::channel();
+        requests.send(reply).map_err(|_| IdleError::WokenElsewhere(name.into()))?;
+        let woken = answer.await.map_err(|_| IdleError::WokenElsewhere(name.into()))?;
+        woken.map_err(|source| IdleError::Wake { workload: name.into(), source })
+    }
+
+    /// Restores reclaimed workload `name` lazily; returns once it runs.
+    async fn restore_reclaimed(
+        self: &Arc<Self>,
+        name: &str,
+        reclaimed: &Reclaimed,
+    ) -> Result<RestoreOutcome, WakeFailure> {
+        let local = |what| move |e: std::io::Error| Arc::new(RestoreError::Local { what, source: e });
+        // Not reclaimed while it is restored: a restore refuses reclaimed workloads.
+        self.registry.update(name, |w| w.reclaimed = None).map_err(local("workload registry"))?;
+        let (running, ran) = oneshot::channel();
+        let params = RestoreParams {
+            target: RestoreTarget::Checkpoint(reclaimed.checkpoint.clone()),
+            gpu_map: Vec::new(),
+            lazy: true,
+            tcp_close: false,
+            on_running: Some(Box::new(move |outcome| {
+                let _ = running.send(outcome);
+            })),
+        };
+        let engine = self.clone();
+        let mut job = tokio::spawn(async move { engine.restore(params, Arc::new(|_| {})).await });
+        let joined = |done: Result<Result<RestoreOutcome, RestoreError>, tokio::task::JoinError>| {
+            done.map_err(|e| local("restore task")(std::io::Error::other(e)))?.map_err(Arc::new)
+        };
+        let result = tokio::select! {
+            ran = ran => match ran {
+                Ok(outcome) => Ok(outcome),
+                // Ended before the tree ran: its result says why.
+                Err(_) => joined((&mut job).await),
+            },
+            done = &mut job => joined(done),
+        };
+        if let Err(e) = &result {
+            let why = crate::error_chain(e.as_ref());
+            let back = self.registry.update(name, |w| {
+                w.reclaimed = Some(reclaimed.clone());
+                w.last_error = Some(why);
+            });
+            if let Err(e) = back {
+                warn!(workload = name, error = %e, "cannot record the workload as still reclaimed");
+            }
+        }
+        result
+    }
+}
+
+/// The waker's life: listen and watch, wake on the first use, relay what was accepted;
+/// listen again after a failed wake. Ends with the engine, or once the workload runs.
+async fn wait_and_wake(
+    engine: Weak<Engine>,
+    name: String,
+    reclaimed: Reclaimed,
+    mut asked: mpsc::UnboundedReceiver<WakeReply>,
+) {
+    loop {
+        let listeners = listen_on(&name, &reclaimed.listeners);
+        let watch = match reclaimed.ports.is_empty() {
+            true => None,
+            false => PortWatch::open(&reclaimed.ports)
+                .inspect_err(|e| warn!(workload = %name, error = %e, "cannot watch the reclaimed workload's connections"))
+                .ok(),
+        };
+        let trigger = tokio::select! {
+            (stream, addr) = accept_any(&listeners) => Trigger::Connection(stream, addr),
+            port = next_segment(watch.as_ref()) => Trigger::Segment(port),
+            reply = asked.recv() => match reply {
+                Some(reply) => Trigger::Asked(reply),
+                None => return,
+            },
+        };
+        let started = Instant::now();
+        let (mut accepted, mut replies) = (Vec::new(), Vec::new());
+        match trigger {
+            Trigger::Connection(stream, addr) => {
+                info!(workload = %name, listener = %addr, "connection to a reclaimed workload; waking it");
+                accepted.push((stream, addr));
+            }
+            Trigger::Segment(port) => {
+                info!(workload = %name, port, "traffic to a reclaimed workload; waking it")
+            }
+            Trigger::Asked(reply) => {
+                info!(workload = %name, "waking a reclaimed workload on request");
+                replies.push(reply);
+            }
+        }
+        // Connections already waiting would be refused once the listeners close.
+        for (listener, addr) in &listeners {
+            while let Some(Ok((stream, _))) = listener.accept().now_or_never() {
+                accepted.push((stream, *addr));
+            }
+        }
+        drop((listeners, watch));
+        let Some(engine) = engine.upgrade() else { return };
+        lock(&engine.idle.waking).insert(name.clone());
+        let woken = engine.restore_reclaimed(&name, &reclaimed).await;
+        lock(&engine.idle.waking).remove(&name);
+        while let Ok(reply) = asked.try_recv() {
+            replies.push(reply);
+        }
+        match woken {
+            Ok(outcome) => {
+                info!(workload = %name, pid = outcome.pid, wake_ms = started.elapsed().as_millis() as u64, relayed = accepted.len(), "reclaimed workload runs again");
+                lock(&engine.idle.wakers).remove(&name);
+                engine.idle.restart_clock(&name);
+                for (stream, addr) in accepted {
+                    tokio::spawn(relay(stream, addr));
+                }
+                replies.into_iter().for_each(|r| drop(r.send(Ok(outcome.clone()))));
+                return;
+            }
+            Err(e) => {
+                warn!(workload = %name, error = %crate::error_chain(e.as_ref()), "waking failed; the workload stays reclaimed");
+                replies.into_iter().for_each(|r| drop(r.send(Err(e.clone()))));
+                drop(accepted);
+                tokio::time::sleep(RETRY_AFTER).await;
+            }
+        }
+    }
+}
+
+/// A listener on each of `addrs` (an address another process took meanwhile is skipped,
+/// logged).
+fn listen_on(name: &str, addrs: &[SocketAddr]) -> Vec<(TcpListener, SocketAddr)> {
+    let bind = |addr: SocketAddr| -> std::io::Result<TcpListener> {
+        let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)?;
+        socket.listen(1024)
+    };
+    addrs
+        .iter()
+        .filter_map(|&addr| match bind(addr) {
+            Ok(listener) => Some((listener, addr)),
+            Err(e) => {
+                warn!(workload = name, address = %addr, error = %e, "cannot listen for a reclaimed workload");
+                None
+            }
+        })
+        .collect()
+}
+
+/// The first connection accepted on any of `listeners` (never, without listeners).
+async fn accept_any(listeners: &[(TcpListener, SocketAddr)]) -> (TcpStream, SocketAddr) {
+    if listeners.is_empty() {
+        return std::future::pending().await;
+    }
+    loop {
+        let accepts = listeners.iter().map(|(l, addr)| Box::pin(async move { (l.accept().await, *addr) }));
+        let ((accepted, addr), _, _) = futures::future::select_all(accepts).await;
+        match accepted {
+            Ok((stream, _)) => return (stream, addr),
+            Err(e) => {
+                debug!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// The port of the next segment that matters (never, without a watch).
+async fn next_segment(watch: Option<&PortWatch>) -> u16 {
+    let Some(watch) = watch else { return std::future::pending().await };
+    loop {
+        match watch.next().await {
+            Ok(port) => return port,
+            Err(e) => {
+                warn!(error = %e, "watching a reclaimed workload's ports failed");
+                return std::future::pending().await;
+            }
+        }
+    }
+}
+
+/// Carries a connection the waker accepted to the restored listener at `listener`.
+async fn relay(mut client: TcpStream, listener: SocketAddr) {
+    let target = match listener.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => SocketAddr::new(Ipv4Addr::LOCALHOST.into(), listener.port()),
+        IpAddr::V6(ip) if ip.is_unspecified() => SocketAddr::new(Ipv6Addr::LOCALHOST.into(), listener.port()),
+        _ => listener,
+    };
+    let deadline = Instant::now() + LISTENER_WAIT;
+    let mut upstream = loop {
+        match TcpStream::connect(target).await {
+            Ok(stream) => break stream,
+            Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(e) => {
+                warn!(listener = %target, error = %e, "cannot reach the woken workload; closing a relayed connection");
+                return;
+            }
+        }
+    };
+    let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+}
