@@ -12,6 +12,7 @@ mod logs;
 pub mod memtest;
 mod peer;
 pub mod procfs;
+pub mod proxy;
 pub mod s3;
 mod workload;
 

@@ -61,6 +61,11 @@ impl S3Server {
 
     /// Options for a stasisd storing under `prefix` of the bucket, with extra `args`.
     pub fn daemon_options(&self, prefix: &str, args: &[&str]) -> DaemonOptions {
+        self.daemon_options_at(self.port, prefix, args)
+    }
+
+    /// The same, reaching the server through a proxy on `port` (see [`crate::proxy`]).
+    pub fn daemon_options_at(&self, port: u16, prefix: &str, args: &[&str]) -> DaemonOptions {
         let env = [
             ("AWS_ACCESS_KEY_ID", "test"),
             ("AWS_SECRET_ACCESS_KEY", "test"),
@@ -69,7 +74,7 @@ impl S3Server {
         ]
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .into_iter()
-        .chain([("AWS_ENDPOINT".to_string(), format!("http://127.0.0.1:{}", self.port))])
+        .chain([("AWS_ENDPOINT".to_string(), format!("http://127.0.0.1:{port}"))])
         .collect();
         DaemonOptions {
             store: Some(format!("s3://{BUCKET}/{prefix}")),

@@ -1,0 +1,123 @@
+//! Idle reclaim with real servers: an HTTP server and (in jupyter_kernel.rs) a Jupyter kernel
+//! go quiet, are checkpointed and stopped, and come back on their next use with no retry by
+//! the client; a request during the reclaim is answered, not lost; a wake while the store is
+//! down fails clearly and leaves the checkpoint restorable.
+
+#![forbid(unsafe_code)]
+
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use stasis_tests::proxy::TcpProxy;
+use stasis_tests::s3::S3Server;
+use stasis_tests::{
+    Daemon, DaemonOptions, TIMEOUT, expect_within, free_port, http_get, pid_of, procfs, python_workload,
+    skip_unless_ready,
+};
+
+/// The status of workload `name`.
+fn status_of(d: &Daemon, name: &str) -> Value {
+    let all = d.workloads();
+    all.into_iter().find(|w| w["name"] == name).unwrap_or_else(|| panic!("{name} is not in status"))
+}
+
+/// Starts `http_counter.py` on a free port as workload `name`, reclaimed after `idle_after`;
+/// returns its port and pid.
+fn http_server(d: &Daemon, name: &str, hold_mib: &str, idle_after: &str) -> (u16, i32) {
+    let port = free_port();
+    let mut args = vec!["run", "--workload", name, "--idle-after", idle_after, "--json", "--"];
+    let argv = python_workload("http_counter.py", &[&port.to_string(), hold_mib]);
+    args.extend(argv.iter().map(String::as_str));
+    let pid = pid_of(&d.json(&args));
+    expect_within(Duration::from_secs(60), "the server to answer", || http_get(port).ok());
+    (port, pid)
+}
+
+fn wait_reclaimed(d: &Daemon, name: &str, pid: i32) -> Value {
+    let status = expect_within(Duration::from_secs(60), "the workload to be reclaimed", || {
+        let w = status_of(d, name);
+        (w["state"] == "reclaimed").then_some(w)
+    });
+    expect_within(TIMEOUT, "the reclaimed process to be gone", || (!procfs::exists(pid)).then_some(()));
+    status
+}
+
+#[test]
+fn an_idle_http_server_is_reclaimed_and_a_plain_request_wakes_it() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let name = d.workload_name("web");
+    let (port, pid) = http_server(&d, &name, "64", "2s");
+    let first = http_get(port).unwrap();
+    assert!(first.starts_with("hits 2 sum "), "{first}");
+    let w = status_of(&d, &name);
+    assert_eq!((w["state"].as_str(), w["idle_after_ms"].as_u64()), (Some("running"), Some(2000)), "{w}");
+
+    let reclaimed = wait_reclaimed(&d, &name, pid);
+    let id = reclaimed["reclaimed_checkpoint"].as_str().expect("the reclaim's checkpoint").to_owned();
+    let listed = d.json(&["list", "--json"]);
+    assert!(listed["checkpoints"].as_array().unwrap().iter().any(|c| c["id"] == id.as_str()), "{listed}");
+
+    // A plain client, no retry: stasisd holds the port, wakes the server and relays.
+    let started = Instant::now();
+    let answer = http_get(port).expect("the request that wakes the server");
+    eprintln!("woken and answered in {:?}", started.elapsed());
+    assert_eq!(answer, first.replace("hits 2", "hits 3"), "the counter and the memory go on");
+    let w = status_of(&d, &name);
+    assert_eq!((w["state"].as_str(), w["pid"].as_i64()), (Some("running"), Some(i64::from(pid))), "{w}");
+    assert!(procfs::running(pid));
+    // Later requests reach it directly; and it is watched again.
+    assert!(http_get(port).unwrap().starts_with("hits 4 sum "));
+    wait_reclaimed(&d, &name, pid);
+    let answer = http_get(port).expect("a second wake");
+    assert!(answer.starts_with("hits 5 sum "), "{answer}");
+}
+
+#[test]
+fn a_request_during_the_reclaim_is_answered_and_the_server_runs_on() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let name = d.workload_name("busy");
+    // 384 MiB of random memory: its checkpoint takes long enough to send a request meanwhile.
+    let (port, pid) = http_server(&d, &name, "384", "1s");
+    expect_within(Duration::from_secs(60), "the reclaim to start", || {
+        (status_of(&d, &name)["state"] == "reclaiming").then_some(())
+    });
+    let answer = http_get(port).expect("a request during the reclaim");
+    assert!(answer.starts_with("hits 2 sum "), "{answer}");
+    d.ok(&["idle", &name, "--off"]);
+    let w = expect_within(Duration::from_secs(60), "the reclaim to end", || {
+        let w = status_of(&d, &name);
+        (w["state"] != "reclaiming").then_some(w)
+    });
+    assert_eq!((w["state"].as_str(), w["pid"].as_i64()), (Some("running"), Some(i64::from(pid))), "{w}");
+    assert!(procfs::running(pid), "the server runs on: {:?}", procfs::proc_state(pid));
+    assert!(http_get(port).unwrap().starts_with("hits 3 sum "));
+    let log = d.log_tail(200);
+    assert!(log.contains("used during its reclaim"), "{log}");
+}
+
+#[test]
+fn a_wake_while_the_store_is_down_fails_clearly_and_a_later_one_works() {
+    skip_unless_ready!();
+    let Some(s3) = S3Server::start() else { return };
+    let proxy = TcpProxy::start(s3.port);
+    let options: DaemonOptions = s3.daemon_options_at(proxy.port, "idle", &["--store-retry-secs", "2"]);
+    let d = Daemon::start_with(&options);
+    let name = d.workload_name("web");
+    let (port, pid) = http_server(&d, &name, "32", "2s");
+    wait_reclaimed(&d, &name, pid);
+
+    proxy.take_down();
+    let err = d.cli_err(&["wake", &name]);
+    assert!(err.contains(&format!("waking workload {name} failed")), "{err}");
+    assert!(err.contains("stays reclaimed"), "{err}");
+    let w = status_of(&d, &name);
+    assert_eq!(w["state"], "reclaimed", "{w}");
+    assert!(!w["last_error"].as_str().unwrap_or_default().is_empty(), "status says why: {w}");
+
+    proxy.bring_up();
+    let woken = d.json(&["wake", &name, "--json"]);
+    assert_eq!(woken["pid"], pid, "{woken}");
+    assert!(http_get(port).unwrap().starts_with("hits 2 sum "));
+}
