@@ -235,13 +235,11 @@ async fn accept_any(listeners: &[(TcpListener, SocketAddr)]) -> (TcpStream, Sock
 /// The port of the next segment that matters (never, without a watch).
 async fn next_segment(watch: Option<&PortWatch>) -> u16 {
     let Some(watch) = watch else { return std::future::pending().await };
-    loop {
-        match watch.next().await {
-            Ok(port) => return port,
-            Err(e) => {
-                warn!(error = %e, "watching a reclaimed workload's ports failed");
-                return std::future::pending().await;
-            }
+    match watch.next().await {
+        Ok(port) => port,
+        Err(e) => {
+            warn!(error = %e, "watching a reclaimed workload's ports failed");
+            std::future::pending().await
         }
     }
 }
