@@ -113,21 +113,27 @@ impl Drop for Client {
     }
 }
 
+/// Starts a kernel as a workload of `d` on a new connection file; returns the workload and the
+/// file, and its five ports.
+fn start_kernel(d: &Daemon, python: &str) -> (stasis_tests::Workload, PathBuf, Vec<u16>) {
+    let (connection, ports) = connection_file(d);
+    // Its own IPython directory, so that the kernel's profile and history stay in the test's.
+    let ipython_dir = d.dir().join("ipython");
+    std::fs::create_dir_all(ipython_dir.join("profile_default")).expect("IPython directory");
+    let argv: Vec<String> = [python, "-m", "ipykernel_launcher", "-f", &connection.to_string_lossy()]
+        .into_iter()
+        .map(str::to_owned)
+        .chain([format!("--ipython-dir={}", ipython_dir.display())])
+        .collect();
+    (d.run("jupyter", &argv), connection, ports)
+}
+
 #[test]
 fn ipykernel_keeps_its_state_across_eviction_and_answers_through_leave_running() {
     skip_unless_ready!();
     let python = venv_python();
     let d = Daemon::start();
-    let (connection, ports) = connection_file(&d);
-    // Its own IPython directory, so that the kernel's profile and history stay in the test's.
-    let ipython_dir = d.dir().join("ipython");
-    std::fs::create_dir_all(ipython_dir.join("profile_default")).expect("IPython directory");
-    let argv: Vec<String> = [&python, "-m", "ipykernel_launcher", "-f", &connection.to_string_lossy()]
-        .into_iter()
-        .map(str::to_owned)
-        .chain([format!("--ipython-dir={}", ipython_dir.display())])
-        .collect();
-    let w = d.run("jupyter", &argv);
+    let (w, connection, ports) = start_kernel(&d, &python);
 
     let mut tab = Client::connect(&python, &connection);
     let (before, _) = tab.run(STATE);
@@ -179,4 +185,34 @@ fn ipykernel_keeps_its_state_across_eviction_and_answers_through_leave_running()
     assert_eq!(out, "43\n", "after checkpoint --leave-running");
     assert!(last > after, "the execution count should go on: {last} after {after}");
     again.kernel_info();
+}
+
+#[test]
+fn an_idle_kernel_is_reclaimed_and_its_client_wakes_it_by_running_a_cell() {
+    skip_unless_ready!();
+    let python = venv_python();
+    let d = Daemon::start();
+    let (w, connection, _) = start_kernel(&d, &python);
+    let mut tab = Client::connect(&python, &connection);
+    let (first, _) = tab.run("x = 41");
+    // From now on the kernel is reclaimed after 3 s of doing nothing; the client goes quiet.
+    d.ok(&["idle", &w.name, "--after", "3s"]);
+    let reclaimed = expect_within(TIMEOUT * 3, "the kernel to be reclaimed", || {
+        let status = d.workloads().into_iter().find(|s| s["name"] == w.name.as_str())?;
+        (status["state"] == "reclaimed").then_some(status)
+    });
+    expect_within(TIMEOUT, "the reclaimed kernel to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    assert!(!reclaimed["reclaimed_checkpoint"].as_str().unwrap_or_default().is_empty(), "{reclaimed}");
+
+    // The same client, on its same connections, with no retry of its own: its request is held
+    // by the network lock until the kernel is back.
+    let started = Instant::now();
+    let (next, out) = tab.run("print(x + 1)");
+    eprintln!("woken and answered in {:?}", started.elapsed());
+    assert_eq!(out, "42\n", "the woken kernel's state");
+    assert_eq!(next, first + 1, "the execution count goes on");
+    assert!(procfs::running(w.pid), "the kernel runs again as pid {}", w.pid);
+    // A browser reconnecting meanwhile gets answers too.
+    let mut again = Client::connect(&python, &connection);
+    assert_eq!(again.run("print(x)").1, "41\n");
 }
