@@ -121,3 +121,16 @@ fn a_wake_while_the_store_is_down_fails_clearly_and_a_later_one_works() {
     assert_eq!(woken["pid"], pid, "{woken}");
     assert!(http_get(port).unwrap().starts_with("hits 2 sum "));
 }
+
+#[test]
+fn a_workload_reclaimed_before_stasisd_restarts_is_woken_after() {
+    skip_unless_ready!();
+    let mut d = Daemon::start();
+    let name = d.workload_name("web");
+    let (port, pid) = http_server(&d, &name, "16", "1s");
+    wait_reclaimed(&d, &name, pid);
+    d.kill9_and_restart();
+    assert_eq!(status_of(&d, &name)["state"], "reclaimed");
+    let answer = http_get(port).expect("a request after the restart");
+    assert!(answer.starts_with("hits 2 sum "), "{answer}");
+}

@@ -225,18 +225,18 @@ async fn a_restore_criu_refuses_leaves_nothing_to_kill_and_the_checkpoint_whole(
     assert_eq!(r.checkpoints().await, 1);
 }
 
+/// An idle reclaim of the tree; `used`: the workload was used while it was checkpointed.
+async fn reclaim(r: &Rig, used: bool) -> CheckpointOutcome {
+    let used = Some(Arc::new(std::sync::atomic::AtomicBool::new(used)));
+    let params =
+        CheckpointParams { target: Target::Pid(ROOT), leave_running: false, on_resumed: None, reclaim: used };
+    r.engine.checkpoint(params, quiet()).await.unwrap()
+}
+
 #[tokio::test]
 async fn a_reclaim_the_workload_interrupts_gives_the_stored_tree_back() {
     let r = rig(FakeCriu::default(), FakeGpu::default());
-    // Used while its checkpoint was being taken.
-    let used = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let params = CheckpointParams {
-        target: Target::Pid(ROOT),
-        leave_running: false,
-        on_resumed: None,
-        reclaim: Some(used),
-    };
-    let ck = r.engine.checkpoint(params, quiet()).await.unwrap();
+    let ck = reclaim(&r, true).await;
     assert!(ck.durable && ck.left_running, "{ck:?}");
     assert_eq!(r.checkpoints().await, 1, "the checkpoint is kept");
     assert!(r.host.signals_of(Signal::SIGKILL).is_empty(), "nothing killed");
@@ -250,14 +250,7 @@ async fn a_reclaim_the_workload_interrupts_gives_the_stored_tree_back() {
 #[tokio::test]
 async fn a_reclaim_nobody_interrupts_stops_the_tree() {
     let r = rig(FakeCriu::default(), FakeGpu::default());
-    let used = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let params = CheckpointParams {
-        target: Target::Pid(ROOT),
-        leave_running: false,
-        on_resumed: None,
-        reclaim: Some(used),
-    };
-    let ck = r.engine.checkpoint(params, quiet()).await.unwrap();
+    let ck = reclaim(&r, false).await;
     assert!(ck.durable && !ck.left_running, "{ck:?}");
     assert_eq!(r.host.signals_of(Signal::SIGKILL), [ROOT, CHILD]);
 }

@@ -294,6 +294,19 @@ impl From<StatusReport> for pb::StatusResponse {
     }
 }
 
+/// A (lazily) restored tree runs: what the caller learns before its memory is in.
+impl From<RestoreOutcome> for pb::RestoreRunning {
+    fn from(o: RestoreOutcome) -> Self {
+        Self {
+            id: o.id,
+            workload: o.workload,
+            pid: o.pid,
+            first_run_ms: o.stats.first_run_ms,
+            warnings: o.warnings,
+        }
+    }
+}
+
 /// The API's message for a checkpoint's stats.
 fn api_stats(s: &crate::engine::CheckpointStats) -> pb::CheckpointStats {
     crate::engine::convert_stats!(s => pb::CheckpointStats)

@@ -100,14 +100,7 @@ impl Stasis for StasisService {
         let (tx, rx) = mpsc::unbounded_channel();
         let running = tx.clone();
         params.on_running = Some(Box::new(move |o| {
-            let event = pb::RestoreRunning {
-                id: o.id,
-                workload: o.workload,
-                pid: o.pid,
-                first_run_ms: o.stats.first_run_ms,
-                warnings: o.warnings,
-            };
-            let _ = running.send(Ok(pb::RestoreEvent { event: Some(Event::Running(event)) }));
+            let _ = running.send(Ok(pb::RestoreEvent { event: Some(Event::Running(o.into())) }));
         }));
         let progress = progress_sender(tx.clone(), |p| pb::RestoreEvent { event: Some(Event::Progress(p)) });
         let engine = self.engine.clone();
@@ -159,13 +152,6 @@ impl Stasis for StasisService {
     }
 
     async fn wake(&self, req: Request<pb::WakeRequest>) -> Result<Response<pb::RestoreRunning>, Status> {
-        let o = self.engine.wake(&req.into_inner().workload).await?;
-        Ok(Response::new(pb::RestoreRunning {
-            id: o.id,
-            workload: o.workload,
-            pid: o.pid,
-            first_run_ms: o.stats.first_run_ms,
-            warnings: o.warnings,
-        }))
+        Ok(Response::new(self.engine.wake(&req.into_inner().workload).await?.into()))
     }
 }
