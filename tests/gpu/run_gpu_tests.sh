@@ -17,6 +17,8 @@
 #   2. the same with --leave-running: the original goes on, is killed, the checkpoint restores;
 #   3. train.py: the losses of steps 1..60 of a run evicted around step 20 and restored equal
 #      those of an uninterrupted run.
+# (Two more scripts, run the same way: dataloader_test.sh, DataLoader worker trees; and
+# idle_test.sh, idle reclaim of a job whose GPU works while its CPU sleeps.)
 # Prints PASS/FAIL lines and finally `N passed, M failed`; exits non-zero on any failure.
 
 set -u

@@ -1,9 +1,11 @@
 //! NVIDIA GPUs: the CUDA driver's process checkpoint API, behind [`GpuCheckpointer`].
 //!
-//! - [`CudaDriver`] opens `libcuda.so.1` with `dlopen` at run time ([`sys`] is the daemon's only
+//! - [`CudaDriver`] opens `libcuda.so.1` with `dlopen` at run time ([`sys`] holds its
 //!   unsafe code), so stasisd builds and runs without CUDA; on such a machine
 //!   [`CudaDriver::load`] returns [`CudaError::NotInstalled`].
 //! - [`cuda_candidates`] finds the processes of a tree that have CUDA loaded, from /proc alone.
+//! - [`nvml`] asks NVML which processes used a GPU lately (idle reclaim's GPU signal); its FFI
+//!   is the CUDA area's other unsafe code.
 //!
 //! Per process the driver moves through these states (gpu_anchors.md (d)):
 //!
@@ -30,6 +32,7 @@
 mod error;
 #[cfg(test)]
 pub mod fake;
+pub mod nvml;
 mod procs;
 mod sys;
 mod uuid;

@@ -158,7 +158,7 @@ pub(super) struct Api {
 ///
 /// # Safety
 /// `T` must be the C signature of `name` as the driver declares it.
-unsafe fn symbol<T: Copy>(lib: &Library, name: &'static str) -> Result<T, libloading::Error> {
+pub(super) unsafe fn symbol<T: Copy>(lib: &Library, name: &'static str) -> Result<T, libloading::Error> {
     // SAFETY: the caller guarantees that `T` is the exported function's signature; the value
     // is copied out of the `Symbol`, and the library it points into is never unloaded (see
     // `Api::_lib`), so the pointer outlives the borrow.

@@ -32,7 +32,7 @@ pub(crate) use checkpoint::convert_stats;
 pub use checkpoint::{CheckpointOutcome, CheckpointParams, CheckpointStats, Target};
 pub use error::{CheckpointError, IdleError, QueryError, RestoreError, RunError, StartError};
 pub use hot_restore::LazyError;
-pub use idle::{IdleSettings, IdleState, Thresholds};
+pub use idle::{GpuActivity, IdleSettings, IdleState, Thresholds};
 pub use ids::{now_unix_ms, valid_checkpoint_id};
 pub use query::{CheckpointList, CheckpointSummary, StatusReport};
 pub use restore::{RestoreOutcome, RestoreParams, RestoreStats, RestoreTarget};
@@ -108,6 +108,8 @@ pub struct Engine {
     lazy: crate::store::FetchSettings,
     /// The NVIDIA driver's checkpoint API, when a driver is installed.
     gpu: Option<Arc<dyn GpuCheckpointer>>,
+    /// Which processes use a GPU (NVML), when a driver is installed.
+    gpu_activity: Option<Arc<dyn GpuActivity>>,
     /// Idle reclaim: the monitor's clocks, reclaims and wakers under way.
     idle: idle::IdleBook,
     idle_settings: IdleSettings,

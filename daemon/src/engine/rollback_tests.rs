@@ -82,6 +82,7 @@ fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
         },
         host: host.clone(),
         gpu: Some(gpu.clone()),
+        gpu_activity: None,
         store: Store::open(&config.store_url, config.store_retry).unwrap(),
         registry: Registry::load(&state.registry_file()).unwrap(),
         state,

@@ -12,8 +12,9 @@ use super::host::{Host, LinuxHost};
 use super::sockets::{LeftLocks, SWEEP_EVERY};
 use super::state::StateDir;
 use super::workloads::Registry;
-use super::{Engine, EngineConfig, StartError, dump};
+use super::{Engine, EngineConfig, GpuActivity, StartError, dump};
 use crate::criu::{Criu, CriuOps, CriuVersion, MIN_VERSION, NetworkLock, support};
+use crate::cuda::nvml::Nvml;
 use crate::cuda::{CudaDriver, CudaError, GpuCheckpointer};
 use crate::linux::reaper::Reaper;
 use crate::store::Store;
@@ -34,6 +35,7 @@ pub(super) struct Parts {
     pub support: CriuSupport,
     pub host: Arc<dyn Host>,
     pub gpu: Option<Arc<dyn GpuCheckpointer>>,
+    pub gpu_activity: Option<Arc<dyn GpuActivity>>,
     pub store: Store,
     pub state: StateDir,
     pub registry: Registry,
@@ -59,8 +61,9 @@ impl Engine {
         let registry = Registry::load(&state.registry_file()).map_err(state_err(&state.registry_file()))?;
         let reaper = Reaper::start().map_err(StartError::Reaper)?;
         let (host, gpu) = (Arc::new(LinuxHost), load_gpu());
-        let engine =
-            Engine::assemble(Parts { criu, support, host, gpu, store, state, registry, reaper }, &config);
+        let gpu_activity = gpu.as_ref().and_then(|_| load_nvml());
+        let parts = Parts { criu, support, host, gpu, gpu_activity, store, state, registry, reaper };
+        let engine = Engine::assemble(parts, &config);
         engine.recover().await;
         sweep_left_locks(engine.left_locks.clone(), config.network_lock_keep);
         info!(criu = %engine.criu.path().display(), version = %engine.criu_version, store = %config.store_url, "engine ready");
@@ -71,7 +74,7 @@ impl Engine {
 
     /// An engine of `parts` with the settings of `config`.
     pub(super) fn assemble(parts: Parts, config: &EngineConfig) -> Engine {
-        let Parts { criu, support, host, gpu, store, state, registry, reaper } = parts;
+        let Parts { criu, support, host, gpu, gpu_activity, store, state, registry, reaper } = parts;
         Engine {
             criu,
             host,
@@ -86,6 +89,7 @@ impl Engine {
             jobs: TaskTracker::new(),
             staging_limit: config.staging_limit.unwrap_or_else(dump::default_staging_limit),
             gpu,
+            gpu_activity,
             keep_last: config.keep_last,
             gc_grace: config.gc_grace,
             lazy: config.lazy,
@@ -178,6 +182,17 @@ async fn blocking<T: Send + 'static>(
 fn node_tag(state_dir: &Path) -> String {
     let seed = format!("{}:{}", crate::linux::proc::node_name(), state_dir.display());
     hex::encode(&blake3::hash(seed.as_bytes()).as_bytes()[..4])
+}
+
+/// Loads NVML, for idle reclaim's GPU activity signal.
+fn load_nvml() -> Option<Arc<dyn GpuActivity>> {
+    match Nvml::load() {
+        Ok(nvml) => Some(Arc::new(nvml)),
+        Err(e) => {
+            warn!(error = %e, "NVML unusable: idle workloads are judged by CPU and reads only");
+            None
+        }
+    }
 }
 
 /// Loads the NVIDIA driver's checkpoint API; without a driver stasis checkpoints CPU-only trees.

@@ -1,12 +1,29 @@
-//! What counts as a workload being used: CPU time its processes spent, and bytes they read
-//! (from sockets, pipes or files), sampled from /proc at every tick of the idle monitor.
+//! What counts as a workload being used: CPU time its processes spent, bytes they read (from
+//! sockets, pipes or files), sampled from /proc at every tick of the idle monitor, and on GPU
+//! nodes whether NVML saw any of them use a GPU since the last tick.
 //!
 //! A workload is idle for as long as no tick saw either above its threshold. The thresholds
 //! are rates, so a tick's length does not change what counts: by default 0.5 % of one core
 //! and 1 KiB read per second. An idle Jupyter kernel stays below both (measured: no CPU and
 //! 16 bytes a second), one that runs a cell or receives a request does not.
 
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
+
+use crate::cuda::nvml::Nvml;
+
+/// Which processes used a GPU lately.
+pub trait GpuActivity: Send + Sync {
+    /// Host pids with GPU (SM or memory) utilization in samples newer than `since_us`
+    /// (microseconds since the epoch).
+    fn active_since(&self, since_us: u64) -> Result<HashSet<u32>, String>;
+}
+
+impl GpuActivity for Nvml {
+    fn active_since(&self, since_us: u64) -> Result<HashSet<u32>, String> {
+        Nvml::active_since(self, since_us).map_err(|e| e.to_string())
+    }
+}
 
 /// One sample of a tree's counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,6 +33,8 @@ pub struct Sample {
     pub cpu_ns: u64,
     /// Bytes read by `read`-like calls (`rchar`), from anything.
     pub read_bytes: u64,
+    /// A process of the tree used a GPU since the previous sample.
+    pub gpu: bool,
 }
 
 /// Above what a tick counts as activity.
@@ -54,7 +73,7 @@ impl IdleClock {
             let read = sample.read_bytes.saturating_sub(last.read_bytes) as f64;
             let busy_cpu = cpu > span * 1e9 * limits.cpu_percent / 100.0;
             let busy_read = read > span * limits.read_bytes_per_sec as f64;
-            if busy_cpu || busy_read {
+            if busy_cpu || busy_read || sample.gpu {
                 self.active_at = sample.at;
             }
         }
@@ -67,14 +86,16 @@ impl IdleClock {
     }
 }
 
-/// The counters of `pids` now; processes that are gone count nothing.
-pub fn sample(pids: &[i32]) -> Sample {
+/// The counters of `pids` now, and whether one of them is in `gpu_active`; processes that
+/// are gone count nothing.
+pub fn sample(pids: &[i32], gpu_active: &HashSet<u32>) -> Sample {
     let (mut cpu_ns, mut read_bytes) = (0, 0);
     for &pid in pids {
         cpu_ns += cpu_time_ns(pid).unwrap_or(0);
         read_bytes += read_chars(pid).unwrap_or(0);
     }
-    Sample { at: Instant::now(), cpu_ns, read_bytes }
+    let gpu = pids.iter().any(|&pid| u32::try_from(pid).is_ok_and(|pid| gpu_active.contains(&pid)));
+    Sample { at: Instant::now(), cpu_ns, read_bytes, gpu }
 }
 
 /// CPU time of every thread of `pid`: the first field of each thread's `schedstat`
@@ -100,7 +121,12 @@ mod tests {
     use super::*;
 
     fn at(start: Instant, secs: u64, cpu_ms: u64, read: u64) -> Sample {
-        Sample { at: start + Duration::from_secs(secs), cpu_ns: cpu_ms * 1_000_000, read_bytes: read }
+        Sample {
+            at: start + Duration::from_secs(secs),
+            cpu_ns: cpu_ms * 1_000_000,
+            read_bytes: read,
+            gpu: false,
+        }
     }
 
     #[test]
@@ -117,6 +143,19 @@ mod tests {
         // 4 KiB read in a second: busy.
         assert_eq!(clock.observe(at(t0, 6, 124, 9200), limits), Duration::ZERO);
         assert_eq!(clock.idle_for(t0 + Duration::from_secs(9)), Duration::from_secs(3));
+    }
+
+    #[test]
+    fn gpu_use_alone_is_activity() {
+        let t0 = Instant::now();
+        let mut clock = IdleClock::new(t0);
+        clock.observe(at(t0, 1, 0, 0), Thresholds::default());
+        // No CPU, nothing read: a kernel runs on the GPU while its process waits.
+        let on_gpu = Sample { gpu: true, ..at(t0, 5, 0, 0) };
+        assert_eq!(clock.observe(on_gpu, Thresholds::default()), Duration::ZERO);
+        let me = std::process::id();
+        assert!(sample(&[me as i32], &HashSet::from([me])).gpu);
+        assert!(!sample(&[me as i32], &HashSet::from([me + 1])).gpu);
     }
 
     #[test]
@@ -139,14 +178,14 @@ mod tests {
     #[test]
     fn this_process_is_sampled() {
         let me = std::process::id() as i32;
-        let before = sample(&[me]);
+        let before = sample(&[me], &HashSet::new());
         let mut x = 0u64;
         for i in 0..5_000_000u64 {
             x = x.wrapping_add(std::hint::black_box(i));
         }
         std::hint::black_box(x);
         let _ = std::fs::read("/proc/self/status");
-        let after = sample(&[me, i32::MAX]);
+        let after = sample(&[me, i32::MAX], &HashSet::new());
         assert!(after.cpu_ns > before.cpu_ns, "{before:?} {after:?}");
         assert!(after.read_bytes > before.read_bytes, "{before:?} {after:?}");
     }

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use activity::IdleClock;
-pub use activity::Thresholds;
+pub use activity::{GpuActivity, Thresholds};
 
 use super::{Engine, IdleError};
 
@@ -73,6 +73,8 @@ pub(super) struct IdleBook {
     reclaiming: Mutex<HashSet<String>>,
     waking: Mutex<HashSet<String>>,
     wakers: Mutex<HashMap<String, wake::Waker>>,
+    /// When GPU activity was last asked for (microseconds since the epoch).
+    gpu_asked_us: Mutex<Option<u64>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -139,16 +141,30 @@ impl Engine {
         });
     }
 
+    /// The processes that used a GPU since the last tick (none without NVML).
+    fn gpu_active(&self) -> HashSet<u32> {
+        let Some(gpu) = &self.gpu_activity else { return HashSet::new() };
+        let now_us = super::now_unix_ms() * 1000;
+        let tick_us = self.idle_settings.tick.as_micros() as u64;
+        let since = lock(&self.idle.gpu_asked_us).replace(now_us).unwrap_or(now_us.saturating_sub(tick_us));
+        gpu.active_since(since).unwrap_or_else(|why| {
+            warn!(reason = %why, "cannot read GPU activity; idle workloads are judged by CPU and reads");
+            HashSet::new()
+        })
+    }
+
     /// Samples every watched workload; starts the reclaim of those idle long enough.
     fn idle_tick(self: &Arc<Self>) {
         let limits = self.idle_settings.thresholds;
+        let mut gpu_active = None;
         for w in self.registry.all() {
             let watched = w.idle_after_ms.filter(|_| w.reclaimed.is_none() && self.host.is_running(w.pid));
             let Some(after_ms) = watched else {
                 lock(&self.idle.clocks).remove(&w.name);
                 continue;
             };
-            let sample = activity::sample(&self.host.trees(&[w.pid]));
+            let gpu_active = gpu_active.get_or_insert_with(|| self.gpu_active());
+            let sample = activity::sample(&self.host.trees(&[w.pid]), gpu_active);
             let idle = lock(&self.idle.clocks)
                 .entry(w.name.clone())
                 .or_insert_with(|| IdleClock::new(sample.at))
