@@ -12,7 +12,6 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use futures::FutureExt;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
@@ -136,6 +135,8 @@ async fn wait_and_wake(
                 .ok(),
         };
         let trigger = tokio::select! {
+            // A connection first: a segment seen may be its SYN.
+            biased;
             (stream, addr) = accept_any(&listeners) => Trigger::Connection(stream, addr),
             port = next_segment(watch.as_ref()) => Trigger::Segment(port),
             reply = asked.recv() => match reply {
@@ -158,13 +159,11 @@ async fn wait_and_wake(
                 replies.push(reply);
             }
         }
-        // Connections already waiting would be refused once the listeners close.
-        for (listener, addr) in &listeners {
-            while let Some(Ok((stream, _))) = listener.accept().now_or_never() {
-                accepted.push((stream, *addr));
-            }
+        // Connections already waiting would be reset once the listeners close.
+        for (listener, addr) in listeners {
+            accepted.extend(waiting(listener).into_iter().map(|stream| (stream, addr)));
         }
-        drop((listeners, watch));
+        drop(watch);
         let Some(engine) = engine.upgrade() else { return };
         lock(&engine.idle.waking).insert(name.clone());
         let woken = engine.restore_reclaimed(&name, &reclaimed).await;
@@ -212,6 +211,20 @@ fn listen_on(name: &str, addrs: &[SocketAddr]) -> Vec<(TcpListener, SocketAddr)>
             }
         })
         .collect()
+}
+
+/// The connections waiting in `listener`'s backlog, taken without waiting (the reactor may
+/// not have seen them yet); the listener is closed afterwards.
+fn waiting(listener: TcpListener) -> Vec<TcpStream> {
+    let Ok(listener) = listener.into_std() else { return Vec::new() };
+    let mut streams = Vec::new();
+    while let Ok((stream, _)) = listener.accept() {
+        match stream.set_nonblocking(true).and_then(|()| TcpStream::from_std(stream)) {
+            Ok(stream) => streams.push(stream),
+            Err(e) => debug!(error = %e, "a waiting connection could not be taken over"),
+        }
+    }
+    streams
 }
 
 /// The first connection accepted on any of `listeners` (never, without listeners).
