@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! target/release/stasis-bench [--rss-mib 2048] [--random 0.5] [--compressible 0.5] [--zero F]
-//!     [--dirty 0.1] [--dirty-block-kib 1024] [--rounds 3] [--staging-mib M]
+//!     [--dirty 0.1] [--dirty-block-kib 1024] [--churn] [--rounds 3] [--staging-mib M]
 //!     [--store-dir /var/tmp/stasis-bench] [--no-settle] [--keep]
 //! target/release/stasis-bench lazy [--s3] [the same options]
 //! ```
@@ -78,6 +78,10 @@ pub struct Args {
     /// 4 every k-th page.
     #[arg(long, default_value_t = 1024)]
     pub dirty_block_kib: u64,
+    /// Between checkpoints the workload also scatters 4 KiB writes and allocates and frees
+    /// heap memory and anonymous mappings, as a Python or PyTorch process does.
+    #[arg(long)]
+    pub churn: bool,
     /// stasisd's staging bound, MiB [default: stasisd's own, a quarter of RAM].
     #[arg(long)]
     pub staging_mib: Option<u64>,

@@ -19,7 +19,8 @@ pub struct Round {
     /// `stasis checkpoint --json`.
     pub ck: Value,
     pub peer: PeerCheckpoint,
-    /// Bytes the workload rewrote since the previous checkpoint.
+    /// Bytes the workload wrote since the previous checkpoint, counted in the 64 KiB windows
+    /// it touched.
     pub dirtied: u64,
     pub stasis_first: bool,
 }
@@ -87,8 +88,9 @@ pub fn start_workload(d: &Daemon, args: &Args) -> anyhow::Result<(i32, PathBuf)>
         format!("--dirty={}", args.dirty),
         format!("--dirty-block-kib={}", args.dirty_block_kib),
     ];
+    let churn = args.churn.then(|| "--churn".to_string());
     let mut argv = vec!["run", "--workload", "bench", "--json", "--"];
-    argv.extend(command.iter().map(String::as_str));
+    argv.extend(command.iter().chain(&churn).map(String::as_str));
     let run = d.cli(&argv)?;
     let pid = run["pid"].as_i64().context("`stasis run --json` printed no pid")? as i32;
     d.set_workload(Some(pid));
@@ -117,15 +119,17 @@ pub fn ask(pid: i32, log: &Path, signal: Signal, prefix: &str, timeout: Duration
     Ok(line[prefix.len()..].trim().to_string())
 }
 
-/// Has the workload rewrite its memory; returns the bytes it rewrote.
+/// Has the workload rewrite its memory; returns the bytes it wrote, counted in the 64 KiB
+/// windows it touched (a chunk is stored anew when any byte of its window changed).
 pub fn dirty(pid: i32, log: &Path) -> anyhow::Result<u64> {
     let answer = ask(pid, log, Signal::SIGUSR1, "dirtied ", Duration::from_secs(120))?;
-    let pages: u64 = answer
+    // "<N> pages <W> windows"
+    let windows: u64 = answer
         .split_whitespace()
-        .next()
+        .nth(2)
         .and_then(|n| n.parse().ok())
         .with_context(|| format!("unexpected line from the workload: dirtied {answer}"))?;
-    Ok(pages * 4096)
+    Ok(windows << 16)
 }
 
 /// Restores the stasis checkpoint `id`, then kills the restored tree.

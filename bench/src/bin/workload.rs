@@ -3,7 +3,12 @@
 //! pages (written, so resident); any rest is allocated but never touched. It prints `ready`,
 //! then sleeps. On each SIGUSR1 it rewrites `--dirty` of its memory with new random bytes, in
 //! contiguous blocks of `--dirty-block-kib` (default 1 MiB: a training step rewrites whole
-//! tensors) spread evenly over the whole range, and prints `dirtied <N> pages`. On each
+//! tensors) spread evenly over the whole range, and prints `dirtied <N> pages <W> windows`
+//! (N: pages rewritten in place; W: the 64 KiB-aligned address windows it wrote to, new
+//! allocations included, since the previous SIGUSR1). With
+//! `--churn` it also behaves like a Python or PyTorch process between two checkpoints: 4 KiB
+//! writes scattered over its memory, new and freed heap allocations (small ones from the brk
+//! heap, large ones as anonymous mappings that come and go). On each
 //! SIGUSR2 it reads all of its memory and prints `checksum <hex>`; on each SIGHUP it reads the
 //! blocks it rewrites (its working set) and prints `touched <ms>`, the time that took.
 #![forbid(unsafe_code)]
@@ -39,15 +44,73 @@ struct Args {
     /// Size of each contiguous rewritten block, KiB (4: every k-th page).
     #[arg(long, default_value_t = 1024)]
     dirty_block_kib: usize,
+    /// Also scatter 4 KiB writes and allocate and free heap memory on each SIGUSR1.
+    #[arg(long)]
+    churn: bool,
+}
+
+/// The granularity at which written memory is counted: the store's chunk windows.
+const WINDOW: usize = 64 << 10;
+
+/// Memory a churning process allocates and frees between checkpoints.
+struct Churn {
+    /// Large allocations (anonymous mappings, or brk heap once glibc raised its threshold).
+    large: Vec<Vec<u8>>,
+    /// Small allocations from the brk heap.
+    small: Vec<Vec<u8>>,
+}
+
+impl Churn {
+    fn new(seed: &mut u64) -> Churn {
+        let mut churn = Churn { large: Vec::new(), small: Vec::new() };
+        let mut windows = std::collections::HashSet::new();
+        for _ in 0..4 {
+            churn.step(seed, &mut windows);
+        }
+        churn
+    }
+
+    /// Frees the oldest large allocation and half the small ones, and makes new ones filled
+    /// with random bytes; records the windows written.
+    fn step(&mut self, seed: &mut u64, windows: &mut std::collections::HashSet<usize>) {
+        if self.large.len() >= 4 {
+            self.large.remove(0);
+        }
+        let size = (1 + next(seed) as usize % 8) << 20;
+        self.large.push(filled(size, seed, windows));
+        let keep = self.small.len() / 2;
+        self.small.truncate(keep);
+        for _ in 0..64 {
+            let size = (4 + next(seed) as usize % 56) << 10;
+            self.small.push(filled(size, seed, windows));
+        }
+    }
+}
+
+fn next(state: &mut u64) -> u64 {
+    *state ^= *state >> 12;
+    *state ^= *state << 25;
+    *state ^= *state >> 27;
+    state.wrapping_mul(0x2545_f491_4f6c_dd1d)
+}
+
+/// A new allocation of `size` random bytes; its windows go to `windows`.
+fn filled(size: usize, seed: &mut u64, windows: &mut std::collections::HashSet<usize>) -> Vec<u8> {
+    let mut v = vec![0u8; size];
+    fill_random(&mut v, seed);
+    mark(windows, v.as_ptr() as usize, size);
+    v
+}
+
+/// Records that `len` bytes at address `addr` were written.
+fn mark(windows: &mut std::collections::HashSet<usize>, addr: usize, len: usize) {
+    windows.extend(addr / WINDOW..=(addr + len - 1) / WINDOW);
 }
 
 /// xorshift64*: fast, and random enough that zstd cannot compress it.
 fn fill_random(buf: &mut [u8], state: &mut u64) {
     for word in buf.chunks_mut(8) {
-        *state ^= *state >> 12;
-        *state ^= *state << 25;
-        *state ^= *state >> 27;
-        let v = state.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes();
+        let v = next(state).to_le_bytes();
         word.copy_from_slice(&v[..word.len()]);
     }
 }
@@ -116,6 +179,7 @@ fn main() -> anyhow::Result<()> {
         page[0] = std::hint::black_box(0);
     }
     std::hint::black_box(&memory);
+    let mut churn = args.churn.then(|| Churn::new(&mut seed));
 
     let mut signals = Signals::new([SIGUSR1, SIGUSR2, SIGHUP])?;
     println!("ready");
@@ -141,12 +205,26 @@ fn main() -> anyhow::Result<()> {
             std::io::stdout().flush()?;
             continue;
         }
+        let mut windows = std::collections::HashSet::new();
+        let base = memory.as_ptr() as usize;
         for i in 0..dirty_blocks {
             let at = working_set(i);
             fill_random(&mut memory[at..at + block], &mut seed);
+            mark(&mut windows, base + at, block);
+        }
+        let mut pages = dirty_blocks * block / PAGE;
+        if let Some(churn) = churn.as_mut() {
+            // One page in 256 gets a word written, anywhere.
+            for _ in 0..size / PAGE / 256 {
+                let at = next(&mut seed) as usize % (size / PAGE) * PAGE;
+                memory[at..at + 8].copy_from_slice(&next(&mut seed).to_le_bytes());
+                mark(&mut windows, base + at, 8);
+                pages += 1;
+            }
+            churn.step(&mut seed, &mut windows);
         }
         std::hint::black_box(&memory);
-        println!("dirtied {} pages", dirty_blocks * block / PAGE);
+        println!("dirtied {pages} pages {} windows", windows.len());
         std::io::stdout().flush()?;
     }
     Ok(())

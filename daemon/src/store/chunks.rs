@@ -5,6 +5,7 @@
 //! packs go to the async uploader through a bounded channel, which bounds the memory held in
 //! packs waiting for upload.
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 
 use rayon::prelude::*;
@@ -41,20 +42,37 @@ pub struct FinishedPack {
     pub index: PackIndex,
 }
 
-/// Cuts `data`, which starts at address (or offset) `start`, at multiples of [`CHUNK`].
-pub fn split_aligned(start: u64, data: &[u8]) -> impl Iterator<Item = &[u8]> {
-    let mut pos = 0usize;
-    std::iter::from_fn(move || {
-        if pos >= data.len() {
-            return None;
+/// Cuts the bytes of `pieces`, which follow each other from address (or offset) `start` on,
+/// at multiples of [`CHUNK`]: each chunk is the part of one aligned window that the bytes
+/// cover, wherever the pieces themselves end. A window within one piece is borrowed; one that
+/// spans pieces is copied.
+pub fn aligned_windows<'a>(start: u64, pieces: &[&'a [u8]]) -> Vec<Cow<'a, [u8]>> {
+    let total: usize = pieces.iter().map(|p| p.len()).sum();
+    let mut windows = Vec::with_capacity(total / CHUNK + 2);
+    let (mut addr, mut spanning): (u64, Vec<u8>) = (start, Vec::new());
+    for &piece in pieces {
+        let mut pos = 0usize;
+        while pos < piece.len() {
+            let to_boundary = (CHUNK as u64 - addr % CHUNK as u64) as usize;
+            let end = (pos + to_boundary).min(piece.len());
+            let part = &piece[pos..end];
+            let window_done = end - pos == to_boundary;
+            match (spanning.is_empty(), window_done) {
+                (true, true) => windows.push(Cow::Borrowed(part)),
+                (_, false) => spanning.extend_from_slice(part),
+                (false, true) => {
+                    spanning.extend_from_slice(part);
+                    windows.push(Cow::Owned(std::mem::take(&mut spanning)));
+                }
+            }
+            addr += part.len() as u64;
+            pos = end;
         }
-        let addr = start + pos as u64;
-        let boundary = ((addr / CHUNK as u64 + 1) * CHUNK as u64 - addr) as usize;
-        let end = (pos + boundary).min(data.len());
-        let piece = &data[pos..end];
-        pos = end;
-        Some(piece)
-    })
+    }
+    if !spanning.is_empty() {
+        windows.push(Cow::Owned(spanning));
+    }
+    windows
 }
 
 fn is_zero(data: &[u8]) -> bool {
@@ -174,14 +192,35 @@ pub(super) fn new_pack_id(node_tag: &str) -> String {
 mod tests {
     use super::*;
 
+    fn lens(windows: &[Cow<'_, [u8]>]) -> Vec<usize> {
+        windows.iter().map(|w| w.len()).collect()
+    }
+
     #[test]
-    fn split_respects_alignment() {
+    fn windows_respect_alignment() {
         let data = vec![7u8; 3 * CHUNK];
         let start = (5 * CHUNK - 4096) as u64;
-        let lens: Vec<usize> = split_aligned(start, &data).map(<[u8]>::len).collect();
-        assert_eq!(lens, vec![4096, CHUNK, CHUNK, CHUNK - 4096]);
-        assert_eq!(split_aligned(0, &data[..100]).count(), 1);
-        assert_eq!(split_aligned(0, &[]).count(), 0);
+        assert_eq!(lens(&aligned_windows(start, &[&data])), vec![4096, CHUNK, CHUNK, CHUNK - 4096]);
+        assert_eq!(aligned_windows(0, &[&data[..100]]).len(), 1);
+        assert!(aligned_windows(0, &[]).is_empty());
+    }
+
+    #[test]
+    fn windows_do_not_depend_on_where_the_pieces_end() {
+        let data: Vec<u8> = (0..5 * CHUNK + 8192).map(|i| (i * 7 % 251) as u8).collect();
+        let start = (3 * CHUNK - 8192) as u64;
+        let whole = aligned_windows(start, &[&data]);
+        for cuts in [vec![4096], vec![CHUNK, 2 * CHUNK + 4096], vec![12288, 12288 + 4096, 3 * CHUNK]] {
+            let mut pieces = Vec::new();
+            let mut from = 0;
+            for &cut in &cuts {
+                pieces.push(&data[from..cut]);
+                from = cut;
+            }
+            pieces.push(&data[from..]);
+            assert_eq!(aligned_windows(start, &pieces), whole, "cut at {cuts:?}");
+        }
+        assert!(matches!(whole[1], Cow::Borrowed(_)), "a window within one piece is not copied");
     }
 
     #[test]

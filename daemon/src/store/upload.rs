@@ -11,8 +11,8 @@ use stasis_proto::stasis::v1::{FileImage, MemoryImage, PageRun as StoredRun};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 
-use super::chunks::{ChunkStats, ChunkWriter, FinishedPack, UploaderGone, split_aligned};
-use super::staging::Staged;
+use super::chunks::{ChunkStats, ChunkWriter, FinishedPack, UploaderGone, aligned_windows};
+use super::staging::{Staged, StagedRun};
 use super::{Progress, Store, StoreError, envelope};
 
 /// Packs uploaded at the same time.
@@ -66,8 +66,8 @@ impl Store {
             })?;
             let mut images = Vec::with_capacity(files.len());
             for (name, data) in files {
-                let pieces: Vec<&[u8]> = split_aligned(0, &data).collect();
-                let chunks = writer.write(&pieces)?;
+                let windows = aligned_windows(0, &[&data]);
+                let chunks = writer.write(&windows.iter().map(|w| w.as_ref()).collect::<Vec<_>>())?;
                 images.push(FileImage { name, size: data.len() as u64, chunks });
             }
             writer.flush()?;
@@ -151,37 +151,49 @@ fn record(
     }
 }
 
-/// Groups staged runs by destination (keeping CRIU's order) and chunks their bytes.
+/// Groups staged runs by destination (keeping CRIU's order), joins the runs of each that
+/// continue one another, and chunks their bytes.
+///
+/// CRIU cuts its transfers where its page-pipe buffers fill up, and those places move as soon
+/// as an earlier mapping gains or loses a page. Joined, a stored run is a stretch of present
+/// pages of the task's memory, and each chunk the part of an aligned window that stretch
+/// covers: the same memory gives the same chunks wherever CRIU cut it.
 fn memory_images(
     staged: &Staged,
     writer: &mut ChunkWriter<'_>,
     advance: &mut dyn FnMut(u64),
 ) -> Result<Vec<MemoryImage>, UploaderGone> {
     let mut order: Vec<u64> = Vec::new();
-    let mut groups: HashMap<u64, Vec<usize>> = HashMap::new();
-    for (i, r) in staged.runs().iter().enumerate() {
+    let mut groups: HashMap<u64, Vec<&StagedRun>> = HashMap::new();
+    for r in staged.runs() {
         groups.entry(r.run.dst_id).or_insert_with(|| {
             order.push(r.run.dst_id);
             Vec::new()
         });
-        groups.get_mut(&r.run.dst_id).expect("group just made").push(i);
+        groups.get_mut(&r.run.dst_id).expect("group just made").push(r);
     }
     let mut images = Vec::with_capacity(order.len());
     for dst_id in order {
         let mut image = MemoryImage { dst_id, ..Default::default() };
-        for &i in &groups[&dst_id] {
-            let staged_run = &staged.runs()[i];
-            let run = staged_run.run;
-            image.runs.push(StoredRun { vaddr: run.vaddr, nr_pages: run.nr_pages, flags: run.flags });
-            let bytes = staged.bytes(staged_run);
-            let pieces: Vec<&[u8]> = split_aligned(run.vaddr, bytes).collect();
-            image.chunks.extend(writer.write(&pieces)?);
-            staged.release(staged_run);
-            advance(bytes.len() as u64);
+        for joined in continuations(&groups[&dst_id]) {
+            let first = joined[0].run;
+            let nr_pages = joined.iter().map(|r| r.run.nr_pages).sum();
+            image.runs.push(StoredRun { vaddr: first.vaddr, nr_pages, flags: first.flags });
+            let pieces: Vec<&[u8]> = joined.iter().map(|r| staged.bytes(r)).collect();
+            let windows = aligned_windows(first.vaddr, &pieces);
+            image.chunks.extend(writer.write(&windows.iter().map(|w| w.as_ref()).collect::<Vec<_>>())?);
+            joined.iter().for_each(|r| staged.release(r));
+            advance(pieces.iter().map(|p| p.len() as u64).sum());
         }
         images.push(image);
     }
     Ok(images)
+}
+
+/// `runs` split where a run does not continue the one before it (same flags, starting where
+/// it ends).
+fn continuations<'a, 'r>(runs: &'a [&'r StagedRun]) -> impl Iterator<Item = &'a [&'r StagedRun]> {
+    runs.chunk_by(|a, b| a.run.flags == b.run.flags && a.run.vaddr + a.run.byte_len() == b.run.vaddr)
 }
 
 /// The regular files of `dir` except `skip`, sorted by name.
@@ -201,4 +213,78 @@ async fn read_images(dir: &Path, skip: &[&str]) -> Result<Vec<(String, Vec<u8>)>
     }
     out.sort();
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::criu::pageserver::{PAGE_SIZE, PE_PRESENT, PageRun, PageSink};
+    use crate::store::{Manifest, MemoryMode, Staging};
+
+    const PAGE: usize = PAGE_SIZE as usize;
+
+    /// Task 42's memory: 37 pages from 0x7f0000003000 (not window-aligned) and 5 pages at
+    /// 0x7f0000100000, different bytes on every page.
+    fn memory() -> Vec<(u64, Vec<u8>)> {
+        let fill = |pages: usize, seed: u8| -> Vec<u8> {
+            (0..pages * PAGE).map(|i| (i / PAGE) as u8 ^ seed ^ (i % 253) as u8).collect()
+        };
+        vec![(0x7f00_0000_3000, fill(37, 1)), (0x7f00_0010_0000, fill(5, 2))]
+    }
+
+    /// Stores `memory()` as CRIU would send it with its transfers cut after the page counts in
+    /// `cuts` (per region, in order).
+    async fn store_cut(store: &Store, dir: &Path, cuts: &[&[usize]]) -> StoredDump {
+        let mut staging = Staging::new(64 << 20, &dir.join("spill"));
+        for ((vaddr, bytes), cuts) in memory().iter().zip(cuts) {
+            let mut from = 0;
+            for &to in cuts.iter().chain([&(bytes.len() / PAGE)]) {
+                let run = PageRun {
+                    dst_id: (42 << 8) | 1,
+                    vaddr: vaddr + (from * PAGE) as u64,
+                    nr_pages: (to - from) as u64,
+                    flags: PE_PRESENT,
+                };
+                staging.run(run, &mut &bytes[from * PAGE..to * PAGE]).unwrap();
+                from = to;
+            }
+        }
+        let images = dir.join("images");
+        std::fs::create_dir_all(&images).unwrap();
+        store
+            .store_dump(Arc::new(staging.finish().unwrap()), &images, &[], Arc::new(|_, _| {}))
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn the_same_memory_gives_the_same_chunks_wherever_criu_cut_its_transfers() {
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            Store::open(&format!("file://{}", dir.path().join("store").display()), Duration::from_secs(1))
+                .unwrap();
+        let first = store_cut(&store, &dir.path().join("a"), &[&[20], &[]]).await;
+        assert_eq!(first.memory.len(), 1);
+        let runs: Vec<(u64, u64)> = first.memory[0].runs.iter().map(|r| (r.vaddr, r.nr_pages)).collect();
+        assert_eq!(runs, [(0x7f00_0000_3000, 37), (0x7f00_0010_0000, 5)], "one stored run per stretch");
+        for cuts in [&[&[1usize, 2, 3, 17, 36][..], &[4][..]], &[&[16, 29][..], &[1, 2, 3][..]]] {
+            let again = store_cut(&store, &dir.path().join(format!("{cuts:?}")), &cuts[..]).await;
+            let (a, b) = (&again.memory[0], &first.memory[0]);
+            assert_eq!(a.runs, b.runs, "cut at {cuts:?}");
+            let hashes =
+                |m: &MemoryImage| m.chunks.iter().map(|c| (c.hash.clone(), c.len)).collect::<Vec<_>>();
+            assert_eq!(hashes(a), hashes(b), "cut at {cuts:?}");
+            assert_eq!(again.chunks.chunks_new, 0, "nothing new to store (cut at {cuts:?})");
+        }
+        // And the joined runs restore byte for byte.
+        let manifest =
+            Manifest { id: "20261123-000000-abcdef".into(), memory: first.memory, ..Default::default() };
+        let out = dir.path().join("restore");
+        std::fs::create_dir_all(&out).unwrap();
+        store.materialize_as(&manifest, &out, MemoryMode::Eager, Arc::new(|_, _| {})).await.unwrap();
+        let expected: Vec<u8> = memory().into_iter().flat_map(|(_, b)| b).collect();
+        assert_eq!(std::fs::read(out.join("pages-1.img")).unwrap(), expected);
+    }
 }
