@@ -78,6 +78,31 @@ fn second_checkpoint_uploads_what_changed_and_each_restores_alone() {
 }
 
 #[test]
+fn a_checkpoint_after_heap_churn_uploads_what_was_written_not_what_moved() {
+    skip_unless_ready!();
+    let d = daemon();
+    let w = d.run("churn", &python_workload("heap_churn.py", &["256"]));
+    w.wait_line_after(0, "`ready`", |l| l == "ready");
+    let ck1 = d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
+    let skip = w.lines().len();
+    procfs::signal(w.pid, Signal::SIGUSR1);
+    let (_, line) = w.wait_line_after(skip, "`dirtied W`", |l| l.starts_with("dirtied "));
+    let written: u64 = line["dirtied ".len()..].parse::<u64>().expect("a window count") << 16;
+    let c2 = checksum(&w);
+    let ck2 = d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
+    let up2 = stat(&ck2, "bytes_uploaded");
+    eprintln!(
+        "written {written}, uploaded {up2} ({:.2}x); first upload {}",
+        up2 as f64 / written as f64,
+        stat(&ck1, "bytes_uploaded")
+    );
+    // Random bytes do not compress: what is uploaded is what changed, plus images and indexes.
+    assert!(up2 <= written * 11 / 10 + (1 << 20), "uploaded {up2} for {written} written: {ck2}");
+    kill_and_wait(w.pid);
+    restore_and_check(&d, &w, ck2["id"].as_str().unwrap(), &c2);
+}
+
+#[test]
 fn gc_reclaims_dead_checkpoints_and_keeps_live_ones() {
     skip_unless_ready!();
     let d = daemon();
