@@ -3,6 +3,7 @@
 //! ```toml
 //! # /etc/stasis/stasisd.toml
 //! socket = "/run/stasis/stasisd.sock"
+//! socket_group = "stasis"                   # members may connect, each acting on its own
 //! store = "file:///var/lib/stasis/store"   # or s3://bucket/prefix, gs://..., az://...
 //! state_dir = "/var/lib/stasis/state"
 //! criu = "/usr/local/sbin/criu"
@@ -64,6 +65,10 @@ pub struct Args {
     /// Unix socket to serve the API on.
     #[arg(long)]
     pub socket: Option<PathBuf>,
+    /// Let members of this group connect too (the socket is root's alone otherwise); each
+    /// acts only on its own processes and checkpoints.
+    #[arg(long)]
+    pub socket_group: Option<String>,
     /// Store URL: file:///dir, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix.
     #[arg(long)]
     pub store: Option<String>,
@@ -168,6 +173,7 @@ pub enum LogFormat {
 #[derive(Debug, Clone, PartialEq)]
 pub struct DaemonConfig {
     pub socket: PathBuf,
+    pub socket_group: Option<String>,
     pub store_url: String,
     pub state_dir: PathBuf,
     pub criu_path: PathBuf,
@@ -216,6 +222,7 @@ impl DaemonConfig {
         let idle = idle_settings(&s)?;
         let config = Self {
             socket: s.socket.unwrap_or_else(|| DEFAULT_SOCKET.into()),
+            socket_group: s.socket_group,
             store_url: s.store.unwrap_or_else(|| DEFAULT_STORE.into()),
             state_dir: s.state_dir.unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
             criu_path: s.criu.unwrap_or_else(default_criu),

@@ -30,6 +30,8 @@ pub enum ServeError {
         #[source]
         source: io::Error,
     },
+    #[error("unknown socket group {0:?}")]
+    UnknownGroup(String),
     #[error("cannot watch for termination signals")]
     Signals(#[source] io::Error),
     #[error("the API server failed")]
@@ -57,6 +59,9 @@ pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
     })
     .await?;
     let listener = bind(&config.socket)?;
+    if let Some(group) = &config.socket_group {
+        open_to_group(&config.socket, group)?;
+    }
     let mut term = signal(SignalKind::terminate()).map_err(ServeError::Signals)?;
     let mut int = signal(SignalKind::interrupt()).map_err(ServeError::Signals)?;
     let stop = async move {
@@ -101,6 +106,17 @@ fn bind(path: &Path) -> Result<UnixListener, ServeError> {
     let listener = UnixListener::bind(path);
     umask(old);
     listener.map_err(err)
+}
+
+/// Lets members of `group` connect to the socket at `path` (mode 0660, group-owned).
+fn open_to_group(path: &Path, group: &str) -> Result<(), ServeError> {
+    let found = nix::unistd::Group::from_name(group).ok().flatten();
+    let gid = found.ok_or_else(|| ServeError::UnknownGroup(group.into()))?.gid;
+    let err = |source| ServeError::Socket { path: path.to_path_buf(), source };
+    std::os::unix::fs::chown(path, None, Some(gid.as_raw())).map_err(err)?;
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o660)).map_err(err)?;
+    info!(group, "members of the socket group may connect, each acting on its own");
+    Ok(())
 }
 
 #[cfg(test)]

@@ -59,6 +59,8 @@ pub enum RunError {
     AlreadyRunning { name: String, pid: i32 },
     #[error("workload {0} is reclaimed (idle); `stasis wake {0}` brings it back")]
     Reclaimed(String),
+    #[error("the workload name {0} is another user's")]
+    NameTaken(String),
     #[error("cannot prepare {what} for workload {workload}")]
     Setup {
         workload: String,
@@ -83,6 +85,11 @@ pub enum CheckpointError {
     Untouchable { pid: i32, reason: String },
     #[error("unknown workload {0:?}")]
     UnknownWorkload(String),
+    #[error(
+        "process tree of pid {pid} is not yours (its processes run as user ids {uids:?}); you may \
+         checkpoint only trees whose every process runs as you; nothing was touched"
+    )]
+    NotYours { pid: i32, uids: Vec<u32> },
     #[error("workload {workload} is not running (its last pid {pid} is gone)")]
     NotRunning { workload: String, pid: i32 },
     #[error("cannot inspect process tree of pid {pid}")]
@@ -149,6 +156,8 @@ pub enum RestoreError {
          restores it"
     )]
     Reclaimed(String),
+    #[error("checkpoint {0} is not yours; nothing was restored")]
+    NotYours(String),
     #[error("workload {0:?} has no checkpoints")]
     NoCheckpoints(String),
     #[error(transparent)]
@@ -219,6 +228,10 @@ pub enum RestoreError {
 pub enum QueryError {
     #[error("{0:?} is not a checkpoint id (expected YYYYMMDD-HHMMSS-xxxxxx)")]
     BadId(String),
+    #[error("checkpoint {0} is not yours")]
+    NotYours(String),
+    #[error("{0} is root's alone")]
+    RootOnly(&'static str),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -228,6 +241,8 @@ pub enum QueryError {
 pub enum IdleError {
     #[error("unknown workload {0:?}")]
     UnknownWorkload(String),
+    #[error("workload {0} is not yours")]
+    NotYours(String),
     #[error("workload {0} is not reclaimed; there is nothing to wake")]
     NotReclaimed(String),
     #[error("waking workload {workload} failed; it stays reclaimed, its checkpoint restorable")]

@@ -1,7 +1,7 @@
 //! Working out, from /proc, what a process tree holds and so which CRIU options its dump
 //! needs, so users never have to know CRIU's flags.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::io;
 
 use super::sockets::{self, TreeSockets};
@@ -16,6 +16,8 @@ pub struct TreeInfo {
     pub command: Vec<String>,
     pub options: TreeOptions,
     pub sockets: TreeSockets,
+    /// Every user id (real, effective, saved, file system) its processes have.
+    pub uids: BTreeSet<u32>,
 }
 
 /// Inspects the tree rooted at `root`.
@@ -45,7 +47,8 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
             }
         }
     }
-    Ok(TreeInfo { pids, command: proc::cmdline(root)?, options, sockets })
+    let uids = pids.iter().filter_map(|&pid| proc::uids(pid).ok()).flatten().collect();
+    Ok(TreeInfo { pids, command: proc::cmdline(root)?, options, sockets, uids })
 }
 
 /// How /proc marks a path whose file was unlinked.

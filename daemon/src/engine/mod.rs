@@ -4,6 +4,7 @@
 //! shutting-down daemon can wait for them: a job that has started always finishes or rolls
 //! back, also when its client goes away.
 
+mod access;
 mod checkpoint;
 mod dump;
 mod error;
@@ -28,6 +29,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+pub use access::Caller;
 pub(crate) use checkpoint::convert_stats;
 pub use checkpoint::{CheckpointOutcome, CheckpointParams, CheckpointStats, Target};
 pub use error::{CheckpointError, IdleError, QueryError, RestoreError, RunError, StartError};

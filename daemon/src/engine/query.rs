@@ -1,7 +1,7 @@
 //! Read-only and bookkeeping operations: list, show, delete, status.
 
 use super::ids::valid_checkpoint_id;
-use super::{Engine, IdleState, QueryError, Workload};
+use super::{Caller, Engine, IdleState, QueryError, Workload};
 use crate::criu::images::{pagemap_file_name, pages_file_name};
 use crate::store::Manifest;
 use crate::store::{GcReport, Retention};
@@ -86,29 +86,44 @@ pub struct StatusReport {
 
 impl Engine {
     /// Checkpoints in the store, oldest first, optionally of one workload only.
-    pub async fn list(&self, workload: Option<&str>) -> Result<CheckpointList, QueryError> {
+    /// A caller other than root sees its own checkpoints only (and no unreadable ones).
+    pub async fn list(&self, workload: Option<&str>, caller: Caller) -> Result<CheckpointList, QueryError> {
         let listing = self.store.listing().await?;
         let checkpoints = listing
             .manifests
             .iter()
-            .filter(|m| workload.is_none_or(|w| m.workload == w))
+            .filter(|m| workload.is_none_or(|w| m.workload == w) && caller.owns(m.owner_uid))
             .map(CheckpointSummary::from)
             .collect();
-        let unreadable = listing.unreadable.into_iter().map(|(id, why)| format!("{id}: {why}")).collect();
+        let unreadable = match caller {
+            Caller::Root => listing.unreadable.into_iter().map(|(id, why)| format!("{id}: {why}")).collect(),
+            Caller::User { .. } => Vec::new(),
+        };
         Ok(CheckpointList { checkpoints, unreadable })
     }
 
     /// One checkpoint, its manifest verified.
-    pub async fn show(&self, id: &str) -> Result<CheckpointSummary, QueryError> {
+    pub async fn show(&self, id: &str, caller: Caller) -> Result<CheckpointSummary, QueryError> {
+        Ok(CheckpointSummary::from(&self.own_manifest(id, caller).await?))
+    }
+
+    /// Manifest `id`, verified, if `caller` may see it.
+    async fn own_manifest(&self, id: &str, caller: Caller) -> Result<Manifest, QueryError> {
         if !valid_checkpoint_id(id) {
             return Err(QueryError::BadId(id.into()));
         }
-        Ok(CheckpointSummary::from(&self.store.manifest(id).await?))
+        let manifest = self.store.manifest(id).await?;
+        if !caller.owns(manifest.owner_uid) {
+            return Err(QueryError::NotYours(id.into()));
+        }
+        Ok(manifest)
     }
 
     /// Deletes a checkpoint: its manifest first, then its data.
-    pub async fn delete(&self, id: &str) -> Result<(), QueryError> {
-        if !valid_checkpoint_id(id) {
+    pub async fn delete(&self, id: &str, caller: Caller) -> Result<(), QueryError> {
+        if caller != Caller::Root {
+            self.own_manifest(id, caller).await?;
+        } else if !valid_checkpoint_id(id) {
             return Err(QueryError::BadId(id.into()));
         }
         self.store.delete(id).await?;
@@ -117,7 +132,11 @@ impl Engine {
     }
 
     /// Applies `keep_last` (if any) and reclaims unreferenced store space.
-    pub async fn gc(&self, keep_last: Option<usize>) -> Result<GcReport, QueryError> {
+    /// Root's alone: it deletes the checkpoints of every user.
+    pub async fn gc(&self, keep_last: Option<usize>, caller: Caller) -> Result<GcReport, QueryError> {
+        if caller != Caller::Root {
+            return Err(QueryError::RootOnly("garbage collection"));
+        }
         Ok(self.store.gc(keep_last.map(|keep_last| Retention { keep_last }), self.gc_grace, false).await?)
     }
 
@@ -125,12 +144,13 @@ impl Engine {
     /// the checkpoint itself is stored.
     pub(super) async fn apply_retention(&self) {
         let Some(keep_last) = self.keep_last else { return };
-        if let Err(e) = self.gc(Some(keep_last)).await {
+        if let Err(e) = self.gc(Some(keep_last), Caller::Root).await {
             tracing::warn!(error = %e, "retention policy failed; the next checkpoint retries");
         }
     }
 
-    pub fn status(&self) -> StatusReport {
+    /// The daemon's state, and the workloads `caller` owns.
+    pub fn status(&self, caller: Caller) -> StatusReport {
         StatusReport {
             daemon_version: env!("CARGO_PKG_VERSION").into(),
             criu_version: self.criu_version.to_string(),
@@ -162,6 +182,7 @@ impl Engine {
                 .registry
                 .all()
                 .into_iter()
+                .filter(|w| caller.owns(w.owner_uid))
                 .map(|w| {
                     let running = w.reclaimed.is_none() && self.host.is_running(w.pid);
                     let idle = self.idle_state(&w.name);

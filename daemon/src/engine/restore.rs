@@ -24,7 +24,7 @@ use super::hot_restore::{FaultGuard, KillTree, LazyError, LazySession};
 use super::ids::{ms, valid_checkpoint_id};
 use super::sockets::{self, needs_network_support};
 use super::workloads::Workload;
-use super::{Engine, ProgressFn, ProgressUpdate, RestoreError};
+use super::{Caller, Engine, ProgressFn, ProgressUpdate, RestoreError};
 use crate::criu::RestoreSpec;
 use crate::cuda::GpuUuid;
 use crate::linux::pty;
@@ -48,6 +48,8 @@ pub struct RestoreParams {
     /// Called once a lazily restored tree runs, before its memory is all in; for callers
     /// that do not wait until it is.
     pub on_running: Option<Box<dyn FnOnce(RestoreOutcome) + Send>>,
+    /// On whose behalf: a user other than root may restore only its own checkpoints.
+    pub caller: Caller,
 }
 
 impl std::fmt::Debug for RestoreParams {
@@ -58,6 +60,7 @@ impl std::fmt::Debug for RestoreParams {
             .field("lazy", &self.lazy)
             .field("tcp_close", &self.tcp_close)
             .field("on_running", &self.on_running.is_some())
+            .field("caller", &self.caller)
             .finish()
     }
 }
@@ -157,6 +160,9 @@ impl Engine {
     ) -> Result<RestoreOutcome, RestoreError> {
         let started = Instant::now();
         let manifest = self.find_manifest(&params.target).await?;
+        if !params.caller.owns(manifest.owner_uid) {
+            return Err(RestoreError::NotYours(manifest.id));
+        }
         let _guard = self.lock_workload(&manifest.workload).await;
         if self.registry.get(&manifest.workload).is_some_and(|w| w.reclaimed.is_some()) {
             return Err(RestoreError::Reclaimed(manifest.workload.clone()));
@@ -424,6 +430,7 @@ impl Engine {
             managed: false,
             log_path: Some(self.state.log_file(&manifest.workload)),
             last_checkpoint: Some(manifest.id.clone()),
+            owner_uid: manifest.owner_uid,
             ..Default::default()
         })
     }

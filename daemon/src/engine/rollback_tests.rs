@@ -14,8 +14,8 @@ use super::start::{CriuSupport, Parts};
 use super::state::StateDir;
 use super::workloads::Registry;
 use super::{
-    CheckpointError, CheckpointOutcome, CheckpointParams, Engine, EngineConfig, ProgressFn, RestoreError,
-    RestoreParams, RestoreTarget, Target,
+    Caller, CheckpointError, CheckpointOutcome, CheckpointParams, Engine, EngineConfig, ProgressFn,
+    RestoreError, RestoreParams, RestoreTarget, Target,
 };
 use crate::criu::fake::FakeCriu;
 use crate::criu::{NetworkLock, TreeOptions};
@@ -45,6 +45,7 @@ fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
         command: vec!["fake".into()],
         options: TreeOptions::default(),
         sockets: Default::default(),
+        uids: [0].into(),
     };
     let host = Arc::new(FakeHost { cuda: vec![ROOT], ..FakeHost::with_tree(tree) });
     host.stopped.lock().unwrap().insert(CHILD);
@@ -99,8 +100,13 @@ fn quiet() -> ProgressFn {
 
 impl Rig {
     async fn checkpoint(&self, leave_running: bool) -> Result<CheckpointOutcome, CheckpointError> {
-        let params =
-            CheckpointParams { target: Target::Pid(ROOT), leave_running, on_resumed: None, reclaim: None };
+        let params = CheckpointParams {
+            target: Target::Pid(ROOT),
+            leave_running,
+            on_resumed: None,
+            reclaim: None,
+            caller: Caller::Root,
+        };
         self.engine.checkpoint(params, quiet()).await
     }
 
@@ -111,6 +117,7 @@ impl Rig {
             lazy: false,
             tcp_close: false,
             on_running: None,
+            caller: Caller::Root,
         };
         self.engine.restore(params, quiet()).await
     }
@@ -128,7 +135,7 @@ impl Rig {
     }
 
     async fn checkpoints(&self) -> usize {
-        self.engine.list(None).await.unwrap().checkpoints.len()
+        self.engine.list(None, Caller::Root).await.unwrap().checkpoints.len()
     }
 }
 
@@ -229,8 +236,13 @@ async fn a_restore_criu_refuses_leaves_nothing_to_kill_and_the_checkpoint_whole(
 /// An idle reclaim of the tree; `used`: the workload was used while it was checkpointed.
 async fn reclaim(r: &Rig, used: bool) -> CheckpointOutcome {
     let used = Some(Arc::new(std::sync::atomic::AtomicBool::new(used)));
-    let params =
-        CheckpointParams { target: Target::Pid(ROOT), leave_running: false, on_resumed: None, reclaim: used };
+    let params = CheckpointParams {
+        target: Target::Pid(ROOT),
+        leave_running: false,
+        on_resumed: None,
+        reclaim: used,
+        caller: Caller::Root,
+    };
     r.engine.checkpoint(params, quiet()).await.unwrap()
 }
 
@@ -254,4 +266,41 @@ async fn a_reclaim_nobody_interrupts_stops_the_tree() {
     let ck = reclaim(&r, false).await;
     assert!(ck.durable && !ck.left_running, "{ck:?}");
     assert_eq!(r.host.signals_of(Signal::SIGKILL), [ROOT, CHILD]);
+}
+
+#[tokio::test]
+async fn another_users_tree_and_checkpoints_are_refused_before_anything_is_touched() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    let user = Caller::from_ids(1000, 1000);
+    let params = CheckpointParams {
+        target: Target::Pid(ROOT),
+        leave_running: true,
+        on_resumed: None,
+        reclaim: None,
+        caller: user,
+    };
+    let err = r.engine.checkpoint(params, quiet()).await.unwrap_err();
+    assert!(matches!(err, CheckpointError::NotYours { .. }), "{err}");
+    assert!(r.criu.calls().is_empty() && r.gpu.calls().is_empty(), "nothing dumped, nothing locked");
+
+    let ck = r.checkpoint(true).await.unwrap();
+    assert_eq!(
+        r.engine.list(None, user).await.unwrap().checkpoints.len(),
+        0,
+        "root's checkpoint is not listed"
+    );
+    assert!(matches!(r.engine.show(&ck.id, user).await, Err(super::QueryError::NotYours(_))));
+    assert!(matches!(r.engine.delete(&ck.id, user).await, Err(super::QueryError::NotYours(_))));
+    assert!(matches!(r.engine.gc(None, user).await, Err(super::QueryError::RootOnly(_))));
+    let params = RestoreParams {
+        target: RestoreTarget::Checkpoint(ck.id.clone()),
+        gpu_map: Vec::new(),
+        lazy: false,
+        tcp_close: false,
+        on_running: None,
+        caller: user,
+    };
+    let err = r.engine.restore(params, quiet()).await.unwrap_err();
+    assert!(matches!(err, RestoreError::NotYours(_)), "{err}");
+    assert_eq!(r.checkpoints().await, 1, "and it is still there");
 }

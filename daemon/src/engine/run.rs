@@ -4,13 +4,14 @@
 use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use tracing::info;
 
 use super::workloads::{Workload, derived_name, valid_name};
-use super::{Engine, RunError};
+use super::{Caller, Engine, RunError};
 use crate::linux::cgroup::{WorkloadCgroup, v2_root};
 use crate::linux::sys::{ChildSetup, spawn};
 
@@ -24,6 +25,8 @@ pub struct RunParams {
     pub env: Vec<(String, String)>,
     /// Reclaim it after this long without activity (see `engine/idle/`).
     pub idle_after: Option<std::time::Duration>,
+    /// Whom it runs as: a caller other than root gets a workload running as itself.
+    pub caller: Caller,
 }
 
 /// A started workload.
@@ -44,6 +47,9 @@ impl Engine {
             None => derived_name(&program, &format!("{:06x}", rand::random::<u32>() & 0xff_ffff)),
         };
         if let Some(existing) = self.registry.get(&name) {
+            if !params.caller.owns(existing.owner_uid) {
+                return Err(RunError::NameTaken(name));
+            }
             if existing.reclaimed.is_some() {
                 return Err(RunError::Reclaimed(name));
             }
@@ -56,12 +62,17 @@ impl Engine {
             move |source| RunError::Setup { workload, what, source }
         };
         let log_path = self.state.log_file(&name);
+        let mut cmd_user = None;
         let log = OpenOptions::new()
             .create(true)
             .append(true)
             .mode(0o600)
             .open(&log_path)
             .map_err(setup_err("its log file"))?;
+        if let Caller::User { uid, gid } = params.caller {
+            std::os::unix::fs::fchown(&log, Some(uid), Some(gid)).map_err(setup_err("its log file"))?;
+            cmd_user = Some((uid, gid));
+        }
         let cgroup = match v2_root() {
             Some(root) => Some(
                 WorkloadCgroup::create(&root, self.store.node_tag(), &name)
@@ -72,6 +83,10 @@ impl Engine {
         let procs = cgroup.as_ref().map(|c| c.open_procs()).transpose().map_err(setup_err("its cgroup"))?;
 
         let mut cmd = Command::new(&program);
+        if let Some((uid, gid)) = cmd_user {
+            // Its own uid and primary group; std drops root's supplementary groups with the uid.
+            cmd.uid(uid).gid(gid);
+        }
         cmd.args(&params.argv[1..])
             .envs(params.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
@@ -98,6 +113,7 @@ impl Engine {
                 log_path: Some(log_path.clone()),
                 cgroup: cgroup.map(|c| c.path),
                 idle_after_ms: params.idle_after.map(|d| d.as_millis() as u64),
+                owner_uid: params.caller.uid(),
                 ..Default::default()
             })
             .map_err(setup_err("the workload registry"))?;

@@ -24,6 +24,9 @@ pub struct Workload {
     /// arriving), for callers that did not wait; cleared by the next restore or checkpoint.
     #[serde(default)]
     pub last_error: Option<String>,
+    /// The user it runs as (0: root), who may act on it besides root.
+    #[serde(default)]
+    pub owner_uid: u32,
     /// Reclaimed after this long without activity (see `engine/idle/`); `None`: never.
     #[serde(default)]
     pub idle_after_ms: Option<u64>,

@@ -8,7 +8,7 @@ use tonic::{Code, Status};
 
 use crate::cuda::{GpuUuid, parse_uuid};
 use crate::engine::{
-    CheckpointError, CheckpointOutcome, CheckpointParams, CheckpointSummary, IdleError, IdleState,
+    Caller, CheckpointError, CheckpointOutcome, CheckpointParams, CheckpointSummary, IdleError, IdleState,
     ProgressUpdate, QueryError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget, RunError,
     RunOutcome, RunParams, StatusReport, Target,
 };
@@ -37,6 +37,7 @@ impl From<RunError> for Status {
         let code = match &e {
             RunError::NoCommand | RunError::BadName(_) => Code::InvalidArgument,
             RunError::AlreadyRunning { .. } | RunError::Reclaimed(_) => Code::AlreadyExists,
+            RunError::NameTaken(_) => Code::PermissionDenied,
             RunError::Spawn { source, .. } if source.kind() == std::io::ErrorKind::NotFound => Code::NotFound,
             RunError::Spawn { .. } | RunError::Setup { .. } => Code::Internal,
         };
@@ -48,6 +49,7 @@ impl From<CheckpointError> for Status {
     fn from(e: CheckpointError) -> Self {
         let code = match &e {
             CheckpointError::NoSuchProcess(_) | CheckpointError::UnknownWorkload(_) => Code::NotFound,
+            CheckpointError::NotYours { .. } => Code::PermissionDenied,
             CheckpointError::NotRunning { .. }
             | CheckpointError::Sockets { .. }
             | CheckpointError::Untouchable { .. } => Code::FailedPrecondition,
@@ -73,6 +75,7 @@ fn restore_code(e: &RestoreError) -> Code {
     match e {
         RestoreError::BadId(_) => Code::InvalidArgument,
         RestoreError::Reclaimed(_) => Code::FailedPrecondition,
+        RestoreError::NotYours(_) => Code::PermissionDenied,
         RestoreError::NoCheckpoints(_) => Code::NotFound,
         RestoreError::Store(s) => store_code(s),
         RestoreError::PidsInUse { .. } | RestoreError::Sockets { .. } => Code::FailedPrecondition,
@@ -91,6 +94,7 @@ impl From<IdleError> for Status {
         let code = match &e {
             IdleError::UnknownWorkload(_) => Code::NotFound,
             IdleError::NotReclaimed(_) => Code::FailedPrecondition,
+            IdleError::NotYours(_) => Code::PermissionDenied,
             IdleError::Wake { source, .. } => restore_code(source),
             IdleError::WokenElsewhere(_) => Code::Aborted,
             IdleError::Registry(_) => Code::Internal,
@@ -103,6 +107,7 @@ impl From<QueryError> for Status {
     fn from(e: QueryError) -> Self {
         let code = match &e {
             QueryError::BadId(_) => Code::InvalidArgument,
+            QueryError::NotYours(_) | QueryError::RootOnly(_) => Code::PermissionDenied,
             QueryError::Store(s) => store_code(s),
         };
         status(code, &e)
@@ -128,6 +133,7 @@ impl TryFrom<pb::RunRequest> for RunParams {
             cwd: Some(r.cwd).filter(|c| !c.is_empty()).map(Into::into),
             env,
             idle_after: (r.idle_after_ms > 0).then(|| std::time::Duration::from_millis(r.idle_after_ms)),
+            caller: Caller::Root,
         })
     }
 }
@@ -152,7 +158,13 @@ impl TryFrom<pb::CheckpointRequest> for CheckpointParams {
                 return Err(Status::invalid_argument("give a process id or a workload name"));
             }
         };
-        Ok(Self { target, leave_running: r.leave_running, on_resumed: None, reclaim: None })
+        Ok(Self {
+            target,
+            leave_running: r.leave_running,
+            on_resumed: None,
+            reclaim: None,
+            caller: Caller::Root,
+        })
     }
 }
 
@@ -168,7 +180,14 @@ impl TryFrom<pb::RestoreRequest> for RestoreParams {
             }
         };
         let gpu_map = r.gpu_map.iter().map(|pair| parse_gpu_pair(pair)).collect::<Result<_, _>>()?;
-        Ok(Self { target, gpu_map, lazy: r.lazy, tcp_close: r.tcp_close, on_running: None })
+        Ok(Self {
+            target,
+            gpu_map,
+            lazy: r.lazy,
+            tcp_close: r.tcp_close,
+            on_running: None,
+            caller: Caller::Root,
+        })
     }
 }
 

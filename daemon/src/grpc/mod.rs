@@ -1,6 +1,7 @@
 //! The `stasis.v1` gRPC service: a thin adapter that converts messages, calls the engine, and
 //! streams progress of long operations.
 
+mod caller;
 mod convert;
 
 use std::pin::Pin;
@@ -16,6 +17,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status};
 
 use crate::engine::{Engine, ProgressFn, ProgressUpdate};
+use caller::caller_of;
 
 /// Progress events are sent at most this often (plus every change of phase).
 const PROGRESS_INTERVAL: Duration = Duration::from_millis(200);
@@ -60,7 +62,9 @@ impl Stasis for StasisService {
     type RestoreStream = EventStream<pb::RestoreEvent>;
 
     async fn run(&self, req: Request<pb::RunRequest>) -> Result<Response<pb::RunResponse>, Status> {
-        let params = req.into_inner().try_into()?;
+        let caller = caller_of(&req)?;
+        let mut params: crate::engine::RunParams = req.into_inner().try_into()?;
+        params.caller = caller;
         Ok(Response::new(self.engine.run(params)?.into()))
     }
 
@@ -69,9 +73,11 @@ impl Stasis for StasisService {
         req: Request<pb::CheckpointRequest>,
     ) -> Result<Response<Self::CheckpointStream>, Status> {
         use pb::checkpoint_event::Event;
+        let caller = caller_of(&req)?;
         let req = req.into_inner();
         let no_wait = req.no_wait;
         let mut params: crate::engine::CheckpointParams = req.try_into()?;
+        params.caller = caller;
         let (tx, rx) = mpsc::unbounded_channel();
         if no_wait {
             // The early answer is the stream's result; the job goes on after it.
@@ -96,7 +102,9 @@ impl Stasis for StasisService {
         req: Request<pb::RestoreRequest>,
     ) -> Result<Response<Self::RestoreStream>, Status> {
         use pb::restore_event::Event;
+        let caller = caller_of(&req)?;
         let mut params: crate::engine::RestoreParams = req.into_inner().try_into()?;
+        params.caller = caller;
         let (tx, rx) = mpsc::unbounded_channel();
         let running = tx.clone();
         params.on_running = Some(Box::new(move |o| {
@@ -113,45 +121,51 @@ impl Stasis for StasisService {
     }
 
     async fn list(&self, req: Request<pb::ListRequest>) -> Result<Response<pb::ListResponse>, Status> {
+        let caller = caller_of(&req)?;
         let workload = Some(req.into_inner().workload).filter(|w| !w.is_empty());
-        let list = self.engine.list(workload.as_deref()).await?;
+        let list = self.engine.list(workload.as_deref(), caller).await?;
         let checkpoints = list.checkpoints.into_iter().map(Into::into).collect();
         Ok(Response::new(pb::ListResponse { checkpoints, unreadable: list.unreadable }))
     }
 
     async fn show(&self, req: Request<pb::ShowRequest>) -> Result<Response<pb::CheckpointInfo>, Status> {
-        Ok(Response::new(self.engine.show(&req.into_inner().id).await?.into()))
+        let caller = caller_of(&req)?;
+        Ok(Response::new(self.engine.show(&req.into_inner().id, caller).await?.into()))
     }
 
     async fn delete(&self, req: Request<pb::DeleteRequest>) -> Result<Response<pb::DeleteResponse>, Status> {
+        let caller = caller_of(&req)?;
         let id = req.into_inner().id;
-        self.engine.delete(&id).await?;
+        self.engine.delete(&id, caller).await?;
         Ok(Response::new(pb::DeleteResponse { id }))
     }
 
     async fn gc(&self, req: Request<pb::GcRequest>) -> Result<Response<pb::GcResponse>, Status> {
+        let caller = caller_of(&req)?;
         let keep_last = match req.into_inner().keep_last {
             0 => None,
             n => Some(n as usize),
         };
-        Ok(Response::new(self.engine.gc(keep_last).await?.into()))
+        Ok(Response::new(self.engine.gc(keep_last, caller).await?.into()))
     }
 
-    async fn status(&self, _req: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
-        Ok(Response::new(self.engine.status().into()))
+    async fn status(&self, req: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
+        Ok(Response::new(self.engine.status(caller_of(&req)?).into()))
     }
 
     async fn set_idle(
         &self,
         req: Request<pb::SetIdleRequest>,
     ) -> Result<Response<pb::SetIdleResponse>, Status> {
+        let caller = caller_of(&req)?;
         let req = req.into_inner();
         let after = (req.after_ms > 0).then(|| std::time::Duration::from_millis(req.after_ms));
-        self.engine.set_idle(&req.workload, after)?;
+        self.engine.set_idle(&req.workload, after, caller)?;
         Ok(Response::new(pb::SetIdleResponse {}))
     }
 
     async fn wake(&self, req: Request<pb::WakeRequest>) -> Result<Response<pb::RestoreRunning>, Status> {
-        Ok(Response::new(self.engine.wake(&req.into_inner().workload).await?.into()))
+        let caller = caller_of(&req)?;
+        Ok(Response::new(self.engine.wake(&req.into_inner().workload, caller).await?.into()))
     }
 }

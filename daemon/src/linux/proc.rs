@@ -110,6 +110,18 @@ fn children(pid: i32) -> io::Result<Vec<i32>> {
     Ok(out)
 }
 
+/// The real, effective, saved and file-system user ids of `pid`.
+pub fn uids(pid: i32) -> io::Result<[u32; 4]> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status"))?;
+    parse_uids(&status).ok_or_else(|| io::Error::other(format!("no Uid line in /proc/{pid}/status")))
+}
+
+fn parse_uids(status: &str) -> Option<[u32; 4]> {
+    let line = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
+    let ids: Vec<u32> = line.split_whitespace().map(str::parse).collect::<Result<_, _>>().ok()?;
+    ids.try_into().ok()
+}
+
 /// The command line of `pid`, split at NULs.
 pub fn cmdline(pid: i32) -> io::Result<Vec<String>> {
     let raw = fs::read(format!("/proc/{pid}/cmdline"))?;
@@ -226,6 +238,17 @@ pub fn signal_all(pids: &[i32], signal: nix::sys::signal::Signal) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn uids_are_read_from_status() {
+        assert_eq!(
+            parse_uids("Name:\tx\nUid:\t1000\t1000\t0\t1000\nGid:\t1\t1\t1\t1\n"),
+            Some([1000, 1000, 0, 1000])
+        );
+        assert_eq!(parse_uids("Name:\tx\n"), None);
+        let me = nix::unistd::getuid().as_raw();
+        assert_eq!(uids(std::process::id() as i32).unwrap()[0], me);
+    }
 
     #[test]
     fn private_writable_mappings_are_picked_from_maps() {

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 use tracing::{info, instrument, warn};
 
+use super::access::{Caller, owner_of};
 use super::dump::{self, Dump};
 use super::ids::{checkpoint_id, ms, now_unix_ms};
 use super::inspect::TreeInfo;
@@ -48,6 +49,8 @@ pub struct CheckpointParams {
     /// which case the stored tree is given back rather than stopped. Its network lock is kept
     /// for the waker, not swept.
     pub reclaim: Option<Arc<AtomicBool>>,
+    /// On whose behalf: a user other than root may checkpoint only a tree wholly its own.
+    pub caller: Caller,
 }
 
 impl std::fmt::Debug for CheckpointParams {
@@ -57,6 +60,7 @@ impl std::fmt::Debug for CheckpointParams {
             .field("leave_running", &self.leave_running)
             .field("on_resumed", &self.on_resumed.is_some())
             .field("reclaim", &self.reclaim)
+            .field("caller", &self.caller)
             .finish()
     }
 }
@@ -200,7 +204,7 @@ impl Engine {
         let started = Instant::now();
         let (workload, pid) = self.resolve_target(&params.target)?;
         let _guard = self.lock_workload(&workload).await;
-        let tree = self.prepare_tree(&workload, pid)?;
+        let tree = self.prepare_tree(&workload, pid, params.caller)?;
         let created_unix_ms = now_unix_ms();
         let id = checkpoint_id(created_unix_ms);
         let work = self
@@ -234,7 +238,7 @@ impl Engine {
 
     /// Inspects the tree of `pid` and refuses, before anything touches it, what cannot be
     /// dumped.
-    fn prepare_tree(&self, workload: &str, pid: i32) -> Result<TreeInfo, CheckpointError> {
+    fn prepare_tree(&self, workload: &str, pid: i32, caller: Caller) -> Result<TreeInfo, CheckpointError> {
         if !self.host.is_running(pid) {
             return Err(CheckpointError::NoSuchProcess(pid));
         }
@@ -242,6 +246,9 @@ impl Engine {
             return Err(CheckpointError::Untouchable { pid, reason: format!("it is {what}") });
         }
         let mut tree = self.host.inspect(pid).map_err(|source| CheckpointError::Inspect { pid, source })?;
+        if caller != Caller::Root && tree.uids.iter().any(|&uid| uid != caller.uid()) {
+            return Err(CheckpointError::NotYours { pid, uids: tree.uids.iter().copied().collect() });
+        }
         // A tree holding stasisd (its parent shell's, say) would have stasisd freeze itself.
         if let Some((held, what)) = tree.pids.iter().find_map(|&p| Some((p, self.host.untouchable(p)?))) {
             return Err(CheckpointError::Untouchable {
@@ -356,6 +363,7 @@ impl Engine {
                 name: workload.into(),
                 pid,
                 command: tree.command.clone(),
+                owner_uid: owner_of(&tree.uids),
                 last_checkpoint: Some(id.into()),
                 ..Default::default()
             })

@@ -15,6 +15,7 @@ use super::super::inspect::TreeInfo;
 use super::super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
 use super::{CheckpointStats, convert_stats};
 use crate::criu::{LOG_FILE, NetworkLock, TreeOptions};
+use crate::engine::access::owner_of;
 use crate::store::{Manifest, Staged, StoredDump};
 
 /// A tree CRIU has dumped, about to be stored as checkpoint `id`.
@@ -115,6 +116,7 @@ impl Engine {
             cuda_driver: self.gpu.as_ref().map(|g| g.driver_version()).unwrap_or_default(),
             stats: Some(stored_stats(&stats)),
             sockets: d.tree.sockets.records.clone(),
+            owner_uid: owner_of(&d.tree.uids),
         }
     }
 }

@@ -25,7 +25,7 @@ use tracing::{info, warn};
 use activity::IdleClock;
 pub use activity::{GpuActivity, Thresholds};
 
-use super::{Engine, IdleError};
+use super::{Caller, Engine, IdleError};
 
 /// A reclaimed workload: what waking it needs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -90,15 +90,22 @@ impl IdleBook {
 
 impl Engine {
     /// Sets (or, with `None`, removes) the idle period after which `name` is reclaimed.
-    pub fn set_idle(&self, name: &str, after: Option<Duration>) -> Result<(), IdleError> {
-        if self.registry.get(name).is_none() {
-            return Err(IdleError::UnknownWorkload(name.into()));
-        }
+    pub fn set_idle(&self, name: &str, after: Option<Duration>, caller: Caller) -> Result<(), IdleError> {
+        self.own_workload(name, caller)?;
         let after_ms = after.map(|d| d.as_millis() as u64);
         self.registry.update(name, |w| w.idle_after_ms = after_ms).map_err(IdleError::Registry)?;
         self.idle.restart_clock(name);
         info!(workload = name, idle_after_ms = ?after_ms, "idle policy set");
         Ok(())
+    }
+
+    /// Workload `name`, if `caller` may act on it.
+    fn own_workload(&self, name: &str, caller: Caller) -> Result<super::Workload, IdleError> {
+        let w = self.registry.get(name).ok_or_else(|| IdleError::UnknownWorkload(name.into()))?;
+        if !caller.owns(w.owner_uid) {
+            return Err(IdleError::NotYours(name.into()));
+        }
+        Ok(w)
     }
 
     /// Where `name` stands with idle reclaim.

@@ -16,7 +16,7 @@ use tracing::{info, warn};
 use super::Reclaimed;
 use crate::engine::ids::now_unix_ms;
 use crate::engine::sockets;
-use crate::engine::{CheckpointError, CheckpointParams, Engine, Target};
+use crate::engine::{Caller, CheckpointError, CheckpointParams, Engine, Target};
 use crate::linux::net::SocketKind;
 use crate::linux::port_watch::{MAX_PORTS, PortWatch};
 
@@ -34,6 +34,7 @@ impl Engine {
             leave_running: false,
             on_resumed: None,
             reclaim: Some(used.clone()),
+            caller: Caller::Root,
         };
         let checkpointed = self.checkpoint(params, Arc::new(|_| {})).await;
         if let Some(task) = watching {

@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
 use super::{Reclaimed, lock};
-use crate::engine::{Engine, IdleError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget};
+use crate::engine::{Caller, Engine, IdleError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget};
 use crate::linux::port_watch::PortWatch;
 
 /// Why a wake failed, for every caller that waited for it.
@@ -54,8 +54,8 @@ impl Engine {
 
     /// Wakes reclaimed workload `name` now; returns once it runs (its memory may still be
     /// arriving).
-    pub async fn wake(self: &Arc<Self>, name: &str) -> Result<RestoreOutcome, IdleError> {
-        let w = self.registry.get(name).ok_or_else(|| IdleError::UnknownWorkload(name.into()))?;
+    pub async fn wake(self: &Arc<Self>, name: &str, caller: Caller) -> Result<RestoreOutcome, IdleError> {
+        let w = self.own_workload(name, caller)?;
         let Some(reclaimed) = w.reclaimed else { return Err(IdleError::NotReclaimed(name.into())) };
         let waker = lock(&self.idle.wakers).get(name).map(|w| w.requests.clone());
         let requests = match waker {
@@ -90,6 +90,7 @@ impl Engine {
             on_running: Some(Box::new(move |outcome| {
                 let _ = running.send(outcome);
             })),
+            caller: Caller::Root,
         };
         let engine = self.clone();
         let mut job = tokio::spawn(async move { engine.restore(params, Arc::new(|_| {})).await });
