@@ -4,8 +4,10 @@
 /// The `stasis.v1` messages the CLI prints with `--json`. They derive `serde::Serialize`, so
 /// the JSON output has the proto field names (snake_case) and nesting, with absent messages
 /// as `null` and 64-bit integers as numbers (unlike the proto3 JSON mapping).
-const PRINTED: [&str; 11] = [
+const PRINTED: [&str; 13] = [
     "RunResponse",
+    "CheckResponse",
+    "BrokenCheckpoint",
     "RestoreRunning",
     "CheckpointResult",
     "CheckpointStats",

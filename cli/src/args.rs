@@ -40,6 +40,9 @@ pub enum Command {
     Status(StatusArgs),
     /// Apply retention and reclaim store space no checkpoint references.
     Gc(GcArgs),
+    /// Verify the store: every manifest, pack index and pack (with --read-data every chunk),
+    /// and which checkpoints any damage breaks. Exits 1 when it finds a problem.
+    Check(CheckArgs),
     /// Set or remove a workload's idle period: idle that long, it is checkpointed and
     /// stopped, and restored on its next use.
     Idle(IdleArgs),
@@ -64,6 +67,16 @@ pub struct IdleArgs {
 pub struct WakeArgs {
     /// The reclaimed workload.
     pub workload: String,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    /// Also read every pack and verify every chunk's hash (reads the whole store).
+    #[arg(long)]
+    pub read_data: bool,
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,

@@ -119,3 +119,25 @@ async fn idle_periods_wakes_and_their_status() {
         out.stdout
     );
 }
+
+#[tokio::test]
+async fn check_says_what_is_broken_and_fails_when_anything_is() {
+    let (out, _) = stasis("check").await;
+    assert_eq!(
+        (out.code, out.stdout.as_str()),
+        (Some(0), "checked 2 checkpoints, 3 packs\nno problems found\n")
+    );
+    let (out, _) = stasis("check --read-data").await;
+    assert_eq!(out.code, Some(1), "{}", out.stderr);
+    assert!(
+        out.stdout.contains("broken: checkpoint ck-1: chunk ab12 in pack n-1 is corrupt"),
+        "{}",
+        out.stdout
+    );
+    assert!(out.stderr.contains("1 checkpoint(s) cannot be restored whole"), "{}", out.stderr);
+    // With --json too: the report on stdout, and the exit status says there are problems.
+    let (out, _) = stasis("check --read-data --json").await;
+    assert_eq!(out.code, Some(1));
+    let report: serde_json::Value = serde_json::from_str(&out.stdout).expect("one JSON report");
+    assert_eq!(report["broken"][0]["id"], "ck-1");
+}

@@ -257,3 +257,26 @@ fn gc_runs_past_a_truncated_pack_index_keeping_that_pack_and_naming_it() {
     let shown = d.json(&["show", &kept, "--json"]);
     assert_eq!(shown["pid"], pid, "show: {shown}");
 }
+
+#[test]
+fn check_names_the_checkpoint_a_damaged_pack_breaks_and_gc_keeps_the_evidence() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let (id, _) = evicted_counter(&d, "checked");
+    let clean = d.json(&["check", "--read-data", "--json"]);
+    assert_eq!(clean["problems"].as_array().map(Vec::len), Some(0), "{clean}");
+    assert!(clean["chunks_read"].as_u64().unwrap_or(0) > 0, "{clean}");
+
+    pack_files(&d).iter().for_each(|p| flip_byte_in_the_middle(p));
+    // Sizes still add up: only reading the data finds a flipped byte.
+    assert!(d.cli(&["check"]).status.success());
+    for round in ["before gc", "after gc"] {
+        let out = d.cli(&["check", "--read-data", "--json"]);
+        assert_eq!(out.status.code(), Some(1), "{round}: a damaged store fails the check");
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("a JSON report");
+        assert_eq!(report["broken"][0]["id"], id.as_str(), "{round}: {report}");
+        let reasons = report["broken"][0]["reasons"].to_string();
+        assert!(reasons.contains("is corrupt"), "{round}: {report}");
+        d.json(&["gc", "--json"]);
+    }
+}

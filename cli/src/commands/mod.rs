@@ -10,6 +10,7 @@ use crate::args::Command;
 use crate::client::Client;
 use crate::progress::ProgressLine;
 
+mod check;
 mod checkpoint;
 mod delete;
 mod gc;
@@ -31,6 +32,7 @@ pub async fn execute(socket: &Path, command: Command) -> anyhow::Result<()> {
         Command::Show(args) => show::run(&mut client, args).await,
         Command::Delete(args) => delete::run(&mut client, args).await,
         Command::Gc(args) => gc::run(&mut client, args).await,
+        Command::Check(args) => check::run(&mut client, args).await,
         Command::Status(args) => status::run(&mut client, args).await,
         Command::Idle(args) => idle::set(&mut client, args).await,
         Command::Wake(args) => idle::wake(&mut client, args).await,

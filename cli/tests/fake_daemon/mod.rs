@@ -144,6 +144,23 @@ impl Stasis for FakeDaemon {
         Ok(Response::new(StatusResponse { daemon_version: "9.9".into(), workloads, ..Default::default() }))
     }
 
+    async fn check(&self, req: Request<CheckRequest>) -> Result<Response<CheckResponse>, Status> {
+        if !req.into_inner().read_data {
+            return Ok(Response::new(CheckResponse { manifests: 2, packs: 3, ..Default::default() }));
+        }
+        Ok(Response::new(CheckResponse {
+            manifests: 2,
+            packs: 3,
+            chunks_read: 40,
+            problems: vec!["chunk ab12 in pack n-1 is corrupt: its content does not match its hash".into()],
+            broken: vec![BrokenCheckpoint {
+                id: "ck-1".into(),
+                reasons: vec!["chunk ab12 in pack n-1 is corrupt".into()],
+            }],
+            notes: vec![],
+        }))
+    }
+
     async fn set_idle(&self, req: Request<SetIdleRequest>) -> Result<Response<SetIdleResponse>, Status> {
         match req.into_inner() {
             r if r.workload == "train" && r.after_ms == 90_000 => Ok(Response::new(SetIdleResponse {})),

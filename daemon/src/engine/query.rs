@@ -4,7 +4,7 @@ use super::ids::valid_checkpoint_id;
 use super::{Caller, Engine, IdleState, QueryError, Workload};
 use crate::criu::images::{pagemap_file_name, pages_file_name};
 use crate::store::Manifest;
-use crate::store::{GcReport, Retention};
+use crate::store::{CheckReport, GcReport, Retention};
 
 /// A stored checkpoint as the API shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,6 +138,14 @@ impl Engine {
             return Err(QueryError::RootOnly("garbage collection"));
         }
         Ok(self.store.gc(keep_last.map(|keep_last| Retention { keep_last }), self.gc_grace, false).await?)
+    }
+
+    /// Verifies the store (root's alone: it reads every user's checkpoints).
+    pub async fn check(&self, read_data: bool, caller: Caller) -> Result<CheckReport, QueryError> {
+        if caller != Caller::Root {
+            return Err(QueryError::RootOnly("checking the store"));
+        }
+        Ok(self.store.check(read_data).await?)
     }
 
     /// The retention policy, run after each checkpoint; failures are logged, not returned:

@@ -12,7 +12,7 @@ use crate::engine::{
     ProgressUpdate, QueryError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget, RunError,
     RunOutcome, RunParams, StatusReport, Target,
 };
-use crate::store::{GcReport, StoreError};
+use crate::store::{CheckReport, GcReport, StoreError};
 
 fn status(code: Code, err: &dyn Error) -> Status {
     Status::new(code, crate::error_chain(err))
@@ -322,6 +322,19 @@ impl From<RestoreOutcome> for pb::RestoreRunning {
             pid: o.pid,
             first_run_ms: o.stats.first_run_ms,
             warnings: o.warnings,
+        }
+    }
+}
+
+impl From<CheckReport> for pb::CheckResponse {
+    fn from(r: CheckReport) -> Self {
+        Self {
+            manifests: r.manifests as u64,
+            packs: r.packs as u64,
+            chunks_read: r.chunks_read,
+            problems: r.problems,
+            broken: r.broken.into_iter().map(|(id, reasons)| pb::BrokenCheckpoint { id, reasons }).collect(),
+            notes: r.notes,
         }
     }
 }

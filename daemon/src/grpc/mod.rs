@@ -153,6 +153,11 @@ impl Stasis for StasisService {
         Ok(Response::new(self.engine.status(caller_of(&req)?).into()))
     }
 
+    async fn check(&self, req: Request<pb::CheckRequest>) -> Result<Response<pb::CheckResponse>, Status> {
+        let caller = caller_of(&req)?;
+        Ok(Response::new(self.engine.check(req.into_inner().read_data, caller).await?.into()))
+    }
+
     async fn set_idle(
         &self,
         req: Request<pb::SetIdleRequest>,

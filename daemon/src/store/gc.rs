@@ -126,7 +126,7 @@ impl Store {
         Ok(report)
     }
 
-    async fn read_pack_index(&self, pack: &str) -> Result<PackIndex, StoreError> {
+    pub(super) async fn read_pack_index(&self, pack: &str) -> Result<PackIndex, StoreError> {
         let key = self.pack_index_key(pack);
         let data = self
             .backend

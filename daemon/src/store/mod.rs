@@ -15,6 +15,7 @@
 
 mod assemble;
 mod backend;
+mod check;
 mod chunks;
 pub mod envelope;
 mod gc;
@@ -35,6 +36,7 @@ use tracing::warn;
 
 pub use assemble::MemoryMode;
 pub use backend::OpenStoreError;
+pub use check::CheckReport;
 pub use chunks::{CHUNK, ChunkStats};
 pub use envelope::EnvelopeError;
 pub use gc::{GcReport, Retention};
