@@ -17,6 +17,7 @@
 //! lazy_prefetch = "address"                 # or "fresh-first"
 //! network_lock = "auto"                     # or "nftables", "iptables"
 //! network_lock_keep_secs = 1800             # an eviction's lock kept for a restore here
+//! metrics_listen = "127.0.0.1:9464"        # Prometheus metrics on /metrics (off by default)
 //! idle_cpu_percent = 0.5                    # idle reclaim: above this a workload is busy
 //! idle_read_bytes_per_sec = 1024            #   ... or above this many bytes read
 //! idle_tick_ms = 1000                       #   ... sampled this often
@@ -116,6 +117,10 @@ pub struct Args {
     /// node (default 1800; by then TCP peers have given up on the connections).
     #[arg(long)]
     pub network_lock_keep_secs: Option<u64>,
+    /// Serve Prometheus metrics on this address (`GET /metrics`), e.g. 127.0.0.1:9464;
+    /// off unless given.
+    #[arg(long)]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     /// Idle reclaim: CPU use (percent of one core, averaged over a tick) above which a
     /// workload counts as busy (default 0.5).
     #[arg(long)]
@@ -188,6 +193,7 @@ pub struct DaemonConfig {
     pub network_lock: NetworkLockSetting,
     pub network_lock_keep_secs: u64,
     pub idle: IdleSettings,
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -237,6 +243,7 @@ impl DaemonConfig {
             network_lock: s.network_lock.unwrap_or_default(),
             network_lock_keep_secs: s.network_lock_keep_secs.unwrap_or(DEFAULT_NETWORK_LOCK_KEEP_SECS),
             idle,
+            metrics_listen: s.metrics_listen,
         };
         if config.lazy_timeout_secs == 0 || config.lazy_timeout_secs > 86_400 {
             let reason = "must be 1 to 86400 seconds (a lazy restore kills the tree when it passes)";

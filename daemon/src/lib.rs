@@ -16,6 +16,7 @@ pub mod cuda;
 pub mod engine;
 pub mod grpc;
 pub mod linux;
+pub mod metrics;
 pub mod server;
 pub mod store;
 

@@ -30,6 +30,12 @@ pub enum ServeError {
         #[source]
         source: io::Error,
     },
+    #[error("cannot serve metrics on {addr}")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: io::Error,
+    },
     #[error("unknown socket group {0:?}")]
     UnknownGroup(String),
     #[error("cannot watch for termination signals")]
@@ -58,6 +64,11 @@ pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
         idle: config.idle,
     })
     .await?;
+    if let Some(addr) = config.metrics_listen {
+        crate::metrics::serve(addr, engine.metrics())
+            .await
+            .map_err(|source| ServeError::Metrics { addr, source })?;
+    }
     let listener = bind(&config.socket)?;
     if let Some(group) = &config.socket_group {
         open_to_group(&config.socket, group)?;

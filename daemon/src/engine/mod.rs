@@ -115,6 +115,7 @@ pub struct Engine {
     /// Idle reclaim: the monitor's clocks, reclaims and wakers under way.
     idle: idle::IdleBook,
     idle_settings: IdleSettings,
+    metrics: Arc<crate::metrics::Metrics>,
     /// One job at a time per workload.
     workload_locks: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -125,6 +126,11 @@ impl Engine {
         if let Some(path) = self.registry.get(workload).and_then(|w| w.cgroup) {
             WorkloadCgroup { path }.remove_if_empty();
         }
+    }
+
+    /// What the engine counts and times, for `--metrics-listen`.
+    pub fn metrics(&self) -> Arc<crate::metrics::Metrics> {
+        self.metrics.clone()
     }
 
     /// The tracker of running jobs; closing and waiting on it drains the engine.

@@ -132,6 +132,7 @@ impl Engine {
             if let Err(e) = &result {
                 warn!(error = %crate::error_chain(e), "restore failed");
             }
+            this.metrics.restore_done(&result);
             result
         });
         job.await.map_err(|e| RestoreError::Local { what: "job", source: std::io::Error::other(e) })?

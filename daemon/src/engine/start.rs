@@ -95,6 +95,7 @@ impl Engine {
             lazy: config.lazy,
             idle: Default::default(),
             idle_settings: config.idle,
+            metrics: Default::default(),
             workload_locks: Default::default(),
         }
     }

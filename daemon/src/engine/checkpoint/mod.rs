@@ -164,6 +164,7 @@ impl Engine {
             if let Err(e) = &result {
                 warn!(error = %crate::error_chain(e), "checkpoint failed");
             }
+            this.metrics.checkpoint_done(&result);
             result
         });
         job.await.map_err(|e| CheckpointError::Local { what: "job", source: std::io::Error::other(e) })?

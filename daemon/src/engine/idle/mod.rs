@@ -182,9 +182,15 @@ impl Engine {
             info!(workload = %w.name, idle_ms = idle.as_millis() as u64, "workload idle; reclaiming it");
             let engine = self.clone();
             self.jobs.spawn(async move {
-                if let Err(e) = engine.reclaim(&w.name).await {
-                    warn!(workload = %w.name, error = %crate::error_chain(&e), "reclaim failed; the workload runs on");
-                }
+                let outcome = match engine.reclaim(&w.name).await {
+                    Ok(Some(_)) => "reclaimed",
+                    Ok(None) => "used",
+                    Err(e) => {
+                        warn!(workload = %w.name, error = %crate::error_chain(&e), "reclaim failed; the workload runs on");
+                        "failed"
+                    }
+                };
+                engine.metrics.reclaim(outcome);
                 lock(&engine.idle.reclaiming).remove(&w.name);
                 engine.idle.restart_clock(&w.name);
             });

@@ -169,6 +169,7 @@ async fn wait_and_wake(
         lock(&engine.idle.waking).insert(name.clone());
         let woken = engine.restore_reclaimed(&name, &reclaimed).await;
         lock(&engine.idle.waking).remove(&name);
+        engine.metrics.reclaim(if woken.is_ok() { "woken" } else { "wake_failed" });
         while let Ok(reply) = asked.try_recv() {
             replies.push(reply);
         }

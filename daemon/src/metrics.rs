@@ -1,0 +1,224 @@
+//! Prometheus metrics of stasisd (opt-in, `--metrics-listen ADDR`): checkpoints and restores
+//! by result, their timings, bytes uploaded and deduplicated, store errors, GPU phase time,
+//! idle reclaims and wakes. Served as text on `GET /metrics` by a minimal HTTP responder.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tracing::{debug, info};
+
+use crate::engine::{CheckpointError, CheckpointOutcome, RestoreError, RestoreOutcome};
+
+type Results = Family<Vec<(String, String)>, Counter>;
+
+/// The metrics; cheap to update from any thread.
+pub struct Metrics {
+    registry: Registry,
+    checkpoints: Results,
+    restores: Results,
+    frozen: Histogram,
+    durable: Histogram,
+    first_run: Histogram,
+    resident: Histogram,
+    gpu: Histogram,
+    bytes_uploaded: Counter,
+    bytes_deduplicated: Counter,
+    store_errors: Counter,
+    reclaims: Results,
+}
+
+/// Seconds, from 10 ms to about 20 minutes.
+fn seconds() -> Histogram {
+    Histogram::new(exponential_buckets(0.01, 2.0, 18))
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("stasis");
+        let m = Metrics {
+            checkpoints: Results::default(),
+            restores: Results::default(),
+            frozen: seconds(),
+            durable: seconds(),
+            first_run: seconds(),
+            resident: seconds(),
+            gpu: seconds(),
+            bytes_uploaded: Counter::default(),
+            bytes_deduplicated: Counter::default(),
+            store_errors: Counter::default(),
+            reclaims: Results::default(),
+            registry: Registry::default(),
+        };
+        registry.register("checkpoints", "Checkpoints, by result", m.checkpoints.clone());
+        registry.register("restores", "Restores, by result", m.restores.clone());
+        registry.register("frozen_seconds", "How long a checkpoint kept its tree frozen", m.frozen.clone());
+        registry.register("durable_seconds", "From checkpoint request until durable", m.durable.clone());
+        registry.register(
+            "restore_first_run_seconds",
+            "From restore request until the tree runs",
+            m.first_run.clone(),
+        );
+        registry.register(
+            "restore_resident_seconds",
+            "From restore request until all memory is in",
+            m.resident.clone(),
+        );
+        registry.register(
+            "gpu_phase_seconds",
+            "GPU lock, checkpoint and restore time of a checkpoint",
+            m.gpu.clone(),
+        );
+        registry.register("uploaded_bytes", "Bytes written to the store", m.bytes_uploaded.clone());
+        registry.register(
+            "deduplicated_bytes",
+            "Bytes of checkpoints the store already held",
+            m.bytes_deduplicated.clone(),
+        );
+        registry.register(
+            "store_errors",
+            "Checkpoints and restores that failed on the store",
+            m.store_errors.clone(),
+        );
+        registry.register("idle_reclaims", "Idle reclaims and wakes, by outcome", m.reclaims.clone());
+        Metrics { registry, ..m }
+    }
+}
+
+fn result(label: &str) -> Vec<(String, String)> {
+    vec![("result".into(), label.into())]
+}
+
+impl Metrics {
+    pub fn checkpoint_done(&self, done: &Result<CheckpointOutcome, CheckpointError>) {
+        match done {
+            Ok(o) => {
+                let s = &o.stats;
+                self.checkpoints.get_or_create(&result("ok")).inc();
+                self.frozen.observe(s.frozen_ms as f64 / 1e3);
+                self.durable.observe(s.durable_ms as f64 / 1e3);
+                let gpu_ms = s.gpu_lock_ms + s.gpu_checkpoint_ms + s.gpu_restore_ms;
+                if gpu_ms > 0 {
+                    self.gpu.observe(gpu_ms as f64 / 1e3);
+                }
+                self.bytes_uploaded.inc_by(s.bytes_uploaded);
+                self.bytes_deduplicated.inc_by(s.bytes_total.saturating_sub(s.bytes_uploaded));
+            }
+            Err(e) => {
+                self.checkpoints.get_or_create(&result("failed")).inc();
+                if matches!(e, CheckpointError::Store { .. }) {
+                    self.store_errors.inc();
+                }
+            }
+        }
+    }
+
+    pub fn restore_done(&self, done: &Result<RestoreOutcome, RestoreError>) {
+        match done {
+            Ok(o) => {
+                self.restores.get_or_create(&result("ok")).inc();
+                self.first_run.observe(o.stats.first_run_ms as f64 / 1e3);
+                self.resident.observe(o.stats.resident_ms as f64 / 1e3);
+            }
+            Err(e) => {
+                self.restores.get_or_create(&result("failed")).inc();
+                if matches!(e, RestoreError::Store(_)) {
+                    self.store_errors.inc();
+                }
+            }
+        }
+    }
+
+    /// An idle reclaim or wake ended: `outcome` is "reclaimed", "used" (given back), "failed",
+    /// "woken" or "wake_failed".
+    pub fn reclaim(&self, outcome: &str) {
+        self.reclaims.get_or_create(&result(outcome)).inc();
+    }
+
+    /// The metrics in Prometheus' text format.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// Serves `GET /metrics` on `addr` for as long as the daemon runs.
+pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<()> {
+    let listener = TcpListener::bind(addr).await?;
+    info!(address = %listener.local_addr()?, "serving metrics on /metrics");
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut conn, _)) = listener.accept().await else { continue };
+            let metrics = metrics.clone();
+            tokio::spawn(async move {
+                let mut request = [0u8; 1024];
+                let n =
+                    tokio::time::timeout(std::time::Duration::from_secs(5), conn.read(&mut request)).await;
+                let head = match n {
+                    Ok(Ok(n)) => String::from_utf8_lossy(&request[..n]).into_owned(),
+                    _ => return,
+                };
+                let (status, body) = match head.split_whitespace().take(2).collect::<Vec<_>>()[..] {
+                    ["GET", "/metrics"] => ("200 OK", metrics.render()),
+                    _ => ("404 Not Found", "only GET /metrics is served here\n".to_string()),
+                };
+                let answer = format!(
+                    "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                if let Err(e) = conn.write_all(answer.as_bytes()).await {
+                    debug!(error = %e, "metrics answer not delivered");
+                }
+            });
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::CheckpointStats;
+
+    #[test]
+    fn outcomes_are_counted_and_timed() {
+        let m = Metrics::default();
+        let stats = CheckpointStats {
+            frozen_ms: 120,
+            durable_ms: 900,
+            bytes_total: 1000,
+            bytes_uploaded: 300,
+            ..Default::default()
+        };
+        let ok = CheckpointOutcome {
+            id: "x".into(),
+            workload: "w".into(),
+            pid: 1,
+            left_running: true,
+            durable: true,
+            stats,
+        };
+        m.checkpoint_done(&Ok(ok));
+        m.checkpoint_done(&Err(CheckpointError::NoSuchProcess(5)));
+        m.reclaim("woken");
+        let text = m.render();
+        for line in [
+            "stasis_checkpoints_total{result=\"ok\"} 1",
+            "stasis_checkpoints_total{result=\"failed\"} 1",
+            "stasis_frozen_seconds_count 1",
+            "stasis_uploaded_bytes_total 300",
+            "stasis_deduplicated_bytes_total 700",
+            "stasis_idle_reclaims_total{result=\"woken\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line:?} missing from:\n{text}");
+        }
+    }
+}
