@@ -16,7 +16,7 @@ use super::index::{ChunkHash, ChunkLoc};
 use super::lazy_memory::{LazyChunk, LazyMemory};
 use super::{Manifest, Progress, Store, StoreError};
 use crate::criu::images::{pagemap_file_name, pages_file_name, task_of, write_pagemap};
-use crate::criu::pageserver::{PE_LAZY, PageRun};
+use crate::criu::pageserver::{PAGE_SIZE, PE_LAZY, PageRun};
 use stasis_proto::stasis::v1::AddressRange;
 
 /// Packs fetched at the same time.
@@ -145,6 +145,14 @@ impl Store {
         let (mut chunks, mut written) = (image.chunks.as_slice(), 0u64);
         let mut runs = Vec::with_capacity(image.runs.len());
         for r in &image.runs {
+            let end = r.nr_pages.checked_mul(PAGE_SIZE).and_then(|len| r.vaddr.checked_add(len));
+            if r.vaddr % PAGE_SIZE != 0 || end.is_none() {
+                return Err(corrupt(
+                    id,
+                    &name,
+                    format!("a run of {} pages at {:#x} is impossible", r.nr_pages, r.vaddr),
+                ));
+            }
             let mut run =
                 PageRun { dst_id: image.dst_id, vaddr: r.vaddr, nr_pages: r.nr_pages, flags: r.flags };
             if run.has_data() {

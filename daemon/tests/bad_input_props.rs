@@ -1,0 +1,186 @@
+//! Bad input never panics the daemon, and damage is detected: property tests over what
+//! stasisd reads from outside itself. The store's envelopes (manifests, pack indexes), CRIU's
+//! page-server stream and inventory image, and whole manifests handed to a restore's assembly,
+//! from a random generator (100,000 cases per decoder; fewer for the assembly, which writes
+//! files). proptest shrinks a failure to a minimal input.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use stasis_daemon::criu::images::dump_run_id;
+use stasis_daemon::criu::pageserver::{HeaderLayout, serve};
+use stasis_daemon::store::envelope::{self, MANIFEST, PACK_INDEX};
+use stasis_daemon::store::{Manifest, MemoryMode, Staging, Store};
+use stasis_proto::stasis::v1::{ChunkRef, FileImage, MemoryImage, PackEntry, PackIndex, PageRun};
+
+const DECODER_CASES: u32 = 100_000;
+
+/// One scratch directory for all cases of a test (cases run one after another).
+fn scratch() -> &'static std::path::Path {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| tempfile::tempdir().unwrap()).path()
+}
+
+fn decoder_config() -> ProptestConfig {
+    ProptestConfig { cases: DECODER_CASES, failure_persistence: None, ..ProptestConfig::default() }
+}
+
+fn sample_manifest() -> Manifest {
+    Manifest {
+        id: "20261123-000000-abcdef".into(),
+        workload: "w".into(),
+        pids: vec![42, 43],
+        files: vec![FileImage { name: "core-42.img".into(), size: 10, chunks: vec![] }],
+        ..Default::default()
+    }
+}
+
+fn sample_index() -> PackIndex {
+    let entry = PackEntry { hash: vec![7; 32], offset: 0, stored_len: 100, len: 4096, codec: 1 };
+    PackIndex { pack: "n-1".into(), entries: vec![entry; 3] }
+}
+
+proptest! {
+    #![proptest_config(decoder_config())]
+
+    #[test]
+    fn envelopes_of_any_bytes_are_refused_or_read_never_panic(data in proptest::collection::vec(any::<u8>(), 0..600)) {
+        let _ = envelope::decode::<Manifest>(MANIFEST, &data);
+        let _ = envelope::decode::<PackIndex>(PACK_INDEX, &data);
+    }
+
+    #[test]
+    fn any_damage_to_an_envelope_is_detected(
+        which in any::<bool>(),
+        flips in proptest::collection::vec((any::<prop::sample::Index>(), 1u8..=255), 1..4),
+        cut in proptest::option::of(any::<prop::sample::Index>()),
+    ) {
+        let original = if which { envelope::encode(MANIFEST, &sample_manifest()) } else { envelope::encode(PACK_INDEX, &sample_index()) };
+        let mut damaged = original.clone();
+        for (at, mask) in &flips {
+            let i = at.index(damaged.len());
+            damaged[i] ^= mask;
+        }
+        if let Some(cut) = cut {
+            damaged.truncate(cut.index(damaged.len()));
+        }
+        prop_assume!(damaged != original);
+        if which {
+            prop_assert!(envelope::decode::<Manifest>(MANIFEST, &damaged).is_err());
+        } else {
+            prop_assert!(envelope::decode::<PackIndex>(PACK_INDEX, &damaged).is_err());
+        }
+    }
+
+    #[test]
+    fn any_page_server_stream_is_served_or_refused_never_panics(
+        commands in proptest::collection::vec(
+            (
+                prop_oneof![Just(1u32), Just(2), Just(3), Just(4), Just(5), Just(6), Just(7), Just(0x1023), any::<u32>()],
+                any::<u16>(),
+                prop_oneof![0u64..64, any::<u64>()],
+                prop_oneof![(0u64..1 << 20).prop_map(|p| p << 12), any::<u64>()],
+                any::<u64>(),
+                0usize..9000,
+            ),
+            0..6,
+        ),
+        narrow in any::<bool>(),
+    ) {
+        let layout = if narrow { HeaderLayout::Narrow } else { HeaderLayout::Wide };
+        let mut stream = Vec::new();
+        for (cmd, flags, nr_pages, vaddr, dst_id, payload) in commands {
+            stream.extend((cmd | u32::from(flags) << 16).to_ne_bytes());
+            if narrow {
+                stream.extend((nr_pages as u32).to_ne_bytes());
+            } else {
+                stream.extend([0u8; 4]);
+                stream.extend(nr_pages.to_ne_bytes());
+            }
+            stream.extend(vaddr.to_ne_bytes());
+            stream.extend(dst_id.to_ne_bytes());
+            stream.extend(std::iter::repeat_n(0xa5u8, payload));
+        }
+        let mut staging = Staging::new(64 << 10, &scratch().join("page-server.spill"));
+        let mut conn = Wire { input: std::io::Cursor::new(stream), output: Vec::new() };
+        if let Ok(stats) = serve(&mut conn, layout, &mut staging) {
+            let staged = staging.finish().unwrap();
+            prop_assert_eq!(staged.len(), stats.bytes, "what was acknowledged is what is staged");
+        }
+    }
+
+    #[test]
+    fn any_inventory_image_gives_a_run_id_or_an_error(data in proptest::collection::vec(any::<u8>(), 0..200)) {
+        let dir = scratch().join("inventory");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("inventory.img"), &data).unwrap();
+        let _ = dump_run_id(&dir);
+    }
+}
+
+/// A page-server connection that reads a script and records the answers.
+struct Wire {
+    input: std::io::Cursor<Vec<u8>>,
+    output: Vec<u8>,
+}
+
+impl std::io::Read for Wire {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.input.read(buf)
+    }
+}
+
+impl std::io::Write for Wire {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.output.write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn chunk_ref() -> impl Strategy<Value = ChunkRef> {
+    (
+        prop_oneof![Just(vec![]), Just(vec![7u8; 32]), proptest::collection::vec(any::<u8>(), 0..40)],
+        any::<u32>(),
+    )
+        .prop_map(|(hash, len)| ChunkRef { hash, len: len % (1 << 17), fresh: false })
+}
+
+fn manifest() -> impl Strategy<Value = Manifest> {
+    let run =
+        (any::<u64>(), prop_oneof![0u64..40, any::<u64>()], prop_oneof![Just(4u32), Just(6), any::<u32>()])
+            .prop_map(|(vaddr, nr_pages, flags)| PageRun { vaddr, nr_pages, flags });
+    let image = (
+        prop_oneof![Just(42u64 << 8 | 1), Just(7u64 << 8 | 2), any::<u64>()],
+        proptest::collection::vec(run, 0..4),
+        proptest::collection::vec(chunk_ref(), 0..6),
+    )
+        .prop_map(|(dst_id, runs, chunks)| MemoryImage { dst_id, runs, chunks });
+    let file = ("[a-z./]{0,12}", any::<u64>(), proptest::collection::vec(chunk_ref(), 0..4))
+        .prop_map(|(name, size, chunks)| FileImage { name, size: size % (1 << 20), chunks });
+    (proptest::collection::vec(image, 0..3), proptest::collection::vec(file, 0..3)).prop_map(
+        |(memory, files)| Manifest {
+            id: "20261123-000000-abcdef".into(),
+            memory,
+            files,
+            ..Default::default()
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2_000, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn any_manifest_is_assembled_or_refused_never_panics(m in manifest(), lazy in any::<bool>()) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&format!("file://{}", dir.path().join("store").display()), Duration::from_millis(10)).unwrap();
+        let out = dir.path().join("restore");
+        std::fs::create_dir_all(&out).unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let mode = if lazy { MemoryMode::Lazy { eager: &[] } } else { MemoryMode::Eager };
+        let _ = runtime.block_on(store.materialize_as(&m, &out, mode, Arc::new(|_, _| {})));
+    }
+}
