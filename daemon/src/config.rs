@@ -5,6 +5,7 @@
 //! socket = "/run/stasis/stasisd.sock"
 //! socket_group = "stasis"                   # members may connect, each acting on its own
 //! store = "file:///var/lib/stasis/store"   # or s3://bucket/prefix, gs://..., az://...
+//! store_key_file = "/etc/stasis/store.key"  # encrypt the store (64 hex digits; or STASIS_STORE_KEY)
 //! state_dir = "/var/lib/stasis/state"
 //! criu = "/usr/local/sbin/criu"
 //! log_format = "text"                       # or "json"
@@ -30,6 +31,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::criu::NetworkLock;
 use crate::engine::{IdleSettings, Thresholds};
+use crate::store::crypto::{KeyError, StoreKey};
 
 pub const DEFAULT_SOCKET: &str = "/run/stasis/stasisd.sock";
 pub const DEFAULT_STORE: &str = "file:///var/lib/stasis/store";
@@ -73,6 +75,15 @@ pub struct Args {
     /// Store URL: file:///dir, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix.
     #[arg(long)]
     pub store: Option<String>,
+    /// File holding the store's encryption key (64 hex digits); the environment variable
+    /// STASIS_STORE_KEY may hold it instead. Without either, an unencrypted store is used.
+    #[arg(long)]
+    pub store_key_file: Option<PathBuf>,
+    /// Re-wrap the store's data key from the key in this file to the configured one, once, at
+    /// start (key rotation: checkpoints stay readable, nothing is re-encrypted).
+    #[arg(long)]
+    #[serde(skip)]
+    pub rotate_store_key_from: Option<PathBuf>,
     /// Directory for logs of managed workloads, scratch images and the workload registry.
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
@@ -180,6 +191,9 @@ pub struct DaemonConfig {
     pub socket: PathBuf,
     pub socket_group: Option<String>,
     pub store_url: String,
+    /// The store's encryption key, if any.
+    pub store_key: Option<StoreKey>,
+    pub rotate_store_key_from: Option<StoreKey>,
     pub state_dir: PathBuf,
     pub criu_path: PathBuf,
     pub log_format: LogFormat,
@@ -212,6 +226,8 @@ pub enum ConfigError {
     },
     #[error("cannot combine the flags with the configuration file: {0}")]
     Merge(String),
+    #[error("invalid store key")]
+    Key(#[from] KeyError),
     #[error("invalid setting {key}: {reason}")]
     Invalid { key: &'static str, reason: &'static str },
 }
@@ -224,12 +240,19 @@ impl DaemonConfig {
             None if Path::new(DEFAULT_CONFIG).exists() => read_file(Path::new(DEFAULT_CONFIG))?,
             None => Args::default(),
         };
+        let flags_rotate = flags.rotate_store_key_from.clone();
         let s = overlay(file, flags)?;
         let idle = idle_settings(&s)?;
         let config = Self {
             socket: s.socket.unwrap_or_else(|| DEFAULT_SOCKET.into()),
             socket_group: s.socket_group,
             store_url: s.store.unwrap_or_else(|| DEFAULT_STORE.into()),
+            store_key: match (&s.store_key_file, std::env::var("STASIS_STORE_KEY")) {
+                (Some(path), _) => Some(StoreKey::read_file(path)?),
+                (None, Ok(hex)) => Some(StoreKey::from_hex(&hex)?),
+                (None, Err(_)) => None,
+            },
+            rotate_store_key_from: flags_rotate.as_deref().map(StoreKey::read_file).transpose()?,
             state_dir: s.state_dir.unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
             criu_path: s.criu.unwrap_or_else(default_criu),
             log_format: s.log_format.unwrap_or_default(),

@@ -62,6 +62,8 @@ pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
         network_lock: config.network_lock.forced(),
         network_lock_keep: std::time::Duration::from_secs(config.network_lock_keep_secs),
         idle: config.idle,
+        store_key: config.store_key.clone(),
+        rotate_store_key_from: config.rotate_store_key_from.clone(),
     })
     .await?;
     if let Some(addr) = config.metrics_listen {

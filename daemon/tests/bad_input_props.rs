@@ -10,6 +10,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use stasis_daemon::criu::images::dump_run_id;
 use stasis_daemon::criu::pageserver::{HeaderLayout, serve};
+use stasis_daemon::store::crypto::{Cipher, StoreKey};
 use stasis_daemon::store::envelope::{self, MANIFEST, PACK_INDEX};
 use stasis_daemon::store::{Manifest, MemoryMode, Staging, Store};
 use stasis_proto::stasis::v1::{ChunkRef, FileImage, MemoryImage, PackEntry, PackIndex, PageRun};
@@ -36,6 +37,12 @@ fn sample_manifest() -> Manifest {
     }
 }
 
+/// An encrypted store's cipher (the same for every case).
+fn cipher() -> &'static Cipher {
+    static CIPHER: std::sync::OnceLock<Cipher> = std::sync::OnceLock::new();
+    CIPHER.get_or_init(|| StoreKey::from_hex(&"5a".repeat(32)).unwrap().new_keys_object().1)
+}
+
 fn sample_index() -> PackIndex {
     let entry = PackEntry { hash: vec![7; 32], offset: 0, stored_len: 100, len: 4096, codec: 1 };
     PackIndex { pack: "n-1".into(), entries: vec![entry; 3] }
@@ -46,17 +53,25 @@ proptest! {
 
     #[test]
     fn envelopes_of_any_bytes_are_refused_or_read_never_panic(data in proptest::collection::vec(any::<u8>(), 0..600)) {
-        let _ = envelope::decode::<Manifest>(MANIFEST, &data);
-        let _ = envelope::decode::<PackIndex>(PACK_INDEX, &data);
+        for key in [None, Some(cipher())] {
+            let _ = envelope::decode::<Manifest>(MANIFEST, &data, key);
+            let _ = envelope::decode::<PackIndex>(PACK_INDEX, &data, key);
+        }
     }
 
     #[test]
     fn any_damage_to_an_envelope_is_detected(
         which in any::<bool>(),
+        sealed in any::<bool>(),
         flips in proptest::collection::vec((any::<prop::sample::Index>(), 1u8..=255), 1..4),
         cut in proptest::option::of(any::<prop::sample::Index>()),
     ) {
-        let original = if which { envelope::encode(MANIFEST, &sample_manifest()) } else { envelope::encode(PACK_INDEX, &sample_index()) };
+        let key = sealed.then(cipher);
+        let original = if which {
+            envelope::encode(MANIFEST, &sample_manifest(), key)
+        } else {
+            envelope::encode(PACK_INDEX, &sample_index(), key)
+        };
         let mut damaged = original.clone();
         for (at, mask) in &flips {
             let i = at.index(damaged.len());
@@ -67,9 +82,9 @@ proptest! {
         }
         prop_assume!(damaged != original);
         if which {
-            prop_assert!(envelope::decode::<Manifest>(MANIFEST, &damaged).is_err());
+            prop_assert!(envelope::decode::<Manifest>(MANIFEST, &damaged, key).is_err());
         } else {
-            prop_assert!(envelope::decode::<PackIndex>(PACK_INDEX, &damaged).is_err());
+            prop_assert!(envelope::decode::<PackIndex>(PACK_INDEX, &damaged, key).is_err());
         }
     }
 

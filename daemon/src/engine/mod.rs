@@ -74,6 +74,9 @@ pub struct EngineConfig {
     pub network_lock_keep: std::time::Duration,
     /// How idle workloads are told from busy ones.
     pub idle: IdleSettings,
+    /// The store's encryption key, and (once, for rotation) the key it was wrapped with.
+    pub store_key: Option<crate::store::crypto::StoreKey>,
+    pub rotate_store_key_from: Option<crate::store::crypto::StoreKey>,
 }
 
 /// A progress report of a long operation.

@@ -72,6 +72,8 @@ fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
         network_lock: None,
         network_lock_keep: Duration::from_secs(1800),
         idle: Default::default(),
+        store_key: None,
+        rotate_store_key_from: None,
     };
     let state = StateDir::open(&config.state_dir).unwrap();
     let parts = Parts {

@@ -56,8 +56,10 @@ impl Engine {
         };
         let state = StateDir::open(&config.state_dir).map_err(state_err(&config.state_dir))?;
         let support = probe_criu(&criu, &state, &config).await?;
-        let store =
-            Store::open(&config.store_url, config.store_retry)?.with_node_tag(&node_tag(&config.state_dir));
+        let store = Store::open(&config.store_url, config.store_retry)?
+            .with_node_tag(&node_tag(&config.state_dir))
+            .unlock(config.store_key.as_ref(), config.rotate_store_key_from.as_ref())
+            .await?;
         let registry = Registry::load(&state.registry_file()).map_err(state_err(&state.registry_file()))?;
         let reaper = Reaper::start().map_err(StartError::Reaper)?;
         let (host, gpu) = (Arc::new(LinuxHost), load_gpu());

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use futures::{StreamExt, TryStreamExt};
 use stasis_proto::stasis::v1::{ChunkRef, Codec, FileImage, MemoryImage};
 
+use super::crypto::{Cipher, chunk_id};
 use super::index::{ChunkHash, ChunkLoc};
 use super::lazy_memory::{LazyChunk, LazyMemory};
 use super::{Manifest, Progress, Store, StoreError};
@@ -266,6 +267,7 @@ impl Store {
         let blobs = self.read_ranges(id, pack, &ranges).await?;
         let fetched: u64 = blobs.iter().map(|b| b.len() as u64).sum();
         let (id, pack) = (id.to_string(), pack.to_string());
+        let cipher = self.cipher.clone();
         tokio::task::spawn_blocking(move || {
             for (blob, p) in blobs.iter().zip(&placements) {
                 let bad = |reason: &str| StoreError::CorruptChunk {
@@ -274,7 +276,7 @@ impl Store {
                     pack: pack.clone(),
                     reason: reason.into(),
                 };
-                let data = decode_chunk(blob, &p.loc, &p.hash).map_err(bad)?;
+                let data = decode_chunk(blob, &p.loc, &p.hash, cipher.as_deref()).map_err(bad)?;
                 p.file
                     .write_all_at(&data, p.offset)
                     .map_err(|source| StoreError::Local { path: "image file".into(), source })?;
@@ -325,18 +327,32 @@ impl Store {
     }
 }
 
-/// A fetched chunk's bytes: decompressed and checked against its hash; the error says why not.
-pub(super) fn decode_chunk(blob: &[u8], loc: &ChunkLoc, hash: &ChunkHash) -> Result<Vec<u8>, &'static str> {
+/// A fetched chunk's bytes: opened (in an encrypted store), decompressed and checked against
+/// its id; the error says why not.
+pub(super) fn decode_chunk(
+    blob: &[u8],
+    loc: &ChunkLoc,
+    hash: &ChunkHash,
+    cipher: Option<&Cipher>,
+) -> Result<Vec<u8>, &'static str> {
     if blob.len() != loc.stored_len as usize {
         return Err("the pack is truncated");
     }
+    let opened;
+    let stored = match cipher {
+        Some(c) => {
+            opened = c.open(hash, blob).ok_or("it does not decrypt with the store key")?;
+            &opened[..]
+        }
+        None => blob,
+    };
     let data = match loc.codec {
-        Codec::Raw => blob.to_vec(),
+        Codec::Raw => stored.to_vec(),
         Codec::Zstd => {
-            zstd::bulk::decompress(blob, loc.len as usize).map_err(|_| "it does not decompress")?
+            zstd::bulk::decompress(stored, loc.len as usize).map_err(|_| "it does not decompress")?
         }
     };
-    if data.len() != loc.len as usize || blake3::hash(&data).as_bytes() != hash {
+    if data.len() != loc.len as usize || &chunk_id(cipher, &data) != hash {
         return Err("its content does not match its hash");
     }
     Ok(data)

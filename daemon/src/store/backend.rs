@@ -28,6 +28,22 @@ pub enum OpenStoreError {
         #[source]
         source: std::io::Error,
     },
+    #[error("the store at {0} is encrypted: give its key (--store-key-file or STASIS_STORE_KEY)")]
+    NeedsKey(String),
+    #[error("the store at {0} holds unencrypted checkpoints: an encrypted store needs a location of its own")]
+    NotEncrypted(String),
+    #[error("the key for the store at {url} does not fit")]
+    Key {
+        url: String,
+        #[source]
+        source: super::crypto::KeyError,
+    },
+    #[error("cannot read or write the keys of the store at {url}")]
+    Keys {
+        url: String,
+        #[source]
+        source: object_store::Error,
+    },
     #[error("cannot configure the store backend for {url}")]
     Backend {
         url: String,

@@ -169,7 +169,7 @@ impl Store {
                 report.chunks_read += 1;
                 let (start, end) = (loc.offset as usize, loc.offset as usize + loc.stored_len as usize);
                 let blob = data.get(start..end).unwrap_or(&[]);
-                if let Err(why) = decode_chunk(blob, loc, hash) {
+                if let Err(why) = decode_chunk(blob, loc, hash, self.cipher()) {
                     report
                         .problems
                         .push(format!("chunk {} in pack {pack} is corrupt: {why}", hex::encode(hash)));

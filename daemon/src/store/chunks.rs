@@ -12,6 +12,7 @@ use rayon::prelude::*;
 use stasis_proto::stasis::v1::{ChunkRef, Codec, PackEntry, PackIndex};
 use tokio::sync::mpsc;
 
+use super::crypto::{Cipher, chunk_id};
 use super::index::{ChunkHash, ChunkIndex};
 
 /// Chunk size: content is cut at multiples of this (addresses for memory, offsets for files).
@@ -85,6 +86,8 @@ fn is_zero(data: &[u8]) -> bool {
 /// Writes chunks for one checkpoint.
 pub struct ChunkWriter<'a> {
     index: &'a ChunkIndex,
+    /// An encrypted store's cipher: keyed chunk ids, sealed chunks.
+    cipher: Option<&'a Cipher>,
     /// New chunks already packed by this checkpoint.
     packed: HashSet<ChunkHash>,
     pack: Option<FinishedPack>,
@@ -95,8 +98,21 @@ pub struct ChunkWriter<'a> {
 
 impl<'a> ChunkWriter<'a> {
     /// Packs get ids starting with `node_tag`, so a node can tell its own leftovers.
-    pub fn new(index: &'a ChunkIndex, packs: mpsc::Sender<FinishedPack>, node_tag: &'a str) -> Self {
-        Self { index, packed: HashSet::new(), pack: None, packs, node_tag, stats: ChunkStats::default() }
+    pub fn new(
+        index: &'a ChunkIndex,
+        packs: mpsc::Sender<FinishedPack>,
+        node_tag: &'a str,
+        cipher: Option<&'a Cipher>,
+    ) -> Self {
+        Self {
+            index,
+            cipher,
+            packed: HashSet::new(),
+            pack: None,
+            packs,
+            node_tag,
+            stats: ChunkStats::default(),
+        }
     }
 
     /// Stores `pieces` (each at most [`CHUNK`] bytes) and returns their references in order.
@@ -105,7 +121,7 @@ impl<'a> ChunkWriter<'a> {
         let mut refs = Vec::with_capacity(pieces.len());
         for batch in pieces.chunks(BATCH) {
             let hashes: Vec<Option<ChunkHash>> =
-                batch.par_iter().map(|p| (!is_zero(p)).then(|| *blake3::hash(p).as_bytes())).collect();
+                batch.par_iter().map(|p| (!is_zero(p)).then(|| chunk_id(self.cipher, p))).collect();
             let mut fresh = Vec::new();
             for (i, hash) in hashes.iter().enumerate() {
                 self.stats.chunks_total += 1;
@@ -125,15 +141,22 @@ impl<'a> ChunkWriter<'a> {
                     fresh: new_to_store,
                 });
             }
+            let cipher = self.cipher;
             let compressed: Vec<(usize, Codec, Vec<u8>)> = fresh
                 .par_iter()
                 .map(|&i| {
                     let raw = batch[i];
-                    match zstd::bulk::compress(raw, ZSTD_LEVEL) {
+                    let (codec, stored) = match zstd::bulk::compress(raw, ZSTD_LEVEL) {
                         // Keep the compressed form only where it saves at least 1/32.
-                        Ok(z) if z.len() < raw.len() - raw.len() / 32 => (i, Codec::Zstd, z),
-                        _ => (i, Codec::Raw, raw.to_vec()),
-                    }
+                        Ok(z) if z.len() < raw.len() - raw.len() / 32 => (Codec::Zstd, z),
+                        _ => (Codec::Raw, raw.to_vec()),
+                    };
+                    let hash = hashes[i].expect("fresh chunks are not zero");
+                    let stored = match cipher {
+                        Some(c) => c.seal(&hash, &stored),
+                        None => stored,
+                    };
+                    (i, codec, stored)
                 })
                 .collect();
             for (i, codec, stored) in compressed {
@@ -243,7 +266,7 @@ mod tests {
         blake3::Hasher::new().update(b"seed").finalize_xof().fill(&mut random);
         let text = b"abcabcabc".repeat(CHUNK / 9 + 1)[..CHUNK].to_vec();
         let zero = vec![0u8; CHUNK];
-        let mut w = ChunkWriter::new(&index, tx, "t");
+        let mut w = ChunkWriter::new(&index, tx, "t", None);
         let refs = w.write(&[&random, &text, &zero, &random]).unwrap();
         w.flush().unwrap();
         assert_eq!(
@@ -265,7 +288,7 @@ mod tests {
         assert!(pack.data.len() < 2 * CHUNK);
         index.add(&pack.index);
         let (tx, _rx) = mpsc::channel(4);
-        let mut again = ChunkWriter::new(&index, tx, "t");
+        let mut again = ChunkWriter::new(&index, tx, "t", None);
         again.write(&[&random, &text]).unwrap();
         assert_eq!(again.stats.chunks_new, 0, "chunks in the index are not stored again");
     }

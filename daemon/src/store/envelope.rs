@@ -6,13 +6,15 @@
 //!      0     8  magic: "STASISMF" (manifest) or "STASISPX" (pack index)
 //!      8     2  format major version (LE)   readers reject another major
 //!     10     2  format minor version (LE)   readers reject a newer minor
-//!     12     4  flags (LE), zero
+//!     12     4  flags (LE): bit 0 = payload sealed with the store's key (see crypto.rs)
 //!     16     8  payload length (LE)         at most MAX_PAYLOAD
 //!     24    32  BLAKE3 of the payload
-//!     56     n  payload (protobuf)
+//!     56     n  payload (protobuf, or sealed protobuf)
 //! ```
 
 use prost::Message;
+
+use super::crypto::Cipher;
 
 /// Magic of manifest objects.
 pub const MANIFEST: &[u8; 8] = b"STASISMF";
@@ -25,6 +27,8 @@ const HEADER_LEN: usize = 56;
 /// Metadata objects hold chunk references, never page data: 256 MiB is far beyond any real
 /// one and keeps a corrupted length from allocating without bound.
 const MAX_PAYLOAD: u64 = 256 << 20;
+/// Flag: the payload is sealed.
+const SEALED: u32 = 1;
 
 /// A metadata object could not be read.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -41,26 +45,41 @@ pub enum EnvelopeError {
     TooLarge(u64),
     #[error("checksum mismatch: the object is corrupted")]
     ChecksumMismatch,
+    #[error("it is encrypted, and no store key is configured")]
+    NeedsKey,
+    #[error("it does not decrypt with the store key (damaged, or written under another key)")]
+    Undecryptable,
+    #[error("it is not encrypted, in an encrypted store: refused (it may have been planted)")]
+    NotSealed,
     #[error("payload does not decode: {0}")]
     Decode(String),
 }
 
-/// Frames `message` for storage under `magic`.
-pub fn encode(magic: &[u8; 8], message: &impl Message) -> Vec<u8> {
-    let payload = message.encode_to_vec();
+/// Frames `message` for storage under `magic`, sealed when the store has a `cipher`.
+pub fn encode(magic: &[u8; 8], message: &impl Message, cipher: Option<&Cipher>) -> Vec<u8> {
+    let plain = message.encode_to_vec();
+    let (payload, flags) = match cipher {
+        Some(c) => (c.seal(magic, &plain), SEALED),
+        None => (plain, 0),
+    };
     let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
     out.extend_from_slice(magic);
     out.extend_from_slice(&MAJOR.to_le_bytes());
     out.extend_from_slice(&MINOR.to_le_bytes());
-    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&flags.to_le_bytes());
     out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     out.extend_from_slice(blake3::hash(&payload).as_bytes());
     out.extend_from_slice(&payload);
     out
 }
 
-/// Checks the frame and decodes the message inside it.
-pub fn decode<M: Message + Default>(magic: &[u8; 8], data: &[u8]) -> Result<M, EnvelopeError> {
+/// Checks the frame and decodes the message inside it, opening it with `cipher` (an encrypted
+/// store's objects must all be sealed).
+pub fn decode<M: Message + Default>(
+    magic: &[u8; 8],
+    data: &[u8],
+    cipher: Option<&Cipher>,
+) -> Result<M, EnvelopeError> {
     if data.len() >= magic.len() && &data[..8] != magic {
         return Err(EnvelopeError::BadMagic);
     }
@@ -73,7 +92,7 @@ pub fn decode<M: Message + Default>(magic: &[u8; 8], data: &[u8]) -> Result<M, E
         return Err(EnvelopeError::UnsupportedVersion { major, minor });
     }
     let flags = u32::from_le_bytes(data[12..16].try_into().expect("4-byte slice"));
-    if flags != 0 {
+    if flags & !SEALED != 0 {
         return Err(EnvelopeError::UnknownFlags(flags));
     }
     let len = u64::from_le_bytes(data[16..24].try_into().expect("8-byte slice"));
@@ -87,7 +106,17 @@ pub fn decode<M: Message + Default>(magic: &[u8; 8], data: &[u8]) -> Result<M, E
     if blake3::hash(payload).as_bytes() != &data[24..56] {
         return Err(EnvelopeError::ChecksumMismatch);
     }
-    M::decode(payload).map_err(|e| EnvelopeError::Decode(e.to_string()))
+    let opened;
+    let plain = match (flags & SEALED != 0, cipher) {
+        (false, None) => payload,
+        (false, Some(_)) => return Err(EnvelopeError::NotSealed),
+        (true, None) => return Err(EnvelopeError::NeedsKey),
+        (true, Some(c)) => {
+            opened = c.open(magic, payload).ok_or(EnvelopeError::Undecryptable)?;
+            &opened
+        }
+    };
+    M::decode(plain).map_err(|e| EnvelopeError::Decode(e.to_string()))
 }
 
 #[cfg(test)]
@@ -106,17 +135,17 @@ mod tests {
     }
 
     fn decode_manifest(data: &[u8]) -> Result<Manifest, EnvelopeError> {
-        decode(MANIFEST, data)
+        decode(MANIFEST, data, None)
     }
 
     #[test]
     fn round_trip() {
-        assert_eq!(decode_manifest(&encode(MANIFEST, &sample())).unwrap(), sample());
+        assert_eq!(decode_manifest(&encode(MANIFEST, &sample(), None)).unwrap(), sample());
     }
 
     #[test]
     fn every_flipped_byte_is_detected() {
-        let good = encode(MANIFEST, &sample());
+        let good = encode(MANIFEST, &sample(), None);
         for i in 0..good.len() {
             let mut bad = good.clone();
             bad[i] ^= 0x01;
@@ -126,12 +155,26 @@ mod tests {
 
     #[test]
     fn truncation_kinds_and_versions_are_reported() {
-        let good = encode(MANIFEST, &sample());
+        let good = encode(MANIFEST, &sample(), None);
         assert!(matches!(decode_manifest(&good[..good.len() - 1]), Err(EnvelopeError::Truncated { .. })));
         assert!(matches!(decode_manifest(&good[..10]), Err(EnvelopeError::Truncated { .. })));
         let mut newer = good.clone();
         newer[10] = 9;
         assert_eq!(decode_manifest(&newer), Err(EnvelopeError::UnsupportedVersion { major: 1, minor: 9 }));
-        assert_eq!(decode::<Manifest>(PACK_INDEX, &good), Err(EnvelopeError::BadMagic));
+        assert_eq!(decode::<Manifest>(PACK_INDEX, &good, None), Err(EnvelopeError::BadMagic));
+    }
+
+    #[test]
+    fn sealed_envelopes_need_the_key_and_an_encrypted_store_takes_only_sealed_ones() {
+        let key = crate::store::crypto::StoreKey::from_hex(&"11".repeat(32)).unwrap();
+        let (_, cipher) = key.new_keys_object();
+        let sealed = encode(MANIFEST, &sample(), Some(&cipher));
+        assert!(!sealed.windows(6).any(|w| w == b"101010"), "the id is not readable in it");
+        assert_eq!(decode::<Manifest>(MANIFEST, &sealed, Some(&cipher)).unwrap(), sample());
+        assert_eq!(decode::<Manifest>(MANIFEST, &sealed, None), Err(EnvelopeError::NeedsKey));
+        let (_, other) = key.new_keys_object();
+        assert_eq!(decode::<Manifest>(MANIFEST, &sealed, Some(&other)), Err(EnvelopeError::Undecryptable));
+        let plain = encode(MANIFEST, &sample(), None);
+        assert_eq!(decode::<Manifest>(MANIFEST, &plain, Some(&cipher)), Err(EnvelopeError::NotSealed));
     }
 }

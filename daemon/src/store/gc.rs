@@ -136,7 +136,7 @@ impl Store {
             .bytes()
             .await
             .map_err(Self::backend_err(&key))?;
-        envelope::decode(envelope::PACK_INDEX, &data)
+        envelope::decode(envelope::PACK_INDEX, &data, self.cipher())
             .map_err(|source| StoreError::Envelope { what: format!("index of pack {pack}"), source })
     }
 

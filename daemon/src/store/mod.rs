@@ -17,6 +17,7 @@ mod assemble;
 mod backend;
 mod check;
 mod chunks;
+pub mod crypto;
 pub mod envelope;
 mod gc;
 mod index;
@@ -103,6 +104,8 @@ pub struct Store {
     gc_lock: Arc<tokio::sync::RwLock<()>>,
     /// Prefix of the ids of packs this node writes.
     node_tag: Arc<str>,
+    /// An encrypted store's cipher (see `crypto.rs`).
+    cipher: Option<Arc<crypto::Cipher>>,
 }
 
 /// Held while a checkpoint decides which chunks to reference and commits its manifest.
@@ -128,6 +131,7 @@ impl Store {
             index: Default::default(),
             gc_lock: Default::default(),
             node_tag: "local".into(),
+            cipher: None,
         })
     }
 
@@ -145,6 +149,77 @@ impl Store {
 
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// Opens an encrypted store with `key` (its `keys` object made, in an empty store), or
+    /// checks that an unencrypted one is used without a key. With `rotate_from` (the old key),
+    /// the data key is first re-wrapped under `key`.
+    pub async fn unlock(
+        mut self,
+        key: Option<&crypto::StoreKey>,
+        rotate_from: Option<&crypto::StoreKey>,
+    ) -> Result<Self, OpenStoreError> {
+        let url = self.url.clone();
+        let keys_key = self.key(crypto::KEYS_OBJECT);
+        let keys_err = |source| OpenStoreError::Keys { url: url.clone(), source };
+        let key_err = |source| OpenStoreError::Key { url: url.clone(), source };
+        let existing = match self.backend.get(&keys_key).await {
+            Ok(r) => Some(r.bytes().await.map_err(keys_err)?),
+            Err(object_store::Error::NotFound { .. }) => None,
+            Err(source) => return Err(keys_err(source)),
+        };
+        let cipher = match (existing, key) {
+            (None, None) => return Ok(self),
+            (Some(_), None) => return Err(OpenStoreError::NeedsKey(url)),
+            (Some(object), Some(key)) => {
+                let object = match rotate_from {
+                    Some(old) => {
+                        let rotated = old.rewrap(&object, key).map_err(key_err)?;
+                        self.backend.put(&keys_key, rotated.clone().into()).await.map_err(keys_err)?;
+                        tracing::info!(store = %url, "store key rotated");
+                        rotated.into()
+                    }
+                    None => object,
+                };
+                key.open_keys(&object).map_err(key_err)?
+            }
+            (None, Some(key)) => {
+                let holds = |dir: &str| {
+                    let dir = self.key(dir);
+                    let backend = self.backend.clone();
+                    async move { backend.list(Some(&dir)).try_next().await.map(|first| first.is_some()) }
+                };
+                if holds("manifests").await.map_err(keys_err)? || holds("packs").await.map_err(keys_err)? {
+                    return Err(OpenStoreError::NotEncrypted(url));
+                }
+                let (object, cipher) = key.new_keys_object();
+                let create =
+                    object_store::PutOptions { mode: object_store::PutMode::Create, ..Default::default() };
+                match self.backend.put_opts(&keys_key, object.into(), create).await {
+                    Ok(_) => cipher,
+                    // Another node made them first: use theirs.
+                    Err(object_store::Error::AlreadyExists { .. }) => {
+                        let object = self
+                            .backend
+                            .get(&keys_key)
+                            .await
+                            .map_err(keys_err)?
+                            .bytes()
+                            .await
+                            .map_err(keys_err)?;
+                        key.open_keys(&object).map_err(key_err)?
+                    }
+                    Err(source) => return Err(keys_err(source)),
+                }
+            }
+        };
+        self.cipher = Some(Arc::new(cipher));
+        Ok(self)
+    }
+
+    /// The cipher of an encrypted store.
+    pub(crate) fn cipher(&self) -> Option<&crypto::Cipher> {
+        self.cipher.as_deref()
     }
 
     fn key(&self, rel: &str) -> ObjPath {
@@ -181,7 +256,7 @@ impl Store {
                 Err(object_store::Error::NotFound { .. }) => continue,
                 Err(source) => return Err(StoreError::Backend { key: meta.location.to_string(), source }),
             };
-            match envelope::decode(envelope::PACK_INDEX, &data) {
+            match envelope::decode(envelope::PACK_INDEX, &data, self.cipher()) {
                 Ok(index) => self.index.add(&index),
                 Err(e) => warn!(pack, error = %e, "skipping unreadable pack index"),
             }
@@ -192,7 +267,7 @@ impl Store {
     /// Writes the manifest: the step that makes the checkpoint exist.
     pub async fn commit(&self, manifest: &Manifest, _guard: &CommitGuard) -> Result<(), StoreError> {
         let key = self.manifest_key(&manifest.id);
-        let payload = PutPayload::from(envelope::encode(envelope::MANIFEST, manifest));
+        let payload = PutPayload::from(envelope::encode(envelope::MANIFEST, manifest, self.cipher()));
         self.backend.put(&key, payload).await.map_err(Self::backend_err(&key))?;
         Ok(())
     }
@@ -206,7 +281,7 @@ impl Store {
             Err(source) => return Err(StoreError::Backend { key: key.to_string(), source }),
         };
         let what = || format!("manifest of checkpoint {id}");
-        let m: Manifest = envelope::decode(envelope::MANIFEST, &data)
+        let m: Manifest = envelope::decode(envelope::MANIFEST, &data, self.cipher())
             .map_err(|source| StoreError::Envelope { what: what(), source })?;
         if m.id != id {
             let source = EnvelopeError::Decode(format!("it names checkpoint {}", m.id));

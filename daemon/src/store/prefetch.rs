@@ -344,17 +344,20 @@ async fn fetch_batch(
         Ok(Ok(f)) => f,
     };
     let verify = shared.clone();
+    let cipher = store.cipher.clone();
     let decoded = tokio::task::spawn_blocking(move || {
         let mut out = Vec::new();
         for (pack, chunks, blobs) in fetched {
             for (i, blob) in chunks.into_iter().zip(blobs) {
                 let (hash, loc) = verify.memory.chunks[i].stored.as_ref().expect("stored");
                 verify.fetched.fetch_add(blob.len() as u64, Ordering::Relaxed);
-                let data = decode_chunk(&blob, loc, hash).map_err(|reason| LazyFetchError::Corrupt {
-                    id: verify.memory.id.clone(),
-                    chunk: hex::encode(hash),
-                    pack: pack.to_string(),
-                    reason: reason.to_string(),
+                let data = decode_chunk(&blob, loc, hash, cipher.as_deref()).map_err(|reason| {
+                    LazyFetchError::Corrupt {
+                        id: verify.memory.id.clone(),
+                        chunk: hex::encode(hash),
+                        pack: pack.to_string(),
+                        reason: reason.to_string(),
+                    }
                 })?;
                 out.push((i, Arc::new(data)));
             }

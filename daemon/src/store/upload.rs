@@ -57,8 +57,9 @@ impl Store {
         let (tx, mut rx) = mpsc::channel::<FinishedPack>(PACKS_QUEUED);
         let index = self.index.clone();
         let tag = self.node_tag.clone();
+        let cipher = self.cipher.clone();
         let producer = tokio::task::spawn_blocking(move || {
-            let mut writer = ChunkWriter::new(&index, tx, &tag);
+            let mut writer = ChunkWriter::new(&index, tx, &tag, cipher.as_deref());
             let mut done = 0u64;
             let memory = memory_images(&staged, &mut writer, &mut |n| {
                 done += n;
@@ -121,7 +122,7 @@ impl Store {
         writer.write(&pack.data);
         writer.finish().await.map_err(Self::backend_err(&key))?;
         let index_key = self.pack_index_key(&pack.index.pack);
-        let index = envelope::encode(envelope::PACK_INDEX, &pack.index);
+        let index = envelope::encode(envelope::PACK_INDEX, &pack.index, self.cipher());
         let index_size = index.len() as u64;
         self.backend.put(&index_key, PutPayload::from(index)).await.map_err(Self::backend_err(&index_key))?;
         self.index.add(&pack.index);
