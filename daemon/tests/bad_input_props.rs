@@ -117,7 +117,7 @@ proptest! {
             stream.extend(dst_id.to_ne_bytes());
             stream.extend(std::iter::repeat_n(0xa5u8, payload));
         }
-        let mut staging = Staging::new(64 << 10, &scratch().join("page-server.spill"));
+        let mut staging = Staging::new(&stasis_daemon::store::StagingBudget::new(64 << 10), &scratch().join("page-server.spill"));
         let mut conn = Wire { input: std::io::Cursor::new(stream), output: Vec::new() };
         if let Ok(stats) = serve(&mut conn, layout, &mut staging) {
             let staged = staging.finish().unwrap();

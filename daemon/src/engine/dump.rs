@@ -11,7 +11,7 @@ use std::time::Instant;
 use super::CheckpointError;
 use crate::criu::pageserver::{self, HeaderLayout, PageServerError};
 use crate::criu::{CriuError, CriuOps, CriuVersion, DumpSpec};
-use crate::store::{Staged, Staging};
+use crate::store::{Staged, Staging, StagingBudget};
 
 /// Send and receive buffer of the page-server socketpair.
 const SOCKET_BUFFER: usize = 8 << 20;
@@ -45,12 +45,12 @@ pub(super) struct Dump {
 }
 
 /// Dumps `spec` (its images directory gets the non-page images) and stages its pages, at most
-/// `staging_limit` bytes of them in memory. Blocking.
+/// what `staging` (the daemon-wide budget) allows in memory. Blocking.
 pub(super) fn dump(
     criu: &dyn CriuOps,
     version: CriuVersion,
     mut spec: DumpSpec,
-    staging_limit: u64,
+    staging: StagingBudget,
 ) -> Result<Dump, DumpFailure> {
     let layout = HeaderLayout::for_version(version.major, version.minor);
     let (mut ours, theirs) = UnixStream::pair().map_err(|e| DumpFailure::Local("page-server socket", e))?;
@@ -58,7 +58,7 @@ pub(super) fn dump(
     // KiB (the default); the forced variants need CAP_NET_ADMIN, so failure only costs speed.
     let _ = setsockopt(&ours, sockopt::RcvBufForce, &SOCKET_BUFFER);
     let _ = setsockopt(&theirs, sockopt::SndBufForce, &SOCKET_BUFFER);
-    let mut staging = Staging::new(staging_limit, &spec.images_dir.join(SPILL_FILE));
+    let mut staging = Staging::new(&staging, &spec.images_dir.join(SPILL_FILE));
     let server = std::thread::Builder::new()
         .name("stasis-pageserver".into())
         .spawn(move || pageserver::serve(&mut ours, layout, &mut staging).map(|_| staging))

@@ -107,7 +107,8 @@ pub struct Engine {
     registry: Registry,
     reaper: Reaper,
     jobs: TaskTracker,
-    staging_limit: u64,
+    /// Staged page bytes all dumps together may hold in memory.
+    staging: crate::store::StagingBudget,
     keep_last: Option<usize>,
     gc_grace: std::time::Duration,
     lazy: crate::store::FetchSettings,

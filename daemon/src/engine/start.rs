@@ -17,7 +17,7 @@ use crate::criu::{Criu, CriuOps, CriuVersion, MIN_VERSION, NetworkLock, support}
 use crate::cuda::nvml::Nvml;
 use crate::cuda::{CudaDriver, CudaError, GpuCheckpointer};
 use crate::linux::reaper::Reaper;
-use crate::store::Store;
+use crate::store::{StagingBudget, Store};
 
 /// What CRIU can do on this node, found at start.
 #[derive(Debug, Clone)]
@@ -89,7 +89,7 @@ impl Engine {
             registry,
             reaper,
             jobs: TaskTracker::new(),
-            staging_limit: config.staging_limit.unwrap_or_else(dump::default_staging_limit),
+            staging: StagingBudget::new(config.staging_limit.unwrap_or_else(dump::default_staging_limit)),
             gpu,
             gpu_activity,
             keep_last: config.keep_last,

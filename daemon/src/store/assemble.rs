@@ -20,8 +20,12 @@ use crate::criu::images::{pagemap_file_name, pages_file_name, task_of, write_pag
 use crate::criu::pageserver::{PAGE_SIZE, PE_LAZY, PageRun};
 use stasis_proto::stasis::v1::AddressRange;
 
-/// Packs fetched at the same time.
+/// Packs one restore fetches at the same time.
 const PACKS_IN_FLIGHT: usize = 8;
+
+/// Pack fetches in memory at once, all restores together: with [`super::chunks::PACK_TARGET`],
+/// what eager restores add to stasisd's memory however many run.
+pub const FETCHES_IN_MEMORY: usize = 6;
 
 /// A chunk to fetch and where its bytes go.
 struct Placement {
@@ -199,6 +203,7 @@ impl Store {
                 let fetched = fetched.clone();
                 let progress = progress.clone();
                 async move {
+                    let _slot = self.fetch_slots.acquire().await.expect("never closed");
                     let bytes = self.fetch_pack(id, &pack, placements).await?;
                     progress(fetched.fetch_add(bytes, Ordering::Relaxed) + bytes, total);
                     Ok::<_, StoreError>(())

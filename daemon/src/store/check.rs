@@ -238,7 +238,7 @@ mod tests {
         let work = dir.join(id);
         std::fs::create_dir_all(work.join("images")).unwrap();
         std::fs::write(work.join("images/core-1.img"), format!("core of {id}")).unwrap();
-        let mut staging = Staging::new(64 << 20, &work.join("spill"));
+        let mut staging = Staging::new(&crate::store::StagingBudget::new(64 << 20), &work.join("spill"));
         let run = PageRun { dst_id: (1 << 8) | 1, vaddr: 0x10000, nr_pages: pages as u64, flags: PE_PRESENT };
         staging.run(run, &mut bytes.as_slice()).unwrap();
         let dump = store

@@ -7,10 +7,11 @@
 
 use std::borrow::Cow;
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use rayon::prelude::*;
 use stasis_proto::stasis::v1::{ChunkRef, Codec, PackEntry, PackIndex};
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use super::crypto::{Cipher, chunk_id};
 use super::index::{ChunkHash, ChunkIndex};
@@ -36,11 +37,17 @@ pub struct ChunkStats {
     pub bytes_new: u64,
 }
 
+/// Packs held in memory at once, being filled, queued or uploaded, by all checkpoints
+/// together: with [`PACK_TARGET`], what packing adds to stasisd's memory beyond staging.
+pub const PACKS_IN_MEMORY: usize = 6;
+
 /// A pack ready for upload.
 #[derive(Debug)]
 pub struct FinishedPack {
     pub data: Vec<u8>,
     pub index: PackIndex,
+    /// Its place among the [`PACKS_IN_MEMORY`], freed with it.
+    pub _slot: Option<OwnedSemaphorePermit>,
 }
 
 /// Cuts the bytes of `pieces`, which follow each other from address (or offset) `start` on,
@@ -92,6 +99,8 @@ pub struct ChunkWriter<'a> {
     packed: HashSet<ChunkHash>,
     pack: Option<FinishedPack>,
     packs: mpsc::Sender<FinishedPack>,
+    /// Places for packs in memory, shared by the store's writers.
+    slots: Arc<Semaphore>,
     node_tag: &'a str,
     pub stats: ChunkStats,
 }
@@ -103,16 +112,10 @@ impl<'a> ChunkWriter<'a> {
         packs: mpsc::Sender<FinishedPack>,
         node_tag: &'a str,
         cipher: Option<&'a Cipher>,
+        slots: Arc<Semaphore>,
     ) -> Self {
-        Self {
-            index,
-            cipher,
-            packed: HashSet::new(),
-            pack: None,
-            packs,
-            node_tag,
-            stats: ChunkStats::default(),
-        }
+        let stats = ChunkStats::default();
+        Self { index, cipher, packed: HashSet::new(), pack: None, packs, slots, node_tag, stats }
     }
 
     /// Stores `pieces` (each at most [`CHUNK`] bytes) and returns their references in order.
@@ -176,10 +179,17 @@ impl<'a> ChunkWriter<'a> {
         codec: Codec,
         stored: &[u8],
     ) -> Result<(), UploaderGone> {
-        let pack = self.pack.get_or_insert_with(|| FinishedPack {
-            data: Vec::with_capacity(PACK_TARGET + CHUNK),
-            index: PackIndex { pack: new_pack_id(self.node_tag), entries: Vec::new() },
-        });
+        if self.pack.is_none() {
+            // Waits while other checkpoints' packs fill the places (their uploads free them).
+            let slot =
+                futures::executor::block_on(self.slots.clone().acquire_owned()).map_err(|_| UploaderGone)?;
+            self.pack = Some(FinishedPack {
+                data: Vec::with_capacity(PACK_TARGET + CHUNK),
+                index: PackIndex { pack: new_pack_id(self.node_tag), entries: Vec::new() },
+                _slot: Some(slot),
+            });
+        }
+        let pack = self.pack.as_mut().expect("a pack was just made");
         pack.index.entries.push(PackEntry {
             hash: hash.to_vec(),
             offset: pack.data.len() as u64,
@@ -266,7 +276,7 @@ mod tests {
         blake3::Hasher::new().update(b"seed").finalize_xof().fill(&mut random);
         let text = b"abcabcabc".repeat(CHUNK / 9 + 1)[..CHUNK].to_vec();
         let zero = vec![0u8; CHUNK];
-        let mut w = ChunkWriter::new(&index, tx, "t", None);
+        let mut w = ChunkWriter::new(&index, tx, "t", None, Arc::new(Semaphore::new(PACKS_IN_MEMORY)));
         let refs = w.write(&[&random, &text, &zero, &random]).unwrap();
         w.flush().unwrap();
         assert_eq!(
@@ -288,7 +298,7 @@ mod tests {
         assert!(pack.data.len() < 2 * CHUNK);
         index.add(&pack.index);
         let (tx, _rx) = mpsc::channel(4);
-        let mut again = ChunkWriter::new(&index, tx, "t", None);
+        let mut again = ChunkWriter::new(&index, tx, "t", None, Arc::new(Semaphore::new(PACKS_IN_MEMORY)));
         again.write(&[&random, &text]).unwrap();
         assert_eq!(again.stats.chunks_new, 0, "chunks in the index are not stored again");
     }

@@ -168,6 +168,7 @@ impl Store {
                 pack: super::chunks::new_pack_id(&self.node_tag),
                 entries: Vec::with_capacity(live.len()),
             },
+            _slot: None,
         };
         for (mut entry, blob) in live.into_iter().zip(blobs) {
             entry.offset = fresh.data.len() as u64;

@@ -36,7 +36,7 @@ async fn stored(dir: &std::path::Path) -> (Store, Manifest, [Vec<u8>; 3]) {
     let mut a = bytes(40 * PAGE_SIZE as usize, 1);
     a[PAGE_SIZE as usize * 16..PAGE_SIZE as usize * 32].fill(0);
     let data = [a, bytes(8 * PAGE_SIZE as usize, 2), bytes(2 * PAGE_SIZE as usize, 3)];
-    let mut staging = Staging::new(64 << 20, &dir.join("spill"));
+    let mut staging = Staging::new(&crate::store::StagingBudget::new(64 << 20), &dir.join("spill"));
     let runs = [(0x10000, PE_PRESENT | PE_LAZY), (0x100000, PE_PRESENT | PE_LAZY), (0x200000, PE_PRESENT)];
     for ((vaddr, flags), bytes) in runs.into_iter().zip(&data) {
         let nr_pages = bytes.len() as u64 / PAGE_SIZE;

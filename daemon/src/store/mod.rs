@@ -43,7 +43,7 @@ pub use envelope::EnvelopeError;
 pub use gc::{GcReport, Retention};
 pub use lazy_memory::LazyMemory;
 pub use prefetch::{FetchSettings, LazyFetch, LazyFetchError, LazyReader};
-pub use staging::{Staged, Staging};
+pub use staging::{Staged, Staging, StagingBudget};
 pub use stasis_proto::stasis::v1::Manifest;
 pub use upload::StoredDump;
 
@@ -106,6 +106,10 @@ pub struct Store {
     node_tag: Arc<str>,
     /// An encrypted store's cipher (see `crypto.rs`).
     cipher: Option<Arc<crypto::Cipher>>,
+    /// Places for packs in memory, shared by every checkpoint being stored.
+    pack_slots: Arc<tokio::sync::Semaphore>,
+    /// Places for fetched packs, shared by every restore.
+    fetch_slots: Arc<tokio::sync::Semaphore>,
 }
 
 /// Held while a checkpoint decides which chunks to reference and commits its manifest.
@@ -132,6 +136,8 @@ impl Store {
             gc_lock: Default::default(),
             node_tag: "local".into(),
             cipher: None,
+            pack_slots: Arc::new(tokio::sync::Semaphore::new(chunks::PACKS_IN_MEMORY)),
+            fetch_slots: Arc::new(tokio::sync::Semaphore::new(assemble::FETCHES_IN_MEMORY)),
         })
     }
 

@@ -8,6 +8,8 @@
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::{Advice, Mmap, MmapMut, MmapOptions};
 
@@ -31,11 +33,51 @@ pub struct StagedRun {
     loc: Loc,
 }
 
+/// The daemon's bound on staged page bytes held in memory, shared by every dump under way:
+/// what does not fit goes to the dump's spill file.
+#[derive(Debug, Clone)]
+pub struct StagingBudget {
+    limit: u64,
+    used: Arc<AtomicU64>,
+}
+
+impl StagingBudget {
+    pub fn new(limit: u64) -> StagingBudget {
+        StagingBudget { limit, used: Arc::new(AtomicU64::new(0)) }
+    }
+
+    /// Takes `len` bytes of the budget, if that many are left.
+    fn take(&self, len: u64) -> bool {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(len).filter(|&after| after <= self.limit)
+            })
+            .is_ok()
+    }
+
+    /// Bytes held in memory by all dumps now.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Acquire)
+    }
+}
+
+/// Budget bytes a dump holds, given back when it is dropped.
+#[derive(Debug)]
+struct Held {
+    budget: StagingBudget,
+    bytes: u64,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
 /// Collects a dump's pages (the [`PageSink`] of the page server).
 #[derive(Debug)]
 pub struct Staging {
-    memory_limit: u64,
-    in_memory: u64,
+    held: Held,
     segments: Vec<Segment>,
     spill_path: PathBuf,
     spill: Option<File>,
@@ -44,11 +86,10 @@ pub struct Staging {
 }
 
 impl Staging {
-    /// Stages at most `memory_limit` bytes in memory, the rest in a file at `spill_path`.
-    pub fn new(memory_limit: u64, spill_path: &Path) -> Self {
+    /// Stages in memory what `budget` allows, the rest in a file at `spill_path`.
+    pub fn new(budget: &StagingBudget, spill_path: &Path) -> Self {
         Self {
-            memory_limit,
-            in_memory: 0,
+            held: Held { budget: budget.clone(), bytes: 0 },
             segments: Vec::new(),
             spill_path: spill_path.to_path_buf(),
             spill: None,
@@ -66,7 +107,13 @@ impl Staging {
             }
             None => None,
         };
-        Ok(Staged { segments: self.segments, spill, spill_path: self.spill_path, runs: self.runs })
+        Ok(Staged {
+            segments: self.segments,
+            spill,
+            spill_path: self.spill_path,
+            runs: self.runs,
+            _held: self.held,
+        })
     }
 
     fn stage_in_memory(&mut self, len: usize, data: &mut dyn Read) -> io::Result<Loc> {
@@ -79,7 +126,6 @@ impl Staging {
         let offset = seg.used;
         data.read_exact(&mut seg.map[offset..offset + len])?;
         seg.used += len;
-        self.in_memory += len as u64;
         Ok(Loc::Memory { segment, offset })
     }
 
@@ -105,7 +151,8 @@ impl PageSink for Staging {
     fn run(&mut self, run: PageRun, data: &mut dyn Read) -> io::Result<()> {
         let loc = if !run.has_data() {
             Loc::None
-        } else if self.in_memory + run.byte_len() <= self.memory_limit {
+        } else if self.held.budget.take(run.byte_len()) {
+            self.held.bytes += run.byte_len();
             self.stage_in_memory(run.byte_len() as usize, data)?
         } else {
             self.stage_in_file(run.byte_len(), data)?
@@ -140,6 +187,8 @@ pub struct Staged {
     spill: Option<Mmap>,
     spill_path: PathBuf,
     runs: Vec<StagedRun>,
+    /// Its share of the staging budget, given back with its memory.
+    _held: Held,
 }
 
 impl Staged {
@@ -196,7 +245,8 @@ mod tests {
     fn memory_then_spill_and_back() {
         let dir = tempfile::tempdir().unwrap();
         let spill = dir.path().join("spill");
-        let mut staging = Staging::new(2 * PAGE_SIZE, &spill);
+        let budget = StagingBudget::new(2 * PAGE_SIZE);
+        let mut staging = Staging::new(&budget, &spill);
         let run = |vaddr, nr_pages| PageRun { dst_id: 257, vaddr, nr_pages, flags: PE_PRESENT };
         let a = vec![1u8; 2 * PAGE_SIZE as usize];
         let b = vec![2u8; 3 * PAGE_SIZE as usize];
@@ -210,7 +260,15 @@ mod tests {
         assert_eq!(staged.bytes(&staged.runs()[1]), &b[..]);
         assert!(staged.bytes(&staged.runs()[2]).is_empty());
         assert_eq!(staged.len(), 5 * PAGE_SIZE);
+        // Another dump meanwhile finds the budget taken: its pages spill.
+        let mut other = Staging::new(&budget, &dir.path().join("spill2"));
+        other.run(run(0x1000, 1), &mut &a[..PAGE_SIZE as usize]).unwrap();
+        let other = other.finish().unwrap();
+        assert!(dir.path().join("spill2").exists(), "its page went to its spill file");
+        drop(other);
+        assert_eq!(budget.used(), 2 * PAGE_SIZE, "the first dump still holds its share");
         drop(staged);
+        assert_eq!(budget.used(), 0, "given back with the staged pages");
         assert!(!spill.exists(), "spill file removed with the staged pages");
     }
 }

@@ -57,9 +57,9 @@ impl Store {
         let (tx, mut rx) = mpsc::channel::<FinishedPack>(PACKS_QUEUED);
         let index = self.index.clone();
         let tag = self.node_tag.clone();
-        let cipher = self.cipher.clone();
+        let (cipher, slots) = (self.cipher.clone(), self.pack_slots.clone());
         let producer = tokio::task::spawn_blocking(move || {
-            let mut writer = ChunkWriter::new(&index, tx, &tag, cipher.as_deref());
+            let mut writer = ChunkWriter::new(&index, tx, &tag, cipher.as_deref(), slots);
             let mut done = 0u64;
             let memory = memory_images(&staged, &mut writer, &mut |n| {
                 done += n;
@@ -238,7 +238,7 @@ mod tests {
     /// Stores `memory()` as CRIU would send it with its transfers cut after the page counts in
     /// `cuts` (per region, in order).
     async fn store_cut(store: &Store, dir: &Path, cuts: &[&[usize]]) -> StoredDump {
-        let mut staging = Staging::new(64 << 20, &dir.join("spill"));
+        let mut staging = Staging::new(&crate::store::StagingBudget::new(64 << 20), &dir.join("spill"));
         for ((vaddr, bytes), cuts) in memory().iter().zip(cuts) {
             let mut from = 0;
             for &to in cuts.iter().chain([&(bytes.len() / PAGE)]) {

@@ -310,7 +310,7 @@ impl Engine {
             leave_stopped: !job.leave_running,
             page_server_fd: None,
         };
-        let (criu, version, limit) = (self.criu.clone(), self.criu_version, self.staging_limit);
+        let (criu, version, limit) = (self.criu.clone(), self.criu_version, self.staging.clone());
         let dumped = tokio::task::spawn_blocking(move || dump::dump(criu.as_ref(), version, spec, limit))
             .await
             .map_err(|e| CheckpointError::Local { what: "dump thread", source: std::io::Error::other(e) })?;
