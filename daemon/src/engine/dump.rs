@@ -76,8 +76,13 @@ pub(super) fn dump(
     let served = server
         .join()
         .map_err(|_| DumpFailure::Local("page-server thread", std::io::Error::other("panicked")))?;
-    dumped.map_err(DumpFailure::Criu)?;
-    let staging = served.map_err(DumpFailure::PageServer)?;
+    let staging = match (dumped, served) {
+        (Ok(()), Ok(staging)) => staging,
+        // Staging the pages failed (a full spill disk, say): CRIU failed because of it.
+        (_, Err(e @ PageServerError::Sink(_))) => return Err(DumpFailure::PageServer(e)),
+        (Err(e), _) => return Err(DumpFailure::Criu(e)),
+        (Ok(()), Err(e)) => return Err(DumpFailure::PageServer(e)),
+    };
     let staged = staging.finish().map_err(|e| DumpFailure::Local("page staging", e))?;
     Ok(Dump { frozen_at, staged })
 }
