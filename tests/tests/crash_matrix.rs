@@ -1,0 +1,149 @@
+//! The crash matrix: stasisd is SIGKILLed at 32 points of an eviction, a `--leave-running`
+//! checkpoint, an eager restore and a lazy restore of a real workload (128 MiB of random
+//! memory), each point a delay after the request; then restarted on the same state directory
+//! and store. After each, the workload runs with its memory intact, or a durable checkpoint of
+//! it restores with its memory intact: never neither; no process is left stopped; every
+//! checkpoint `stasis list` shows restores.
+
+#![forbid(unsafe_code)]
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use stasis_tests::{
+    Daemon, DaemonOptions, TIMEOUT, Workload, expect_within, procfs, python_workload, skip_unless_ready,
+};
+
+/// Milliseconds after the request at which stasisd is killed.
+const KILL_AFTER_MS: [u64; 8] = [0, 40, 120, 250, 400, 600, 900, 1400];
+
+/// Asks the memhog workload (if it runs) for the SHA-256 of its memory.
+fn checksum(w: &Workload) -> String {
+    let skip = w.lines().len();
+    procfs::signal(w.pid, Signal::SIGUSR2);
+    let (_, line) = w.wait_line_after(skip, "a checksum line", |l| l.starts_with("checksum "));
+    line["checksum ".len()..].to_string()
+}
+
+fn ids(d: &Daemon, w: &Workload) -> Vec<String> {
+    let listed = d.json(&["list", "--workload", &w.name, "--json"]);
+    listed["checkpoints"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap().to_owned()).collect()
+}
+
+/// Runs `stasis ARGS` in the background, kills stasisd `after_ms` later, and restarts it.
+fn kill_during(d: &mut Daemon, args: &[&str], after_ms: u64) {
+    let mut request =
+        d.command(args).stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("the request");
+    std::thread::sleep(Duration::from_millis(after_ms));
+    d.kill9_and_restart();
+    let _ = request.wait();
+}
+
+/// After a crash: the workload runs with `sum` in memory, or it is gone and its newest
+/// checkpoint restores with `sum`. Leaves it running. Returns which held.
+fn settled(d: &Daemon, w: &Workload, sum: &str, point: &str) -> &'static str {
+    // The restart's recovery gives a held tree back, or completes its eviction.
+    expect_within(TIMEOUT, &format!("{point}: the workload to be settled"), || {
+        procfs::proc_state(w.pid).is_none_or(|s| s != 'T').then_some(())
+    });
+    let outcome = if procfs::running(w.pid) {
+        "runs"
+    } else {
+        let newest = ids(d, w)
+            .pop()
+            .unwrap_or_else(|| panic!("{point}: the workload is gone and no checkpoint holds it"));
+        d.json(&["restore", &newest, "--json"]);
+        "restored"
+    };
+    assert_eq!(checksum(w), sum, "{point}: the memory ({outcome})");
+    outcome
+}
+
+#[test]
+fn stasisd_killed_at_any_point_loses_neither_the_job_nor_its_checkpoint() {
+    skip_unless_ready!();
+    let mut d = Daemon::start_with(&DaemonOptions {
+        args: ["--keep-last", "0", "--gc-grace-secs", "0"].map(String::from).to_vec(),
+        ..Default::default()
+    });
+    let w = d.run("crashy", &python_workload("memhog.py", &["128"]));
+    w.wait_line_after(0, "`ready`", |l| l == "ready");
+    let sum = checksum(&w);
+    let mut seen = Vec::new();
+    for after in KILL_AFTER_MS {
+        for (what, args) in [
+            ("eviction", vec!["checkpoint", "--workload", &w.name]),
+            ("leave-running", vec!["checkpoint", "--workload", &w.name, "--leave-running"]),
+        ] {
+            let point = format!("{what} killed after {after} ms");
+            kill_during(&mut d, &args, after);
+            seen.push(settled(&d, &w, &sum, &point));
+        }
+        for (what, lazy) in [("eager restore", false), ("lazy restore", true)] {
+            let point = format!("{what} killed after {after} ms");
+            d.json(&["checkpoint", "--workload", &w.name, "--json"]);
+            expect_within(TIMEOUT, "the evicted workload to be gone", || {
+                (!procfs::exists(w.pid)).then_some(())
+            });
+            let mut args = vec!["restore", "--workload", &w.name];
+            if lazy {
+                args.push("--lazy");
+            }
+            kill_during(&mut d, &args, after);
+            seen.push(settled(&d, &w, &sum, &point));
+        }
+    }
+    eprintln!("outcomes: {seen:?}");
+    assert_eq!(seen.len(), 32);
+    // Every checkpoint left listed is whole.
+    let checked = d.json(&["check", "--read-data", "--json"]);
+    assert_eq!(checked["problems"].as_array().map(Vec::len), Some(0), "{checked}");
+}
+
+/// The pids of stasisd's `criu swrk` children.
+fn criu_children(d: &Daemon) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let ppid = stat
+                .rsplit_once(") ")
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok());
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            ppid == Some(d.pid()) && cmdline.split(|b| *b == 0).any(|arg| arg == b"swrk")
+        })
+        .collect()
+}
+
+#[test]
+fn criu_killed_mid_dump_leaves_the_job_running() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let w = d.run("crashy", &python_workload("memhog.py", &["128"]));
+    w.wait_line_after(0, "`ready`", |l| l == "ready");
+    let sum = checksum(&w);
+    let mut killed = 0;
+    // Into CRIU's own life: as it starts, while it freezes and dumps, as it ends.
+    for after in [0u64, 15, 40] {
+        let point = format!("CRIU killed {after} ms into its dump");
+        let mut request = d
+            .command(&["checkpoint", "--workload", &w.name])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let criu = expect_within(TIMEOUT, "CRIU to start", || {
+            let found = criu_children(&d);
+            (!found.is_empty()).then_some(found)
+        });
+        std::thread::sleep(Duration::from_millis(after));
+        killed += criu.iter().filter(|&&pid| procfs::exists(pid)).count();
+        criu.into_iter().for_each(procfs::kill9);
+        let _ = request.wait();
+        settled(&d, &w, &sum, &point);
+    }
+    assert!(killed > 0, "no CRIU was caught dumping");
+}
