@@ -17,6 +17,8 @@ pub enum Fault {
     Reset,
     /// Answered, after this long.
     Slow(Duration),
+    /// Never answered: the connection stays open until the client gives up.
+    Hang,
 }
 
 /// Requests whose method is `method` and whose path contains `path` get `fault`.
@@ -76,6 +78,11 @@ fn relay(client: TcpStream, target: u16, rules: &Mutex<Option<Rule>>) -> std::io
                 return to_client.shutdown(Shutdown::Both);
             }
             Some(Fault::Reset) => return to_client.shutdown(Shutdown::Both),
+            Some(Fault::Hang) => {
+                // Until the client closes its end.
+                let _ = std::io::copy(&mut from_client, &mut std::io::sink());
+                return Ok(());
+            }
             Some(Fault::Slow(delay)) => std::thread::sleep(delay),
             None => {}
         }

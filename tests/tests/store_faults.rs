@@ -52,6 +52,9 @@ fn s3_faults_at_each_phase_leave_the_job_running_or_its_checkpoint_durable() {
     eviction_fails(&d, &w, &["storing checkpoint", "packs/"]);
     fail("PUT", "/manifests/", Fault::Unavailable);
     eviction_fails(&d, &w, &["storing checkpoint", "manifests/", "503"]);
+    // A store that stops answering: the request times out (30 s), then the job is resumed.
+    fail("PUT", "/manifests/", Fault::Hang);
+    eviction_fails(&d, &w, &["storing checkpoint", "manifests/", "timed out"]);
 
     // A slow store is only slow.
     fail("PUT", "", Fault::Slow(Duration::from_millis(200)));
