@@ -29,6 +29,9 @@ pub trait Host: Send + Sync {
     fn trees(&self, roots: &[i32]) -> Vec<i32>;
     /// Sends `signal` to each of `pids`, ignoring those that are gone.
     fn signal(&self, pids: &[i32], signal: Signal);
+    /// When process `pid` started (clock ticks since boot): with the pid, it names one process,
+    /// so a pid reused by another process can be told apart.
+    fn start_time(&self, pid: i32) -> Option<u64>;
     /// Which of `pids` use CUDA, as far as their mappings and descriptors tell.
     fn cuda_candidates(&self, pids: &[i32]) -> Vec<i32>;
     /// Which of `pids` hold NVIDIA device files (open or mapped).
@@ -88,6 +91,10 @@ impl Host for LinuxHost {
         proc::signal_all(pids, signal);
     }
 
+    fn start_time(&self, pid: i32) -> Option<u64> {
+        ProcStat::read(pid).ok()?.start_time
+    }
+
     fn cuda_candidates(&self, pids: &[i32]) -> Vec<i32> {
         crate::cuda::cuda_candidates(pids)
     }
@@ -137,6 +144,8 @@ pub(super) mod fake {
         pub signals: Mutex<Vec<(i32, Signal)>>,
         /// Calls of `leave_repair`.
         pub repairs: Mutex<usize>,
+        /// Pids now held by another process than the one inspected (a start time of 2, not 1).
+        pub reused: Mutex<HashSet<i32>>,
     }
 
     impl FakeHost {
@@ -186,8 +195,10 @@ pub(super) mod fake {
             for root in roots {
                 all.extend(trees.get(root).map(|t| t.pids.clone()).unwrap_or_default());
             }
+            // A reused pid is another process's now, no descendant of the tree.
+            let reused = self.reused.lock().unwrap();
             let mut seen = HashSet::new();
-            all.retain(|p| seen.insert(*p));
+            all.retain(|p| seen.insert(*p) && (roots.contains(p) || !reused.contains(p)));
             all
         }
 
@@ -203,6 +214,14 @@ pub(super) mod fake {
                     }
                     _ => {}
                 }
+            }
+        }
+
+        fn start_time(&self, pid: i32) -> Option<u64> {
+            match (self.running.lock().unwrap().contains(&pid), self.reused.lock().unwrap().contains(&pid)) {
+                (_, true) => Some(2),
+                (true, false) => Some(1),
+                (false, false) => None,
             }
         }
 

@@ -1,7 +1,7 @@
 //! Working out, from /proc, what a process tree holds and so which CRIU options its dump
 //! needs, so users never have to know CRIU's flags.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io;
 
 use super::sockets::{self, TreeSockets};
@@ -18,6 +18,8 @@ pub struct TreeInfo {
     pub sockets: TreeSockets,
     /// Every user id (real, effective, saved, file system) its processes have.
     pub uids: BTreeSet<u32>,
+    /// When each process started: a pid that later names another process is not the tree's.
+    pub started: HashMap<i32, u64>,
 }
 
 /// Inspects the tree rooted at `root`.
@@ -48,7 +50,8 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
         }
     }
     let uids = pids.iter().filter_map(|&pid| proc::uids(pid).ok()).flatten().collect();
-    Ok(TreeInfo { pids, command: proc::cmdline(root)?, options, sockets, uids })
+    let started = pids.iter().filter_map(|&pid| Some((pid, ProcStat::read(pid).ok()?.start_time?))).collect();
+    Ok(TreeInfo { pids, command: proc::cmdline(root)?, options, sockets, uids, started })
 }
 
 /// How /proc marks a path whose file was unlinked.

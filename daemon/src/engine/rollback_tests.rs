@@ -46,6 +46,7 @@ fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
         options: TreeOptions::default(),
         sockets: Default::default(),
         uids: [0].into(),
+        started: [(ROOT, 1), (CHILD, 1)].into(),
     };
     let host = Arc::new(FakeHost { cuda: vec![ROOT], ..FakeHost::with_tree(tree) });
     host.stopped.lock().unwrap().insert(CHILD);
@@ -305,4 +306,15 @@ async fn another_users_tree_and_checkpoints_are_refused_before_anything_is_touch
     let err = r.engine.restore(params, quiet()).await.unwrap_err();
     assert!(matches!(err, RestoreError::NotYours(_)), "{err}");
     assert_eq!(r.checkpoints().await, 1, "and it is still there");
+}
+
+#[tokio::test]
+async fn an_eviction_never_kills_a_process_that_took_over_a_pid_of_the_tree() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    // By the time the checkpoint is stored, the child has died (killed by someone else) and
+    // another process has its pid.
+    r.host.reused.lock().unwrap().insert(CHILD);
+    let ck = r.checkpoint(false).await.unwrap();
+    assert!(ck.durable);
+    assert_eq!(r.host.signals_of(Signal::SIGKILL), [ROOT], "only the tree's own processes are killed");
 }

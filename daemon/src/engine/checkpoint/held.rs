@@ -43,8 +43,7 @@ pub(super) struct HeldTree {
 
 impl HeldTree {
     pub fn new(id: &str, tree: &TreeInfo, stopped_before: &[i32], images: &Path) -> HeldTree {
-        let processes =
-            tree.pids.iter().filter_map(|&pid| Some((pid, ProcStat::read(pid).ok()?.start_time?))).collect();
+        let processes = tree.pids.iter().filter_map(|pid| Some((*pid, *tree.started.get(pid)?))).collect();
         HeldTree {
             id: id.into(),
             processes,

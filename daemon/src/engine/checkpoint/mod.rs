@@ -337,7 +337,15 @@ impl Engine {
             warn!(checkpoint = %job.id, error = %e, "cannot record the eviction's network lock; it stays");
         }
         if !job.leave_running {
-            self.host.signal(&self.host.trees(&tree.pids), Signal::SIGKILL);
+            // The upload may have taken minutes: a pid whose process went meanwhile (killed by
+            // someone else) may name another process now, which must not be killed.
+            let same: Vec<i32> = tree
+                .pids
+                .iter()
+                .copied()
+                .filter(|&pid| tree.started.get(&pid).is_none_or(|&t| self.host.start_time(pid) == Some(t)))
+                .collect();
+            self.host.signal(&self.host.trees(&same), Signal::SIGKILL);
             let left = self.reaper.wait_gone(&tree.pids, KILL_WAIT).await;
             if left.is_empty() {
                 self.release_cgroup(&job.workload);
