@@ -57,6 +57,8 @@ fn an_idle_http_server_is_reclaimed_and_a_plain_request_wakes_it() {
     let id = reclaimed["reclaimed_checkpoint"].as_str().expect("the reclaim's checkpoint").to_owned();
     let listed = d.json(&["list", "--json"]);
     assert!(listed["checkpoints"].as_array().unwrap().iter().any(|c| c["id"] == id.as_str()), "{listed}");
+    let err = d.cli_err(&["delete", &id]);
+    assert!(err.contains("wake it first"), "the checkpoint a reclaimed workload needs stays: {err}");
 
     // A plain client, no retry: stasisd holds the port, wakes the server and relays.
     let started = Instant::now();

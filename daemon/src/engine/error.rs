@@ -232,6 +232,8 @@ pub enum QueryError {
     NotYours(String),
     #[error("{0} is root's alone")]
     RootOnly(&'static str),
+    #[error("checkpoint {id} is what reclaimed workload {workload} wakes from: wake it first")]
+    Reclaimed { id: String, workload: String },
     #[error(transparent)]
     Store(#[from] StoreError),
 }

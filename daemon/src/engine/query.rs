@@ -126,6 +126,14 @@ impl Engine {
         } else if !valid_checkpoint_id(id) {
             return Err(QueryError::BadId(id.into()));
         }
+        let waiting = self
+            .registry
+            .all()
+            .into_iter()
+            .find(|w| w.reclaimed.as_ref().is_some_and(|r| r.checkpoint == id));
+        if let Some(w) = waiting {
+            return Err(QueryError::Reclaimed { id: id.into(), workload: w.name });
+        }
         self.store.delete(id).await?;
         tracing::info!(checkpoint = %id, "checkpoint deleted");
         Ok(())

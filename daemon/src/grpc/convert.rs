@@ -108,6 +108,7 @@ impl From<QueryError> for Status {
         let code = match &e {
             QueryError::BadId(_) => Code::InvalidArgument,
             QueryError::NotYours(_) | QueryError::RootOnly(_) => Code::PermissionDenied,
+            QueryError::Reclaimed { .. } => Code::FailedPrecondition,
             QueryError::Store(s) => store_code(s),
         };
         status(code, &e)
