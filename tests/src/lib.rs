@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 mod daemon;
+pub mod disk;
 pub mod http_faults;
 mod logs;
 pub mod memtest;

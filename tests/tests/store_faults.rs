@@ -6,10 +6,9 @@
 
 #![forbid(unsafe_code)]
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use nix::mount::{MntFlags, MsFlags, mount, umount2};
+use stasis_tests::disk::SmallDisk;
 use stasis_tests::http_faults::{Fault, FaultyHttp, Rule};
 use stasis_tests::s3::S3Server;
 use stasis_tests::{
@@ -75,30 +74,6 @@ fn s3_faults_at_each_phase_leave_the_job_running_or_its_checkpoint_durable() {
     expect_within(TIMEOUT, "the restored counter to go on", || {
         w.numbers("count ").into_iter().any(|n| n == counted + 3).then_some(())
     });
-}
-
-/// A size-limited tmpfs over a directory, for the test's duration.
-struct SmallDisk(PathBuf);
-
-impl SmallDisk {
-    fn mount(at: &Path, mib: u64) -> SmallDisk {
-        std::fs::create_dir_all(at).expect("mount point");
-        let options = format!("size={mib}m,mode=0700");
-        mount(Some("tmpfs"), at, Some("tmpfs"), MsFlags::empty(), Some(options.as_str()))
-            .unwrap_or_else(|e| panic!("mounting a tmpfs on {}: {e}", at.display()));
-        SmallDisk(at.to_path_buf())
-    }
-
-    fn read_only(&self) {
-        mount(None::<&str>, &self.0, None::<&str>, MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY, None::<&str>)
-            .unwrap_or_else(|e| panic!("remounting {} read-only: {e}", self.0.display()));
-    }
-}
-
-impl Drop for SmallDisk {
-    fn drop(&mut self) {
-        let _ = umount2(&self.0, MntFlags::MNT_DETACH);
-    }
 }
 
 #[test]

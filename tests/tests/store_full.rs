@@ -4,35 +4,10 @@
 
 #![forbid(unsafe_code)]
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use nix::mount::{MntFlags, MsFlags, mount, umount2};
+use stasis_tests::disk::SmallDisk;
 use stasis_tests::{Daemon, expect_within, procfs, python_workload, skip_unless_ready};
-
-/// A size-limited tmpfs mounted over a directory for the test's duration.
-struct SmallDisk(PathBuf);
-
-impl SmallDisk {
-    fn mount(at: &Path, mib: u64) -> SmallDisk {
-        std::fs::create_dir_all(at).expect("mount point");
-        let options = format!("size={mib}m,mode=0700");
-        mount(Some("tmpfs"), at, Some("tmpfs"), MsFlags::empty(), Some(options.as_str()))
-            .unwrap_or_else(|e| panic!("mounting a {mib} MiB tmpfs on {}: {e}", at.display()));
-        SmallDisk(at.to_path_buf())
-    }
-
-    fn used_bytes(&self) -> u64 {
-        let stat = nix::sys::statvfs::statvfs(&self.0).expect("statvfs");
-        (stat.blocks() - stat.blocks_free()) * stat.fragment_size()
-    }
-}
-
-impl Drop for SmallDisk {
-    fn drop(&mut self) {
-        let _ = umount2(&self.0, MntFlags::MNT_DETACH);
-    }
-}
 
 #[test]
 fn a_store_that_runs_full_fails_the_eviction_keeps_the_job_and_frees_its_space() {

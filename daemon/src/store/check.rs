@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use futures::TryStreamExt;
-use stasis_proto::stasis::v1::{ChunkRef, Codec, Manifest};
+use stasis_proto::stasis::v1::{ChunkRef, Manifest};
 
 use super::assemble::decode_chunk;
 use super::index::{ChunkHash, ChunkLoc};
@@ -116,20 +116,10 @@ impl Store {
             }
             let pack_name: std::sync::Arc<str> = pack.as_str().into();
             for e in &index.entries {
-                let (Ok(hash), Ok(codec)) =
-                    (ChunkHash::try_from(e.hash.as_slice()), Codec::try_from(e.codec))
-                else {
-                    report.problems.push(format!("pack {pack}: its index has a malformed entry"));
-                    continue;
-                };
-                let loc = ChunkLoc {
-                    pack: pack_name.clone(),
-                    offset: e.offset,
-                    stored_len: e.stored_len,
-                    len: e.len,
-                    codec,
-                };
-                locations.entry(hash).or_default().push(loc);
+                match ChunkLoc::of(&pack_name, e) {
+                    Some((hash, loc)) => locations.entry(hash).or_default().push(loc),
+                    None => report.problems.push(format!("pack {pack}: its index has a malformed entry")),
+                }
             }
         }
         let mut unindexed: Vec<&String> = sizes.keys().filter(|p| !indexed.contains(p)).collect();

@@ -4,7 +4,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 
-use stasis_proto::stasis::v1::{Codec, PackIndex};
+use stasis_proto::stasis::v1::{Codec, PackEntry, PackIndex};
 
 pub type ChunkHash = [u8; 32];
 
@@ -16,6 +16,18 @@ pub struct ChunkLoc {
     pub stored_len: u32,
     pub len: u32,
     pub codec: Codec,
+}
+
+impl ChunkLoc {
+    /// The chunk an entry of `pack`'s index names, and where it is; `None` for an entry with
+    /// a malformed hash or codec.
+    pub fn of(pack: &Arc<str>, e: &PackEntry) -> Option<(ChunkHash, ChunkLoc)> {
+        let (hash, codec) = (ChunkHash::try_from(e.hash.as_slice()).ok()?, Codec::try_from(e.codec).ok()?);
+        Some((
+            hash,
+            ChunkLoc { pack: pack.clone(), offset: e.offset, stored_len: e.stored_len, len: e.len, codec },
+        ))
+    }
 }
 
 #[derive(Debug, Default)]
@@ -55,18 +67,7 @@ impl ChunkIndex {
     pub fn add(&self, index: &PackIndex) {
         let pack: Arc<str> = index.pack.as_str().into();
         let mut inner = self.write();
-        for e in &index.entries {
-            let (Ok(hash), Ok(codec)) = (ChunkHash::try_from(e.hash.as_slice()), Codec::try_from(e.codec))
-            else {
-                continue;
-            };
-            let loc = ChunkLoc {
-                pack: pack.clone(),
-                offset: e.offset,
-                stored_len: e.stored_len,
-                len: e.len,
-                codec,
-            };
+        for (hash, loc) in index.entries.iter().filter_map(|e| ChunkLoc::of(&pack, e)) {
             inner.chunks.entry(hash).or_insert(loc);
         }
         inner.packs.insert(pack);
