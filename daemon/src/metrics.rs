@@ -159,13 +159,7 @@ pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<(
             let Ok((mut conn, _)) = listener.accept().await else { continue };
             let metrics = metrics.clone();
             tokio::spawn(async move {
-                let mut request = [0u8; 1024];
-                let n =
-                    tokio::time::timeout(std::time::Duration::from_secs(5), conn.read(&mut request)).await;
-                let head = match n {
-                    Ok(Ok(n)) => String::from_utf8_lossy(&request[..n]).into_owned(),
-                    _ => return,
-                };
+                let Some(head) = read_head(&mut conn).await else { return };
                 let (status, body) = match head.split_whitespace().take(2).collect::<Vec<_>>()[..] {
                     ["GET", "/metrics"] => ("200 OK", metrics.render()),
                     _ => ("404 Not Found", "only GET /metrics is served here\n".to_string()),
@@ -181,6 +175,21 @@ pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<(
         }
     });
     Ok(())
+}
+
+/// The head of an HTTP request (up to its blank line; at most 8 KiB, within 5 s).
+async fn read_head(conn: &mut tokio::net::TcpStream) -> Option<String> {
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
+        let n = tokio::time::timeout_at(deadline, conn.read(&mut buf)).await.ok()?.ok()?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    Some(String::from_utf8_lossy(&head).into_owned())
 }
 
 #[cfg(test)]

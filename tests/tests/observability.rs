@@ -12,7 +12,7 @@ use stasis_tests::{
 fn get(port: u16, path: &str) -> String {
     let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).expect("the metrics port");
     conn.set_read_timeout(Some(TIMEOUT)).unwrap();
-    write!(conn, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    conn.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes()).unwrap();
     let mut answer = String::new();
     conn.read_to_string(&mut answer).unwrap();
     answer
