@@ -48,6 +48,21 @@ pub enum Command {
     Idle(IdleArgs),
     /// Restore a reclaimed (idle) workload now.
     Wake(WakeArgs),
+    /// Set or stop a workload's periodic checkpoints (incremental, left running).
+    Periodic(PeriodicArgs),
+}
+
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("interval").required(true).args(["every", "off"])))]
+pub struct PeriodicArgs {
+    /// The workload.
+    pub workload: String,
+    /// Checkpoint it this often: 90s, 10m, 1h (a bare number is seconds).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub every: Option<std::time::Duration>,
+    /// Stop its periodic checkpoints.
+    #[arg(long)]
+    pub off: bool,
 }
 
 #[derive(Debug, Args)]
@@ -107,6 +122,9 @@ pub struct RunArgs {
     /// restored on its next use): 90s, 30m, 2h (a bare number is seconds).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub idle_after: Option<std::time::Duration>,
+    /// Checkpoint the workload (left running, incremental) this often: 10m, 1h.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub checkpoint_every: Option<std::time::Duration>,
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,

@@ -111,8 +111,13 @@ async fn idle_periods_wakes_and_their_status() {
     assert_eq!(out.stdout, "woke nb from ck-9: running as pid 77 after 180 ms, memory still arriving\n");
     let (out, _) = stasis("wake train").await;
     assert_eq!((out.code, out.stderr.trim()), (Some(1), "error: workload train is not reclaimed"));
+    let (out, _) = stasis("periodic train --every 10m").await;
+    assert_eq!(out.stdout, "train is checkpointed every 600s\n", "{}", out.stderr);
+    let (out, _) = stasis("periodic train --off").await;
+    assert_eq!(out.stdout, "train has no periodic checkpoints\n", "{}", out.stderr);
     let (out, _) = stasis("status").await;
     assert!(out.stdout.contains("  train pid 4242 running, idle 12s of 1800s: sleep"), "{}", out.stdout);
+    assert!(out.stdout.contains("    checkpointed every 600s, last ck-2"), "{}", out.stdout);
     assert!(
         out.stdout.contains("  nb pid 77 reclaimed (checkpoint ck-9; woken on use): python3"),
         "{}",

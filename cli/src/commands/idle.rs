@@ -1,8 +1,9 @@
-//! `stasis idle` and `stasis wake`: a workload's idle reclaim period, and waking it by hand.
+//! `stasis idle`, `stasis wake` and `stasis periodic`: a workload's idle reclaim period, waking
+//! it by hand, and its periodic checkpoints.
 
-use stasis_proto::stasis::v1::{SetIdleRequest, WakeRequest};
+use stasis_proto::stasis::v1::{SetIdleRequest, SetPeriodicRequest, WakeRequest};
 
-use crate::args::{IdleArgs, WakeArgs};
+use crate::args::{IdleArgs, PeriodicArgs, WakeArgs};
 use crate::client::Client;
 use crate::output;
 
@@ -29,4 +30,17 @@ pub async fn wake(client: &mut Client, args: WakeArgs) -> anyhow::Result<()> {
         "woke {} from {}: running as pid {} after {} ms, memory still arriving",
         woken.workload, woken.id, woken.pid, woken.first_run_ms
     ))
+}
+
+pub async fn periodic(client: &mut Client, args: PeriodicArgs) -> anyhow::Result<()> {
+    let every = args.every.filter(|_| !args.off);
+    let request = SetPeriodicRequest {
+        workload: args.workload.clone(),
+        every_ms: every.map(|d| d.as_millis() as u64).unwrap_or_default(),
+    };
+    client.rpc.set_periodic(request).await.map_err(|s| client.error(s))?;
+    match every {
+        Some(every) => output::print(&format!("{} is checkpointed every {every:?}", args.workload)),
+        None => output::print(&format!("{} has no periodic checkpoints", args.workload)),
+    }
 }

@@ -36,6 +36,7 @@ pub async fn execute(socket: &Path, command: Command) -> anyhow::Result<()> {
         Command::Status(args) => status::run(&mut client, args).await,
         Command::Idle(args) => idle::set(&mut client, args).await,
         Command::Wake(args) => idle::wake(&mut client, args).await,
+        Command::Periodic(args) => idle::periodic(&mut client, args).await,
     }
 }
 

@@ -38,6 +38,10 @@ fn describe(s: &StatusResponse) -> String {
     ];
     for w in &s.workloads {
         lines.push(format!("  {} pid {} {}: {}", w.name, w.pid, workload_state(w), w.command.join(" ")));
+        if w.checkpoint_every_ms > 0 {
+            let last = if w.last_checkpoint.is_empty() { "none yet" } else { w.last_checkpoint.as_str() };
+            lines.push(format!("    checkpointed every {}s, last {last}", w.checkpoint_every_ms / 1000));
+        }
         if !w.last_error.is_empty() {
             lines.push(format!("    last restore failed: {}", w.last_error));
         }

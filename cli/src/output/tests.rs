@@ -203,6 +203,8 @@ fn status_response_lists_workloads() {
             idle_ms: 0,
             idle_after_ms: 30_000,
             reclaimed_checkpoint: "20261123-120000-abcdef".into(),
+            checkpoint_every_ms: 0,
+            last_checkpoint: "20261123-120000-abcdef".into(),
         }],
     };
     assert_eq!(
@@ -222,6 +224,7 @@ fn status_response_lists_workloads() {
                     "name": "train", "pid": 4242, "running": false, "command": ["sleep", "100"],
                     "last_error": "the store did not deliver memory", "state": "reclaimed", "idle_ms": 0,
                     "idle_after_ms": 30_000, "reclaimed_checkpoint": "20261123-120000-abcdef",
+                    "checkpoint_every_ms": 0, "last_checkpoint": "20261123-120000-abcdef",
                 },
             ],
         })

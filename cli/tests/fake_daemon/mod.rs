@@ -129,6 +129,8 @@ impl Stasis for FakeDaemon {
                 state: "running".into(),
                 idle_ms: 12_000,
                 idle_after_ms: 1_800_000,
+                checkpoint_every_ms: 600_000,
+                last_checkpoint: "ck-2".into(),
                 ..Default::default()
             },
             WorkloadStatus {
@@ -165,6 +167,18 @@ impl Stasis for FakeDaemon {
         match req.into_inner() {
             r if r.workload == "train" && r.after_ms == 90_000 => Ok(Response::new(SetIdleResponse {})),
             r if r.workload == "train" && r.after_ms == 0 => Ok(Response::new(SetIdleResponse {})),
+            r => Err(Status::not_found(format!("unexpected request {r:?}"))),
+        }
+    }
+
+    async fn set_periodic(
+        &self,
+        req: Request<SetPeriodicRequest>,
+    ) -> Result<Response<SetPeriodicResponse>, Status> {
+        match req.into_inner() {
+            r if r.workload == "train" && (r.every_ms == 600_000 || r.every_ms == 0) => {
+                Ok(Response::new(SetPeriodicResponse {}))
+            }
             r => Err(Status::not_found(format!("unexpected request {r:?}"))),
         }
     }

@@ -238,9 +238,9 @@ pub enum QueryError {
     Store(#[from] StoreError),
 }
 
-/// An idle-reclaim operation (`idle`, `wake`) failed.
+/// Setting a workload's idle or periodic-checkpoint policy, or waking it, failed.
 #[derive(Debug, thiserror::Error)]
-pub enum IdleError {
+pub enum PolicyError {
     #[error("unknown workload {0:?}")]
     UnknownWorkload(String),
     #[error("workload {0} is not yours")]

@@ -15,6 +15,7 @@ mod hot_restore;
 mod idle;
 mod ids;
 mod inspect;
+mod periodic;
 mod query;
 mod restore;
 #[cfg(test)]
@@ -32,7 +33,7 @@ use std::sync::Arc;
 pub use access::Caller;
 pub(crate) use checkpoint::convert_stats;
 pub use checkpoint::{CheckpointOutcome, CheckpointParams, CheckpointStats, Target};
-pub use error::{CheckpointError, IdleError, QueryError, RestoreError, RunError, StartError};
+pub use error::{CheckpointError, PolicyError, QueryError, RestoreError, RunError, StartError};
 pub use hot_restore::LazyError;
 pub use idle::{GpuActivity, IdleSettings, IdleState, Thresholds};
 pub use ids::{now_unix_ms, valid_checkpoint_id};
@@ -120,6 +121,8 @@ pub struct Engine {
     idle: idle::IdleBook,
     idle_settings: IdleSettings,
     metrics: Arc<crate::metrics::Metrics>,
+    /// Periodic checkpoints: when each last started.
+    schedule: periodic::Schedule,
     /// One job at a time per workload.
     workload_locks: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }

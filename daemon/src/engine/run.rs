@@ -25,6 +25,8 @@ pub struct RunParams {
     pub env: Vec<(String, String)>,
     /// Reclaim it after this long without activity (see `engine/idle/`).
     pub idle_after: Option<std::time::Duration>,
+    /// Checkpoint it (left running) this often (see `engine/periodic.rs`).
+    pub checkpoint_every: Option<std::time::Duration>,
     /// Whom it runs as: a caller other than root gets a workload running as itself.
     pub caller: Caller,
 }
@@ -113,6 +115,7 @@ impl Engine {
                 log_path: Some(log_path.clone()),
                 cgroup: cgroup.map(|c| c.path),
                 idle_after_ms: params.idle_after.map(|d| d.as_millis() as u64),
+                checkpoint_every_ms: params.checkpoint_every.map(|d| d.as_millis() as u64),
                 owner_uid: params.caller.uid(),
                 ..Default::default()
             })

@@ -98,6 +98,7 @@ impl Engine {
             idle: Default::default(),
             idle_settings: config.idle,
             metrics: Default::default(),
+            schedule: Default::default(),
             workload_locks: Default::default(),
         }
     }

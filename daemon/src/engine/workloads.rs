@@ -30,6 +30,9 @@ pub struct Workload {
     /// Reclaimed after this long without activity (see `engine/idle/`); `None`: never.
     #[serde(default)]
     pub idle_after_ms: Option<u64>,
+    /// A `--leave-running` checkpoint this often (see `engine/periodic.rs`); `None`: never.
+    #[serde(default)]
+    pub checkpoint_every_ms: Option<u64>,
     /// Set while the workload is reclaimed: stopped, waiting for its next use.
     #[serde(default)]
     pub reclaimed: Option<super::idle::Reclaimed>,

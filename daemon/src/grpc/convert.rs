@@ -8,7 +8,7 @@ use tonic::{Code, Status};
 
 use crate::cuda::{GpuUuid, parse_uuid};
 use crate::engine::{
-    Caller, CheckpointError, CheckpointOutcome, CheckpointParams, CheckpointSummary, IdleError, IdleState,
+    Caller, CheckpointError, CheckpointOutcome, CheckpointParams, CheckpointSummary, IdleState, PolicyError,
     ProgressUpdate, QueryError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget, RunError,
     RunOutcome, RunParams, StatusReport, Target,
 };
@@ -89,15 +89,15 @@ fn restore_code(e: &RestoreError) -> Code {
     }
 }
 
-impl From<IdleError> for Status {
-    fn from(e: IdleError) -> Self {
+impl From<PolicyError> for Status {
+    fn from(e: PolicyError) -> Self {
         let code = match &e {
-            IdleError::UnknownWorkload(_) => Code::NotFound,
-            IdleError::NotReclaimed(_) => Code::FailedPrecondition,
-            IdleError::NotYours(_) => Code::PermissionDenied,
-            IdleError::Wake { source, .. } => restore_code(source),
-            IdleError::WokenElsewhere(_) => Code::Aborted,
-            IdleError::Registry(_) => Code::Internal,
+            PolicyError::UnknownWorkload(_) => Code::NotFound,
+            PolicyError::NotReclaimed(_) => Code::FailedPrecondition,
+            PolicyError::NotYours(_) => Code::PermissionDenied,
+            PolicyError::Wake { source, .. } => restore_code(source),
+            PolicyError::WokenElsewhere(_) => Code::Aborted,
+            PolicyError::Registry(_) => Code::Internal,
         };
         status(code, &e)
     }
@@ -134,6 +134,8 @@ impl TryFrom<pb::RunRequest> for RunParams {
             cwd: Some(r.cwd).filter(|c| !c.is_empty()).map(Into::into),
             env,
             idle_after: (r.idle_after_ms > 0).then(|| std::time::Duration::from_millis(r.idle_after_ms)),
+            checkpoint_every: (r.checkpoint_every_ms > 0)
+                .then(|| std::time::Duration::from_millis(r.checkpoint_every_ms)),
             caller: Caller::Root,
         })
     }
@@ -307,6 +309,8 @@ impl From<StatusReport> for pb::StatusResponse {
                         idle_ms,
                         idle_after_ms: w.idle_after_ms.unwrap_or_default(),
                         reclaimed_checkpoint: w.reclaimed.map(|r| r.checkpoint).unwrap_or_default(),
+                        checkpoint_every_ms: w.checkpoint_every_ms.unwrap_or_default(),
+                        last_checkpoint: w.last_checkpoint.unwrap_or_default(),
                     }
                 })
                 .collect(),

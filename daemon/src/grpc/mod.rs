@@ -169,6 +169,17 @@ impl Stasis for StasisService {
         Ok(Response::new(pb::SetIdleResponse {}))
     }
 
+    async fn set_periodic(
+        &self,
+        req: Request<pb::SetPeriodicRequest>,
+    ) -> Result<Response<pb::SetPeriodicResponse>, Status> {
+        let caller = caller_of(&req)?;
+        let req = req.into_inner();
+        let every = (req.every_ms > 0).then(|| std::time::Duration::from_millis(req.every_ms));
+        self.engine.set_periodic(&req.workload, every, caller)?;
+        Ok(Response::new(pb::SetPeriodicResponse {}))
+    }
+
     async fn wake(&self, req: Request<pb::WakeRequest>) -> Result<Response<pb::RestoreRunning>, Status> {
         let caller = caller_of(&req)?;
         Ok(Response::new(self.engine.wake(&req.into_inner().workload, caller).await?.into()))

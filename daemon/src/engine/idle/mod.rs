@@ -25,7 +25,7 @@ use tracing::{info, warn};
 use activity::IdleClock;
 pub use activity::{GpuActivity, Thresholds};
 
-use super::{Caller, Engine, IdleError};
+use super::{Caller, Engine, PolicyError};
 
 /// A reclaimed workload: what waking it needs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -90,20 +90,20 @@ impl IdleBook {
 
 impl Engine {
     /// Sets (or, with `None`, removes) the idle period after which `name` is reclaimed.
-    pub fn set_idle(&self, name: &str, after: Option<Duration>, caller: Caller) -> Result<(), IdleError> {
+    pub fn set_idle(&self, name: &str, after: Option<Duration>, caller: Caller) -> Result<(), PolicyError> {
         self.own_workload(name, caller)?;
         let after_ms = after.map(|d| d.as_millis() as u64);
-        self.registry.update(name, |w| w.idle_after_ms = after_ms).map_err(IdleError::Registry)?;
+        self.registry.update(name, |w| w.idle_after_ms = after_ms).map_err(PolicyError::Registry)?;
         self.idle.restart_clock(name);
         info!(workload = name, idle_after_ms = ?after_ms, "idle policy set");
         Ok(())
     }
 
     /// Workload `name`, if `caller` may act on it.
-    fn own_workload(&self, name: &str, caller: Caller) -> Result<super::Workload, IdleError> {
-        let w = self.registry.get(name).ok_or_else(|| IdleError::UnknownWorkload(name.into()))?;
+    pub(super) fn own_workload(&self, name: &str, caller: Caller) -> Result<super::Workload, PolicyError> {
+        let w = self.registry.get(name).ok_or_else(|| PolicyError::UnknownWorkload(name.into()))?;
         if !caller.owns(w.owner_uid) {
-            return Err(IdleError::NotYours(name.into()));
+            return Err(PolicyError::NotYours(name.into()));
         }
         Ok(w)
     }
@@ -125,8 +125,8 @@ impl Engine {
         }
     }
 
-    /// Starts the idle monitor, and a waker for every workload a previous run left reclaimed.
-    /// Both end with the engine.
+    /// Starts the monitor (idle reclaim and periodic checkpoints, every tick), and a waker for
+    /// every workload a previous run left reclaimed. Both end with the engine.
     pub(super) fn start_idle(self: &Arc<Self>) {
         for w in self.registry.all() {
             if let Some(reclaimed) = w.reclaimed {
@@ -144,6 +144,7 @@ impl Engine {
                     return;
                 }
                 engine.idle_tick();
+                engine.periodic_tick();
             }
         });
     }

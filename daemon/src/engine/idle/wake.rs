@@ -17,7 +17,9 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
 use super::{Reclaimed, lock};
-use crate::engine::{Caller, Engine, IdleError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget};
+use crate::engine::{
+    Caller, Engine, PolicyError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget,
+};
 use crate::linux::port_watch::PortWatch;
 
 /// Why a wake failed, for every caller that waited for it.
@@ -54,22 +56,22 @@ impl Engine {
 
     /// Wakes reclaimed workload `name` now; returns once it runs (its memory may still be
     /// arriving).
-    pub async fn wake(self: &Arc<Self>, name: &str, caller: Caller) -> Result<RestoreOutcome, IdleError> {
+    pub async fn wake(self: &Arc<Self>, name: &str, caller: Caller) -> Result<RestoreOutcome, PolicyError> {
         let w = self.own_workload(name, caller)?;
-        let Some(reclaimed) = w.reclaimed else { return Err(IdleError::NotReclaimed(name.into())) };
+        let Some(reclaimed) = w.reclaimed else { return Err(PolicyError::NotReclaimed(name.into())) };
         let waker = lock(&self.idle.wakers).get(name).map(|w| w.requests.clone());
         let requests = match waker {
             Some(requests) => requests,
             None => {
                 self.arm_waker(name, reclaimed);
                 let waker = lock(&self.idle.wakers).get(name).map(|w| w.requests.clone());
-                waker.ok_or_else(|| IdleError::WokenElsewhere(name.into()))?
+                waker.ok_or_else(|| PolicyError::WokenElsewhere(name.into()))?
             }
         };
         let (reply, answer) = oneshot::channel();
-        requests.send(reply).map_err(|_| IdleError::WokenElsewhere(name.into()))?;
-        let woken = answer.await.map_err(|_| IdleError::WokenElsewhere(name.into()))?;
-        woken.map_err(|source| IdleError::Wake { workload: name.into(), source })
+        requests.send(reply).map_err(|_| PolicyError::WokenElsewhere(name.into()))?;
+        let woken = answer.await.map_err(|_| PolicyError::WokenElsewhere(name.into()))?;
+        woken.map_err(|source| PolicyError::Wake { workload: name.into(), source })
     }
 
     /// Restores reclaimed workload `name` lazily; returns once it runs.

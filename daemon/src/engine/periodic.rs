@@ -1,0 +1,76 @@
+//! Periodic checkpoints (`stasis run --checkpoint-every`, `stasis periodic`): incremental
+//! `--leave-running` checkpoints of a workload at a fixed interval, so that losing the node costs
+//! at most an interval's work, and an eviction's final checkpoint has little left to store.
+//!
+//! The idle monitor's tick drives them: a workload whose interval has passed since its last
+//! periodic checkpoint started gets the next one, unless one is still under way.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+use super::{Caller, CheckpointParams, Engine, PolicyError, Target};
+
+/// When each workload's last periodic checkpoint started, and which are under way.
+#[derive(Debug, Default)]
+pub(super) struct Schedule {
+    last: Mutex<HashMap<String, Instant>>,
+    running: Mutex<HashSet<String>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Engine {
+    /// Sets (or, with `None`, stops) the periodic checkpoints of `name`.
+    pub fn set_periodic(
+        &self,
+        name: &str,
+        every: Option<Duration>,
+        caller: Caller,
+    ) -> Result<(), PolicyError> {
+        self.own_workload(name, caller)?;
+        let every_ms = every.map(|d| d.as_millis() as u64);
+        self.registry.update(name, |w| w.checkpoint_every_ms = every_ms).map_err(PolicyError::Registry)?;
+        lock(&self.schedule.last).insert(name.to_owned(), Instant::now());
+        info!(workload = name, checkpoint_every_ms = ?every_ms, "periodic checkpoints set");
+        Ok(())
+    }
+
+    /// Starts the periodic checkpoints that are due.
+    pub(super) fn periodic_tick(self: &Arc<Self>) {
+        let now = Instant::now();
+        for w in self.registry.all() {
+            let due = w.checkpoint_every_ms.filter(|_| w.reclaimed.is_none() && self.host.is_running(w.pid));
+            let Some(every_ms) = due else {
+                lock(&self.schedule.last).remove(&w.name);
+                continue;
+            };
+            let started = *lock(&self.schedule.last).entry(w.name.clone()).or_insert(now);
+            if now.duration_since(started) < Duration::from_millis(every_ms)
+                || !lock(&self.schedule.running).insert(w.name.clone())
+            {
+                continue;
+            }
+            lock(&self.schedule.last).insert(w.name.clone(), now);
+            let engine = self.clone();
+            self.jobs.spawn(async move {
+                let params = CheckpointParams {
+                    target: Target::Workload(w.name.clone()),
+                    leave_running: true,
+                    on_resumed: None,
+                    reclaim: None,
+                    caller: Caller::Root,
+                };
+                match engine.checkpoint(params, Arc::new(|_| {})).await {
+                    Ok(o) => info!(workload = %w.name, checkpoint = %o.id, "periodic checkpoint stored"),
+                    Err(e) => warn!(workload = %w.name, error = %crate::error_chain(&e), "periodic checkpoint failed; the next is due after the interval"),
+                }
+                lock(&engine.schedule.running).remove(&w.name);
+            });
+        }
+    }
+}
