@@ -41,8 +41,8 @@ fn seconds() -> Histogram {
 
 impl Default for Metrics {
     fn default() -> Self {
-        let mut registry = Registry::with_prefix("stasis");
-        let m = Metrics {
+        let mut m = Metrics {
+            registry: Registry::with_prefix("stasis"),
             checkpoints: Results::default(),
             restores: Results::default(),
             frozen: seconds(),
@@ -54,40 +54,39 @@ impl Default for Metrics {
             bytes_deduplicated: Counter::default(),
             store_errors: Counter::default(),
             reclaims: Results::default(),
-            registry: Registry::default(),
         };
-        registry.register("checkpoints", "Checkpoints, by result", m.checkpoints.clone());
-        registry.register("restores", "Restores, by result", m.restores.clone());
-        registry.register("frozen_seconds", "How long a checkpoint kept its tree frozen", m.frozen.clone());
-        registry.register("durable_seconds", "From checkpoint request until durable", m.durable.clone());
-        registry.register(
+        m.registry.register("checkpoints", "Checkpoints, by result", m.checkpoints.clone());
+        m.registry.register("restores", "Restores, by result", m.restores.clone());
+        m.registry.register("frozen_seconds", "How long a checkpoint kept its tree frozen", m.frozen.clone());
+        m.registry.register("durable_seconds", "From checkpoint request until durable", m.durable.clone());
+        m.registry.register(
             "restore_first_run_seconds",
             "From restore request until the tree runs",
             m.first_run.clone(),
         );
-        registry.register(
+        m.registry.register(
             "restore_resident_seconds",
             "From restore request until all memory is in",
             m.resident.clone(),
         );
-        registry.register(
+        m.registry.register(
             "gpu_phase_seconds",
             "GPU lock, checkpoint and restore time of a checkpoint",
             m.gpu.clone(),
         );
-        registry.register("uploaded_bytes", "Bytes written to the store", m.bytes_uploaded.clone());
-        registry.register(
+        m.registry.register("uploaded_bytes", "Bytes written to the store", m.bytes_uploaded.clone());
+        m.registry.register(
             "deduplicated_bytes",
             "Bytes of checkpoints the store already held",
             m.bytes_deduplicated.clone(),
         );
-        registry.register(
+        m.registry.register(
             "store_errors",
             "Checkpoints and restores that failed on the store",
             m.store_errors.clone(),
         );
-        registry.register("idle_reclaims", "Idle reclaims and wakes, by outcome", m.reclaims.clone());
-        Metrics { registry, ..m }
+        m.registry.register("idle_reclaims", "Idle reclaims and wakes, by outcome", m.reclaims.clone());
+        m
     }
 }
 

@@ -41,8 +41,8 @@ impl Caller {
 /// The owner of a tree whose processes have the user ids `uids`: their one uid, or root when
 /// they have several (a tree with a set-uid child is no single user's).
 pub fn owner_of(uids: &BTreeSet<u32>) -> u32 {
-    match uids.iter().collect::<Vec<_>>()[..] {
-        [only] => *only,
+    match (uids.first(), uids.len()) {
+        (Some(&only), 1) => only,
         _ => 0,
     }
 }

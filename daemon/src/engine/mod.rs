@@ -127,6 +127,12 @@ pub struct Engine {
     workload_locks: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
+/// `m` locked; a poisoned lock is taken as it is (its holder panicked, the data is still
+/// the engine's best knowledge).
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl Engine {
     /// Removes the cgroup of a workload whose tree is gone (CRIU recreates it on restore).
     fn release_cgroup(&self, workload: &str) {

@@ -11,17 +11,13 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
-use super::{Caller, CheckpointParams, Engine, PolicyError, Target};
+use super::{Caller, CheckpointParams, Engine, PolicyError, Target, Workload, lock};
 
 /// When each workload's last periodic checkpoint started, and which are under way.
 #[derive(Debug, Default)]
 pub(super) struct Schedule {
     last: Mutex<HashMap<String, Instant>>,
     running: Mutex<HashSet<String>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Engine {
@@ -41,9 +37,9 @@ impl Engine {
     }
 
     /// Starts the periodic checkpoints that are due.
-    pub(super) fn periodic_tick(self: &Arc<Self>) {
+    pub(super) fn periodic_tick(self: &Arc<Self>, workloads: &[Workload]) {
         let now = Instant::now();
-        for w in self.registry.all() {
+        for w in workloads {
             let due = w.checkpoint_every_ms.filter(|_| w.reclaimed.is_none() && self.host.is_running(w.pid));
             let Some(every_ms) = due else {
                 lock(&self.schedule.last).remove(&w.name);
@@ -56,20 +52,20 @@ impl Engine {
                 continue;
             }
             lock(&self.schedule.last).insert(w.name.clone(), now);
-            let engine = self.clone();
+            let (engine, name) = (self.clone(), w.name.clone());
             self.jobs.spawn(async move {
                 let params = CheckpointParams {
-                    target: Target::Workload(w.name.clone()),
+                    target: Target::Workload(name.clone()),
                     leave_running: true,
                     on_resumed: None,
                     reclaim: None,
                     caller: Caller::Root,
                 };
                 match engine.checkpoint(params, Arc::new(|_| {})).await {
-                    Ok(o) => info!(workload = %w.name, checkpoint = %o.id, "periodic checkpoint stored"),
-                    Err(e) => warn!(workload = %w.name, error = %crate::error_chain(&e), "periodic checkpoint failed; the next is due after the interval"),
+                    Ok(o) => info!(workload = %name, checkpoint = %o.id, "periodic checkpoint stored"),
+                    Err(e) => warn!(workload = %name, error = %crate::error_chain(&e), "periodic checkpoint failed; the next is due after the interval"),
                 }
-                lock(&engine.schedule.running).remove(&w.name);
+                lock(&engine.schedule.running).remove(&name);
             });
         }
     }

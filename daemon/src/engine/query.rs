@@ -201,7 +201,7 @@ impl Engine {
                 .filter(|w| caller.owns(w.owner_uid))
                 .map(|w| {
                     let running = w.reclaimed.is_none() && self.host.is_running(w.pid);
-                    let idle = self.idle_state(&w.name);
+                    let idle = self.idle_state(&w);
                     (w, running, idle)
                 })
                 .collect(),

@@ -70,7 +70,7 @@ impl Engine {
         sweep_left_locks(engine.left_locks.clone(), config.network_lock_keep);
         info!(criu = %engine.criu.path().display(), version = %engine.criu_version, store = %config.store_url, "engine ready");
         let engine = Arc::new(engine);
-        engine.start_idle();
+        engine.start_monitor();
         Ok(engine)
     }
 

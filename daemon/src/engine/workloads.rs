@@ -57,7 +57,7 @@ impl Registry {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Workload>> {
-        self.entries.lock().unwrap_or_else(|p| p.into_inner())
+        super::lock(&self.entries)
     }
 
     pub fn get(&self, name: &str) -> Option<Workload> {

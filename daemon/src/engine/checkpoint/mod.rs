@@ -310,8 +310,8 @@ impl Engine {
             leave_stopped: !job.leave_running,
             page_server_fd: None,
         };
-        let (criu, version, limit) = (self.criu.clone(), self.criu_version, self.staging.clone());
-        let dumped = tokio::task::spawn_blocking(move || dump::dump(criu.as_ref(), version, spec, limit))
+        let (criu, version, staging) = (self.criu.clone(), self.criu_version, self.staging.clone());
+        let dumped = tokio::task::spawn_blocking(move || dump::dump(criu.as_ref(), version, spec, staging))
             .await
             .map_err(|e| CheckpointError::Local { what: "dump thread", source: std::io::Error::other(e) })?;
         let dump = dumped.map_err(|failure| failure.into_error(job.workload.clone()))?;

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
+use crate::engine::lock;
 use crate::linux::proc;
 use crate::linux::reaper::{ExitKind, Reaper};
 use crate::linux::sys::{ChildSetup, copy_fd_of, spawn};
@@ -83,17 +84,17 @@ impl FaultGuard {
     pub(in crate::engine) fn start(&self) -> Result<(), Arc<GuardError>> {
         let result = self.try_start().map_err(Arc::new);
         if let Err(reason) = &result {
-            *self.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
+            *lock(&self.failure) = Some(reason.clone());
         }
         result
     }
 
     /// Why the guard is not running, if it is not and should be.
     pub(in crate::engine) fn not_started(&self) -> Option<Arc<GuardError>> {
-        if self.started.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+        if lock(&self.started).is_some() {
             return None;
         }
-        if let Some(failure) = self.failure.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+        if let Some(failure) = lock(&self.failure).clone() {
             return Some(failure);
         }
         // Not needed when the daemon finished before the tree ran.
@@ -186,11 +187,11 @@ impl FaultGuard {
             "lazy-restore guard holds the tree's userfaultfds"
         );
         let guard = GuardProcess { pid: child.id() as i32, control: std::fs::File::from(control_w) };
-        *self.started.lock().unwrap_or_else(|p| p.into_inner()) = Some(guard);
+        *lock(&self.started) = Some(guard);
         Ok(())
     }
 
     pub(super) fn take(&self) -> Option<GuardProcess> {
-        self.started.lock().unwrap_or_else(|p| p.into_inner()).take()
+        lock(&self.started).take()
     }
 }

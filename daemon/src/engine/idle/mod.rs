@@ -16,7 +16,7 @@ mod wake;
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -25,7 +25,7 @@ use tracing::{info, warn};
 use activity::IdleClock;
 pub use activity::{GpuActivity, Thresholds};
 
-use super::{Caller, Engine, PolicyError};
+use super::{Caller, Engine, PolicyError, Workload, lock};
 
 /// A reclaimed workload: what waking it needs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -77,10 +77,6 @@ pub(super) struct IdleBook {
     gpu_asked_us: Mutex<Option<u64>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl IdleBook {
     /// The workload was used just now (started, restored, woken): its idle time starts over.
     fn restart_clock(&self, name: &str) {
@@ -108,12 +104,12 @@ impl Engine {
         Ok(w)
     }
 
-    /// Where `name` stands with idle reclaim.
-    pub fn idle_state(&self, name: &str) -> IdleState {
-        let reclaimed = self.registry.get(name).is_some_and(|w| w.reclaimed.is_some());
+    /// Where workload `w` stands with idle reclaim.
+    pub fn idle_state(&self, w: &Workload) -> IdleState {
+        let name = w.name.as_str();
         if lock(&self.idle.waking).contains(name) {
             IdleState::Waking
-        } else if reclaimed {
+        } else if w.reclaimed.is_some() {
             IdleState::Reclaimed
         } else if lock(&self.idle.reclaiming).contains(name) {
             IdleState::Reclaiming
@@ -127,7 +123,7 @@ impl Engine {
 
     /// Starts the monitor (idle reclaim and periodic checkpoints, every tick), and a waker for
     /// every workload a previous run left reclaimed. Both end with the engine.
-    pub(super) fn start_idle(self: &Arc<Self>) {
+    pub(super) fn start_monitor(self: &Arc<Self>) {
         for w in self.registry.all() {
             if let Some(reclaimed) = w.reclaimed {
                 info!(workload = %w.name, checkpoint = %reclaimed.checkpoint, "workload still reclaimed; waiting for its use");
@@ -143,8 +139,9 @@ impl Engine {
                 if engine.jobs.is_closed() {
                     return;
                 }
-                engine.idle_tick();
-                engine.periodic_tick();
+                let workloads = engine.registry.all();
+                engine.idle_tick(&workloads);
+                engine.periodic_tick(&workloads);
             }
         });
     }
@@ -162,10 +159,10 @@ impl Engine {
     }
 
     /// Samples every watched workload; starts the reclaim of those idle long enough.
-    fn idle_tick(self: &Arc<Self>) {
+    fn idle_tick(self: &Arc<Self>, workloads: &[Workload]) {
         let limits = self.idle_settings.thresholds;
         let mut gpu_active = None;
-        for w in self.registry.all() {
+        for w in workloads {
             let watched = w.idle_after_ms.filter(|_| w.reclaimed.is_none() && self.host.is_running(w.pid));
             let Some(after_ms) = watched else {
                 lock(&self.idle.clocks).remove(&w.name);
@@ -181,19 +178,19 @@ impl Engine {
                 continue;
             }
             info!(workload = %w.name, idle_ms = idle.as_millis() as u64, "workload idle; reclaiming it");
-            let engine = self.clone();
+            let (engine, name) = (self.clone(), w.name.clone());
             self.jobs.spawn(async move {
-                let outcome = match engine.reclaim(&w.name).await {
+                let outcome = match engine.reclaim(&name).await {
                     Ok(Some(_)) => "reclaimed",
                     Ok(None) => "used",
                     Err(e) => {
-                        warn!(workload = %w.name, error = %crate::error_chain(&e), "reclaim failed; the workload runs on");
+                        warn!(workload = %name, error = %crate::error_chain(&e), "reclaim failed; the workload runs on");
                         "failed"
                     }
                 };
                 engine.metrics.reclaim(outcome);
-                lock(&engine.idle.reclaiming).remove(&w.name);
-                engine.idle.restart_clock(&w.name);
+                lock(&engine.idle.reclaiming).remove(&name);
+                engine.idle.restart_clock(&name);
             });
         }
     }

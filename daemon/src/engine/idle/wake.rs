@@ -16,7 +16,8 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
-use super::{Reclaimed, lock};
+use super::Reclaimed;
+use crate::engine::lock;
 use crate::engine::{
     Caller, Engine, PolicyError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget,
 };
@@ -47,11 +48,17 @@ enum Trigger {
 }
 
 impl Engine {
-    /// Starts waiting for the next use of reclaimed workload `name`.
-    pub(super) fn arm_waker(self: &Arc<Self>, name: &str, reclaimed: Reclaimed) {
+    /// Starts waiting for the next use of reclaimed workload `name`; returns where a
+    /// `stasis wake` asks it.
+    pub(super) fn arm_waker(
+        self: &Arc<Self>,
+        name: &str,
+        reclaimed: Reclaimed,
+    ) -> mpsc::UnboundedSender<WakeReply> {
         let (requests, asked) = mpsc::unbounded_channel();
-        lock(&self.idle.wakers).insert(name.to_owned(), Waker { requests });
+        lock(&self.idle.wakers).insert(name.to_owned(), Waker { requests: requests.clone() });
         tokio::spawn(wait_and_wake(Arc::downgrade(self), name.to_owned(), reclaimed, asked));
+        requests
     }
 
     /// Wakes reclaimed workload `name` now; returns once it runs (its memory may still be
@@ -62,11 +69,7 @@ impl Engine {
         let waker = lock(&self.idle.wakers).get(name).map(|w| w.requests.clone());
         let requests = match waker {
             Some(requests) => requests,
-            None => {
-                self.arm_waker(name, reclaimed);
-                let waker = lock(&self.idle.wakers).get(name).map(|w| w.requests.clone());
-                waker.ok_or_else(|| PolicyError::WokenElsewhere(name.into()))?
-            }
+            None => self.arm_waker(name, reclaimed),
         };
         let (reply, answer) = oneshot::channel();
         requests.send(reply).map_err(|_| PolicyError::WokenElsewhere(name.into()))?;
