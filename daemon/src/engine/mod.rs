@@ -134,6 +134,27 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Engine {
+    /// Runs `job` as a tracked job, which finishes even if its caller goes away; its failure
+    /// is logged as "`what` failed", and its result handed to `record` for the metrics.
+    async fn tracked<T: Send + 'static, E: std::error::Error + Send + 'static>(
+        self: &Arc<Self>,
+        what: &'static str,
+        job: impl std::future::Future<Output = Result<T, E>> + Send + 'static,
+        record: fn(&crate::metrics::Metrics, &Result<T, E>),
+    ) -> Result<Result<T, E>, tokio::task::JoinError> {
+        let metrics = self.metrics.clone();
+        self.jobs
+            .spawn(async move {
+                let result = job.await;
+                if let Err(e) = &result {
+                    tracing::warn!(error = %crate::error_chain(e), "{what} failed");
+                }
+                record(&metrics, &result);
+                result
+            })
+            .await
+    }
+
     /// Removes the cgroup of a workload whose tree is gone (CRIU recreates it on restore).
     fn release_cgroup(&self, workload: &str) {
         if let Some(path) = self.registry.get(workload).and_then(|w| w.cgroup) {

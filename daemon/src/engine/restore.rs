@@ -127,15 +127,9 @@ impl Engine {
             return Err(RestoreError::ShuttingDown);
         }
         let this = self.clone();
-        let job = self.jobs.spawn(async move {
-            let result = this.restore_job(params, progress).await;
-            if let Err(e) = &result {
-                warn!(error = %crate::error_chain(e), "restore failed");
-            }
-            this.metrics.restore_done(&result);
-            result
-        });
-        job.await.map_err(|e| RestoreError::Local { what: "job", source: std::io::Error::other(e) })?
+        let job = async move { this.restore_job(params, progress).await };
+        let joined = self.tracked("restore", job, crate::metrics::Metrics::restore_done).await;
+        joined.map_err(|e| RestoreError::Local { what: "job", source: std::io::Error::other(e) })?
     }
 
     async fn find_manifest(&self, target: &RestoreTarget) -> Result<Manifest, RestoreError> {

@@ -159,15 +159,9 @@ impl Engine {
             return Err(CheckpointError::ShuttingDown);
         }
         let this = self.clone();
-        let job = self.jobs.spawn(async move {
-            let result = this.checkpoint_job(params, progress).await;
-            if let Err(e) = &result {
-                warn!(error = %crate::error_chain(e), "checkpoint failed");
-            }
-            this.metrics.checkpoint_done(&result);
-            result
-        });
-        job.await.map_err(|e| CheckpointError::Local { what: "job", source: std::io::Error::other(e) })?
+        let job = async move { this.checkpoint_job(params, progress).await };
+        let joined = self.tracked("checkpoint", job, crate::metrics::Metrics::checkpoint_done).await;
+        joined.map_err(|e| CheckpointError::Local { what: "job", source: std::io::Error::other(e) })?
     }
 
     fn resolve_target(&self, target: &Target) -> Result<(String, i32), CheckpointError> {
