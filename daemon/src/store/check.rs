@@ -8,7 +8,6 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use futures::TryStreamExt;
 use stasis_proto::stasis::v1::{ChunkRef, Manifest};
 
 use super::assemble::decode_chunk;
@@ -70,23 +69,11 @@ impl Store {
         &self,
         report: &mut CheckReport,
     ) -> Result<(HashMap<ChunkHash, Vec<ChunkLoc>>, BadPacks), StoreError> {
-        let dir = self.key("packs");
-        let objects: Vec<_> =
-            self.backend.list(Some(&dir)).try_collect().await.map_err(Self::backend_err(&dir))?;
-        let mut sizes: HashMap<String, u64> = HashMap::new();
-        let mut indexed: Vec<String> = Vec::new();
-        for meta in &objects {
-            let Some(name) = meta.location.filename() else { continue };
-            if let Some(pack) = name.strip_suffix(".pack") {
-                sizes.insert(pack.to_string(), meta.size);
-            } else if let Some(pack) = name.strip_suffix(".idx") {
-                indexed.push(pack.to_string());
-            }
-        }
-        indexed.sort();
+        let packs = self.pack_objects().await?;
+        let indexed: Vec<&String> = packs.iter().filter(|(_, p)| p.indexed).map(|(id, _)| id).collect();
         report.packs = indexed.len();
         let (mut locations, mut bad) = (HashMap::<ChunkHash, Vec<ChunkLoc>>::new(), BadPacks::new());
-        for pack in &indexed {
+        for &pack in &indexed {
             let index = match self.read_pack_index(pack).await {
                 Ok(index) => index,
                 Err(e @ StoreError::Envelope { .. }) => {
@@ -98,7 +85,7 @@ impl Store {
                 Err(e) => return Err(e),
             };
             let needed = index.entries.iter().map(|e| e.offset + u64::from(e.stored_len)).max().unwrap_or(0);
-            match sizes.get(pack) {
+            match packs[pack].size {
                 None => {
                     report.problems.push(format!(
                         "pack {pack} is missing (its index lists {} chunks)",
@@ -106,7 +93,7 @@ impl Store {
                     ));
                     bad.insert(pack.clone(), "it is missing".into());
                 }
-                Some(&size) if size < needed => {
+                Some(size) if size < needed => {
                     report
                         .problems
                         .push(format!("pack {pack} is truncated: {size} bytes, its index needs {needed}"));
@@ -122,9 +109,7 @@ impl Store {
                 }
             }
         }
-        let mut unindexed: Vec<&String> = sizes.keys().filter(|p| !indexed.contains(p)).collect();
-        unindexed.sort();
-        for pack in unindexed {
+        for (pack, _) in packs.iter().filter(|(_, p)| !p.indexed) {
             report.notes.push(format!("pack {pack} has no index (an interrupted upload; gc removes it)"));
         }
         Ok((locations, bad))

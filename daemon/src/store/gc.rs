@@ -7,7 +7,7 @@
 //! unreferenced pack is deleted only once it is older than a grace period, unless it is one of
 //! this node's own (its id starts with the node's tag) and the caller asks for those.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
 use futures::TryStreamExt;
@@ -73,20 +73,8 @@ impl Store {
         let live = live_chunks(&manifests);
         self.refresh_index().await?;
 
-        let dir = self.key("packs");
-        let objects: Vec<_> =
-            self.backend.list(Some(&dir)).try_collect().await.map_err(Self::backend_err(&dir))?;
-        let mut packs: HashMap<String, (u64, std::time::SystemTime, bool)> = HashMap::new();
-        for meta in &objects {
-            let Some(name) = meta.location.filename() else { continue };
-            if let Some(pack) = name.strip_suffix(".pack") {
-                let e = packs.entry(pack.to_string()).or_insert((0, meta.last_modified.into(), false));
-                (e.0, e.1) = (meta.size, meta.last_modified.into());
-            } else if let Some(pack) = name.strip_suffix(".idx") {
-                packs.entry(pack.to_string()).or_insert((0, meta.last_modified.into(), false)).2 = true;
-            }
-        }
-        for (pack, (size, modified, has_index)) in packs {
+        for (pack, PackObjects { size, modified, indexed: has_index }) in self.pack_objects().await? {
+            let size = size.unwrap_or(0);
             let own = own_too && pack.starts_with(&format!("{}-", self.node_tag));
             let reclaimable = own || age(modified) >= grace;
             if !has_index {
@@ -124,6 +112,33 @@ impl Store {
         }
         info!(?report, "garbage collection done");
         Ok(report)
+    }
+
+    /// The packs of the store, by id, from one listing of `packs/`.
+    pub(super) async fn pack_objects(&self) -> Result<BTreeMap<String, PackObjects>, StoreError> {
+        let dir = self.key("packs");
+        let objects: Vec<_> =
+            self.backend.list(Some(&dir)).try_collect().await.map_err(Self::backend_err(&dir))?;
+        let mut packs: BTreeMap<String, PackObjects> = BTreeMap::new();
+        for meta in &objects {
+            let Some(name) = meta.location.filename() else { continue };
+            let (pack, is_data) = match (name.strip_suffix(".pack"), name.strip_suffix(".idx")) {
+                (Some(pack), _) => (pack, true),
+                (None, Some(pack)) => (pack, false),
+                (None, None) => continue,
+            };
+            let entry = packs.entry(pack.to_string()).or_insert(PackObjects {
+                size: None,
+                modified: meta.last_modified.into(),
+                indexed: false,
+            });
+            if is_data {
+                (entry.size, entry.modified) = (Some(meta.size), meta.last_modified.into());
+            } else {
+                entry.indexed = true;
+            }
+        }
+        Ok(packs)
     }
 
     pub(super) async fn read_pack_index(&self, pack: &str) -> Result<PackIndex, StoreError> {
@@ -180,6 +195,17 @@ impl Store {
         self.upload_pack(fresh).await?;
         self.delete_pack(pack).await
     }
+}
+
+/// A pack's objects as the store lists them.
+#[derive(Debug, Clone)]
+pub(super) struct PackObjects {
+    /// Size of its data object; `None` when only its index exists.
+    pub size: Option<u64>,
+    /// When its data object (else its index) was written.
+    pub modified: std::time::SystemTime,
+    /// Whether its index exists.
+    pub indexed: bool,
 }
 
 /// Checkpoints beyond the newest `keep_last` of each workload.
