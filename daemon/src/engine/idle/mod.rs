@@ -26,6 +26,7 @@ use activity::IdleClock;
 pub use activity::{GpuActivity, Thresholds};
 
 use super::{Caller, Engine, PolicyError, Workload, lock};
+use crate::linux::port_watch::PortWatch;
 
 /// A reclaimed workload: what waking it needs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,6 +76,17 @@ pub(super) struct IdleBook {
     wakers: Mutex<HashMap<String, wake::Waker>>,
     /// When GPU activity was last asked for (microseconds since the epoch).
     gpu_asked_us: Mutex<Option<u64>>,
+}
+
+/// A watch on the `ports` of workload `name`: none without ports, or (logged, naming `while_`)
+/// when no packet socket can be had.
+fn watch_ports(name: &str, ports: &[u16], while_: &str) -> Option<PortWatch> {
+    if ports.is_empty() {
+        return None;
+    }
+    PortWatch::open(ports)
+        .inspect_err(|e| warn!(workload = name, error = %e, "cannot watch the workload's ports {while_}"))
+        .ok()
 }
 
 impl IdleBook {

@@ -18,7 +18,7 @@ use crate::engine::ids::now_unix_ms;
 use crate::engine::sockets;
 use crate::engine::{Caller, CheckpointError, CheckpointParams, Engine, Target};
 use crate::linux::net::SocketKind;
-use crate::linux::port_watch::{MAX_PORTS, PortWatch};
+use crate::linux::port_watch::MAX_PORTS;
 
 impl Engine {
     /// Reclaims workload `name`; returns what waking it needs, or `None` when it was used
@@ -60,20 +60,12 @@ impl Engine {
 /// (no ports, or no packet socket) a reclaim cannot notice a request arriving meanwhile: the
 /// request then waits for the wake.
 fn watch_ports(name: &str, ports: &[u16], used: Arc<AtomicBool>) -> Option<tokio::task::JoinHandle<()>> {
-    if ports.is_empty() {
-        return None;
-    }
-    match PortWatch::open(ports) {
-        Ok(watch) => Some(tokio::spawn(async move {
-            if watch.next().await.is_ok() {
-                used.store(true, Ordering::SeqCst);
-            }
-        })),
-        Err(e) => {
-            warn!(workload = name, error = %e, "cannot watch the workload's ports during its reclaim");
-            None
+    let watch = super::watch_ports(name, ports, "during its reclaim")?;
+    Some(tokio::spawn(async move {
+        if watch.next().await.is_ok() {
+            used.store(true, Ordering::SeqCst);
         }
-    }
+    }))
 }
 
 /// The listening addresses (TCP, in this node's network namespace) of `records`, and the local

@@ -134,12 +134,7 @@ async fn wait_and_wake(
 ) {
     loop {
         let listeners = listen_on(&name, &reclaimed.listeners);
-        let watch = match reclaimed.ports.is_empty() {
-            true => None,
-            false => PortWatch::open(&reclaimed.ports)
-                .inspect_err(|e| warn!(workload = %name, error = %e, "cannot watch the reclaimed workload's connections"))
-                .ok(),
-        };
+        let watch = super::watch_ports(&name, &reclaimed.ports, "while it is reclaimed");
         let trigger = tokio::select! {
             // A connection first: a segment seen may be its SYN.
             biased;
