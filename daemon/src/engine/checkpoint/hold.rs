@@ -116,7 +116,7 @@ impl<'a> Hold<'a> {
         self.settled = true;
         // Children forked since the tree was inspected were dumped (and stopped) too.
         let tree = HeldProcesses {
-            pids: self.engine.host.trees(&self.tree.pids),
+            pids: self.engine.tree_now(self.tree),
             stopped_before: &self.stopped_before,
             reuse_addr: &self.tree.sockets.reuse_addr,
             images: self.images,

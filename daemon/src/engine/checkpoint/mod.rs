@@ -331,15 +331,7 @@ impl Engine {
             warn!(checkpoint = %job.id, error = %e, "cannot record the eviction's network lock; it stays");
         }
         if !job.leave_running {
-            // The upload may have taken minutes: a pid whose process went meanwhile (killed by
-            // someone else) may name another process now, which must not be killed.
-            let same: Vec<i32> = tree
-                .pids
-                .iter()
-                .copied()
-                .filter(|&pid| tree.started.get(&pid).is_none_or(|&t| self.host.start_time(pid) == Some(t)))
-                .collect();
-            self.host.signal(&self.host.trees(&same), Signal::SIGKILL);
+            self.host.signal(&self.tree_now(tree), Signal::SIGKILL);
             let left = self.reaper.wait_gone(&tree.pids, KILL_WAIT).await;
             if left.is_empty() {
                 self.release_cgroup(&job.workload);
@@ -353,6 +345,20 @@ impl Engine {
         info!(checkpoint = %job.id, workload = %job.workload, ?stats, "checkpoint stored");
         self.apply_retention().await;
         job.outcome(true, stats)
+    }
+
+    /// The processes of `tree` now: those inspected that are still the same processes, and
+    /// the children they forked since. The upload may have taken minutes: a pid whose process
+    /// went meanwhile (killed by someone else) may name another process now, which is not the
+    /// tree's to stop, continue or kill.
+    fn tree_now(&self, tree: &TreeInfo) -> Vec<i32> {
+        let same: Vec<i32> = tree
+            .pids
+            .iter()
+            .copied()
+            .filter(|&pid| tree.started.get(&pid).is_none_or(|&t| self.host.start_time(pid) == Some(t)))
+            .collect();
+        self.host.trees(&same)
     }
 
     fn remember_checkpoint(&self, workload: &str, pid: i32, tree: &TreeInfo, id: &str) {
