@@ -91,8 +91,12 @@ fn a_crash_mid_eviction_gives_the_held_workload_back_at_the_next_start() {
     let mut d = Daemon::start();
     // A process of the test's own, checkpointed by pid: its parent stays alive, so stasisd's
     // death does not orphan its process group (which would make the kernel continue it).
+    // It leads a session of its own (setsid(1) execs in place, keeping the pid): the test
+    // runner's session leader may sit outside this pid namespace (as on CI), where CRIU cannot
+    // name it.
     let out = d.dir().join("memhog.out");
-    let child = std::process::Command::new(stasis_tests::python())
+    let child = std::process::Command::new("setsid")
+        .arg(stasis_tests::python())
         .arg(stasis_tests::workload_script("memhog.py"))
         .arg("512")
         // Its own stdio: whatever the test runner's are (a socket to a CI agent, say), CRIU

@@ -67,10 +67,17 @@ impl Host for LinuxHost {
         if pid == std::process::id() as i32 {
             return Some("stasisd itself".into());
         }
-        ProcStat::read(pid)
-            .ok()
-            .filter(ProcStat::is_kernel_thread)
-            .map(|s| format!("a kernel thread ({})", s.comm))
+        let stat = ProcStat::read(pid).ok()?;
+        if stat.is_kernel_thread() {
+            return Some(format!("a kernel thread ({})", stat.comm));
+        }
+        // Session 0: the leader is outside this pid namespace (or the process descends from an
+        // init that never started a session), and CRIU has no way to record it.
+        (stat.session == 0).then(|| {
+            "in session 0, whose leader is outside this pid namespace, so CRIU cannot record it; \
+             start it in a session of its own (setsid(1), or `stasis run`)"
+                .into()
+        })
     }
 
     fn stopped(&self, pids: &[i32]) -> Vec<i32> {

@@ -24,8 +24,8 @@ pub struct ChildSetup {
 /// Spawns `cmd` with `setup` applied in the child.
 pub fn spawn(cmd: &mut Command, setup: ChildSetup) -> io::Result<Child> {
     let ChildSetup { new_session, cgroup_procs, keep_fds } = setup;
-    // SAFETY: the closure runs in the forked child before exec. It only calls setsid, write
-    // and fcntl (all async-signal-safe) on integers captured by value, and it does not
+    // SAFETY: the closure runs in the forked child before exec. It only calls setsid, write,
+    // close_range and fcntl (all async-signal-safe) on integers captured by value, and it does not
     // allocate or touch locks shared with the parent.
     unsafe {
         cmd.pre_exec(move || {
@@ -37,6 +37,12 @@ pub fn spawn(cmd: &mut Command, setup: ChildSetup) -> io::Result<Child> {
                 if libc::write(fd, b"0".as_ptr().cast(), 1) < 0 {
                     return Err(io::Error::last_os_error());
                 }
+            }
+            // Nothing stasisd inherited or opened passes to the child unless named: descriptors
+            // from whoever started stasisd (a shell, a test runner) would otherwise end up in a
+            // workload, and in its checkpoint. Stdio (0-2) is already in place.
+            if libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) < 0 {
+                return Err(io::Error::last_os_error());
             }
             for &fd in &keep_fds {
                 if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
@@ -155,4 +161,22 @@ pub fn async_fd(fd: OwnedFd) -> io::Result<tokio::io::unix::AsyncFd<OwnedFd>> {
     // OwnedFd's `as_raw_fd` always returns the descriptor it holds, so it stays the same open
     // description for the AsyncFd's whole life.
     unsafe { tokio::io::unix::AsyncFd::register(fd) }.map_err(io::Error::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_child_gets_only_the_descriptors_it_is_given() {
+        let file = std::fs::File::open("/dev/null").unwrap();
+        // dup(2) leaves close-on-exec off: without care the child would inherit both.
+        let (stray, kept) = (nix::unistd::dup(&file).unwrap(), nix::unistd::dup(&file).unwrap());
+        let (stray, kept) = (stray.as_raw_fd(), kept.as_raw_fd());
+        let script = format!("[ ! -e /proc/$$/fd/{stray} ] && [ -e /proc/$$/fd/{kept} ]");
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", &script]);
+        let mut child = spawn(&mut cmd, ChildSetup { keep_fds: vec![kept], ..Default::default() }).unwrap();
+        assert!(child.wait().unwrap().success(), "fd {stray} leaked or fd {kept} was not kept");
+    }
 }
