@@ -198,16 +198,7 @@ impl Engine {
             warnings: preflight.warnings,
         };
         let outcome = match watch {
-            Some(watch) => {
-                let resident = self.wait_resident(outcome, watch, started, params.on_running).await;
-                if let Err(e) = &resident {
-                    let why = crate::error_chain(e);
-                    if let Err(e) = self.registry.update(&manifest.workload, |w| w.last_error = Some(why)) {
-                        warn!(workload = %manifest.workload, error = %e, "cannot record the failure in the registry");
-                    }
-                }
-                resident?
-            }
+            Some(watch) => self.wait_resident(outcome, watch, started, params.on_running).await?,
             None => outcome,
         };
         drop(commit_guard);
@@ -333,9 +324,18 @@ impl Engine {
         if let Some(notify) = on_running {
             notify(outcome.clone());
         }
-        let watched = watch.await.map_err(|e| local("lazy restore task")(std::io::Error::other(e)))?;
         let (id, pid) = (outcome.id.clone(), outcome.pid);
-        let (lazy_bytes, resident_at) = watched.map_err(|source| RestoreError::Lazy { id, pid, source })?;
+        let watched = match watch.await {
+            Ok(watched) => watched.map_err(|source| RestoreError::Lazy { id, pid, source }),
+            Err(e) => Err(local("lazy restore task")(std::io::Error::other(e))),
+        };
+        let (lazy_bytes, resident_at) = watched.inspect_err(|e| {
+            // The tree is gone: whoever looks at the workload next learns why.
+            let why = crate::error_chain(e);
+            if let Err(e) = self.registry.update(&outcome.workload, |w| w.last_error = Some(why)) {
+                warn!(workload = %outcome.workload, error = %e, "cannot record the failure in the registry");
+            }
+        })?;
         outcome.stats.bytes_fetched += lazy_bytes;
         outcome.stats.resident_ms = ms(resident_at - started);
         Ok(outcome)

@@ -1,11 +1,11 @@
 //! Starting workloads under stasisd's management: own session, stdio to a log file in the
 //! state directory, own cgroup.
 
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use tracing::info;
@@ -43,38 +43,13 @@ impl Engine {
     /// Starts `params.argv` as a new managed workload.
     pub fn run(&self, params: RunParams) -> Result<RunOutcome, RunError> {
         let program = params.argv.first().ok_or(RunError::NoCommand)?.clone();
-        let name = match params.workload {
-            Some(name) if valid_name(&name) => name,
-            Some(name) => return Err(RunError::BadName(name)),
-            None => derived_name(&program, &format!("{:06x}", rand::random::<u32>() & 0xff_ffff)),
-        };
-        if let Some(existing) = self.registry.get(&name) {
-            if !params.caller.owns(existing.owner_uid) {
-                return Err(RunError::NameTaken(name));
-            }
-            if existing.reclaimed.is_some() {
-                return Err(RunError::Reclaimed(name));
-            }
-            if self.host.is_running(existing.pid) {
-                return Err(RunError::AlreadyRunning { name, pid: existing.pid });
-            }
-        }
+        let name = self.free_name(&params, &program)?;
         let setup_err = |what| {
             let workload = name.clone();
             move |source| RunError::Setup { workload, what, source }
         };
         let log_path = self.state.log_file(&name);
-        let mut cmd_user = None;
-        let log = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .mode(0o600)
-            .open(&log_path)
-            .map_err(setup_err("its log file"))?;
-        if let Caller::User { uid, gid } = params.caller {
-            std::os::unix::fs::fchown(&log, Some(uid), Some(gid)).map_err(setup_err("its log file"))?;
-            cmd_user = Some((uid, gid));
-        }
+        let log = open_log(&log_path, params.caller).map_err(setup_err("its log file"))?;
         let cgroup = match v2_root() {
             Some(root) => Some(
                 WorkloadCgroup::create(&root, self.store.node_tag(), &name)
@@ -83,20 +58,8 @@ impl Engine {
             None => None,
         };
         let procs = cgroup.as_ref().map(|c| c.open_procs()).transpose().map_err(setup_err("its cgroup"))?;
-
-        let mut cmd = Command::new(&program);
-        if let Some((uid, gid)) = cmd_user {
-            // Its own uid and primary group; std drops root's supplementary groups with the uid.
-            cmd.uid(uid).gid(gid);
-        }
-        cmd.args(&params.argv[1..])
-            .envs(params.env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().map_err(setup_err("its log file"))?)
-            .stderr(log);
-        if let Some(cwd) = &params.cwd {
-            cmd.current_dir(cwd);
-        }
+        let stdout = log.try_clone().map_err(setup_err("its log file"))?;
+        let mut cmd = command_for(&params, [stdout, log]);
         let setup = ChildSetup {
             new_session: true,
             cgroup_procs: procs.as_ref().map(|f| f.as_raw_fd()),
@@ -123,4 +86,54 @@ impl Engine {
         info!(workload = %name, pid, "workload started");
         Ok(RunOutcome { workload: name, pid, log_path })
     }
+
+    /// The name the new workload gets: the one asked for, if no live or reclaimed workload
+    /// (or another user's) has it, or one derived from the program.
+    fn free_name(&self, params: &RunParams, program: &str) -> Result<String, RunError> {
+        let name = match &params.workload {
+            Some(name) if valid_name(name) => name.clone(),
+            Some(name) => return Err(RunError::BadName(name.clone())),
+            None => derived_name(program, &format!("{:06x}", rand::random::<u32>() & 0xff_ffff)),
+        };
+        if let Some(existing) = self.registry.get(&name) {
+            if !params.caller.owns(existing.owner_uid) {
+                return Err(RunError::NameTaken(name));
+            }
+            if existing.reclaimed.is_some() {
+                return Err(RunError::Reclaimed(name));
+            }
+            if self.host.is_running(existing.pid) {
+                return Err(RunError::AlreadyRunning { name, pid: existing.pid });
+            }
+        }
+        Ok(name)
+    }
+}
+
+/// Opens (appending) the workload's log file, owned by whom the workload runs as.
+fn open_log(path: &Path, caller: Caller) -> std::io::Result<File> {
+    let log = OpenOptions::new().create(true).append(true).mode(0o600).open(path)?;
+    if let Caller::User { uid, gid } = caller {
+        std::os::unix::fs::fchown(&log, Some(uid), Some(gid))?;
+    }
+    Ok(log)
+}
+
+/// The command that starts the workload: as the caller, stdin from /dev/null, stdout and
+/// stderr to its log.
+fn command_for(params: &RunParams, [stdout, stderr]: [File; 2]) -> Command {
+    let mut cmd = Command::new(&params.argv[0]);
+    if let Caller::User { uid, gid } = params.caller {
+        // Its own uid and primary group; std drops root's supplementary groups with the uid.
+        cmd.uid(uid).gid(gid);
+    }
+    cmd.args(&params.argv[1..])
+        .envs(params.env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(stderr);
+    if let Some(cwd) = &params.cwd {
+        cmd.current_dir(cwd);
+    }
+    cmd
 }

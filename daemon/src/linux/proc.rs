@@ -197,6 +197,24 @@ pub fn parse_locks(text: &str) -> BTreeSet<i32> {
         .collect()
 }
 
+/// CPU time of every thread of `pid`: the first field of each thread's `schedstat`
+/// (nanoseconds, unlike `stat`'s clock ticks, which miss short bursts).
+pub fn cpu_time_ns(pid: i32) -> Option<u64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let total = tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|text| text.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    Some(total)
+}
+
+/// `rchar` of `/proc/PID/io`.
+pub fn read_chars(pid: i32) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
+    text.lines().find_map(|l| l.strip_prefix("rchar:"))?.trim().parse().ok()
+}
+
 /// This machine's memory in bytes (`MemTotal` of /proc/meminfo).
 pub fn memory_total() -> Option<u64> {
     let text = fs::read_to_string("/proc/meminfo").ok()?;

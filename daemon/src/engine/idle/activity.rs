@@ -11,6 +11,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use crate::cuda::nvml::Nvml;
+use crate::linux::proc;
 
 /// Which processes used a GPU lately.
 pub trait GpuActivity: Send + Sync {
@@ -91,29 +92,11 @@ impl IdleClock {
 pub fn sample(pids: &[i32], gpu_active: &HashSet<u32>) -> Sample {
     let (mut cpu_ns, mut read_bytes) = (0, 0);
     for &pid in pids {
-        cpu_ns += cpu_time_ns(pid).unwrap_or(0);
-        read_bytes += read_chars(pid).unwrap_or(0);
+        cpu_ns += proc::cpu_time_ns(pid).unwrap_or(0);
+        read_bytes += proc::read_chars(pid).unwrap_or(0);
     }
     let gpu = pids.iter().any(|&pid| u32::try_from(pid).is_ok_and(|pid| gpu_active.contains(&pid)));
     Sample { at: Instant::now(), cpu_ns, read_bytes, gpu }
-}
-
-/// CPU time of every thread of `pid`: the first field of each thread's `schedstat`
-/// (nanoseconds, unlike `stat`'s clock ticks, which miss short bursts).
-fn cpu_time_ns(pid: i32) -> Option<u64> {
-    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
-    let total = tasks
-        .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-        .filter_map(|text| text.split_whitespace().next()?.parse::<u64>().ok())
-        .sum();
-    Some(total)
-}
-
-/// `rchar` of `/proc/PID/io`.
-fn read_chars(pid: i32) -> Option<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
-    text.lines().find_map(|l| l.strip_prefix("rchar:"))?.trim().parse().ok()
 }
 
 #[cfg(test)]

@@ -133,38 +133,10 @@ async fn wait_and_wake(
     mut asked: mpsc::UnboundedReceiver<WakeReply>,
 ) {
     loop {
-        let listeners = listen_on(&name, &reclaimed.listeners);
-        let watch = super::watch_ports(&name, &reclaimed.ports, "while it is reclaimed");
-        let trigger = tokio::select! {
-            // A connection first: a segment seen may be its SYN.
-            biased;
-            (stream, addr) = accept_any(&listeners) => Trigger::Connection(stream, addr),
-            port = next_segment(watch.as_ref()) => Trigger::Segment(port),
-            reply = asked.recv() => match reply {
-                Some(reply) => Trigger::Asked(reply),
-                None => return,
-            },
+        let Some(Wanted { accepted, mut replies }) = wait_for_use(&name, &reclaimed, &mut asked).await else {
+            return;
         };
         let started = Instant::now();
-        let (mut accepted, mut replies) = (Vec::new(), Vec::new());
-        match trigger {
-            Trigger::Connection(stream, addr) => {
-                info!(workload = %name, listener = %addr, "connection to a reclaimed workload; waking it");
-                accepted.push((stream, addr));
-            }
-            Trigger::Segment(port) => {
-                info!(workload = %name, port, "traffic to a reclaimed workload; waking it")
-            }
-            Trigger::Asked(reply) => {
-                info!(workload = %name, "waking a reclaimed workload on request");
-                replies.push(reply);
-            }
-        }
-        // Connections already waiting would be reset once the listeners close.
-        for (listener, addr) in listeners {
-            accepted.extend(waiting(listener).into_iter().map(|stream| (stream, addr)));
-        }
-        drop(watch);
         let Some(engine) = engine.upgrade() else { return };
         lock(&engine.idle.waking).insert(name.clone());
         let woken = engine.restore_reclaimed(&name, &reclaimed).await;
@@ -192,6 +164,49 @@ async fn wait_and_wake(
             }
         }
     }
+}
+
+/// What a wake has to answer: connections accepted on the workload's behalf, and callers of
+/// `stasis wake`.
+struct Wanted {
+    accepted: Vec<(TcpStream, SocketAddr)>,
+    replies: Vec<WakeReply>,
+}
+
+/// Listens on the workload's addresses and watches its ports until the first use: a
+/// connection, a segment on a held connection, or a request. `None` once nobody can ask any
+/// more (the engine is gone).
+async fn wait_for_use(
+    name: &str,
+    reclaimed: &Reclaimed,
+    asked: &mut mpsc::UnboundedReceiver<WakeReply>,
+) -> Option<Wanted> {
+    let listeners = listen_on(name, &reclaimed.listeners);
+    let watch = super::watch_ports(name, &reclaimed.ports, "while it is reclaimed");
+    let trigger = tokio::select! {
+        // A connection first: a segment seen may be its SYN.
+        biased;
+        (stream, addr) = accept_any(&listeners) => Trigger::Connection(stream, addr),
+        port = next_segment(watch.as_ref()) => Trigger::Segment(port),
+        reply = asked.recv() => Trigger::Asked(reply?),
+    };
+    let mut wanted = Wanted { accepted: Vec::new(), replies: Vec::new() };
+    match trigger {
+        Trigger::Connection(stream, addr) => {
+            info!(workload = %name, listener = %addr, "connection to a reclaimed workload; waking it");
+            wanted.accepted.push((stream, addr));
+        }
+        Trigger::Segment(port) => info!(workload = %name, port, "traffic to a reclaimed workload; waking it"),
+        Trigger::Asked(reply) => {
+            info!(workload = %name, "waking a reclaimed workload on request");
+            wanted.replies.push(reply);
+        }
+    }
+    // Connections already waiting would be reset once the listeners close.
+    for (listener, addr) in listeners {
+        wanted.accepted.extend(waiting(listener).into_iter().map(|stream| (stream, addr)));
+    }
+    Some(wanted)
 }
 
 /// A listener on each of `addrs` (an address another process took meanwhile is skipped,
