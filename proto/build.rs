@@ -4,7 +4,7 @@
 /// The `stasis.v1` messages the CLI prints with `--json`. They derive `serde::Serialize`, so
 /// the JSON output has the proto field names (snake_case) and nesting, with absent messages
 /// as `null` and 64-bit integers as numbers (unlike the proto3 JSON mapping).
-const PRINTED: [&str; 13] = [
+const PRINTED: [&str; 15] = [
     "RunResponse",
     "CheckResponse",
     "BrokenCheckpoint",
@@ -18,6 +18,8 @@ const PRINTED: [&str; 13] = [
     "WorkloadStatus",
     "StatusResponse",
     "GcResponse",
+    "Evacuation",
+    "EvacuateResponse",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -50,6 +50,37 @@ pub enum Command {
     Wake(WakeArgs),
     /// Set or stop a workload's periodic checkpoints (incremental, left running).
     Periodic(PeriodicArgs),
+    /// Opt a workload in to (or out of) eviction when the cloud says the machine goes.
+    Spot(SpotArgs),
+    /// Make every spot workload durable now, shortest first, as a preemption notice does
+    /// (evicted unless --leave-running). Root's alone.
+    Evacuate(EvacuateArgs),
+}
+
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("switch").required(true).args(["on", "off"])))]
+pub struct SpotArgs {
+    /// The workload.
+    pub workload: String,
+    /// Evict it (checkpointed, then stopped) on a preemption notice.
+    #[arg(long)]
+    pub on: bool,
+    /// Leave it alone on a preemption notice.
+    #[arg(long)]
+    pub off: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct EvacuateArgs {
+    /// The time left before the machine goes: 30s, 2m (a bare number is seconds).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "30s")]
+    pub within: std::time::Duration,
+    /// Checkpoint them and leave them running (to make a later eviction's delta small).
+    #[arg(long)]
+    pub leave_running: bool,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -125,6 +156,10 @@ pub struct RunArgs {
     /// Checkpoint the workload (left running, incremental) this often: 10m, 1h.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub checkpoint_every: Option<std::time::Duration>,
+    /// Evict the workload (checkpointed, then stopped) when the cloud says the machine goes,
+    /// so another node can restore it (see `stasis spot`, `stasis evacuate`).
+    #[arg(long)]
+    pub spot: bool,
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,

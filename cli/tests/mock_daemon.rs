@@ -118,11 +118,37 @@ async fn idle_periods_wakes_and_their_status() {
     let (out, _) = stasis("status").await;
     assert!(out.stdout.contains("  train pid 4242 running, idle 12s of 1800s: sleep"), "{}", out.stdout);
     assert!(out.stdout.contains("    checkpointed every 600s, last ck-2"), "{}", out.stdout);
+    assert!(out.stdout.contains("    evicted on a preemption notice\n"), "{}", out.stdout);
+    assert!(
+        out.stdout
+            .contains("    last evacuation (gcp: instance preempted): durable after 4.2s (25.8s to spare)"),
+        "{}",
+        out.stdout
+    );
     assert!(
         out.stdout.contains("  nb pid 77 reclaimed (checkpoint ck-9; woken on use): python3"),
         "{}",
         out.stdout
     );
+}
+
+#[tokio::test]
+async fn evacuate_shows_each_workload_and_fails_when_one_is_not_durable() {
+    let (out, _) = stasis("spot train --on").await;
+    assert_eq!(out.stdout, "train is evicted on a preemption notice\n", "{}", out.stderr);
+    let (out, _) = stasis("spot ghost --off").await;
+    assert_eq!((out.code, out.stderr.trim()), (Some(1), "error: unknown workload \"ghost\""));
+    let (out, _) = stasis("evacuate").await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(out.stdout.contains("train     durable after 4.2s (25.8s to spare)  ck-3"), "{}", out.stdout);
+    let (out, _) = stasis("evacuate --within 10s").await;
+    assert_eq!(out.code, Some(1));
+    assert!(out.stdout.contains("durable after 31.3s, 1.3s late"), "{}", out.stdout);
+    assert!(out.stdout.contains("failed: dumping workload db failed"), "{}", out.stdout);
+    assert_eq!(out.stderr.trim(), "error: 1 of 3 workloads are not durable");
+    let (out, _) = stasis("evacuate --within 10s --json").await;
+    let json: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(json["workloads"][1]["durable_unix_ms"], 1_700_000_031_300u64, "{json}");
 }
 
 #[tokio::test]

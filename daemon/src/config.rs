@@ -22,6 +22,9 @@
 //! idle_cpu_percent = 0.5                    # idle reclaim: above this a workload is busy
 //! idle_read_bytes_per_sec = 1024            #   ... or above this many bytes read
 //! idle_tick_ms = 1000                       #   ... sampled this often
+//! notices = "auto"                          # preemption notices: auto, off, aws, gcp, azure
+//! notice_url = "http://169.254.169.254"     #   ... the metadata service (the cloud's own)
+//! notice_poll_ms = 2000                     #   ... asked this often
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -31,6 +34,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::criu::NetworkLock;
 use crate::engine::{IdleSettings, Thresholds};
+use crate::notice::{Cloud, WatchSettings};
 use crate::store::crypto::{KeyError, StoreKey};
 
 pub const DEFAULT_SOCKET: &str = "/run/stasis/stasisd.sock";
@@ -143,6 +147,41 @@ pub struct Args {
     /// Idle reclaim: milliseconds between samples of a workload's activity (default 1000).
     #[arg(long)]
     pub idle_tick_ms: Option<u64>,
+    /// Preemption notices to watch for: auto (the cloud this machine runs on, none elsewhere;
+    /// the default), off, aws, gcp or azure. On one, spot workloads are evicted in time.
+    #[arg(long)]
+    pub notices: Option<NoticeSetting>,
+    /// Base URL of the metadata service that gives the notices (default: the cloud's own).
+    #[arg(long)]
+    pub notice_url: Option<String>,
+    /// Milliseconds between questions to the metadata service (default 2000).
+    #[arg(long)]
+    pub notice_poll_ms: Option<u64>,
+}
+
+/// The `notices` setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum NoticeSetting {
+    #[default]
+    Auto,
+    Off,
+    Aws,
+    Gcp,
+    Azure,
+}
+
+impl NoticeSetting {
+    /// The cloud to watch: the one named, or for auto the one detected.
+    fn cloud(self) -> Option<Cloud> {
+        match self {
+            Self::Auto => Cloud::detect(),
+            Self::Off => None,
+            Self::Aws => Some(Cloud::Aws),
+            Self::Gcp => Some(Cloud::Gcp),
+            Self::Azure => Some(Cloud::Azure),
+        }
+    }
 }
 
 /// The `network_lock` setting.
@@ -208,6 +247,8 @@ pub struct DaemonConfig {
     pub network_lock_keep_secs: u64,
     pub idle: IdleSettings,
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Where to watch for preemption notices; `None`: nowhere.
+    pub notices: Option<WatchSettings>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -243,6 +284,7 @@ impl DaemonConfig {
         let flags_rotate = flags.rotate_store_key_from.clone();
         let s = overlay(file, flags)?;
         let idle = idle_settings(&s)?;
+        let notices = notice_settings(&s)?;
         let config = Self {
             socket: s.socket.unwrap_or_else(|| DEFAULT_SOCKET.into()),
             socket_group: s.socket_group,
@@ -267,6 +309,7 @@ impl DaemonConfig {
             network_lock_keep_secs: s.network_lock_keep_secs.unwrap_or(DEFAULT_NETWORK_LOCK_KEEP_SECS),
             idle,
             metrics_listen: s.metrics_listen,
+            notices,
         };
         if config.lazy_timeout_secs == 0 || config.lazy_timeout_secs > 86_400 {
             let reason = "must be 1 to 86400 seconds (a lazy restore kills the tree when it passes)";
@@ -289,6 +332,24 @@ fn idle_settings(s: &Args) -> Result<IdleSettings, ConfigError> {
     }
     let read_bytes_per_sec = s.idle_read_bytes_per_sec.unwrap_or(default.thresholds.read_bytes_per_sec);
     Ok(IdleSettings { thresholds: Thresholds { cpu_percent, read_bytes_per_sec }, tick })
+}
+
+/// Where to watch for preemption notices, if anywhere.
+fn notice_settings(s: &Args) -> Result<Option<WatchSettings>, ConfigError> {
+    let poll = std::time::Duration::from_millis(s.notice_poll_ms.unwrap_or(2000));
+    if !(std::time::Duration::from_millis(100)..=std::time::Duration::from_secs(60)).contains(&poll) {
+        return Err(ConfigError::Invalid { key: "notice_poll_ms", reason: "must be 100 to 60000" });
+    }
+    if let Some(url) = &s.notice_url
+        && url::Url::parse(url).map_or(true, |u| u.scheme() != "http")
+    {
+        return Err(ConfigError::Invalid { key: "notice_url", reason: "must be an http:// URL" });
+    }
+    Ok(s.notices.unwrap_or_default().cloud().map(|cloud| WatchSettings {
+        cloud,
+        base_url: s.notice_url.clone().unwrap_or_else(|| cloud.default_base_url().into()),
+        poll,
+    }))
 }
 
 /// `flags` over `file`: each setting given on the command line replaces the file's.

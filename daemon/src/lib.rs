@@ -17,6 +17,7 @@ pub mod engine;
 pub mod grpc;
 pub mod linux;
 pub mod metrics;
+pub mod notice;
 pub mod server;
 pub mod store;
 

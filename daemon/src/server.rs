@@ -71,6 +71,18 @@ pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
             .await
             .map_err(|source| ServeError::Metrics { addr, source })?;
     }
+    let notices = match &config.notices {
+        Some(settings) => {
+            crate::notice::start(&engine, settings.clone());
+            format!(
+                "{} ({}, every {} ms)",
+                settings.cloud.name(),
+                settings.base_url,
+                settings.poll.as_millis()
+            )
+        }
+        None => "off".to_owned(),
+    };
     let listener = bind(&config.socket)?;
     if let Some(group) = &config.socket_group {
         open_to_group(&config.socket, group)?;
@@ -85,7 +97,7 @@ pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
     };
     info!(socket = %config.socket.display(), "serving");
     let served = tonic::transport::Server::builder()
-        .add_service(StasisServer::new(StasisService::new(engine.clone())))
+        .add_service(StasisServer::new(StasisService::new(engine.clone(), notices)))
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop)
         .await;
     engine.jobs().close();

@@ -10,6 +10,7 @@
 mod daemon;
 pub mod disk;
 pub mod http_faults;
+pub mod imds;
 mod logs;
 pub mod memtest;
 mod peer;

@@ -26,7 +26,8 @@ pub async fn run(client: &mut Client, args: ListArgs) -> anyhow::Result<()> {
             c.pid.to_string(),
             output::utc(c.created_unix_ms),
             ByteSize(c.bytes_total).to_string(),
+            c.node.clone(),
         ]
     });
-    output::print(&output::table(["ID", "WORKLOAD", "PID", "CREATED", "SIZE"], rows))
+    output::print(&output::table(["ID", "WORKLOAD", "PID", "CREATED", "SIZE", "NODE"], rows))
 }

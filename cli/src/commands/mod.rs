@@ -13,6 +13,7 @@ use crate::progress::ProgressLine;
 mod check;
 mod checkpoint;
 mod delete;
+mod evacuate;
 mod gc;
 mod idle;
 mod list;
@@ -37,6 +38,8 @@ pub async fn execute(socket: &Path, command: Command) -> anyhow::Result<()> {
         Command::Idle(args) => idle::set(&mut client, args).await,
         Command::Wake(args) => idle::wake(&mut client, args).await,
         Command::Periodic(args) => idle::periodic(&mut client, args).await,
+        Command::Spot(args) => evacuate::spot(&mut client, args).await,
+        Command::Evacuate(args) => evacuate::run(&mut client, args).await,
     }
 }
 

@@ -32,6 +32,7 @@ fn describe(s: &StatusResponse) -> String {
         format!("gpu support: {}", s.gpu_support),
         format!("sockets: {}", s.socket_support),
         format!("network lock: {}", s.network_lock),
+        format!("preemption notices: {}", s.notices),
         format!("store: {}", s.store_url),
         format!("state dir: {}", s.state_dir),
         format!("workloads: {}", s.workloads.len()),
@@ -41,6 +42,12 @@ fn describe(s: &StatusResponse) -> String {
         if w.checkpoint_every_ms > 0 {
             let last = if w.last_checkpoint.is_empty() { "none yet" } else { w.last_checkpoint.as_str() };
             lines.push(format!("    checkpointed every {}s, last {last}", w.checkpoint_every_ms / 1000));
+        }
+        if w.spot {
+            lines.push("    evicted on a preemption notice".into());
+        }
+        if let Some(e) = &w.evacuation {
+            lines.push(format!("    last evacuation ({}): {}", e.cause, super::evacuate::outcome(e)));
         }
         if !w.last_error.is_empty() {
             lines.push(format!("    last restore failed: {}", w.last_error));

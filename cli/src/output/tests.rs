@@ -193,6 +193,7 @@ fn status_response_lists_workloads() {
         state_dir: "/var/lib/stasis".into(),
         socket_support: "supported".into(),
         network_lock: "nftables".into(),
+        notices: "off".into(),
         workloads: vec![WorkloadStatus {
             name: "train".into(),
             pid: 4242,
@@ -205,6 +206,8 @@ fn status_response_lists_workloads() {
             reclaimed_checkpoint: "20261123-120000-abcdef".into(),
             checkpoint_every_ms: 0,
             last_checkpoint: "20261123-120000-abcdef".into(),
+            spot: false,
+            evacuation: None,
         }],
     };
     assert_eq!(
@@ -217,6 +220,7 @@ fn status_response_lists_workloads() {
             "gpu_support": "none",
             "socket_support": "supported",
             "network_lock": "nftables",
+            "notices": "off",
             "store_url": "file:///var/lib/stasis/store",
             "state_dir": "/var/lib/stasis",
             "workloads": [
@@ -225,6 +229,7 @@ fn status_response_lists_workloads() {
                     "last_error": "the store did not deliver memory", "state": "reclaimed", "idle_ms": 0,
                     "idle_after_ms": 30_000, "reclaimed_checkpoint": "20261123-120000-abcdef",
                     "checkpoint_every_ms": 0, "last_checkpoint": "20261123-120000-abcdef",
+                    "spot": false, "evacuation": null,
                 },
             ],
         })

@@ -22,6 +22,20 @@ fn progress(phase: &str, done_bytes: u64, total_bytes: u64) -> Progress {
     Progress { phase: phase.to_owned(), done_bytes, total_bytes }
 }
 
+/// An evacuation noticed at 1_700_000_000_000 with 30 s to go, durable `after_ms` later.
+fn evacuation(workload: &str, checkpoint: &str, after_ms: u64) -> Evacuation {
+    Evacuation {
+        workload: workload.into(),
+        cause: "gcp: instance preempted".into(),
+        notice_unix_ms: 1_700_000_000_000,
+        deadline_unix_ms: 1_700_000_030_000,
+        estimate_ms: 3_000,
+        checkpoint: checkpoint.into(),
+        durable_unix_ms: 1_700_000_000_000 + after_ms,
+        error: String::new(),
+    }
+}
+
 fn info(id: &str) -> CheckpointInfo {
     CheckpointInfo {
         id: id.into(),
@@ -131,6 +145,8 @@ impl Stasis for FakeDaemon {
                 idle_after_ms: 1_800_000,
                 checkpoint_every_ms: 600_000,
                 last_checkpoint: "ck-2".into(),
+                spot: true,
+                evacuation: Some(evacuation("train", "ck-2", 4_200)),
                 ..Default::default()
             },
             WorkloadStatus {
@@ -181,6 +197,25 @@ impl Stasis for FakeDaemon {
             }
             r => Err(Status::not_found(format!("unexpected request {r:?}"))),
         }
+    }
+
+    async fn set_spot(&self, req: Request<SetSpotRequest>) -> Result<Response<SetSpotResponse>, Status> {
+        match req.into_inner() {
+            r if r.workload == "train" => Ok(Response::new(SetSpotResponse {})),
+            r => Err(Status::not_found(format!("unknown workload {:?}", r.workload))),
+        }
+    }
+
+    async fn evacuate(&self, req: Request<EvacuateRequest>) -> Result<Response<EvacuateResponse>, Status> {
+        let req = req.into_inner();
+        let mut workloads = vec![evacuation("train", "ck-3", 4_200)];
+        if req.within_ms < 30_000 {
+            // A window this short: the second one is late, the third fails.
+            workloads.push(evacuation("big", "ck-4", 31_300));
+            workloads
+                .push(Evacuation { error: "dumping workload db failed".into(), ..evacuation("db", "", 0) });
+        }
+        Ok(Response::new(EvacuateResponse { workloads }))
     }
 
     async fn wake(&self, req: Request<WakeRequest>) -> Result<Response<RestoreRunning>, Status> {

@@ -255,6 +255,8 @@ pub enum PolicyError {
     },
     #[error("workload {0} was woken by something else meanwhile")]
     WokenElsewhere(String),
+    #[error("only root may {0}")]
+    RootOnly(&'static str),
     #[error("cannot update the workload registry")]
     Registry(#[source] io::Error),
 }

@@ -22,6 +22,8 @@ pub trait Host: Send + Sync {
     /// What `pid` is, if it may not be checkpointed at all: init, a kernel thread, or stasisd
     /// itself.
     fn untouchable(&self, pid: i32) -> Option<String>;
+    /// Resident memory of `pids` together.
+    fn resident_bytes(&self, pids: &[i32]) -> u64;
     /// Which of `pids` are stopped (job control) now.
     fn stopped(&self, pids: &[i32]) -> Vec<i32>;
     /// Every process of the trees rooted at `roots`, roots first (children forked since a
@@ -78,6 +80,10 @@ impl Host for LinuxHost {
              start it in a session of its own (setsid(1), or `stasis run`)"
                 .into()
         })
+    }
+
+    fn resident_bytes(&self, pids: &[i32]) -> u64 {
+        pids.iter().map(|&pid| proc::resident_bytes(pid)).sum()
     }
 
     fn stopped(&self, pids: &[i32]) -> Vec<i32> {
@@ -189,6 +195,10 @@ pub(super) mod fake {
 
         fn untouchable(&self, pid: i32) -> Option<String> {
             (pid == 1).then(|| "init".into())
+        }
+
+        fn resident_bytes(&self, pids: &[i32]) -> u64 {
+            pids.len() as u64 * (64 << 20)
         }
 
         fn stopped(&self, pids: &[i32]) -> Vec<i32> {

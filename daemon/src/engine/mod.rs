@@ -8,6 +8,7 @@ mod access;
 mod checkpoint;
 mod dump;
 mod error;
+mod evacuate;
 mod gpu;
 mod gpu_map;
 mod host;
@@ -34,6 +35,8 @@ pub use access::Caller;
 pub(crate) use checkpoint::convert_stats;
 pub use checkpoint::{CheckpointOutcome, CheckpointParams, CheckpointStats, Target};
 pub use error::{CheckpointError, PolicyError, QueryError, RestoreError, RunError, StartError};
+pub use evacuate::plan::CheckpointCost;
+pub use evacuate::{EvacuateParams, Evacuation};
 pub use hot_restore::LazyError;
 pub use idle::{GpuActivity, IdleSettings, IdleState, Thresholds};
 pub use ids::{now_unix_ms, valid_checkpoint_id};
@@ -123,6 +126,8 @@ pub struct Engine {
     metrics: Arc<crate::metrics::Metrics>,
     /// Periodic checkpoints: when each last started.
     schedule: periodic::Schedule,
+    /// Workloads an evacuation is checkpointing, and whether it evicts them (see `evacuate`).
+    evacuating: std::sync::Mutex<HashMap<String, bool>>,
     /// One job at a time per workload.
     workload_locks: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }

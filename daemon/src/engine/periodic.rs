@@ -38,6 +38,10 @@ impl Engine {
 
     /// Starts the periodic checkpoints that are due.
     pub(super) fn periodic_tick(self: &Arc<Self>, workloads: &[Workload]) {
+        if self.is_evacuating() {
+            // The evictions come first; a periodic checkpoint would only hold one up.
+            return;
+        }
         let now = Instant::now();
         for w in workloads {
             let due = w.checkpoint_every_ms.filter(|_| w.reclaimed.is_none() && self.host.is_running(w.pid));

@@ -27,6 +27,8 @@ pub struct RunParams {
     pub idle_after: Option<std::time::Duration>,
     /// Checkpoint it (left running) this often (see `engine/periodic.rs`).
     pub checkpoint_every: Option<std::time::Duration>,
+    /// Evict it on a preemption notice (see `engine/evacuate/`).
+    pub spot: bool,
     /// Whom it runs as: a caller other than root gets a workload running as itself.
     pub caller: Caller,
 }
@@ -80,6 +82,7 @@ impl Engine {
                 idle_after_ms: params.idle_after.map(|d| d.as_millis() as u64),
                 checkpoint_every_ms: params.checkpoint_every.map(|d| d.as_millis() as u64),
                 owner_uid: params.caller.uid(),
+                spot: params.spot,
                 ..Default::default()
             })
             .map_err(setup_err("the workload registry"))?;

@@ -99,6 +99,7 @@ impl Engine {
             idle_settings: config.idle,
             metrics: Default::default(),
             schedule: Default::default(),
+            evacuating: Default::default(),
             workload_locks: Default::default(),
         }
     }

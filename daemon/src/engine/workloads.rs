@@ -36,6 +36,15 @@ pub struct Workload {
     /// Set while the workload is reclaimed: stopped, waiting for its next use.
     #[serde(default)]
     pub reclaimed: Option<super::idle::Reclaimed>,
+    /// Evicted on a preemption notice (see `engine/evacuate/`).
+    #[serde(default)]
+    pub spot: bool,
+    /// What its newest checkpoint cost, for the evacuation planner's estimate.
+    #[serde(default)]
+    pub last_cost: Option<super::CheckpointCost>,
+    /// What the last evacuation did with it.
+    #[serde(default)]
+    pub evacuation: Option<super::Evacuation>,
 }
 
 /// Persistent map of workload name to [`Workload`].

@@ -8,9 +8,9 @@ use tonic::{Code, Status};
 
 use crate::cuda::{GpuUuid, parse_uuid};
 use crate::engine::{
-    Caller, CheckpointError, CheckpointOutcome, CheckpointParams, CheckpointSummary, IdleState, PolicyError,
-    ProgressUpdate, QueryError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget, RunError,
-    RunOutcome, RunParams, StatusReport, Target,
+    Caller, CheckpointError, CheckpointOutcome, CheckpointParams, CheckpointSummary, Evacuation, IdleState,
+    PolicyError, ProgressUpdate, QueryError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget,
+    RunError, RunOutcome, RunParams, StatusReport, Target,
 };
 use crate::store::{CheckReport, GcReport, StoreError};
 
@@ -94,7 +94,7 @@ impl From<PolicyError> for Status {
         let code = match &e {
             PolicyError::UnknownWorkload(_) => Code::NotFound,
             PolicyError::NotReclaimed(_) => Code::FailedPrecondition,
-            PolicyError::NotYours(_) => Code::PermissionDenied,
+            PolicyError::NotYours(_) | PolicyError::RootOnly(_) => Code::PermissionDenied,
             PolicyError::Wake { source, .. } => restore_code(source),
             PolicyError::WokenElsewhere(_) => Code::Aborted,
             PolicyError::Registry(_) => Code::Internal,
@@ -136,6 +136,7 @@ impl TryFrom<pb::RunRequest> for RunParams {
             idle_after: (r.idle_after_ms > 0).then(|| std::time::Duration::from_millis(r.idle_after_ms)),
             checkpoint_every: (r.checkpoint_every_ms > 0)
                 .then(|| std::time::Duration::from_millis(r.checkpoint_every_ms)),
+            spot: r.spot,
             caller: Caller::Root,
         })
     }
@@ -287,6 +288,8 @@ impl From<StatusReport> for pb::StatusResponse {
             state_dir: r.state_dir,
             socket_support: r.socket_support,
             network_lock: r.network_lock,
+            // The service fills it in: the engine does not watch for notices itself.
+            notices: String::new(),
             workloads: r
                 .workloads
                 .into_iter()
@@ -311,9 +314,26 @@ impl From<StatusReport> for pb::StatusResponse {
                         reclaimed_checkpoint: w.reclaimed.map(|r| r.checkpoint).unwrap_or_default(),
                         checkpoint_every_ms: w.checkpoint_every_ms.unwrap_or_default(),
                         last_checkpoint: w.last_checkpoint.unwrap_or_default(),
+                        spot: w.spot,
+                        evacuation: w.evacuation.map(Into::into),
                     }
                 })
                 .collect(),
+        }
+    }
+}
+
+impl From<Evacuation> for pb::Evacuation {
+    fn from(e: Evacuation) -> Self {
+        Self {
+            workload: e.workload,
+            cause: e.cause,
+            notice_unix_ms: e.notice_unix_ms,
+            deadline_unix_ms: e.deadline_unix_ms,
+            estimate_ms: e.estimate_ms,
+            checkpoint: e.checkpoint.unwrap_or_default(),
+            durable_unix_ms: e.durable_unix_ms.unwrap_or_default(),
+            error: e.error.unwrap_or_default(),
         }
     }
 }

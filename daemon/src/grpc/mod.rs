@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::engine::{Engine, ProgressFn, ProgressUpdate};
+use crate::engine::{Caller, Engine, EvacuateParams, PolicyError, ProgressFn, ProgressUpdate};
 use caller::caller_of;
 
 /// Progress events are sent at most this often (plus every change of phase).
@@ -27,11 +27,13 @@ type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 /// The service over an [`Engine`].
 pub struct StasisService {
     engine: Arc<Engine>,
+    /// Which preemption notices stasisd watches for, as `stasis status` shows it.
+    notices: String,
 }
 
 impl StasisService {
-    pub fn new(engine: Arc<Engine>) -> Self {
-        Self { engine }
+    pub fn new(engine: Arc<Engine>, notices: String) -> Self {
+        Self { engine, notices }
     }
 }
 
@@ -150,7 +152,9 @@ impl Stasis for StasisService {
     }
 
     async fn status(&self, req: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
-        Ok(Response::new(self.engine.status(caller_of(&req)?).into()))
+        let mut status: pb::StatusResponse = self.engine.status(caller_of(&req)?).into();
+        status.notices = self.notices.clone();
+        Ok(Response::new(status))
     }
 
     async fn check(&self, req: Request<pb::CheckRequest>) -> Result<Response<pb::CheckResponse>, Status> {
@@ -184,4 +188,42 @@ impl Stasis for StasisService {
         let caller = caller_of(&req)?;
         Ok(Response::new(self.engine.wake(&req.into_inner().workload, caller).await?.into()))
     }
+
+    async fn set_spot(
+        &self,
+        req: Request<pb::SetSpotRequest>,
+    ) -> Result<Response<pb::SetSpotResponse>, Status> {
+        let caller = caller_of(&req)?;
+        let req = req.into_inner();
+        self.engine.set_spot(&req.workload, req.on, caller)?;
+        Ok(Response::new(pb::SetSpotResponse {}))
+    }
+
+    async fn evacuate(
+        &self,
+        req: Request<pb::EvacuateRequest>,
+    ) -> Result<Response<pb::EvacuateResponse>, Status> {
+        if caller_of(&req)? != Caller::Root {
+            return Err(PolicyError::RootOnly("evacuate the node").into());
+        }
+        let req = req.into_inner();
+        let within = std::time::Duration::from_millis(match req.within_ms {
+            0 => DEFAULT_EVACUATE_WITHIN_MS,
+            ms => ms,
+        });
+        let params = EvacuateParams {
+            cause: Some(req.cause).filter(|c| !c.is_empty()).unwrap_or_else(|| "stasis evacuate".into()),
+            deadline: std::time::SystemTime::now() + within,
+            leave_running: req.leave_running,
+        };
+        let engine = self.engine.clone();
+        // A job of its own: the evacuation goes on if the caller goes away.
+        let done = tokio::spawn(async move { engine.evacuate(params).await })
+            .await
+            .map_err(|e| Status::internal(format!("the evacuation failed: {e}")))?;
+        Ok(Response::new(pb::EvacuateResponse { workloads: done.into_iter().map(Into::into).collect() }))
+    }
 }
+
+/// An evacuation's window when the caller names none: the shortest a cloud gives (GCP).
+const DEFAULT_EVACUATE_WITHIN_MS: u64 = 30_000;

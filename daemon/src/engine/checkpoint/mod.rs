@@ -25,7 +25,7 @@ use super::dump::{self, Dump};
 use super::ids::{checkpoint_id, ms, now_unix_ms};
 use super::inspect::TreeInfo;
 use super::workloads::{Workload, derived_name};
-use super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
+use super::{CheckpointCost, CheckpointError, Engine, ProgressFn, ProgressUpdate};
 use crate::criu::{DumpSpec, NetworkLock};
 use hold::Hold;
 use store::{DumpTiming, Dumped};
@@ -341,7 +341,7 @@ impl Engine {
         }
         held::HeldTree::clear(&self.state.held_dir(), &job.id);
         stats.total_ms = ms(job.started.elapsed());
-        self.remember_checkpoint(&job.workload, job.pid, tree, &job.id);
+        self.remember_checkpoint(&job.workload, job.pid, tree, &job.id, &stats);
         info!(checkpoint = %job.id, workload = %job.workload, ?stats, "checkpoint stored");
         self.apply_retention().await;
         job.outcome(true, stats)
@@ -361,11 +361,30 @@ impl Engine {
         self.host.trees(&same)
     }
 
-    fn remember_checkpoint(&self, workload: &str, pid: i32, tree: &TreeInfo, id: &str) {
+    fn remember_checkpoint(
+        &self,
+        workload: &str,
+        pid: i32,
+        tree: &TreeInfo,
+        id: &str,
+        stats: &CheckpointStats,
+    ) {
+        let now = now_unix_ms();
+        let cost = |previous: Option<CheckpointCost>| CheckpointCost {
+            at_unix_ms: now,
+            since_previous_ms: previous.map(|p| now.saturating_sub(p.at_unix_ms)),
+            bytes_total: stats.bytes_total,
+            // Chunks are of one size (but the last of a run): new chunks' share of the bytes.
+            bytes_new: (stats.bytes_total as u128 * stats.chunks_new as u128
+                / stats.chunks_total.max(1) as u128) as u64,
+            dump_ms: stats.dump_ms,
+            durable_ms: stats.durable_ms,
+        };
         let result = if self.registry.get(workload).is_some() {
             self.registry.update(workload, |w| {
                 w.last_checkpoint = Some(id.into());
                 w.last_error = None;
+                w.last_cost = Some(cost(w.last_cost));
             })
         } else {
             self.registry.put(Workload {
@@ -374,6 +393,7 @@ impl Engine {
                 command: tree.command.clone(),
                 owner_uid: owner_of(&tree.uids),
                 last_checkpoint: Some(id.into()),
+                last_cost: Some(cost(None)),
                 ..Default::default()
             })
         };
