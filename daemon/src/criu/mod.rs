@@ -41,6 +41,22 @@ impl std::fmt::Display for CriuVersion {
     }
 }
 
+impl std::str::FromStr for CriuVersion {
+    type Err = String;
+
+    /// Parses what `Display` writes ("4.2.1"; "4.2" has sublevel 0).
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut parts = s.trim().split('.').map(str::parse::<i32>);
+        let mut next = || parts.next().transpose().map_err(|_| format!("{s:?} is not a CRIU version"));
+        match (next()?, next()?, next()?) {
+            (Some(major), Some(minor), sublevel) => {
+                Ok(Self { major, minor, sublevel: sublevel.unwrap_or(0) })
+            }
+            _ => Err(format!("{s:?} is not a CRIU version")),
+        }
+    }
+}
+
 /// The oldest CRIU stasis works with.
 pub const MIN_VERSION: CriuVersion = CriuVersion { major: 4, minor: 0, sublevel: 0 };
 

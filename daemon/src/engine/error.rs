@@ -169,6 +169,8 @@ pub enum RestoreError {
     PidsInUse { id: String, pids: Vec<i32> },
     #[error("cannot restore checkpoint {id} on this node: {reason}; nothing was restored")]
     Sockets { id: String, reason: String },
+    #[error("cannot restore checkpoint {id} on this node: {reason}; nothing was restored")]
+    Incompatible { id: String, reason: String },
     #[error("CRIU could not restore checkpoint {id}")]
     Criu {
         id: String,

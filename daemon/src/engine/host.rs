@@ -40,6 +40,8 @@ pub trait Host: Send + Sync {
     fn nvidia_device_holders(&self, pids: &[i32]) -> Vec<i32>;
     /// Takes the TCP sockets of `pids` out of repair mode (see `sockets::leave_repair`).
     fn leave_repair(&self, pids: &[i32], reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>);
+    /// The CPU's user-space instruction-set extensions (see `proc::cpu_isa_flags`).
+    fn cpu_flags(&self) -> std::collections::BTreeSet<String>;
     /// This node's name and kernel release, for manifests.
     fn node_name(&self) -> String;
     fn kernel_release(&self) -> String;
@@ -118,6 +120,10 @@ impl Host for LinuxHost {
 
     fn leave_repair(&self, pids: &[i32], reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>) {
         sockets::leave_repair(pids, reuse_addr)
+    }
+
+    fn cpu_flags(&self) -> std::collections::BTreeSet<String> {
+        proc::cpu_isa_flags()
     }
 
     fn node_name(&self) -> String {
@@ -253,6 +259,10 @@ pub(super) mod fake {
         fn leave_repair(&self, _pids: &[i32], _reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>) {
             *self.repairs.lock().unwrap() += 1;
             (Vec::new(), Vec::new())
+        }
+
+        fn cpu_flags(&self) -> std::collections::BTreeSet<String> {
+            ["avx2", "sse4_2"].map(String::from).into()
         }
 
         fn node_name(&self) -> String {

@@ -6,6 +6,7 @@
 
 mod access;
 mod checkpoint;
+mod compat;
 mod dump;
 mod error;
 mod evacuate;

@@ -18,6 +18,7 @@ use nix::sys::signal::Signal;
 use tracing::{info, instrument, warn};
 
 use super::checkpoint::tree_options;
+use super::compat;
 use super::gpu::{self, GpuError};
 use super::gpu_map;
 use super::hot_restore::{FaultGuard, KillTree, LazyError, LazySession};
@@ -229,6 +230,9 @@ impl Engine {
         }
         for warning in &warnings {
             warn!(checkpoint = %id, warning = %warning, "the restored tree will notice");
+        }
+        if let Some(reason) = compat::mismatch(manifest, &self.host.cpu_flags(), self.criu_version) {
+            return Err(RestoreError::Incompatible { id, reason });
         }
         let gpu_pairs = self.place_gpus(manifest, gpu_map)?;
         Ok(Preflight { warnings, gpu_pairs })

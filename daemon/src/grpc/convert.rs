@@ -78,7 +78,9 @@ fn restore_code(e: &RestoreError) -> Code {
         RestoreError::NotYours(_) => Code::PermissionDenied,
         RestoreError::NoCheckpoints(_) => Code::NotFound,
         RestoreError::Store(s) => store_code(s),
-        RestoreError::PidsInUse { .. } | RestoreError::Sockets { .. } => Code::FailedPrecondition,
+        RestoreError::PidsInUse { .. } | RestoreError::Sockets { .. } | RestoreError::Incompatible { .. } => {
+            Code::FailedPrecondition
+        }
         RestoreError::Criu { .. } => Code::Aborted,
         RestoreError::ShuttingDown => Code::Unavailable,
         RestoreError::Gpu { .. } => Code::Internal,

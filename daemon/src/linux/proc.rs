@@ -232,6 +232,54 @@ pub fn resident_bytes(pid: i32) -> u64 {
         .map_or(0, |kib| kib * 1024)
 }
 
+/// The CPU's user-space instruction-set extensions: x86's `flags` narrowed to those programs
+/// choose code paths by, or arm64's `Features` (all of which are).
+pub fn cpu_isa_flags() -> BTreeSet<String> {
+    fs::read_to_string("/proc/cpuinfo").map(|text| parse_isa_flags(&text)).unwrap_or_default()
+}
+
+pub fn parse_isa_flags(cpuinfo: &str) -> BTreeSet<String> {
+    const X86_EXACT: [&str; 24] = [
+        "abm",
+        "adx",
+        "aes",
+        "bmi1",
+        "bmi2",
+        "clflushopt",
+        "clwb",
+        "cx16",
+        "erms",
+        "f16c",
+        "fma",
+        "fma4",
+        "fsrm",
+        "gfni",
+        "movbe",
+        "movdir64b",
+        "movdiri",
+        "pclmulqdq",
+        "popcnt",
+        "rdrand",
+        "rdseed",
+        "sha_ni",
+        "vaes",
+        "vpclmulqdq",
+    ];
+    const X86_PREFIXES: [&str; 4] = ["avx", "sse", "ssse", "amx"];
+    for line in cpuinfo.lines() {
+        let Some((key, value)) = line.split_once(':') else { continue };
+        match key.trim() {
+            "flags" => {
+                let isa = |f: &&str| X86_EXACT.contains(f) || X86_PREFIXES.iter().any(|p| f.starts_with(p));
+                return value.split_whitespace().filter(isa).map(str::to_owned).collect();
+            }
+            "Features" => return value.split_whitespace().map(str::to_owned).collect(),
+            _ => {}
+        }
+    }
+    BTreeSet::new()
+}
+
 /// The running kernel's release string.
 pub fn kernel_release() -> String {
     nix::sys::utsname::uname()
@@ -313,5 +361,16 @@ mod tests {
         assert!(resident_bytes(me) > 0);
         assert!(mapped_paths(me).iter().any(|p| p.contains("stasis_daemon")), "own executable is mapped");
         assert_eq!(resident_bytes(-1), 0);
+    }
+
+    #[test]
+    fn isa_flags_are_the_user_space_extensions() {
+        let x86 = "processor\t: 0\nflags\t\t: fpu vme sse sse2 ssse3 sse4_1 avx avx2 hypervisor bmi2 avx512f amx_tile lm\n\nprocessor\t: 1\nflags\t\t: fpu\n";
+        let got: Vec<String> = parse_isa_flags(x86).into_iter().collect();
+        assert_eq!(got, ["amx_tile", "avx", "avx2", "avx512f", "bmi2", "sse", "sse2", "sse4_1", "ssse3"]);
+        let arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd sve atomics\n";
+        assert_eq!(parse_isa_flags(arm).len(), 4);
+        assert!(parse_isa_flags("").is_empty());
+        assert!(!cpu_isa_flags().is_empty(), "this machine's CPU has some");
     }
 }

@@ -117,6 +117,7 @@ impl Engine {
             stats: Some(stored_stats(&stats)),
             sockets: d.tree.sockets.records.clone(),
             owner_uid: owner_of(&d.tree.uids),
+            cpu_flags: self.host.cpu_flags().into_iter().collect(),
         }
     }
 }
