@@ -84,6 +84,9 @@ pub struct StatusReport {
     pub workloads: Vec<(Workload, bool, IdleState)>,
 }
 
+/// How long a collection waits for other nodes' commits and restores under way.
+const GC_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
 impl Engine {
     /// Checkpoints in the store, oldest first, optionally of one workload only.
     /// A caller other than root sees its own checkpoints only (and no unreadable ones).
@@ -145,7 +148,8 @@ impl Engine {
         if caller != Caller::Root {
             return Err(QueryError::RootOnly("garbage collection"));
         }
-        Ok(self.store.gc(keep_last.map(|keep_last| Retention { keep_last }), self.gc_grace, false).await?)
+        let retention = keep_last.map(|keep_last| Retention { keep_last });
+        Ok(self.store.gc(retention, self.gc_grace, false, GC_WAIT).await?)
     }
 
     /// Verifies the store (root's alone: it reads every user's checkpoints).
@@ -157,10 +161,12 @@ impl Engine {
     }
 
     /// The retention policy, run after each checkpoint; failures are logged, not returned:
-    /// the checkpoint itself is stored.
+    /// the checkpoint itself is stored. It does not wait for other nodes' commits (the
+    /// checkpoint's caller would wait with it): busy now, it runs after the next checkpoint.
     pub(super) async fn apply_retention(&self) {
         let Some(keep_last) = self.keep_last else { return };
-        if let Err(e) = self.gc(Some(keep_last), Caller::Root).await {
+        let retention = Some(Retention { keep_last });
+        if let Err(e) = self.store.gc(retention, self.gc_grace, false, std::time::Duration::ZERO).await {
             tracing::warn!(error = %e, "retention policy failed; the next checkpoint retries");
         }
     }

@@ -167,7 +167,7 @@ impl Engine {
         let bytes = manifest.stats.map(|s| s.bytes_total).unwrap_or_default();
         let work = self.state.new_restore_dir(bytes).map_err(local("restore scratch directory"))?;
         // Packs stay out of garbage collection's reach until every page is in.
-        let commit_guard = self.store.begin_commit().await;
+        let commit_guard = self.store.begin_commit().await?;
         let (bytes_fetched, memory) =
             self.fetch_images(&manifest, work.path(), params.lazy, &progress).await?;
         let fetched = Instant::now();

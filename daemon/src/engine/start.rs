@@ -107,6 +107,13 @@ impl Engine {
     /// Removes work directories, cgroups of workloads that are gone, and the packs of uploads
     /// that a crash interrupted.
     async fn recover(&self) {
+        match self.store.clear_own_leases().await {
+            Ok(0) => {}
+            Ok(n) => info!(leases = n, "cleared store leases a previous run left"),
+            Err(e) => {
+                warn!(error = %crate::error_chain(&e), "cannot clear store leases a previous run left; they expire by themselves")
+            }
+        }
         self.recover_held().await;
         for w in self.registry.all().iter().filter(|w| !self.host.is_running(w.pid)) {
             self.release_cgroup(&w.name);
@@ -118,7 +125,7 @@ impl Engine {
         if interrupted.is_empty() {
             return;
         }
-        match self.store.gc(None, self.gc_grace, true).await {
+        match self.store.gc(None, self.gc_grace, true, std::time::Duration::ZERO).await {
             Ok(report) => {
                 info!(checkpoints = ?interrupted, packs = report.packs_deleted, "removed data of interrupted checkpoints");
                 interrupted.iter().for_each(|id| self.state.clear_inflight(id));

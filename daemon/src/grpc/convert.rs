@@ -27,7 +27,7 @@ fn store_code(e: &StoreError) -> Code {
         | StoreError::MissingChunk { .. }
         | StoreError::MissingPack { .. }
         | StoreError::Unreadable { .. } => Code::DataLoss,
-        StoreError::Backend { .. } => Code::Unavailable,
+        StoreError::Backend { .. } | StoreError::Busy(_) => Code::Unavailable,
         StoreError::Local { .. } => Code::Internal,
     }
 }

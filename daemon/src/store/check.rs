@@ -222,7 +222,7 @@ mod tests {
             .unwrap();
         let manifest =
             Manifest { id: id.into(), files: dump.files, memory: dump.memory, ..Default::default() };
-        store.commit(&manifest, &store.begin_commit().await).await.unwrap();
+        store.commit(&manifest, &store.begin_commit().await.unwrap()).await.unwrap();
     }
 
     fn packs(dir: &Path, suffix: &str) -> Vec<std::path::PathBuf> {

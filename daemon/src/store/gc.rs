@@ -5,7 +5,8 @@
 //! that a committing checkpoint has decided to reference is never swept underneath it. Packs
 //! written by other nodes (sharing the bucket) may be in flight without a manifest yet, so an
 //! unreferenced pack is deleted only once it is older than a grace period, unless it is one of
-//! this node's own (its id starts with the node's tag) and the caller asks for those.
+//! this node's own (its id starts with the node's tag) and the caller asks for those. Between
+//! nodes, leases in the store keep a collection and other nodes' commits apart (`lease.rs`).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
@@ -44,14 +45,17 @@ fn age(at: std::time::SystemTime) -> Duration {
 
 impl Store {
     /// Applies `retention` (if any), then reclaims unreferenced packs older than `grace` (or,
-    /// with `own_too`, any of this node's), and repacks mostly-dead packs.
+    /// with `own_too`, any of this node's), and repacks mostly-dead packs. Other nodes' commits
+    /// and restores under way are waited for up to `wait` (see `lease.rs`).
     pub async fn gc(
         &self,
         retention: Option<Retention>,
         grace: Duration,
         own_too: bool,
+        wait: Duration,
     ) -> Result<GcReport, StoreError> {
         let _exclusive = self.gc_lock.write().await;
+        let _lease = self.gc_lease(wait).await?;
         let mut report = GcReport::default();
         let Listing { mut manifests, unreadable } = self.listing().await?;
         // Chunks only an unreadable manifest references would look unreferenced: a manifest

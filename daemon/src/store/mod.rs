@@ -24,6 +24,7 @@ mod index;
 mod lazy_memory;
 #[cfg(test)]
 mod lazy_memory_tests;
+mod lease;
 mod prefetch;
 mod staging;
 mod upload;
@@ -84,6 +85,8 @@ pub enum StoreError {
         if *.more > 0 { format!(" nor those of {more} other checkpoint(s)") } else { String::new() }
     )]
     Unreadable { id: String, reason: String, more: usize },
+    #[error("the store is busy: {0}; try again later")]
+    Busy(String),
     #[error("local file {path} could not be read or written")]
     Local {
         path: String,
@@ -112,8 +115,14 @@ pub struct Store {
     fetch_slots: Arc<tokio::sync::Semaphore>,
 }
 
-/// Held while a checkpoint decides which chunks to reference and commits its manifest.
-pub type CommitGuard = tokio::sync::OwnedRwLockReadGuard<()>;
+/// Held while a checkpoint decides which chunks to reference and commits its manifest (or a
+/// restore reads them): keeps this node's garbage collection out, and, by its lease, other
+/// nodes' (see `lease.rs`).
+#[derive(Debug)]
+pub struct CommitGuard {
+    _local: tokio::sync::OwnedRwLockReadGuard<()>,
+    _lease: lease::Lease,
+}
 
 /// The checkpoints of a store: the readable manifests and the ids that could not be read.
 #[derive(Debug, Default)]
@@ -240,9 +249,11 @@ impl Store {
         move |source| StoreError::Backend { key: key.to_string(), source }
     }
 
-    /// Starts a commit: keeps garbage collection out until the guard is dropped.
-    pub async fn begin_commit(&self) -> CommitGuard {
-        self.gc_lock.clone().read_owned().await
+    /// Starts a commit: keeps garbage collection (this node's and others') out until the
+    /// guard is dropped.
+    pub async fn begin_commit(&self) -> Result<CommitGuard, StoreError> {
+        let local = self.gc_lock.clone().read_owned().await;
+        Ok(CommitGuard { _local: local, _lease: self.use_lease().await? })
     }
 
     /// Loads the indexes of packs this store has not seen yet (written by other nodes, or

@@ -56,16 +56,15 @@ impl Engine {
             let progress = progress.clone();
             Arc::new(move |done, total| progress(ProgressUpdate { phase: "upload", done, total }))
         };
-        let guard = self.store.begin_commit().await;
         let skip = [LOG_FILE, SPILL_FILE];
         let committed = async {
+            let guard = self.store.begin_commit().await?;
             let stored = self.store.store_dump(Arc::new(staged), images, &skip, report).await?;
             let stats = stats(&dumped, &stored);
             self.store.commit(&self.manifest(&dumped, stored, stats), &guard).await?;
             Ok(stats)
         }
         .await;
-        drop(guard);
         match committed {
             Ok(_) => self.state.clear_inflight(id),
             Err(_) => self.remove_orphans(id),
@@ -81,7 +80,7 @@ impl Engine {
         let (store, state, grace, id) =
             (self.store.clone(), self.state.clone(), self.gc_grace, id.to_string());
         tokio::spawn(async move {
-            match store.gc(None, grace, true).await {
+            match store.gc(None, grace, true, std::time::Duration::from_secs(60)).await {
                 Ok(report) => {
                     info!(checkpoint = %id, packs = report.packs_deleted, "removed what the failed upload left");
                     state.clear_inflight(&id);
