@@ -117,7 +117,13 @@ async fn idle_periods_wakes_and_their_status() {
     assert_eq!(out.stdout, "train has no periodic checkpoints\n", "{}", out.stderr);
     let (out, _) = stasis("status").await;
     assert!(out.stdout.contains("  train pid 4242 running, idle 12s of 1800s: sleep"), "{}", out.stdout);
-    assert!(out.stdout.contains("    checkpointed every 600s, last ck-2"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains(
+            "    checkpointed every 192s (set: 600s; shortened to fit the notice window), last ck-2"
+        ),
+        "{}",
+        out.stdout
+    );
     assert!(out.stdout.contains("    evicted on a preemption notice\n"), "{}", out.stdout);
     assert!(
         out.stdout

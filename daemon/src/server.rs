@@ -64,6 +64,7 @@ pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
         idle: config.idle,
         store_key: config.store_key.clone(),
         rotate_store_key_from: config.rotate_store_key_from.clone(),
+        notice_window: config.notices.as_ref().map(|n| n.cloud.notice_window()),
     })
     .await?;
     if let Some(addr) = config.metrics_listen {

@@ -21,6 +21,7 @@ pub async fn run(client: &mut Client, args: RestoreArgs) -> anyhow::Result<()> {
         gpu_map: args.gpu_map,
         lazy: args.lazy,
         tcp_close: args.tcp_close,
+        as_workload: args.as_workload.unwrap_or_default(),
     };
     let stream = client.rpc.restore(request).await.map_err(|s| client.error(s))?.into_inner();
     let (json, no_wait) = (args.json, args.no_wait);

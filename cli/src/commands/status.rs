@@ -41,7 +41,15 @@ fn describe(s: &StatusResponse) -> String {
         lines.push(format!("  {} pid {} {}: {}", w.name, w.pid, workload_state(w), w.command.join(" ")));
         if w.checkpoint_every_ms > 0 {
             let last = if w.last_checkpoint.is_empty() { "none yet" } else { w.last_checkpoint.as_str() };
-            lines.push(format!("    checkpointed every {}s, last {last}", w.checkpoint_every_ms / 1000));
+            let every = match w.fitted_every_ms {
+                0 => format!("every {}s", w.checkpoint_every_ms / 1000),
+                fitted => format!(
+                    "every {}s (set: {}s; shortened to fit the notice window)",
+                    fitted / 1000,
+                    w.checkpoint_every_ms / 1000
+                ),
+            };
+            lines.push(format!("    checkpointed {every}, last {last}"));
         }
         if w.spot {
             lines.push("    evicted on a preemption notice".into());

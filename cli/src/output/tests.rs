@@ -208,6 +208,7 @@ fn status_response_lists_workloads() {
             last_checkpoint: "20261123-120000-abcdef".into(),
             spot: false,
             evacuation: None,
+            fitted_every_ms: 0,
         }],
     };
     assert_eq!(
@@ -229,7 +230,7 @@ fn status_response_lists_workloads() {
                     "last_error": "the store did not deliver memory", "state": "reclaimed", "idle_ms": 0,
                     "idle_after_ms": 30_000, "reclaimed_checkpoint": "20261123-120000-abcdef",
                     "checkpoint_every_ms": 0, "last_checkpoint": "20261123-120000-abcdef",
-                    "spot": false, "evacuation": null,
+                    "spot": false, "evacuation": null, "fitted_every_ms": 0,
                 },
             ],
         })

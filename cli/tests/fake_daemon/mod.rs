@@ -147,6 +147,7 @@ impl Stasis for FakeDaemon {
                 last_checkpoint: "ck-2".into(),
                 spot: true,
                 evacuation: Some(evacuation("train", "ck-2", 4_200)),
+                fitted_every_ms: 192_000,
                 ..Default::default()
             },
             WorkloadStatus {

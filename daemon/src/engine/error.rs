@@ -171,6 +171,8 @@ pub enum RestoreError {
     Sockets { id: String, reason: String },
     #[error("cannot restore checkpoint {id} on this node: {reason}; nothing was restored")]
     Incompatible { id: String, reason: String },
+    #[error("cannot restore as workload {name:?}: {why}")]
+    BadName { name: String, why: &'static str },
     #[error("CRIU could not restore checkpoint {id}")]
     Criu {
         id: String,

@@ -22,6 +22,8 @@ pub trait Host: Send + Sync {
     /// What `pid` is, if it may not be checkpointed at all: init, a kernel thread, or stasisd
     /// itself.
     fn untouchable(&self, pid: i32) -> Option<String>;
+    /// The pid of `pid` inside the innermost pid namespace it belongs to.
+    fn innermost_pid(&self, pid: i32) -> Option<i32>;
     /// Resident memory of `pids` together.
     fn resident_bytes(&self, pids: &[i32]) -> u64;
     /// Which of `pids` are stopped (job control) now.
@@ -82,6 +84,10 @@ impl Host for LinuxHost {
              start it in a session of its own (setsid(1), or `stasis run`)"
                 .into()
         })
+    }
+
+    fn innermost_pid(&self, pid: i32) -> Option<i32> {
+        proc::ns_pids(pid).ok()?.last().copied()
     }
 
     fn resident_bytes(&self, pids: &[i32]) -> u64 {
@@ -165,6 +171,8 @@ pub(super) mod fake {
         pub repairs: Mutex<usize>,
         /// Pids now held by another process than the one inspected (a start time of 2, not 1).
         pub reused: Mutex<HashSet<i32>>,
+        /// The CPU's instruction-set extensions.
+        pub cpu_flags: Mutex<std::collections::BTreeSet<String>>,
     }
 
     impl FakeHost {
@@ -201,6 +209,10 @@ pub(super) mod fake {
 
         fn untouchable(&self, pid: i32) -> Option<String> {
             (pid == 1).then(|| "init".into())
+        }
+
+        fn innermost_pid(&self, pid: i32) -> Option<i32> {
+            Some(pid)
         }
 
         fn resident_bytes(&self, pids: &[i32]) -> u64 {
@@ -262,7 +274,7 @@ pub(super) mod fake {
         }
 
         fn cpu_flags(&self) -> std::collections::BTreeSet<String> {
-            ["avx2", "sse4_2"].map(String::from).into()
+            self.cpu_flags.lock().unwrap().clone()
         }
 
         fn node_name(&self) -> String {

@@ -20,6 +20,9 @@ pub struct TreeInfo {
     pub uids: BTreeSet<u32>,
     /// When each process started: a pid that later names another process is not the tree's.
     pub started: HashMap<i32, u64>,
+    /// Each process's pid inside the root's own pid namespace, in the order of `pids`, when
+    /// the root is that namespace's init (see `stasis-init`); empty otherwise.
+    pub ns_pids: Vec<i32>,
 }
 
 /// Inspects the tree rooted at `root`.
@@ -51,7 +54,25 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
     }
     let uids = pids.iter().filter_map(|&pid| proc::uids(pid).ok()).flatten().collect();
     let started = pids.iter().filter_map(|&pid| Some((pid, ProcStat::read(pid).ok()?.start_time?))).collect();
-    Ok(TreeInfo { pids, command: proc::cmdline(root)?, options, sockets, uids, started })
+    let ns_pids = own_namespace_pids(root, &pids)?;
+    let mut command = proc::cmdline(root)?;
+    if !ns_pids.is_empty()
+        && let Some(at) = command.iter().position(|a| a == "--")
+    {
+        // stasis-init's own arguments say nothing about the workload: the command after them.
+        command.drain(..=at);
+    }
+    Ok(TreeInfo { pids, command, options, sockets, uids, started, ns_pids })
+}
+
+/// The pids of `pids` inside `root`'s pid namespace, if `root` is its init and it is not
+/// this one; empty otherwise.
+fn own_namespace_pids(root: i32, pids: &[i32]) -> io::Result<Vec<i32>> {
+    let root_ns = proc::ns_pids(root)?;
+    if root_ns.len() < 2 || root_ns.last() != Some(&1) {
+        return Ok(Vec::new());
+    }
+    pids.iter().map(|&pid| proc::ns_pids(pid).map(|ns| ns[ns.len() - 1])).collect()
 }
 
 /// How /proc marks a path whose file was unlinked.

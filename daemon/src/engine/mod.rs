@@ -41,7 +41,7 @@ pub use evacuate::{EvacuateParams, Evacuation};
 pub use hot_restore::LazyError;
 pub use idle::{GpuActivity, IdleSettings, IdleState, Thresholds};
 pub use ids::{now_unix_ms, valid_checkpoint_id};
-pub use query::{CheckpointList, CheckpointSummary, StatusReport};
+pub use query::{CheckpointList, CheckpointSummary, StatusReport, WorkloadReport};
 pub use restore::{RestoreOutcome, RestoreParams, RestoreStats, RestoreTarget};
 pub use run::{RunOutcome, RunParams};
 use tokio_util::task::TaskTracker;
@@ -82,6 +82,9 @@ pub struct EngineConfig {
     /// The store's encryption key, and (once, for rotation) the key it was wrapped with.
     pub store_key: Option<crate::store::crypto::StoreKey>,
     pub rotate_store_key_from: Option<crate::store::crypto::StoreKey>,
+    /// How long a preemption notice gives, when they are watched (periodic intervals of spot
+    /// workloads adapt to it).
+    pub notice_window: Option<std::time::Duration>,
 }
 
 /// A progress report of a long operation.
@@ -127,6 +130,8 @@ pub struct Engine {
     metrics: Arc<crate::metrics::Metrics>,
     /// Periodic checkpoints: when each last started.
     schedule: periodic::Schedule,
+    /// How long a preemption notice gives on this cloud, when notices are watched.
+    notice_window: Option<std::time::Duration>,
     /// Workloads an evacuation is checkpointing, and whether it evicts them (see `evacuate`).
     evacuating: std::sync::Mutex<HashMap<String, bool>>,
     /// One job at a time per workload.

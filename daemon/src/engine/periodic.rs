@@ -13,11 +13,13 @@ use tracing::{info, warn};
 
 use super::{Caller, CheckpointParams, Engine, PolicyError, Target, Workload, lock};
 
-/// When each workload's last periodic checkpoint started, and which are under way.
+/// When each workload's last periodic checkpoint started, which are under way, and whose
+/// interval is shortened to fit the notice window.
 #[derive(Debug, Default)]
 pub(super) struct Schedule {
     last: Mutex<HashMap<String, Instant>>,
     running: Mutex<HashSet<String>>,
+    pub(super) fitted: Mutex<HashMap<String, Duration>>,
 }
 
 impl Engine {
@@ -43,16 +45,17 @@ impl Engine {
             return;
         }
         let now = Instant::now();
+        let spot = workloads.iter().filter(|w| w.spot).count();
         for w in workloads {
             let due = w.checkpoint_every_ms.filter(|_| w.reclaimed.is_none() && self.host.is_running(w.pid));
             let Some(every_ms) = due else {
                 lock(&self.schedule.last).remove(&w.name);
+                lock(&self.schedule.fitted).remove(&w.name);
                 continue;
             };
+            let every = self.fitted_interval(w, Duration::from_millis(every_ms), spot);
             let started = *lock(&self.schedule.last).entry(w.name.clone()).or_insert(now);
-            if now.duration_since(started) < Duration::from_millis(every_ms)
-                || !lock(&self.schedule.running).insert(w.name.clone())
-            {
+            if now.duration_since(started) < every || !lock(&self.schedule.running).insert(w.name.clone()) {
                 continue;
             }
             lock(&self.schedule.last).insert(w.name.clone(), now);

@@ -80,8 +80,19 @@ pub struct StatusReport {
     pub socket_support: String,
     /// The network lock in use, or "none (why)".
     pub network_lock: String,
-    /// Each workload with whether it runs now, and where it stands with idle reclaim.
-    pub workloads: Vec<(Workload, bool, IdleState)>,
+    pub workloads: Vec<WorkloadReport>,
+}
+
+/// A workload as `status` shows it.
+#[derive(Debug, Clone)]
+pub struct WorkloadReport {
+    pub workload: Workload,
+    /// Whether it runs now.
+    pub running: bool,
+    /// Where it stands with idle reclaim.
+    pub idle: IdleState,
+    /// Its periodic interval as shortened to fit the notice window (see `evacuate`), if it is.
+    pub fitted_every: Option<std::time::Duration>,
 }
 
 /// How long a collection waits for other nodes' commits and restores under way.
@@ -205,10 +216,11 @@ impl Engine {
                 .all()
                 .into_iter()
                 .filter(|w| caller.owns(w.owner_uid))
-                .map(|w| {
-                    let running = w.reclaimed.is_none() && self.host.is_running(w.pid);
-                    let idle = self.idle_state(&w);
-                    (w, running, idle)
+                .map(|w| WorkloadReport {
+                    running: w.reclaimed.is_none() && self.host.is_running(w.pid),
+                    idle: self.idle_state(&w),
+                    fitted_every: super::lock(&self.schedule.fitted).get(&w.name).copied(),
+                    workload: w,
                 })
                 .collect(),
         }

@@ -24,7 +24,7 @@ use super::gpu_map;
 use super::hot_restore::{FaultGuard, KillTree, LazyError, LazySession};
 use super::ids::{ms, valid_checkpoint_id};
 use super::sockets::{self, needs_network_support};
-use super::workloads::Workload;
+use super::workloads::{Workload, valid_name};
 use super::{Caller, Engine, ProgressFn, ProgressUpdate, RestoreError};
 use crate::criu::RestoreSpec;
 use crate::cuda::GpuUuid;
@@ -51,6 +51,9 @@ pub struct RestoreParams {
     pub on_running: Option<Box<dyn FnOnce(RestoreOutcome) + Send>>,
     /// On whose behalf: a user other than root may restore only its own checkpoints.
     pub caller: Caller,
+    /// Restore as a workload of this name (a second copy of one running, from a checkpoint of
+    /// a tree with its own pid namespace), not under the checkpoint's own.
+    pub as_workload: Option<String>,
 }
 
 impl std::fmt::Debug for RestoreParams {
@@ -61,6 +64,7 @@ impl std::fmt::Debug for RestoreParams {
             .field("lazy", &self.lazy)
             .field("tcp_close", &self.tcp_close)
             .field("on_running", &self.on_running.is_some())
+            .field("as_workload", &self.as_workload)
             .field("caller", &self.caller)
             .finish()
     }
@@ -159,41 +163,38 @@ impl Engine {
         if !params.caller.owns(manifest.owner_uid) {
             return Err(RestoreError::NotYours(manifest.id));
         }
-        let _guard = self.lock_workload(&manifest.workload).await;
-        if self.registry.get(&manifest.workload).is_some_and(|w| w.reclaimed.is_some()) {
-            return Err(RestoreError::Reclaimed(manifest.workload.clone()));
-        }
-        let preflight = self.preflight(&manifest, &params.gpu_map, params.tcp_close).await?;
+        let name = params.as_workload.clone().unwrap_or_else(|| manifest.workload.clone());
+        let _guard = self.lock_workload(&name).await;
+        self.check_name(&manifest, &name, params.caller)?;
+        let preflight = self.preflight(&manifest, &params.gpu_map, params.tcp_close, params.lazy).await?;
+        let lazy = params.lazy && !manifest.own_pid_namespace;
         let bytes = manifest.stats.map(|s| s.bytes_total).unwrap_or_default();
         let work = self.state.new_restore_dir(bytes).map_err(local("restore scratch directory"))?;
         // Packs stay out of garbage collection's reach until every page is in.
         let commit_guard = self.store.begin_commit().await?;
-        let (bytes_fetched, memory) =
-            self.fetch_images(&manifest, work.path(), params.lazy, &progress).await?;
+        let (bytes_fetched, memory) = self.fetch_images(&manifest, work.path(), lazy, &progress).await?;
         let fetched = Instant::now();
-        let kill: KillTree = {
-            let (host, pids) = (self.host.clone(), manifest.pids.clone());
-            Arc::new(move || host.signal(&host.trees(&pids), Signal::SIGKILL))
-        };
         let session = match memory.is_empty() {
             true => None,
             false => Some(
-                self.start_lazy(&manifest, work.path(), memory, kill.clone())
+                self.start_lazy(&manifest, work.path(), memory, self.tree_killer(manifest.pids.clone()))
                     .await
                     .map_err(|source| RestoreError::LazyStart { id: manifest.id.clone(), source })?,
             ),
         };
         let (pid, session) =
             self.run_criu(&manifest, work.path(), params.tcp_close, session, &progress).await?;
-        let mut restored = Restored { kill, armed: true };
+        let roots = if manifest.own_pid_namespace { vec![pid] } else { manifest.pids.clone() };
+        let mut restored = Restored { kill: self.tree_killer(roots), armed: true };
         let watch = session.map(|s| s.watch(self.reaper.clone(), progress.clone()));
-        let gpu_restore_ms = self.reattach_gpu(&manifest, preflight.gpu_pairs, &progress).await?;
+        let gpu_pids = self.restored_pids(&manifest, pid, &manifest.gpu_pids);
+        let gpu_restore_ms = self.reattach_gpu(&manifest, gpu_pids, preflight.gpu_pairs, &progress).await?;
         restored.armed = false;
-        let stats = RestoreStats::running(started, fetched, bytes_fetched, gpu_restore_ms, params.lazy);
-        self.remember_restore(&manifest, pid);
+        let stats = RestoreStats::running(started, fetched, bytes_fetched, gpu_restore_ms, lazy);
+        self.remember_restore(&manifest, &name, pid);
         let outcome = RestoreOutcome {
             id: manifest.id.clone(),
-            workload: manifest.workload.clone(),
+            workload: name,
             pid,
             stats,
             warnings: preflight.warnings,
@@ -207,21 +208,84 @@ impl Engine {
         Ok(outcome)
     }
 
+    /// Whether the restored tree may be workload `name`: not a reclaimed one, and a name of
+    /// its own (`--as`) only for a tree with its own pid namespace, and not one that runs.
+    fn check_name(&self, manifest: &Manifest, name: &str, caller: Caller) -> Result<(), RestoreError> {
+        let existing = self.registry.get(name);
+        if existing.as_ref().is_some_and(|w| w.reclaimed.is_some()) {
+            return Err(RestoreError::Reclaimed(name.to_owned()));
+        }
+        let runs = existing.as_ref().is_some_and(|w| self.host.is_running(w.pid));
+        if name == manifest.workload {
+            return match runs && manifest.own_pid_namespace {
+                // Its pids would not stop it, but the workload's record would lose the one running.
+                true => Err(RestoreError::BadName {
+                    name: name.to_owned(),
+                    why: "it runs already; give another copy a name of its own with --as",
+                }),
+                false => Ok(()),
+            };
+        }
+        let why = if !valid_name(name) {
+            "it is not a valid workload name"
+        } else if !manifest.own_pid_namespace {
+            "only a checkpoint of a workload with its own pid namespace (stasis run --own-pids) can run twice"
+        } else if runs || existing.is_some_and(|w| !caller.owns(w.owner_uid)) {
+            "a running workload (or another user's) has that name"
+        } else {
+            return Ok(());
+        };
+        Err(RestoreError::BadName { name: name.to_owned(), why })
+    }
+
+    /// A way to kill the restored tree of `roots` with whatever it forked meanwhile.
+    fn tree_killer(&self, roots: Vec<i32>) -> KillTree {
+        let host = self.host.clone();
+        Arc::new(move || host.signal(&host.trees(&roots), Signal::SIGKILL))
+    }
+
+    /// The pids that `pids` (as the checkpoint recorded them) have in the tree restored with
+    /// root `root`: the same, unless the tree has its own pid namespace, whose restore numbers
+    /// them anew outside it (matched by their pids inside it).
+    fn restored_pids(&self, manifest: &Manifest, root: i32, pids: &[i32]) -> Vec<i32> {
+        if !manifest.own_pid_namespace {
+            return pids.to_vec();
+        }
+        let now: Vec<(i32, Option<i32>)> =
+            self.host.trees(&[root]).into_iter().map(|p| (p, self.host.innermost_pid(p))).collect();
+        let inside = |pid: &i32| {
+            let at = manifest.pids.iter().position(|p| p == pid)?;
+            let ns_pid = *manifest.ns_pids.get(at)?;
+            now.iter().find(|(_, inner)| *inner == Some(ns_pid)).map(|(p, _)| *p)
+        };
+        pids.iter().filter_map(inside).collect()
+    }
+
     /// Checks, before anything is restored, that this node can take the checkpoint: its pids
-    /// free, its sockets' ports and addresses, its GPUs.
+    /// free (unless it brings a pid namespace of its own), its sockets' ports and addresses,
+    /// its GPUs.
     async fn preflight(
         &self,
         manifest: &Manifest,
         gpu_map: &[(GpuUuid, GpuUuid)],
         tcp_close: bool,
+        lazy: bool,
     ) -> Result<Preflight, RestoreError> {
         let id = manifest.id.clone();
-        let busy = self.reaper.wait_gone(&manifest.pids, PIDS_FREE_WAIT).await;
+        let busy = match manifest.own_pid_namespace {
+            true => Vec::new(),
+            false => self.reaper.wait_gone(&manifest.pids, PIDS_FREE_WAIT).await,
+        };
         if !busy.is_empty() {
             return Err(RestoreError::PidsInUse { id, pids: busy });
         }
-        let warnings = sockets::check_restore(&manifest.sockets, tcp_close)
+        let mut warnings = sockets::check_restore(&manifest.sockets, tcp_close)
             .map_err(|reason| RestoreError::Sockets { id: id.clone(), reason })?;
+        if lazy && manifest.own_pid_namespace {
+            warnings.push(
+                "restored eagerly: lazy restore does not handle a tree with its own pid namespace yet".into(),
+            );
+        }
         if needs_network_support(&manifest.sockets)
             && let Err(why) = &self.network_sockets
         {
@@ -345,11 +409,13 @@ impl Engine {
         Ok(outcome)
     }
 
-    /// Puts the device memory of the restored CUDA processes back and unlocks them. On failure
+    /// Puts the device memory of the restored CUDA processes (`pids`, as restored) back and
+    /// unlocks them. On failure
     /// the caller's [`Restored`] kills the tree: a job without its GPU state must not run on.
     async fn reattach_gpu(
         &self,
         manifest: &Manifest,
+        pids: Vec<i32>,
         pairs: Vec<(GpuUuid, GpuUuid)>,
         progress: &ProgressFn,
     ) -> Result<u64, RestoreError> {
@@ -361,7 +427,6 @@ impl Engine {
             return Err(RestoreError::Gpu { id, source: GpuError::NoDriver(manifest.gpu_pids.clone()) });
         };
         progress(ProgressUpdate { phase: "gpu restore", done: 0, total: 0 });
-        let pids = manifest.gpu_pids.clone();
         let result = tokio::task::spawn_blocking(move || gpu::reattach(&gpu, &pids, &pairs))
             .await
             .map_err(|e| RestoreError::Local { what: "GPU thread", source: std::io::Error::other(e) })?;
@@ -409,21 +474,21 @@ impl Engine {
 
     /// Records the restored tree in the workload registry. A failure is logged, not
     /// returned: the tree runs, and the registry is bookkeeping.
-    fn remember_restore(&self, manifest: &Manifest, pid: i32) {
-        if let Err(e) = self.record_restore(manifest, pid) {
-            warn!(workload = %manifest.workload, error = %e, "cannot record the restore in the workload registry");
+    fn remember_restore(&self, manifest: &Manifest, name: &str, pid: i32) {
+        if let Err(e) = self.record_restore(manifest, name, pid) {
+            warn!(workload = %name, error = %e, "cannot record the restore in the workload registry");
         }
     }
 
-    fn record_restore(&self, manifest: &Manifest, pid: i32) -> std::io::Result<()> {
-        if self.registry.get(&manifest.workload).is_some() {
-            return self.registry.update(&manifest.workload, |w| {
+    fn record_restore(&self, manifest: &Manifest, name: &str, pid: i32) -> std::io::Result<()> {
+        if self.registry.get(name).is_some() {
+            return self.registry.update(name, |w| {
                 w.pid = pid;
                 w.last_error = None;
             });
         }
         self.registry.put(Workload {
-            name: manifest.workload.clone(),
+            name: name.to_owned(),
             pid,
             command: manifest.command.clone(),
             managed: false,

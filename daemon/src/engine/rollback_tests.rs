@@ -25,21 +25,21 @@ use crate::store::{FetchSettings, Store};
 
 /// Pids above Linux's largest possible pid_max: no real process can have them, so nothing
 /// the jobs do to them can reach a real process.
-const ROOT: i32 = 4_194_401;
-const CHILD: i32 = 4_194_402;
+pub(super) const ROOT: i32 = 4_194_401;
+pub(super) const CHILD: i32 = 4_194_402;
 
-struct Rig {
-    engine: Arc<Engine>,
-    host: Arc<FakeHost>,
-    criu: Arc<FakeCriu>,
-    gpu: Arc<FakeGpu>,
+pub(super) struct Rig {
+    pub(super) engine: Arc<Engine>,
+    pub(super) host: Arc<FakeHost>,
+    pub(super) criu: Arc<FakeCriu>,
+    pub(super) gpu: Arc<FakeGpu>,
     dir: TempDir,
 }
 
 /// A two-process tree whose root uses CUDA, with `CHILD` already stopped before any
 /// checkpoint (job control). `criu` gets hooks that stop the tree on a dump (as CRIU's
 /// leave-stopped does) and start it on a restore.
-fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
+pub(super) fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
     let tree = TreeInfo {
         pids: vec![ROOT, CHILD],
         command: vec!["fake".into()],
@@ -47,6 +47,7 @@ fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
         sockets: Default::default(),
         uids: [0].into(),
         started: [(ROOT, 1), (CHILD, 1)].into(),
+        ns_pids: Vec::new(),
     };
     let host = Arc::new(FakeHost { cuda: vec![ROOT], ..FakeHost::with_tree(tree) });
     host.stopped.lock().unwrap().insert(CHILD);
@@ -75,6 +76,7 @@ fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
         idle: Default::default(),
         store_key: None,
         rotate_store_key_from: None,
+        notice_window: Some(Duration::from_secs(30)),
     };
     let state = StateDir::open(&config.state_dir).unwrap();
     let parts = Parts {
@@ -97,12 +99,12 @@ fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
     Rig { engine, host, criu, gpu, dir }
 }
 
-fn quiet() -> ProgressFn {
+pub(super) fn quiet() -> ProgressFn {
     Arc::new(|_| {})
 }
 
 impl Rig {
-    async fn checkpoint(&self, leave_running: bool) -> Result<CheckpointOutcome, CheckpointError> {
+    pub(super) async fn checkpoint(&self, leave_running: bool) -> Result<CheckpointOutcome, CheckpointError> {
         let params = CheckpointParams {
             target: Target::Pid(ROOT),
             leave_running,
@@ -113,7 +115,7 @@ impl Rig {
         self.engine.checkpoint(params, quiet()).await
     }
 
-    async fn restore(&self, id: &str) -> Result<super::RestoreOutcome, RestoreError> {
+    pub(super) async fn restore(&self, id: &str) -> Result<super::RestoreOutcome, RestoreError> {
         let params = RestoreParams {
             target: RestoreTarget::Checkpoint(id.into()),
             gpu_map: Vec::new(),
@@ -121,15 +123,27 @@ impl Rig {
             tcp_close: false,
             on_running: None,
             caller: Caller::Root,
+            as_workload: None,
         };
         self.engine.restore(params, quiet()).await
     }
 
     /// Makes every upload to the file store fail: a file where its packs go.
-    fn break_store(&self) {
-        let store = self.dir.path().join("store");
-        std::fs::create_dir_all(&store).unwrap();
-        std::fs::write(store.join("packs"), b"in the way").unwrap();
+    pub(super) fn break_store(&self) {
+        self.block("packs");
+    }
+
+    /// Makes every commit fail, even of a checkpoint with nothing new to upload: a file where
+    /// the manifests go (earlier manifests are lost with their directory).
+    pub(super) fn break_commits(&self) {
+        self.block("manifests");
+    }
+
+    fn block(&self, dir: &str) {
+        let path = self.dir.path().join("store").join(dir);
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, b"in the way").unwrap();
     }
 
     /// Records of held trees left in the state directory (none once a job has settled).
@@ -137,7 +151,7 @@ impl Rig {
         std::fs::read_dir(self.dir.path().join("state/held")).map(|d| d.count()).unwrap_or(0)
     }
 
-    async fn checkpoints(&self) -> usize {
+    pub(super) async fn checkpoints(&self) -> usize {
         self.engine.list(None, Caller::Root).await.unwrap().checkpoints.len()
     }
 }
@@ -302,6 +316,7 @@ async fn another_users_tree_and_checkpoints_are_refused_before_anything_is_touch
         tcp_close: false,
         on_running: None,
         caller: user,
+        as_workload: None,
     };
     let err = r.engine.restore(params, quiet()).await.unwrap_err();
     assert!(matches!(err, RestoreError::NotYours(_)), "{err}");

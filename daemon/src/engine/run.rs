@@ -2,12 +2,14 @@
 //! state directory, own cgroup.
 
 use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
+use std::io::Read;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use nix::fcntl::OFlag;
 use tracing::info;
 
 use super::workloads::{Workload, derived_name, valid_name};
@@ -29,6 +31,8 @@ pub struct RunParams {
     pub checkpoint_every: Option<std::time::Duration>,
     /// Evict it on a preemption notice (see `engine/evacuate/`).
     pub spot: bool,
+    /// Run it in a pid namespace of its own, under `stasis-init`.
+    pub own_pids: bool,
     /// Whom it runs as: a caller other than root gets a workload running as itself.
     pub caller: Caller,
 }
@@ -61,15 +65,27 @@ impl Engine {
         };
         let procs = cgroup.as_ref().map(|c| c.open_procs()).transpose().map_err(setup_err("its cgroup"))?;
         let stdout = log.try_clone().map_err(setup_err("its log file"))?;
-        let mut cmd = command_for(&params, [stdout, log]);
+        let report = match params.own_pids {
+            true => Some(nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| setup_err("its init")(e.into()))?),
+            false => None,
+        };
+        let init = report.as_ref().map(|(_, w)| w.as_raw_fd());
+        let mut cmd = command_for(&params, [stdout, log], init).map_err(setup_err("its init"))?;
         let setup = ChildSetup {
             new_session: true,
             cgroup_procs: procs.as_ref().map(|f| f.as_raw_fd()),
-            keep_fds: Vec::new(),
+            keep_fds: init.into_iter().collect(),
+            new_pid_ns: params.own_pids,
         };
         let child = spawn(&mut cmd, setup).map_err(|source| RunError::Spawn { program, source })?;
-        let pid = child.id() as i32;
         // The reaper collects its exit status; nothing here waits for it.
+        let pid = match report {
+            None => child.id() as i32,
+            Some((read, write)) => {
+                drop(write);
+                reported_pid(read).map_err(setup_err("its init"))?
+            }
+        };
         drop(child);
         self.registry
             .put(Workload {
@@ -123,20 +139,49 @@ fn open_log(path: &Path, caller: Caller) -> std::io::Result<File> {
 }
 
 /// The command that starts the workload: as the caller, stdin from /dev/null, stdout and
-/// stderr to its log.
-fn command_for(params: &RunParams, [stdout, stderr]: [File; 2]) -> Command {
-    let mut cmd = Command::new(&params.argv[0]);
-    if let Caller::User { uid, gid } = params.caller {
-        // Its own uid and primary group; std drops root's supplementary groups with the uid.
-        cmd.uid(uid).gid(gid);
-    }
-    cmd.args(&params.argv[1..])
-        .envs(params.env.iter().map(|(k, v)| (k, v)))
-        .stdin(Stdio::null())
-        .stdout(stdout)
-        .stderr(stderr);
+/// stderr to its log. With `init` (the descriptor it reports on), `stasis-init` starts it in
+/// a pid namespace of its own, and takes on the caller's ids only for the command (the
+/// namespace is made as root).
+fn command_for(
+    params: &RunParams,
+    [stdout, stderr]: [File; 2],
+    init: Option<RawFd>,
+) -> std::io::Result<Command> {
+    let mut cmd = match init {
+        None => {
+            let mut cmd = Command::new(&params.argv[0]);
+            if let Caller::User { uid, gid } = params.caller {
+                // Its own uid and primary group; std drops root's supplementary groups with the uid.
+                cmd.uid(uid).gid(gid);
+            }
+            cmd.args(&params.argv[1..]);
+            cmd
+        }
+        Some(report) => {
+            let mut cmd = Command::new(crate::linux::companion_program(INIT_BIN)?);
+            cmd.args(["--report-fd", &report.to_string()]);
+            if let Caller::User { uid, gid } = params.caller {
+                cmd.args(["--uid", &uid.to_string(), "--gid", &gid.to_string()]);
+            }
+            cmd.arg("--").args(&params.argv);
+            cmd
+        }
+    };
+    cmd.envs(params.env.iter().map(|(k, v)| (k, v))).stdin(Stdio::null()).stdout(stdout).stderr(stderr);
     if let Some(cwd) = &params.cwd {
         cmd.current_dir(cwd);
     }
-    cmd
+    Ok(cmd)
+}
+
+/// The program that starts a workload in a pid namespace of its own.
+const INIT_BIN: &str = "stasis-init";
+
+/// The pid `stasis-init` reports for the namespace's init (it writes it, then exits).
+fn reported_pid(read: OwnedFd) -> std::io::Result<i32> {
+    let mut text = String::new();
+    File::from(read).read_to_string(&mut text)?;
+    text.trim()
+        .parse()
+        .map_err(|_| std::io::Error::other(format!("stasis-init reported {text:?}, not a pid")))
 }

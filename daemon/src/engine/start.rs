@@ -99,6 +99,7 @@ impl Engine {
             idle_settings: config.idle,
             metrics: Default::default(),
             schedule: Default::default(),
+            notice_window: config.notice_window,
             evacuating: Default::default(),
             workload_locks: Default::default(),
         }

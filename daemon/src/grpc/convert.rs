@@ -10,7 +10,7 @@ use crate::cuda::{GpuUuid, parse_uuid};
 use crate::engine::{
     Caller, CheckpointError, CheckpointOutcome, CheckpointParams, CheckpointSummary, Evacuation, IdleState,
     PolicyError, ProgressUpdate, QueryError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget,
-    RunError, RunOutcome, RunParams, StatusReport, Target,
+    RunError, RunOutcome, RunParams, StatusReport, Target, WorkloadReport,
 };
 use crate::store::{CheckReport, GcReport, StoreError};
 
@@ -73,7 +73,7 @@ impl From<RestoreError> for Status {
 
 fn restore_code(e: &RestoreError) -> Code {
     match e {
-        RestoreError::BadId(_) => Code::InvalidArgument,
+        RestoreError::BadId(_) | RestoreError::BadName { .. } => Code::InvalidArgument,
         RestoreError::Reclaimed(_) => Code::FailedPrecondition,
         RestoreError::NotYours(_) => Code::PermissionDenied,
         RestoreError::NoCheckpoints(_) => Code::NotFound,
@@ -139,6 +139,7 @@ impl TryFrom<pb::RunRequest> for RunParams {
             checkpoint_every: (r.checkpoint_every_ms > 0)
                 .then(|| std::time::Duration::from_millis(r.checkpoint_every_ms)),
             spot: r.spot,
+            own_pids: r.own_pids,
             caller: Caller::Root,
         })
     }
@@ -193,6 +194,7 @@ impl TryFrom<pb::RestoreRequest> for RestoreParams {
             tcp_close: r.tcp_close,
             on_running: None,
             caller: Caller::Root,
+            as_workload: Some(r.as_workload).filter(|w| !w.is_empty()),
         })
     }
 }
@@ -295,7 +297,7 @@ impl From<StatusReport> for pb::StatusResponse {
             workloads: r
                 .workloads
                 .into_iter()
-                .map(|(w, running, idle)| {
+                .map(|WorkloadReport { workload: w, running, idle, fitted_every }| {
                     let (state, idle_ms) = match (idle, running) {
                         (IdleState::Reclaiming, _) => ("reclaiming", 0),
                         (IdleState::Reclaimed, _) => ("reclaimed", 0),
@@ -317,6 +319,7 @@ impl From<StatusReport> for pb::StatusResponse {
                         checkpoint_every_ms: w.checkpoint_every_ms.unwrap_or_default(),
                         last_checkpoint: w.last_checkpoint.unwrap_or_default(),
                         spot: w.spot,
+                        fitted_every_ms: fitted_every.map_or(0, |d| d.as_millis() as u64),
                         evacuation: w.evacuation.map(Into::into),
                     }
                 })

@@ -12,6 +12,12 @@ pub mod pty;
 pub mod reaper;
 pub mod sys;
 
+/// A program installed next to this one (stasisd's helpers: `stasis-lazy-guard`,
+/// `stasis-init`).
+pub fn companion_program(name: &str) -> std::io::Result<std::path::PathBuf> {
+    std::env::current_exe().map(|exe| exe.with_file_name(name))
+}
+
 /// The first file named `name` in a directory of `PATH`, as a shell would find the program.
 pub fn find_program(name: &str) -> Option<std::path::PathBuf> {
     let paths = std::env::var_os("PATH")?;

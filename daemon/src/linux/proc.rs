@@ -122,6 +122,16 @@ fn parse_uids(status: &str) -> Option<[u32; 4]> {
     ids.try_into().ok()
 }
 
+/// The pids of `pid` in each pid namespace it belongs to, outermost (this one's) first: its
+/// `NSpid` line. One entry for a process of this namespace.
+pub fn ns_pids(pid: i32) -> io::Result<Vec<i32>> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"));
+    let pids = line.map(|l| l.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<i32>>());
+    pids.filter(|p| !p.is_empty())
+        .ok_or_else(|| io::Error::other(format!("no NSpid line in /proc/{pid}/status")))
+}
+
 /// The command line of `pid`, split at NULs.
 pub fn cmdline(pid: i32) -> io::Result<Vec<String>> {
     let raw = fs::read(format!("/proc/{pid}/cmdline"))?;

@@ -43,6 +43,14 @@ impl Cloud {
         }
     }
 
+    /// How long a preemption notice gives before the machine goes.
+    pub fn notice_window(self) -> Duration {
+        match self {
+            Self::Aws => Duration::from_secs(120),
+            Self::Gcp | Self::Azure => Duration::from_secs(30),
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Self::Aws => "aws",

@@ -117,6 +117,8 @@ impl Engine {
             sockets: d.tree.sockets.records.clone(),
             owner_uid: owner_of(&d.tree.uids),
             cpu_flags: self.host.cpu_flags().into_iter().collect(),
+            own_pid_namespace: !d.tree.ns_pids.is_empty(),
+            ns_pids: d.tree.ns_pids.clone(),
         }
     }
 }

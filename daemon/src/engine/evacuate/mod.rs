@@ -17,12 +17,12 @@ pub mod plan;
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use super::{Caller, CheckpointParams, Engine, PolicyError, Target, lock, now_unix_ms};
+use super::{Caller, CheckpointParams, Engine, PolicyError, Target, Workload, lock, now_unix_ms};
 use plan::Candidate;
 
 /// Workloads checkpointed at once: two keep the pipeline busy while one is frozen in CRIU
@@ -83,17 +83,7 @@ impl Engine {
             deadline_unix_ms,
             ..Default::default()
         };
-        let (mut done, mut candidates) = (Vec::new(), Vec::new());
-        for w in self.registry.all().into_iter().filter(|w| w.spot) {
-            if let Some(reclaimed) = &w.reclaimed {
-                let checkpoint = Some(reclaimed.checkpoint.clone());
-                let durable_unix_ms = Some(notice_unix_ms);
-                done.push(Evacuation { workload: w.name, checkpoint, durable_unix_ms, ..base.clone() });
-            } else if self.host.is_running(w.pid) && self.claim(&w.name, !params.leave_running) {
-                let resident = self.host.resident_bytes(&self.host.trees(&[w.pid]));
-                candidates.push(Candidate { name: w.name, resident, last: w.last_cost });
-            }
-        }
+        let (mut done, candidates) = self.survey(&base, !params.leave_running);
         let planned = plan::order(candidates, notice_unix_ms);
         let left_ms = deadline_unix_ms.saturating_sub(notice_unix_ms);
         let order: Vec<(&str, u64)> =
@@ -136,6 +126,23 @@ impl Engine {
         done
     }
 
+    /// The spot workloads: those reclaimed, durable already (as `base` records them), and
+    /// those running here, claimed for this evacuation (see `claim`).
+    fn survey(&self, base: &Evacuation, evict: bool) -> (Vec<Evacuation>, Vec<Candidate>) {
+        let (mut durable, mut candidates) = (Vec::new(), Vec::new());
+        for w in self.registry.all().into_iter().filter(|w| w.spot) {
+            if let Some(reclaimed) = &w.reclaimed {
+                let checkpoint = Some(reclaimed.checkpoint.clone());
+                let durable_unix_ms = Some(base.notice_unix_ms);
+                durable.push(Evacuation { workload: w.name, checkpoint, durable_unix_ms, ..base.clone() });
+            } else if self.host.is_running(w.pid) && self.claim(&w.name, evict) {
+                let resident = self.host.resident_bytes(&self.host.trees(&[w.pid]));
+                candidates.push(Candidate { name: w.name, resident, last: w.last_cost });
+            }
+        }
+        (durable, candidates)
+    }
+
     /// Checkpoints `name` (evicting it unless `leave_running`); answers the checkpoint's id.
     async fn evacuate_one(self: &Arc<Self>, name: &str, leave_running: bool) -> Result<String, String> {
         let params = CheckpointParams {
@@ -172,6 +179,27 @@ impl Engine {
         }
     }
 
+    /// The periodic interval of `w` (set to `every`): shortened, when the notice window is
+    /// known and `w` is a spot workload, so that an eviction at any moment stores its delta
+    /// within its share of the window (half of it, split among the rounds `spot` workloads
+    /// take `PARALLEL` at a time).
+    pub(super) fn fitted_interval(&self, w: &Workload, every: Duration, spot: usize) -> Duration {
+        let Some(window) = self.notice_window.filter(|_| w.spot && w.last_cost.is_some()) else {
+            return every;
+        };
+        let rounds = spot.div_ceil(PARALLEL).max(1) as u32;
+        let resident = self.host.resident_bytes(&self.host.trees(&[w.pid]));
+        let candidate = Candidate { name: w.name.clone(), resident, last: w.last_cost };
+        let fitted = plan::fitting_interval(&candidate, every, window / 2 / rounds);
+        let mut shown = lock(&self.schedule.fitted);
+        if fitted == every {
+            shown.remove(&w.name);
+        } else if shown.insert(w.name.clone(), fitted) != Some(fitted) {
+            info!(workload = %w.name, every_ms = every.as_millis() as u64, fitted_ms = fitted.as_millis() as u64, window_ms = window.as_millis() as u64, "periodic interval shortened to fit the notice window");
+        }
+        fitted
+    }
+
     /// Claims `name` for an evacuation's checkpoint (an eviction if `evict`). Another
     /// evacuation's claim stands, except that an eviction also queues behind a checkpoint left
     /// running (a rebalance's): the machine goes all the same, and the delta is smaller then.
@@ -199,3 +227,6 @@ impl Engine {
         !lock(&self.evacuating).is_empty()
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -42,8 +42,10 @@ pub struct Candidate {
 const OVERHEAD: Duration = Duration::from_millis(500);
 /// Bytes per millisecond assumed for a workload never checkpointed here (about 200 MB/s).
 const DEFAULT_BYTES_PER_MS: u64 = 200_000;
-/// New bytes below this are too few to measure a store speed by.
+/// New bytes below this are too few to measure a store speed by, and a checkpoint smaller
+/// than [`MIN_MEASURED_TOTAL`] too small to measure a scan speed by (its fixed costs dominate).
 const MIN_MEASURED_NEW: u64 = 16 << 20;
+const MIN_MEASURED_TOTAL: u64 = 64 << 20;
 
 /// The expected time to make `candidate` durable at `now_unix_ms`.
 pub fn estimate(candidate: &Candidate, now_unix_ms: u64) -> Duration {
@@ -59,12 +61,40 @@ pub fn estimate(candidate: &Candidate, now_unix_ms: u64) -> Duration {
         }
         _ => resident,
     };
-    let scan_ms = resident as f64 * last.dump_ms as f64 / last.bytes_total as f64;
+    let scan_ms = match last.bytes_total >= MIN_MEASURED_TOTAL {
+        true => resident as f64 * last.dump_ms as f64 / last.bytes_total as f64,
+        false => (resident / DEFAULT_BYTES_PER_MS) as f64,
+    };
     let store_ms = match last.bytes_new >= MIN_MEASURED_NEW {
         true => dirtied as f64 * last.durable_ms.saturating_sub(last.dump_ms) as f64 / last.bytes_new as f64,
         false => (dirtied / DEFAULT_BYTES_PER_MS) as f64,
     };
     OVERHEAD + Duration::from_millis((scan_ms + store_ms) as u64)
+}
+
+/// The shortest interval between periodic checkpoints worth adapting to: below it the
+/// checkpoints themselves would take most of the job's time.
+pub const MIN_INTERVAL: Duration = Duration::from_secs(30);
+
+/// The longest interval, at most `every`, whose delta `candidate`'s eviction still stores
+/// within `budget` (its checkpoints' age and dirty rate decide); `every` itself when even
+/// [`MIN_INTERVAL`] would not fit (more checkpoints would not help), or nothing is known.
+pub fn fitting_interval(candidate: &Candidate, every: Duration, budget: Duration) -> Duration {
+    let Some(last) = candidate.last else { return every };
+    let at_age = |age: Duration| estimate(candidate, last.at_unix_ms + age.as_millis() as u64);
+    if every <= MIN_INTERVAL || at_age(every) <= budget || at_age(MIN_INTERVAL) > budget {
+        return every;
+    }
+    // The estimate grows with the age: the longest age that fits, to the second.
+    let (mut fits, mut too_long) = (MIN_INTERVAL.as_secs(), every.as_secs());
+    while too_long - fits > 1 {
+        let mid = (fits + too_long) / 2;
+        match at_age(Duration::from_secs(mid)) <= budget {
+            true => fits = mid,
+            false => too_long = mid,
+        }
+    }
+    Duration::from_secs(fits)
 }
 
 /// `candidates` with their estimates, shortest first (by name among equals).
@@ -109,6 +139,31 @@ mod tests {
         // After ten intervals the delta is capped at the whole memory.
         assert_eq!(estimate(&w, 100_000 + 640_000), OVERHEAD + Duration::from_millis(1_000 + 8_000));
         assert!(estimate(&w, 108_000) < estimate(&Candidate { last: None, ..w.clone() }, 108_000));
+    }
+
+    #[test]
+    fn a_fitting_interval_shrinks_until_the_delta_fits_the_window() {
+        // 1 GiB scanned in 1 s; 256 MiB new in 256 s (1 MiB/s dirtied), stored in 2 s (128
+        // MiB/s): an eviction t seconds after the last checkpoint takes 0.5 + 1 + t / 128 s.
+        let cost = CheckpointCost {
+            at_unix_ms: 0,
+            since_previous_ms: Some(256_000),
+            bytes_total: GIB,
+            bytes_new: GIB / 4,
+            dump_ms: 1_000,
+            durable_ms: 3_000,
+        };
+        let w = checkpointed("w", GIB, cost);
+        let ten_minutes = Duration::from_secs(600);
+        // 3 s: 192 s of dirtying fit.
+        assert_eq!(fitting_interval(&w, ten_minutes, Duration::from_secs(3)), Duration::from_secs(192));
+        // 7 s: the whole interval fits.
+        assert_eq!(fitting_interval(&w, ten_minutes, Duration::from_secs(7)), ten_minutes);
+        // 1.6 s: not even the floor fits (the scan alone nearly fills it): no shortening.
+        assert_eq!(fitting_interval(&w, ten_minutes, Duration::from_millis(1_600)), ten_minutes);
+        // Nothing known: as configured.
+        let fresh = Candidate { last: None, ..w };
+        assert_eq!(fitting_interval(&fresh, ten_minutes, Duration::from_secs(3)), ten_minutes);
     }
 
     #[test]

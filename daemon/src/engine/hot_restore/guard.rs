@@ -165,9 +165,8 @@ impl FaultGuard {
             let exe = exe.to_path_buf();
             move |source| GuardError::Spawn { exe, source }
         };
-        let exe = std::env::current_exe()
-            .map(|p| p.with_file_name(GUARD_BIN))
-            .map_err(spawn_err(std::path::Path::new(GUARD_BIN)))?;
+        let exe =
+            crate::linux::companion_program(GUARD_BIN).map_err(spawn_err(std::path::Path::new(GUARD_BIN)))?;
         let (control_r, control_w) =
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| spawn_err(&exe)(e.into()))?;
         let pids: Vec<String> = self.pids.iter().map(i32::to_string).collect();

@@ -96,6 +96,7 @@ impl Engine {
                 let _ = running.send(outcome);
             })),
             caller: Caller::Root,
+            as_workload: None,
         };
         let engine = self.clone();
         let mut job = tokio::spawn(async move { engine.restore(params, Arc::new(|_| {})).await });

@@ -1,0 +1,108 @@
+//! stasis-init: the first process of a workload's own pid namespace (`stasis run --own-pids`).
+//!
+//! stasisd starts it with a new pid namespace unshared for its children. It forks once: the
+//! child is pid 1 of the new namespace, and this process reports that child's pid (as stasisd
+//! sees it) on the descriptor `--report-fd`, then exits. The child leads a session of its own
+//! (CRIU records sessions only inside the namespace), starts the workload's command (as
+//! `--uid`/`--gid` when given), forwards the signals a process gets asked to stop or report
+//! with to it, reaps whatever the namespace orphans, and exits as the command did.
+//!
+//! Because the tree's processes are numbered inside the namespace, a checkpoint of it can be
+//! restored anywhere, as often as wanted: each copy gets a namespace of its own.
+#![forbid(unsafe_code)]
+
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::process::{Command, ExitCode};
+
+use anyhow::Context;
+use clap::Parser;
+use nix::sys::signal::{Signal, kill};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::Pid;
+use signal_hook::iterator::Signals;
+use stasis_daemon::linux::sys::{Forked, fork, take_inherited_fd};
+
+/// Runs a workload as the init of its own pid namespace (started by stasisd, not by hand).
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// Where to write the namespace init's pid, as the starting side sees it.
+    #[arg(long)]
+    report_fd: i32,
+    #[arg(long)]
+    uid: Option<u32>,
+    #[arg(long)]
+    gid: Option<u32>,
+    /// The command and its arguments.
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
+}
+
+/// Signals passed on to the workload.
+const FORWARDED: [Signal; 8] = [
+    Signal::SIGHUP,
+    Signal::SIGINT,
+    Signal::SIGQUIT,
+    Signal::SIGTERM,
+    Signal::SIGUSR1,
+    Signal::SIGUSR2,
+    Signal::SIGWINCH,
+    Signal::SIGCONT,
+];
+
+fn main() -> anyhow::Result<ExitCode> {
+    let args = Args::parse();
+    let report = take_inherited_fd(args.report_fd).context("the report descriptor")?;
+    match fork().context("forking the namespace's init")? {
+        Forked::Parent(child) => {
+            let mut report = std::fs::File::from(report);
+            writeln!(report, "{child}").context("reporting the init's pid")?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Forked::Child => {
+            drop(report);
+            init(&args)
+        }
+    }
+}
+
+/// Pid 1 of the namespace: starts the command, forwards signals, reaps, exits as the command.
+fn init(args: &Args) -> anyhow::Result<ExitCode> {
+    nix::unistd::setsid().context("starting a session")?;
+    // Handlers, not a blocked mask: the kernel passes a signal from outside the namespace to
+    // its init only if the init handles it.
+    let handled: Vec<i32> = FORWARDED.iter().chain([&Signal::SIGCHLD]).map(|s| *s as i32).collect();
+    let mut signals = Signals::new(&handled).context("handling signals")?;
+    let mut cmd = Command::new(&args.command[0]);
+    cmd.args(&args.command[1..]);
+    if let Some(gid) = args.gid {
+        cmd.gid(gid);
+    }
+    if let Some(uid) = args.uid {
+        cmd.uid(uid);
+    }
+    let workload = cmd.spawn().with_context(|| format!("starting {}", args.command[0]))?;
+    let workload = Pid::from_raw(workload.id() as i32);
+    loop {
+        // A child that ended before the handler saw its SIGCHLD is reaped here too.
+        while let Ok(status) = waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            match status {
+                WaitStatus::Exited(pid, code) if pid == workload => return Ok(ExitCode::from(code as u8)),
+                WaitStatus::Signaled(pid, signal, _) if pid == workload => {
+                    return Ok(ExitCode::from(128 + signal as u8));
+                }
+                WaitStatus::StillAlive => break,
+                _ => {}
+            }
+        }
+        for signal in signals.wait() {
+            match Signal::try_from(signal) {
+                Ok(Signal::SIGCHLD) | Err(_) => {}
+                Ok(signal) => {
+                    let _ = kill(workload, signal);
+                }
+            }
+        }
+    }
+}
