@@ -22,8 +22,8 @@ pub trait Host: Send + Sync {
     /// What `pid` is, if it may not be checkpointed at all: init, a kernel thread, or stasisd
     /// itself.
     fn untouchable(&self, pid: i32) -> Option<String>;
-    /// The pid of `pid` inside the innermost pid namespace it belongs to.
-    fn innermost_pid(&self, pid: i32) -> Option<i32>;
+    /// The pid of `pid` inside the pid namespace of which `root` is the init.
+    fn pid_inside(&self, pid: i32, root: i32) -> Option<i32>;
     /// Resident memory of `pids` together.
     fn resident_bytes(&self, pids: &[i32]) -> u64;
     /// Which of `pids` are stopped (job control) now.
@@ -86,8 +86,9 @@ impl Host for LinuxHost {
         })
     }
 
-    fn innermost_pid(&self, pid: i32) -> Option<i32> {
-        proc::ns_pids(pid).ok()?.last().copied()
+    fn pid_inside(&self, pid: i32, root: i32) -> Option<i32> {
+        let level = proc::ns_pids(root).ok()?.len() - 1;
+        proc::ns_pids(pid).ok()?.get(level).copied()
     }
 
     fn resident_bytes(&self, pids: &[i32]) -> u64 {
@@ -211,7 +212,7 @@ pub(super) mod fake {
             (pid == 1).then(|| "init".into())
         }
 
-        fn innermost_pid(&self, pid: i32) -> Option<i32> {
+        fn pid_inside(&self, pid: i32, _root: i32) -> Option<i32> {
             Some(pid)
         }
 

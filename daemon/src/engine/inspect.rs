@@ -66,13 +66,18 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
 }
 
 /// The pids of `pids` inside `root`'s pid namespace, if `root` is its init and it is not
-/// this one; empty otherwise.
+/// this one; empty otherwise. (Processes in namespaces nested deeper count at the root's
+/// level; one that exited meanwhile gets 0, which no restored process has.)
 fn own_namespace_pids(root: i32, pids: &[i32]) -> io::Result<Vec<i32>> {
     let root_ns = proc::ns_pids(root)?;
     if root_ns.len() < 2 || root_ns.last() != Some(&1) {
         return Ok(Vec::new());
     }
-    pids.iter().map(|&pid| proc::ns_pids(pid).map(|ns| ns[ns.len() - 1])).collect()
+    let level = root_ns.len() - 1;
+    Ok(pids
+        .iter()
+        .map(|&pid| proc::ns_pids(pid).ok().and_then(|ns| ns.get(level).copied()).unwrap_or(0))
+        .collect())
 }
 
 /// How /proc marks a path whose file was unlinked.

@@ -175,7 +175,8 @@ impl Engine {
     /// the checkpoint itself is stored. It does not wait for other nodes' commits (the
     /// checkpoint's caller would wait with it): busy now, it runs after the next checkpoint.
     pub(super) async fn apply_retention(&self) {
-        let Some(keep_last) = self.keep_last else { return };
+        // During an evacuation the evictions need the store to themselves.
+        let Some(keep_last) = self.keep_last.filter(|_| !self.is_evacuating()) else { return };
         let retention = Some(Retention { keep_last });
         if let Err(e) = self.store.gc(retention, self.gc_grace, false, std::time::Duration::ZERO).await {
             tracing::warn!(error = %e, "retention policy failed; the next checkpoint retries");

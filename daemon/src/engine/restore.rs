@@ -252,7 +252,7 @@ impl Engine {
             return pids.to_vec();
         }
         let now: Vec<(i32, Option<i32>)> =
-            self.host.trees(&[root]).into_iter().map(|p| (p, self.host.innermost_pid(p))).collect();
+            self.host.trees(&[root]).into_iter().map(|p| (p, self.host.pid_inside(p, root))).collect();
         let inside = |pid: &i32| {
             let at = manifest.pids.iter().position(|p| p == pid)?;
             let ns_pid = *manifest.ns_pids.get(at)?;
@@ -481,7 +481,8 @@ impl Engine {
     }
 
     fn record_restore(&self, manifest: &Manifest, name: &str, pid: i32) -> std::io::Result<()> {
-        if self.registry.get(name).is_some() {
+        // A copy (`--as`) gets a record of its own, even over an old one of that name.
+        if name == manifest.workload && self.registry.get(name).is_some() {
             return self.registry.update(name, |w| {
                 w.pid = pid;
                 w.last_error = None;

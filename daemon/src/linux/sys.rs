@@ -24,6 +24,9 @@ pub struct ChildSetup {
     pub new_pid_ns: bool,
 }
 
+/// Descriptors marked close-on-exec one by one where close_range(2) is refused.
+const FALLBACK_FDS: i32 = 4096;
+
 /// Spawns `cmd` with `setup` applied in the child.
 pub fn spawn(cmd: &mut Command, setup: ChildSetup) -> io::Result<Child> {
     let ChildSetup { new_session, cgroup_procs, keep_fds, new_pid_ns } = setup;
@@ -48,7 +51,11 @@ pub fn spawn(cmd: &mut Command, setup: ChildSetup) -> io::Result<Child> {
             // from whoever started stasisd (a shell, a test runner) would otherwise end up in a
             // workload, and in its checkpoint. Stdio (0-2) is already in place.
             if libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) < 0 {
-                return Err(io::Error::last_os_error());
+                // A kernel before 5.11 (or a seccomp filter) refuses it: the usual range one by
+                // one instead.
+                for fd in 3..FALLBACK_FDS {
+                    libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+                }
             }
             for &fd in &keep_fds {
                 if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {

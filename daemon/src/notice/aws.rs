@@ -6,6 +6,7 @@
 use std::time::{Duration, Instant, SystemTime};
 
 use serde::Deserialize;
+use tracing::warn;
 
 use super::{Cloud, Notice, NoticeError, NoticeKind, expect, rfc3339, send};
 
@@ -14,6 +15,8 @@ const ACTION_PATH: &str = "/latest/meta-data/spot/instance-action";
 const REBALANCE_PATH: &str = "/latest/meta-data/events/recommendations/rebalance";
 const TTL_HEADER: &str = "X-aws-ec2-metadata-token-ttl-seconds";
 const TOKEN_HEADER: &str = "X-aws-ec2-metadata-token";
+/// What a spot interruption gives.
+const WINDOW: Duration = Duration::from_secs(120);
 /// The session length asked for (the most IMDS grants: six hours).
 const TOKEN_TTL_SECS: u64 = 21_600;
 
@@ -53,11 +56,10 @@ impl Imds {
         {
             let url = format!("{}{ACTION_PATH}", self.base);
             let action: InstanceAction = serde_json::from_str(&body)
-                .map_err(|e| NoticeError::Answer { url: url.clone(), reason: e.to_string() })?;
-            let deadline = rfc3339(&action.time).ok_or_else(|| NoticeError::Answer {
-                url,
-                reason: format!("time {:?} is not RFC 3339", action.time),
-            })?;
+                .map_err(|e| NoticeError::Answer { url, reason: e.to_string() })?;
+            // An interruption is coming either way: a time that does not parse means the usual
+            // two minutes.
+            let deadline = rfc3339(&action.time).unwrap_or_else(|| SystemTime::now() + WINDOW);
             found.push(Notice {
                 cloud: Cloud::Aws,
                 kind: NoticeKind::Preemption,
@@ -67,22 +69,34 @@ impl Imds {
             });
             self.seen_action = Some(body);
         }
-        if let Some(body) = self.get(REBALANCE_PATH).await?
-            && self.seen_rebalance.as_deref() != Some(body.as_str())
-        {
-            let url = format!("{}{REBALANCE_PATH}", self.base);
-            let rebalance: Rebalance = serde_json::from_str(&body)
-                .map_err(|e| NoticeError::Answer { url, reason: e.to_string() })?;
-            found.push(Notice {
-                cloud: Cloud::Aws,
-                kind: NoticeKind::Rebalance,
-                deadline: rfc3339(&rebalance.notice_time).unwrap_or_else(SystemTime::now),
-                detail: format!("rebalance recommendation of {}", rebalance.notice_time),
-                done: None,
-            });
-            self.seen_rebalance = Some(body);
+        match self.rebalance().await {
+            Ok(rebalance) => found.extend(rebalance),
+            // The interruption found above must not be lost with this answer.
+            Err(e) if !found.is_empty() => {
+                warn!(error = %crate::error_chain(&e), "cannot read the rebalance recommendation")
+            }
+            Err(e) => return Err(e),
         }
         Ok(found)
+    }
+
+    /// The rebalance recommendation, if there is a new one.
+    async fn rebalance(&mut self) -> Result<Option<Notice>, NoticeError> {
+        let Some(body) = self.get(REBALANCE_PATH).await? else { return Ok(None) };
+        if self.seen_rebalance.as_deref() == Some(body.as_str()) {
+            return Ok(None);
+        }
+        let url = format!("{}{REBALANCE_PATH}", self.base);
+        let rebalance: Rebalance =
+            serde_json::from_str(&body).map_err(|e| NoticeError::Answer { url, reason: e.to_string() })?;
+        self.seen_rebalance = Some(body);
+        Ok(Some(Notice {
+            cloud: Cloud::Aws,
+            kind: NoticeKind::Rebalance,
+            deadline: rfc3339(&rebalance.notice_time).unwrap_or_else(SystemTime::now),
+            detail: format!("rebalance recommendation of {}", rebalance.notice_time),
+            done: None,
+        }))
     }
 
     /// The body at `path`, `None` for 404; a rejected token is replaced once.

@@ -6,6 +6,8 @@
 
 use std::time::{Duration, SystemTime};
 
+use tracing::warn;
+
 use super::{Cloud, Notice, NoticeError, NoticeKind, expect};
 
 const PREEMPTED_PATH: &str = "/computeMetadata/v1/instance/preempted";
@@ -39,9 +41,17 @@ impl Metadata {
         }
         self.preempted = preempted;
         let url = format!("{}{MAINTENANCE_PATH}", self.base);
-        let (status, _, event) = self.get(&url).await?;
-        expect(status, &url, &[])?;
-        let event = event.trim().to_owned();
+        let asked =
+            self.get(&url).await.and_then(|(status, _, event)| expect(status, &url, &[]).map(|_| event));
+        let event = match asked {
+            Ok(event) => event.trim().to_owned(),
+            // The preemption found above must not be lost with this answer.
+            Err(e) if !found.is_empty() => {
+                warn!(error = %crate::error_chain(&e), "cannot read the maintenance event");
+                return Ok(found);
+            }
+            Err(e) => return Err(e),
+        };
         if event != self.maintenance && event.starts_with("TERMINATE") {
             found.push(notice(
                 NoticeKind::Preemption,

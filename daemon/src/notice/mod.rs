@@ -132,8 +132,9 @@ pub enum NoticeError {
     Answer { url: String, reason: String },
 }
 
-/// The longest wait between tries at an unreachable metadata service.
-const MAX_BACKOFF: Duration = Duration::from_secs(60);
+/// The longest wait between tries at an unreachable metadata service: a notice may give 30 s
+/// only, so the watcher never sleeps through much of it.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// How long one request may take (GCP's waiting requests get their own wait on top).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 

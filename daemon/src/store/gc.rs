@@ -54,8 +54,10 @@ impl Store {
         own_too: bool,
         wait: Duration,
     ) -> Result<GcReport, StoreError> {
-        let _exclusive = self.gc_lock.write().await;
+        // The store lease first (other nodes), the local lock second (this node's commits);
+        // the order `begin_commit` takes them in too.
         let _lease = self.gc_lease(wait).await?;
+        let _exclusive = self.gc_lock.write().await;
         let mut report = GcReport::default();
         let Listing { mut manifests, unreadable } = self.listing().await?;
         // Chunks only an unreadable manifest references would look unreferenced: a manifest

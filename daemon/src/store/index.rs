@@ -73,6 +73,11 @@ impl ChunkIndex {
         inner.packs.insert(pack);
     }
 
+    /// The packs whose chunks it knows.
+    pub fn packs(&self) -> Vec<Arc<str>> {
+        self.read().packs.iter().cloned().collect()
+    }
+
     /// Forgets a pack and the chunks located in it.
     pub fn remove_pack(&self, pack: &str) {
         let mut inner = self.write();

@@ -47,15 +47,20 @@ struct LeaseBody {
 pub struct Lease {
     backend: std::sync::Arc<dyn ObjectStore>,
     key: ObjPath,
-    renewer: tokio::task::JoinHandle<()>,
+    renewer: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        self.renewer.abort();
+        let renewer = self.renewer.take();
+        renewer.iter().for_each(tokio::task::JoinHandle::abort);
         let (backend, key) = (self.backend.clone(), self.key.clone());
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
+                // The renewal ended first, so none of its writes comes after the delete.
+                if let Some(renewer) = renewer {
+                    let _ = renewer.await;
+                }
                 if let Err(e) = backend.delete(&key).await {
                     warn!(lease = %key, error = %e, "cannot release a store lease; it expires by itself");
                 }
@@ -101,17 +106,17 @@ impl Store {
         if let Some((_, holder, true)) = gcs.iter().find(|(_, _, live)| *live) {
             return Err(StoreError::Busy(format!("node {} is collecting garbage", holder.node)));
         }
-        let next = gcs.iter().map(|(n, _, _)| n + 1).max().unwrap_or(0);
-        let key = self.key(&format!("locks/gc-{next:012}"));
-        let Some(lease) = self.write_lease(key, PutMode::Create).await? else {
-            return Err(StoreError::Busy("another node began collecting garbage".into()));
-        };
-        // The expired generations are litter now.
-        for (n, _, _) in gcs {
+        // The expired generations are litter.
+        for (n, _, _) in &gcs {
             let _ = self.backend.delete(&self.key(&format!("locks/gc-{n:012}"))).await;
         }
+        let mut next = gcs.iter().map(|(n, _, _)| n + 1).max().unwrap_or(0);
         let deadline = tokio::time::Instant::now() + wait;
         loop {
+            let key = self.key(&format!("locks/gc-{next:012}"));
+            let Some(lease) = self.write_lease(key, PutMode::Create).await? else {
+                return Err(StoreError::Busy("another node began collecting garbage".into()));
+            };
             let users: Vec<String> = self
                 .live_leases("use-")
                 .await?
@@ -122,6 +127,9 @@ impl Store {
             if users.is_empty() {
                 return Ok(lease);
             }
+            // Not held while waiting: other nodes' commits (an eviction racing a deadline, say)
+            // must not queue behind a collection that has not begun.
+            drop(lease);
             if tokio::time::Instant::now() >= deadline {
                 return Err(StoreError::Busy(format!(
                     "checkpoints or restores are under way on node(s) {}",
@@ -130,6 +138,7 @@ impl Store {
             }
             debug!(nodes = ?users, "garbage collection waits for other nodes' commits");
             tokio::time::sleep(RETRY_EVERY).await;
+            next += 1;
         }
     }
 
@@ -166,7 +175,7 @@ impl Store {
                 }
             }
         });
-        Ok(Some(Lease { backend: self.backend.clone(), key, renewer }))
+        Ok(Some(Lease { backend: self.backend.clone(), key, renewer: Some(renewer) }))
     }
 
     /// The unexpired leases whose names start with `kind`, by name.

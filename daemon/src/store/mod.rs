@@ -250,18 +250,30 @@ impl Store {
     }
 
     /// Starts a commit: keeps garbage collection (this node's and others') out until the
-    /// guard is dropped.
+    /// guard is dropped, and brings the chunk index up to date, so that the commit dedups only
+    /// against packs that exist (and, under the lease, stay).
+    ///
+    /// The store lease comes first, the local lock second, as in a collection: a commit never
+    /// waits for another node while holding what this node's collection waits for.
     pub async fn begin_commit(&self) -> Result<CommitGuard, StoreError> {
+        let lease = self.use_lease().await?;
+        self.refresh_index().await?;
         let local = self.gc_lock.clone().read_owned().await;
-        Ok(CommitGuard { _local: local, _lease: self.use_lease().await? })
+        Ok(CommitGuard { _local: local, _lease: lease })
     }
 
     /// Loads the indexes of packs this store has not seen yet (written by other nodes, or
-    /// before a restart).
+    /// before a restart), and forgets those no longer there (another node's collection
+    /// deleted them): nothing may be deduplicated against a pack that is gone.
     pub async fn refresh_index(&self) -> Result<(), StoreError> {
         let dir = self.key("packs");
         let metas: Vec<_> =
             self.backend.list(Some(&dir)).try_collect().await.map_err(Self::backend_err(&dir))?;
+        let listed: std::collections::HashSet<&str> =
+            metas.iter().filter_map(|m| m.location.filename()?.strip_suffix(".idx")).collect();
+        for gone in self.index.packs().into_iter().filter(|p| !listed.contains(&**p)) {
+            self.index.remove_pack(&gone);
+        }
         for meta in metas {
             let Some(pack) = meta.location.filename().and_then(|f| f.strip_suffix(".idx")) else { continue };
             if self.index.knows_pack(pack) {

@@ -99,6 +99,10 @@ impl Engine {
                 loop {
                     let next = lock(&queue).pop_front();
                     let Some((candidate, estimate)) = next else { break };
+                    if leave_running && lock(&engine.evacuating).get(&candidate.name) == Some(&true) {
+                        // A preemption took it over meanwhile: its eviction comes instead.
+                        continue;
+                    }
                     let result = engine.evacuate_one(&candidate.name, leave_running).await;
                     let (checkpoint, error) = match result {
                         Ok(id) => (Some(id), None),
@@ -164,7 +168,7 @@ impl Engine {
             let late_ms = e.durable_unix_ms.map(|t| t as i64 - e.deadline_unix_ms as i64);
             match &e.error {
                 None => {
-                    info!(workload = %e.workload, checkpoint = ?e.checkpoint, estimate_ms = e.estimate_ms, after_ms = e.durable_unix_ms.map(|t| t - e.notice_unix_ms), in_time = e.in_time(), ?late_ms, "evacuated")
+                    info!(workload = %e.workload, checkpoint = ?e.checkpoint, estimate_ms = e.estimate_ms, after_ms = e.durable_unix_ms.map(|t| t.saturating_sub(e.notice_unix_ms)), in_time = e.in_time(), ?late_ms, "evacuated")
                 }
                 Some(error) => {
                     warn!(workload = %e.workload, %error, "evacuation failed: the workload is not durable")
