@@ -56,7 +56,7 @@ impl Store {
     ) -> Result<GcReport, StoreError> {
         // The store lease first (other nodes), the local lock second (this node's commits);
         // the order `begin_commit` takes them in too.
-        let _lease = self.gc_lease(wait).await?;
+        let lease = self.gc_lease(wait).await?;
         let _exclusive = self.gc_lock.write().await;
         let mut report = GcReport::default();
         let Listing { mut manifests, unreadable } = self.listing().await?;
@@ -86,6 +86,7 @@ impl Store {
             if !has_index {
                 // An upload that died before its index was written.
                 if reclaimable {
+                    lease.check()?;
                     self.delete_pack(&pack).await?;
                     report.packs_deleted += 1;
                     report.bytes_freed += size;
@@ -107,10 +108,12 @@ impl Store {
                 index.entries.iter().filter(|e| is_live(&live, &e.hash)).cloned().collect();
             let live_bytes: u64 = live_entries.iter().map(|e| u64::from(e.stored_len)).sum();
             if live_entries.is_empty() && reclaimable {
+                lease.check()?;
                 self.delete_pack(&pack).await?;
                 report.packs_deleted += 1;
                 report.bytes_freed += size;
             } else if !live_entries.is_empty() && (live_bytes as f64) < REPACK_BELOW * total as f64 {
+                lease.check()?;
                 self.repack(&pack, live_entries).await?;
                 report.packs_repacked += 1;
                 report.bytes_freed += size.saturating_sub(live_bytes);

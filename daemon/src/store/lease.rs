@@ -19,7 +19,8 @@
 //! expired is taken over by creating the next generation, never by overwriting it, so two
 //! nodes taking over at once cannot both win.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::TryStreamExt;
 use object_store::path::Path as ObjPath;
@@ -45,10 +46,29 @@ struct LeaseBody {
 /// A lease held in the store; released (deleted) when dropped, renewed meanwhile.
 #[derive(Debug)]
 pub struct Lease {
-    backend: std::sync::Arc<dyn ObjectStore>,
+    backend: Arc<dyn ObjectStore>,
     key: ObjPath,
     renewer: Option<tokio::task::JoinHandle<()>>,
+    /// Until when the store holds it for sure: its last write plus the TTL, less a margin
+    /// for the write's own time and the clocks' drift.
+    holds_until: Arc<Mutex<Instant>>,
 }
+
+impl Lease {
+    /// Fails once the lease may have lapsed (its renewals failed for most of a TTL): another
+    /// node may act as if it were gone, so what it protects must not be relied on any more.
+    pub fn check(&self) -> Result<(), StoreError> {
+        match Instant::now() < *self.holds_until.lock().unwrap_or_else(|p| p.into_inner()) {
+            true => Ok(()),
+            false => {
+                Err(StoreError::Busy(format!("the store lease {} lapsed: its renewals failed", self.key)))
+            }
+        }
+    }
+}
+
+/// Taken off a lease's TTL for [`Lease::check`].
+const LAPSE_MARGIN: Duration = Duration::from_secs(30);
 
 impl Drop for Lease {
     fn drop(&mut self) {
@@ -166,16 +186,20 @@ impl Store {
             Err(object_store::Error::AlreadyExists { .. }) => return Ok(None),
             Err(source) => return Err(StoreError::Backend { key: key.to_string(), source }),
         }
+        let holds_until = Arc::new(Mutex::new(Instant::now() + TTL - LAPSE_MARGIN));
         let (backend, renewed, node) = (self.backend.clone(), key.clone(), self.node_tag.clone());
+        let until = holds_until.clone();
         let renewer = tokio::spawn(async move {
             loop {
                 tokio::time::sleep(RENEW_EVERY).await;
-                if let Err(e) = backend.put(&renewed, body(&node).into()).await {
-                    warn!(lease = %renewed, error = %e, "cannot renew a store lease");
+                let at = Instant::now();
+                match backend.put(&renewed, body(&node).into()).await {
+                    Ok(_) => *until.lock().unwrap_or_else(|p| p.into_inner()) = at + TTL - LAPSE_MARGIN,
+                    Err(e) => warn!(lease = %renewed, error = %e, "cannot renew a store lease"),
                 }
             }
         });
-        Ok(Some(Lease { backend: self.backend.clone(), key, renewer: Some(renewer) }))
+        Ok(Some(Lease { backend: self.backend.clone(), key, renewer: Some(renewer), holds_until }))
     }
 
     /// The unexpired leases whose names start with `kind`, by name.
@@ -294,5 +318,19 @@ mod tests {
         assert_eq!(a.clear_own_leases().await.unwrap(), 0, "b's lease is not a's to clear");
         assert!(b.live_leases("gc-").await.unwrap().is_empty());
         assert_eq!(b.live_leases("use-").await.unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_commit_whose_lease_lapsed_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, _) = nodes(dir.path());
+        let guard = a.begin_commit().await.unwrap();
+        let manifest =
+            stasis_proto::stasis::v1::Manifest { id: "20261123-000000-abcdef".into(), ..Default::default() };
+        // Renewals that kept failing for most of a TTL.
+        *guard.lease.holds_until.lock().unwrap() = Instant::now() - Duration::from_secs(1);
+        let err = a.commit(&manifest, &guard).await.unwrap_err();
+        assert!(err.to_string().contains("lapsed"), "{err}");
+        assert!(a.manifest(&manifest.id).await.is_err(), "nothing was committed");
     }
 }

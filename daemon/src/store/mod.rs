@@ -121,7 +121,7 @@ pub struct Store {
 #[derive(Debug)]
 pub struct CommitGuard {
     _local: tokio::sync::OwnedRwLockReadGuard<()>,
-    _lease: lease::Lease,
+    lease: lease::Lease,
 }
 
 /// The checkpoints of a store: the readable manifests and the ids that could not be read.
@@ -259,7 +259,7 @@ impl Store {
         let lease = self.use_lease().await?;
         self.refresh_index().await?;
         let local = self.gc_lock.clone().read_owned().await;
-        Ok(CommitGuard { _local: local, _lease: lease })
+        Ok(CommitGuard { _local: local, lease })
     }
 
     /// Loads the indexes of packs this store has not seen yet (written by other nodes, or
@@ -293,8 +293,10 @@ impl Store {
         Ok(())
     }
 
-    /// Writes the manifest: the step that makes the checkpoint exist.
-    pub async fn commit(&self, manifest: &Manifest, _guard: &CommitGuard) -> Result<(), StoreError> {
+    /// Writes the manifest: the step that makes the checkpoint exist. Refused if the commit's
+    /// lease lapsed: another node's collection may have taken packs it references.
+    pub async fn commit(&self, manifest: &Manifest, guard: &CommitGuard) -> Result<(), StoreError> {
+        guard.lease.check()?;
         let key = self.manifest_key(&manifest.id);
         let payload = PutPayload::from(envelope::encode(envelope::MANIFEST, manifest, self.cipher()));
         self.backend.put(&key, payload).await.map_err(Self::backend_err(&key))?;
