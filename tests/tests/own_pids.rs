@@ -1,16 +1,18 @@
 //! Workloads in a pid namespace of their own (`stasis run --own-pids`, under stasis-init):
 //! one checkpoint restores as several independent copies beside the running original, each
 //! in a namespace of its own, with its own memory; a copy is checkpointed and restored in
-//! turn (eagerly, when asked for lazily); a restore that would take over the running
-//! workload's name is refused.
+//! turn, lazily; a restore that would take over the running workload's name is refused; an
+//! idle one is reclaimed and woken into a new namespace by a request.
 
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use stasis_tests::{
-    Daemon, TIMEOUT, Workload, expect_within, pid_of, procfs, python_workload, skip_unless_ready,
+    Daemon, TIMEOUT, Workload, expect_within, free_port, http_get, pid_of, procfs, python_workload,
+    skip_unless_ready,
 };
 
 /// The pid of `pid` inside its innermost pid namespace.
@@ -72,20 +74,45 @@ fn one_checkpoint_runs_as_several_independent_copies_beside_the_original() {
     assert_ne!(checksum(&log, init), original);
     assert_eq!(checksum(&log, copies[0]), original);
 
-    // The original goes; a copy is evicted and restored in turn, by its own name (a lazy restore of it is done eagerly).
+    // The original goes; a copy is evicted and restored in turn (lazily), by its own name.
     procfs::kill9(init);
     expect_within(TIMEOUT, "the original's namespace to be gone", || (!procfs::exists(init)).then_some(()));
     let copy1 = format!("{name}-copy1");
     d.json(&["checkpoint", "--workload", &copy1, "--json"]);
     expect_within(TIMEOUT, "the evicted copy to be gone", || (!procfs::exists(copies[0])).then_some(()));
-    // Asked for lazily, it is restored eagerly, and says so.
+    // Lazily: it runs at once in a new namespace, its memory arriving as it is touched.
     let restored = d.json(&["restore", "--workload", &copy1, "--lazy", "--json"]);
-    let warned = restored["warnings"].to_string();
-    assert!(warned.contains("restored eagerly: lazy restore does not handle"), "{restored}");
+    assert_eq!(restored["stats"]["lazy"], true, "{restored}");
     let again = pid_of(&restored);
+    assert_eq!(inner_pid(again), Some(1), "{restored}");
     assert_eq!(checksum(&log, again), original);
     assert!(procfs::running(copies[1]), "the other copy runs on");
     for pid in [again, copies[1]] {
         procfs::kill9(pid);
     }
+}
+
+/// Idle reclaim of a workload with its own pid namespace: the wake is a lazy restore into a
+/// new namespace, and a plain HTTP request gets its answer from the woken server.
+#[test]
+fn an_idle_server_with_its_own_pids_is_reclaimed_and_woken_by_a_request() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let name = d.workload_name("own-web");
+    let port = free_port();
+    let mut args = vec!["run", "--own-pids", "--workload", &name, "--idle-after", "2s", "--json", "--"];
+    let argv = python_workload("http_counter.py", &[&port.to_string(), "32"]);
+    args.extend(argv.iter().map(String::as_str));
+    let init = pid_of(&d.json(&args));
+    let first = expect_within(Duration::from_secs(60), "the server to answer", || http_get(port).ok());
+    expect_within(Duration::from_secs(60), "the workload to be reclaimed", || {
+        let w = d.workloads().into_iter().find(|w| w["name"] == name.as_str())?;
+        (w["state"] == "reclaimed" && !procfs::exists(init)).then_some(())
+    });
+    let answer = http_get(port).expect("the request that wakes the server");
+    assert_eq!(answer, first.replace("hits 1", "hits 2"), "the counter and the memory go on");
+    let w = d.workloads().into_iter().find(|w| w["name"] == name.as_str()).unwrap();
+    let woken = w["pid"].as_i64().unwrap() as i32;
+    assert_eq!((w["state"].as_str(), inner_pid(woken)), (Some("running"), Some(1)), "{w}");
+    procfs::kill9(woken);
 }

@@ -63,9 +63,9 @@ pub const MIN_VERSION: CriuVersion = CriuVersion { major: 4, minor: 0, sublevel:
 /// Name of CRIU's log file inside an images directory.
 pub const LOG_FILE: &str = "criu.log";
 
-/// Called with each CRIU notification ("pre-dump", "post-dump", "pre-resume", ...) while CRIU
-/// waits; an error makes CRIU abort.
-pub type OnNotify<'a> = &'a mut dyn FnMut(&str) -> Result<(), String>;
+/// Called with each CRIU notification ("pre-dump", "post-dump", "pre-resume", ...) and the pid
+/// of the CRIU process while it waits; an error makes CRIU abort.
+pub type OnNotify<'a> = &'a mut dyn FnMut(&str, i32) -> Result<(), String>;
 
 /// What stasisd asks of CRIU. Blocking calls.
 pub trait CriuOps: Send + Sync + std::fmt::Debug {

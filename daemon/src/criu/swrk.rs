@@ -56,7 +56,7 @@ impl Session {
 
     /// Sends `req` and returns CRIU's final answer, answering notifications with success.
     pub(super) fn call(&mut self, req: &Request) -> Result<Response, CriuError> {
-        self.call_with_notify(req, &mut |_| Ok(()))
+        self.call_with_notify(req, &mut |_, _| Ok(()))
     }
 
     /// Sends `req`; every NOTIFY answer is passed to `on_notify` and acknowledged with its
@@ -64,7 +64,7 @@ impl Session {
     pub(super) fn call_with_notify(
         &mut self,
         req: &Request,
-        on_notify: &mut dyn FnMut(&str) -> Result<(), String>,
+        on_notify: super::OnNotify<'_>,
     ) -> Result<Response, CriuError> {
         if let Some(opts) = &req.opts {
             self.log_dir = images_dir_of(opts.images_dir_fd);
@@ -77,7 +77,7 @@ impl Session {
             }
             let script = resp.notify.and_then(|n| n.script).unwrap_or_default();
             debug!(script, "criu notification");
-            let ok = match on_notify(&script) {
+            let ok = match on_notify(&script, self.pid) {
                 Ok(()) => true,
                 Err(reason) => {
                     tracing::warn!(script, reason, "aborting CRIU at notification");

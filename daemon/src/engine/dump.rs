@@ -65,7 +65,7 @@ pub(super) fn dump(
         .map_err(|e| DumpFailure::Local("page-server thread", e))?;
     spec.page_server_fd = Some(theirs.as_raw_fd());
     let mut frozen_at = None;
-    let dumped = criu.dump(&spec, &mut |script| {
+    let dumped = criu.dump(&spec, &mut |script, _| {
         if script == "pre-dump" {
             frozen_at = Some(Instant::now());
         }

@@ -14,18 +14,17 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::Signal;
 use tracing::{info, instrument, warn};
 
 use super::checkpoint::tree_options;
 use super::compat;
 use super::gpu::{self, GpuError};
 use super::gpu_map;
-use super::hot_restore::{FaultGuard, KillTree, LazyError, LazySession};
+use super::hot_restore::{FaultGuard, KillTree, LazyError, LazySession, Roots, tree_killer};
 use super::ids::{ms, valid_checkpoint_id};
 use super::sockets::{self, needs_network_support};
 use super::workloads::{Workload, valid_name};
-use super::{Caller, Engine, ProgressFn, ProgressUpdate, RestoreError};
+use super::{Caller, Engine, ProgressFn, ProgressUpdate, RestoreError, lock};
 use crate::criu::RestoreSpec;
 use crate::cuda::GpuUuid;
 use crate::linux::pty;
@@ -166,26 +165,34 @@ impl Engine {
         let name = params.as_workload.clone().unwrap_or_else(|| manifest.workload.clone());
         let _guard = self.lock_workload(&name).await;
         self.check_name(&manifest, &name, params.caller)?;
-        let preflight = self.preflight(&manifest, &params.gpu_map, params.tcp_close, params.lazy).await?;
-        let lazy = params.lazy && !manifest.own_pid_namespace;
+        let preflight = self.preflight(&manifest, &params.gpu_map, params.tcp_close).await?;
+        let lazy = params.lazy;
         let bytes = manifest.stats.map(|s| s.bytes_total).unwrap_or_default();
         let work = self.state.new_restore_dir(bytes).map_err(local("restore scratch directory"))?;
         // Packs stay out of garbage collection's reach until every page is in.
         let commit_guard = self.store.begin_commit().await?;
         let (bytes_fetched, memory) = self.fetch_images(&manifest, work.path(), lazy, &progress).await?;
         let fetched = Instant::now();
+        // The restored tree's roots: the recorded pids, or for a tree with its own pid
+        // namespace the root CRIU creates, once known.
+        let roots: Roots = Arc::new(std::sync::Mutex::new(match manifest.own_pid_namespace {
+            true => Vec::new(),
+            false => manifest.pids.clone(),
+        }));
         let session = match memory.is_empty() {
             true => None,
             false => Some(
-                self.start_lazy(&manifest, work.path(), memory, self.tree_killer(manifest.pids.clone()))
+                self.start_lazy(&manifest, work.path(), memory, roots.clone())
                     .await
                     .map_err(|source| RestoreError::LazyStart { id: manifest.id.clone(), source })?,
             ),
         };
         let (pid, session) =
             self.run_criu(&manifest, work.path(), params.tcp_close, session, &progress).await?;
-        let roots = if manifest.own_pid_namespace { vec![pid] } else { manifest.pids.clone() };
-        let mut restored = Restored { kill: self.tree_killer(roots), armed: true };
+        if manifest.own_pid_namespace {
+            *lock(&roots) = vec![pid];
+        }
+        let mut restored = Restored { kill: tree_killer(self.host.clone(), roots), armed: true };
         let watch = session.map(|s| s.watch(self.reaper.clone(), progress.clone()));
         let gpu_pids = self.restored_pids(&manifest, pid, &manifest.gpu_pids);
         let gpu_restore_ms = self.reattach_gpu(&manifest, gpu_pids, preflight.gpu_pairs, &progress).await?;
@@ -238,12 +245,6 @@ impl Engine {
         Err(RestoreError::BadName { name: name.to_owned(), why })
     }
 
-    /// A way to kill the restored tree of `roots` with whatever it forked meanwhile.
-    fn tree_killer(&self, roots: Vec<i32>) -> KillTree {
-        let host = self.host.clone();
-        Arc::new(move || host.signal(&host.trees(&roots), Signal::SIGKILL))
-    }
-
     /// The pids that `pids` (as the checkpoint recorded them) have in the tree restored with
     /// root `root`: the same, unless the tree has its own pid namespace, whose restore numbers
     /// them anew outside it (matched by their pids inside it).
@@ -269,7 +270,6 @@ impl Engine {
         manifest: &Manifest,
         gpu_map: &[(GpuUuid, GpuUuid)],
         tcp_close: bool,
-        lazy: bool,
     ) -> Result<Preflight, RestoreError> {
         let id = manifest.id.clone();
         let busy = match manifest.own_pid_namespace {
@@ -279,13 +279,8 @@ impl Engine {
         if !busy.is_empty() {
             return Err(RestoreError::PidsInUse { id, pids: busy });
         }
-        let mut warnings = sockets::check_restore(&manifest.sockets, tcp_close)
+        let warnings = sockets::check_restore(&manifest.sockets, tcp_close)
             .map_err(|reason| RestoreError::Sockets { id: id.clone(), reason })?;
-        if lazy && manifest.own_pid_namespace {
-            warnings.push(
-                "restored eagerly: lazy restore does not handle a tree with its own pid namespace yet".into(),
-            );
-        }
         if needs_network_support(&manifest.sockets)
             && let Err(why) = &self.network_sockets
         {
@@ -344,8 +339,8 @@ impl Engine {
         let faults = session.as_ref().map(LazySession::fault_guard);
         let mut on_notify = {
             let faults = faults.clone();
-            move |script: &str| match faults.as_ref().filter(|_| script == "pre-resume") {
-                Some(faults) => faults.start().map_err(|e| crate::error_chain(e.as_ref())),
+            move |script: &str, criu: i32| match faults.as_ref().filter(|_| script == "pre-resume") {
+                Some(faults) => faults.start(criu).map_err(|e| crate::error_chain(e.as_ref())),
                 None => Ok(()),
             }
         };

@@ -92,6 +92,25 @@ pub fn process_tree(root: i32) -> io::Result<Vec<i32>> {
     Ok(seen)
 }
 
+/// The root of the tree CRIU (process `criu`) is restoring into a new pid namespace: the
+/// init of a namespace below ours that CRIU traces (it holds the tree until it resumes it).
+/// CRIU creates it as its own child or, restoring as a sibling, as a child of ours.
+pub fn restoring_namespace_root(criu: i32) -> Option<i32> {
+    let depth = ns_pids(criu).ok()?.len();
+    let mut candidates = children(criu).unwrap_or_default();
+    candidates.extend(children(std::process::id() as i32).unwrap_or_default());
+    candidates.into_iter().find(|&pid| {
+        ns_pids(pid).is_ok_and(|ns| ns.len() > depth && ns.last() == Some(&1)) && tracer(pid) == Some(criu)
+    })
+}
+
+/// The process tracing `pid` (its `TracerPid`), if one does.
+pub fn tracer(pid: i32) -> Option<i32> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let tracer: i32 = status.lines().find_map(|l| l.strip_prefix("TracerPid:"))?.trim().parse().ok()?;
+    (tracer != 0).then_some(tracer)
+}
+
 fn children(pid: i32) -> io::Result<Vec<i32>> {
     let mut out = Vec::new();
     let tasks = match fs::read_dir(format!("/proc/{pid}/task")) {

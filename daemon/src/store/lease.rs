@@ -120,14 +120,16 @@ impl Store {
     }
 
     /// The collection lease, once no other node uses the store's packs; waits up to `wait`
-    /// for them, then fails naming them. Another node's live collection lease fails at once.
+    /// for them, then fails naming them. Another node's live collection lease fails at once;
+    /// this node's own (one just released, or another collection here, which the store's
+    /// local lock orders after this one) does not.
     pub(super) async fn gc_lease(&self, wait: Duration) -> Result<Lease, StoreError> {
         let gcs = self.live_or_all_gc().await?;
-        if let Some((_, holder, true)) = gcs.iter().find(|(_, _, live)| *live) {
+        if let Some((_, holder, _)) = gcs.iter().find(|(_, b, live)| *live && b.node != *self.node_tag) {
             return Err(StoreError::Busy(format!("node {} is collecting garbage", holder.node)));
         }
         // The expired generations are litter.
-        for (n, _, _) in &gcs {
+        for (n, _, _) in gcs.iter().filter(|(_, _, live)| !live) {
             let _ = self.backend.delete(&self.key(&format!("locks/gc-{n:012}"))).await;
         }
         let mut next = gcs.iter().map(|(n, _, _)| n + 1).max().unwrap_or(0);

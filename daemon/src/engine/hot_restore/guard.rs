@@ -31,6 +31,8 @@ pub enum GuardError {
     DaemonEnded(ExitKind),
     #[error("CRIU did not announce pre-resume")]
     NoPreResume,
+    #[error("at pre-resume, CRIU (pid {0}) holds no tree in a new pid namespace")]
+    NoNamespaceRoot(i32),
     #[error("cannot start {exe}")]
     Spawn {
         exe: std::path::PathBuf,
@@ -47,10 +49,20 @@ pub enum GuardError {
 pub(in crate::engine) struct FaultGuard {
     daemon: i32,
     reaper: Reaper,
-    pids: Vec<i32>,
+    tree: TreePids,
     started: Arc<std::sync::Mutex<Option<GuardProcess>>>,
     /// Why the guard could not start (CRIU only logs a failed notification and goes on).
     failure: Arc<std::sync::Mutex<Option<Arc<GuardError>>>>,
+}
+
+/// The restored tree's processes, as the guard learns them.
+#[derive(Clone)]
+pub(in crate::engine) enum TreePids {
+    /// As recorded (root first): the restore gives them back.
+    Recorded(Vec<i32>),
+    /// A tree with its own pid namespace, numbered anew outside it: found at pre-resume as
+    /// the namespace CRIU created, whose root then goes into these roots (for killing).
+    InNamespace(super::Roots),
 }
 
 /// How long the restore's userfaultfds may take to reach the lazy-pages daemon.
@@ -75,14 +87,26 @@ impl GuardProcess {
 impl FaultGuard {
     /// A guard, not started yet, for the tree `pids` (root first) that the lazy-pages daemon
     /// `daemon` serves.
-    pub(super) fn new(daemon: i32, reaper: Reaper, pids: Vec<i32>) -> FaultGuard {
-        FaultGuard { daemon, reaper, pids, started: Default::default(), failure: Default::default() }
+    pub(super) fn new(daemon: i32, reaper: Reaper, tree: TreePids) -> FaultGuard {
+        FaultGuard { daemon, reaper, tree, started: Default::default(), failure: Default::default() }
     }
 
-    /// Starts the guard. A failure is recorded: the restore then kills the tree rather than
-    /// let it run unguarded.
-    pub(in crate::engine) fn start(&self) -> Result<(), Arc<GuardError>> {
-        let result = self.try_start().map_err(Arc::new);
+    /// The tree's processes, root first, now that CRIU (process `criu`) has created them.
+    fn pids(&self, criu: i32) -> Result<Vec<i32>, GuardError> {
+        match &self.tree {
+            TreePids::Recorded(pids) => Ok(pids.clone()),
+            TreePids::InNamespace(roots) => {
+                let root = proc::restoring_namespace_root(criu).ok_or(GuardError::NoNamespaceRoot(criu))?;
+                *lock(roots) = vec![root];
+                proc::process_tree(root).map_err(GuardError::ListFds)
+            }
+        }
+    }
+
+    /// Starts the guard, at CRIU's (process `criu`) pre-resume. A failure is recorded: the
+    /// restore then kills the tree rather than let it run unguarded.
+    pub(in crate::engine) fn start(&self, criu: i32) -> Result<(), Arc<GuardError>> {
+        let result = self.pids(criu).and_then(|pids| self.try_start(&pids)).map_err(Arc::new);
         if let Err(reason) = &result {
             *lock(&self.failure) = Some(reason.clone());
         }
@@ -106,7 +130,7 @@ impl FaultGuard {
 
     /// The daemon's userfaultfds: one per live task, some possibly still in transit from the
     /// restore, so it waits a little for all of them.
-    fn daemon_uffds(&self) -> Result<Vec<i32>, GuardError> {
+    fn daemon_uffds(&self, tasks: usize) -> Result<Vec<i32>, GuardError> {
         let deadline = Instant::now() + UFFDS_WAIT;
         loop {
             let fds = proc::fd_targets(self.daemon).map_err(GuardError::ListFds)?;
@@ -115,10 +139,10 @@ impl FaultGuard {
                 .filter(|(_, target)| target.as_os_str() == "anon_inode:[userfaultfd]")
                 .map(|(fd, _)| fd)
                 .collect();
-            if uffds.len() >= self.pids.len() || Instant::now() >= deadline {
-                if uffds.len() < self.pids.len() {
+            if uffds.len() >= tasks || Instant::now() >= deadline {
+                if uffds.len() < tasks {
                     // Zombies of the tree get none; a missing one is a task left unguarded.
-                    warn!(found = uffds.len(), tasks = self.pids.len(), "fewer userfaultfds than tasks");
+                    warn!(found = uffds.len(), tasks, "fewer userfaultfds than tasks");
                 }
                 return Ok(uffds);
             }
@@ -141,9 +165,9 @@ impl FaultGuard {
     }
 
     /// Copies of the daemon's userfaultfds.
-    fn copy_uffds(&self) -> Result<Vec<OwnedFd>, GuardError> {
+    fn copy_uffds(&self, tasks: usize) -> Result<Vec<OwnedFd>, GuardError> {
         let copies = self
-            .daemon_uffds()?
+            .daemon_uffds(tasks)?
             .into_iter()
             .map(|fd| copy_fd_of(self.daemon, fd))
             .collect::<Result<Vec<OwnedFd>, _>>()
@@ -154,8 +178,8 @@ impl FaultGuard {
         Ok(copies)
     }
 
-    fn try_start(&self) -> Result<(), GuardError> {
-        let copies = match self.copy_uffds() {
+    fn try_start(&self, tree: &[i32]) -> Result<(), GuardError> {
+        let copies = match self.copy_uffds(tree.len()) {
             Ok(copies) => copies,
             // The daemon may have brought every page in and exited before the tree runs (its
             // background transfer starts once CRIU says the restore is done): nothing to guard.
@@ -169,9 +193,9 @@ impl FaultGuard {
             crate::linux::companion_program(GUARD_BIN).map_err(spawn_err(std::path::Path::new(GUARD_BIN)))?;
         let (control_r, control_w) =
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| spawn_err(&exe)(e.into()))?;
-        let pids: Vec<String> = self.pids.iter().map(i32::to_string).collect();
+        let pids: Vec<String> = tree.iter().map(i32::to_string).collect();
         let mut cmd = Command::new(&exe);
-        cmd.args(["--root", &self.pids[0].to_string(), "--pids", &pids.join(",")])
+        cmd.args(["--root", &pids[0], "--pids", &pids.join(",")])
             .stdin(Stdio::from(control_r))
             .stdout(Stdio::null());
         let setup = ChildSetup {

@@ -33,9 +33,10 @@ use tracing::{info, warn};
 
 mod guard;
 
-pub(in crate::engine) use guard::{FaultGuard, GuardError};
+pub(in crate::engine) use guard::{FaultGuard, GuardError, TreePids};
 
-use super::{Engine, ProgressFn, ProgressUpdate};
+use super::host::Host;
+use super::{Engine, ProgressFn, ProgressUpdate, lock};
 use crate::criu::CriuError;
 use crate::criu::lazy_pages::{LazyPagesDaemon, PageSource, ServeStats, serve_requests};
 use crate::criu::pageserver::{HeaderLayout, PageServerError};
@@ -87,6 +88,18 @@ pub(super) struct LazySession {
 
 /// Kills a restored tree: the processes of the checkpoint and whatever each started since.
 pub(super) type KillTree = Arc<dyn Fn() + Send + Sync>;
+
+/// The roots of a restored tree, as far as known: the recorded pids, or for a tree with its
+/// own pid namespace the root CRIU created (known from the pre-resume notification on).
+pub(super) type Roots = Arc<std::sync::Mutex<Vec<i32>>>;
+
+/// Kills the trees of `roots`, with whatever they forked meanwhile.
+pub(super) fn tree_killer(host: Arc<dyn Host>, roots: Roots) -> KillTree {
+    Arc::new(move || {
+        let roots = lock(&roots).clone();
+        host.signal(&host.trees(&roots), Signal::SIGKILL)
+    })
+}
 
 /// The page server's view of the prefetcher; counts what it serves.
 struct Served {
@@ -140,8 +153,9 @@ impl Engine {
         manifest: &Manifest,
         dir: &std::path::Path,
         memory: LazyMemory,
-        kill: KillTree,
+        roots: Roots,
     ) -> Result<LazySession, LazyError> {
+        let kill = tree_killer(self.host.clone(), roots.clone());
         let total = memory.bytes();
         let (ours, theirs): (OwnedFd, OwnedFd) =
             socketpair(AddressFamily::Unix, SockType::Stream, None, SockFlag::SOCK_CLOEXEC)
@@ -165,9 +179,15 @@ impl Engine {
             Ok(daemon) => {
                 // The daemon is ready, so alive: an exit recorded for its pid is an earlier one's.
                 self.reaper.forget_earlier_exit(daemon.pid);
-                let mut pids = vec![manifest.root_pid];
-                pids.extend(manifest.pids.iter().filter(|p| **p != manifest.root_pid));
-                let guard = FaultGuard::new(daemon.pid, self.reaper.clone(), pids);
+                let tree = match manifest.own_pid_namespace {
+                    true => TreePids::InNamespace(roots),
+                    false => {
+                        let mut pids = vec![manifest.root_pid];
+                        pids.extend(manifest.pids.iter().filter(|p| **p != manifest.root_pid));
+                        TreePids::Recorded(pids)
+                    }
+                };
+                let guard = FaultGuard::new(daemon.pid, self.reaper.clone(), tree);
                 Ok(LazySession { daemon, fetch, server, armed, served, total, guard, kill })
             }
             Err(e) => {
