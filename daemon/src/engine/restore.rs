@@ -173,12 +173,7 @@ impl Engine {
         let commit_guard = self.store.begin_commit().await?;
         let (bytes_fetched, memory) = self.fetch_images(&manifest, work.path(), lazy, &progress).await?;
         let fetched = Instant::now();
-        // The restored tree's roots: the recorded pids, or for a tree with its own pid
-        // namespace the root CRIU creates, once known.
-        let roots: Roots = Arc::new(std::sync::Mutex::new(match manifest.own_pid_namespace {
-            true => Vec::new(),
-            false => manifest.pids.clone(),
-        }));
+        let roots = initial_roots(&manifest);
         let session = match memory.is_empty() {
             true => None,
             false => Some(
@@ -494,6 +489,13 @@ impl Engine {
             ..Default::default()
         })
     }
+}
+
+/// The restored tree's roots as known before CRIU runs: the recorded pids, or none yet for a
+/// tree with its own pid namespace (its root is known once CRIU created it).
+fn initial_roots(manifest: &Manifest) -> Roots {
+    let known = if manifest.own_pid_namespace { Vec::new() } else { manifest.pids.clone() };
+    Arc::new(std::sync::Mutex::new(known))
 }
 
 /// What [`Engine::preflight`] found.
