@@ -6,7 +6,7 @@ use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
-use crate::{DaemonOptions, TIMEOUT, expect_within};
+use crate::{DaemonOptions, TIMEOUT};
 
 pub const BUCKET: &str = "stasis-test";
 
@@ -34,25 +34,53 @@ impl S3Server {
             eprintln!("skipping: moto_server not installed (scripts/test.sh installs it)");
             return None;
         }
-        let port = crate::free_port();
-        let child = Command::new(moto)
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting moto_server");
-        let server = S3Server { child, port };
-        expect_within(TIMEOUT, "the S3 server to listen", || TcpStream::connect(("127.0.0.1", port)).ok());
-        let mut conn = TcpStream::connect(("127.0.0.1", port)).unwrap();
-        write!(
-            conn,
+        // A free port can be taken by another test's server before moto binds it (moto then
+        // exits, and the other server may even answer once): on any sign of that, try again on
+        // another port.
+        for _ in 0..5 {
+            let port = crate::free_port();
+            let child = Command::new(&moto)
+                .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("starting moto_server");
+            let mut server = S3Server { child, port };
+            match server.create_bucket() {
+                Ok(()) => return Some(server),
+                Err(why) => eprintln!("moto_server on port {port}: {why}; trying another port"),
+            }
+        }
+        panic!("moto_server did not come up with a bucket on any of five ports");
+    }
+
+    /// Waits until our moto listens, then creates [`BUCKET`].
+    fn create_bucket(&mut self) -> Result<(), String> {
+        let port = self.port;
+        let deadline = std::time::Instant::now() + TIMEOUT;
+        let mut conn = loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(format!("it exited ({status})"));
+            }
+            if let Ok(conn) = TcpStream::connect(("127.0.0.1", port)) {
+                break conn;
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err("it never listened".into());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        let request = format!(
             "PUT /{BUCKET} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
+        );
         let mut answer = String::new();
-        conn.read_to_string(&mut answer).unwrap();
-        assert!(answer.starts_with("HTTP/1.1 200"), "creating the bucket: {answer}");
-        Some(server)
+        conn.write_all(request.as_bytes())
+            .and_then(|()| conn.read_to_string(&mut answer))
+            .map_err(|e| format!("creating the bucket: {e}"))?;
+        match answer.starts_with("HTTP/1.1 200") {
+            true => Ok(()),
+            false => Err(format!("creating the bucket: {answer}")),
+        }
     }
 
     pub fn pid(&self) -> i32 {
