@@ -3,10 +3,12 @@
 //! for some requests only (uploads of packs, writes of manifests, reads of packs), so a test
 //! can break one phase of a checkpoint or a restore.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufReader, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use crate::http::{read_body, read_head, serve_each};
 
 /// What happens to a request a rule matches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,14 +43,7 @@ impl FaultyHttp {
         let port = listener.local_addr().expect("relay address").port();
         let rule: Arc<Mutex<Option<Rule>>> = Arc::default();
         let rules = rule.clone();
-        std::thread::spawn(move || {
-            for client in listener.incoming().flatten() {
-                let rules = rules.clone();
-                std::thread::spawn(move || {
-                    let _ = relay(client, target, &rules);
-                });
-            }
-        });
+        serve_each(listener, move |client| relay(client, target, &rules));
         FaultyHttp { port, rule }
     }
 
@@ -93,54 +88,4 @@ fn relay(client: TcpStream, target: u16, rules: &Mutex<Option<Rule>>) -> std::io
         to_client.write_all(&head)?;
         to_client.write_all(&body)?;
     }
-}
-
-/// A message head up to its blank line: its bytes and its lines; `None` at the end of input.
-fn read_head(r: &mut impl BufRead) -> std::io::Result<Option<(Vec<u8>, Vec<String>)>> {
-    let (mut head, mut lines) = (Vec::new(), Vec::new());
-    loop {
-        let mut line = String::new();
-        if r.read_line(&mut line)? == 0 {
-            return Ok(None);
-        }
-        head.extend_from_slice(line.as_bytes());
-        let trimmed = line.trim_end().to_string();
-        if trimmed.is_empty() {
-            return Ok(Some((head, lines)));
-        }
-        lines.push(trimmed);
-    }
-}
-
-/// A message body as the head announces it (Content-Length, or chunked, with its framing).
-fn read_body(r: &mut impl BufRead, lines: &[String], no_body: bool) -> std::io::Result<Vec<u8>> {
-    let header = |name: &str| {
-        lines.iter().skip(1).find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_string())
-        })
-    };
-    let mut body = Vec::new();
-    if no_body {
-        return Ok(body);
-    }
-    if header("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
-        loop {
-            let mut size_line = String::new();
-            r.read_line(&mut size_line)?;
-            body.extend_from_slice(size_line.as_bytes());
-            let size =
-                usize::from_str_radix(size_line.trim().split(';').next().unwrap_or("0"), 16).unwrap_or(0);
-            let mut chunk = vec![0; size + 2];
-            r.read_exact(&mut chunk)?;
-            body.extend_from_slice(&chunk);
-            if size == 0 {
-                return Ok(body);
-            }
-        }
-    }
-    let len: usize = header("content-length").and_then(|v| v.parse().ok()).unwrap_or(0);
-    body.resize(len, 0);
-    r.read_exact(&mut body)?;
-    Ok(body)
 }

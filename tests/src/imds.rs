@@ -6,10 +6,12 @@
 //! machine, or makes the service hang, and reads what the watcher acknowledged.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, SystemTime};
+
+use crate::http::{read_body, read_head, serve_each};
 
 /// Which cloud's service to play.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,14 +64,7 @@ impl Imds {
         let port = listener.local_addr().expect("its address").port();
         let state: Arc<(Mutex<State>, Condvar)> = Arc::default();
         let shared = state.clone();
-        std::thread::spawn(move || {
-            for client in listener.incoming().flatten() {
-                let state = shared.clone();
-                std::thread::spawn(move || {
-                    let _ = serve(client, cloud, &state);
-                });
-            }
-        });
+        serve_each(listener, move |client| serve(client, cloud, &shared));
         Imds { cloud, port, state }
     }
 
@@ -144,26 +139,18 @@ struct Request {
 
 fn serve(stream: TcpStream, cloud: Cloud, state: &(Mutex<State>, Condvar)) -> std::io::Result<()> {
     let mut reader = BufReader::new(stream.try_clone()?);
-    let mut line = String::new();
-    reader.read_line(&mut line)?;
-    let mut parts = line.split_whitespace();
+    let Some((_, lines)) = read_head(&mut reader)? else { return Ok(()) };
+    let body = read_body(&mut reader, &lines, false)?;
+    let mut parts = lines[0].split_whitespace();
     let (method, target) = (parts.next().unwrap_or_default().to_owned(), parts.next().unwrap_or_default());
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
     let query =
         query.split('&').filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.into(), v.into())).collect();
-    let mut headers = HashMap::new();
-    loop {
-        let mut header = String::new();
-        if reader.read_line(&mut header)? == 0 || header.trim().is_empty() {
-            break;
-        }
-        if let Some((k, v)) = header.split_once(':') {
-            headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_owned());
-        }
-    }
-    let length = headers.get("content-length").and_then(|l| l.parse().ok()).unwrap_or(0);
-    let mut body = vec![0; length];
-    reader.read_exact(&mut body)?;
+    let headers = lines[1..]
+        .iter()
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
     let request = Request {
         method,
         path: path.to_owned(),

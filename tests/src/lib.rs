@@ -9,6 +9,7 @@
 
 mod daemon;
 pub mod disk;
+mod http;
 pub mod http_faults;
 pub mod imds;
 mod logs;
