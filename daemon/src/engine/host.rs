@@ -87,8 +87,7 @@ impl Host for LinuxHost {
     }
 
     fn pid_inside(&self, pid: i32, root: i32) -> Option<i32> {
-        let level = proc::ns_pids(root).ok()?.len() - 1;
-        proc::ns_pids(pid).ok()?.get(level).copied()
+        proc::pid_inside(pid, root)
     }
 
     fn resident_bytes(&self, pids: &[i32]) -> u64 {

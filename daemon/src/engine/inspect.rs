@@ -54,7 +54,7 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
     }
     let uids = pids.iter().filter_map(|&pid| proc::uids(pid).ok()).flatten().collect();
     let started = pids.iter().filter_map(|&pid| Some((pid, ProcStat::read(pid).ok()?.start_time?))).collect();
-    let ns_pids = own_namespace_pids(root, &pids)?;
+    let ns_pids = own_namespace_pids(root, &pids);
     let mut command = proc::cmdline(root)?;
     if !ns_pids.is_empty()
         && let Some(at) = command.iter().position(|a| a == "--")
@@ -68,16 +68,11 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
 /// The pids of `pids` inside `root`'s pid namespace, if `root` is its init and it is not
 /// this one; empty otherwise. (Processes in namespaces nested deeper count at the root's
 /// level; one that exited meanwhile gets 0, which no restored process has.)
-fn own_namespace_pids(root: i32, pids: &[i32]) -> io::Result<Vec<i32>> {
-    let root_ns = proc::ns_pids(root)?;
-    if root_ns.len() < 2 || root_ns.last() != Some(&1) {
-        return Ok(Vec::new());
+fn own_namespace_pids(root: i32, pids: &[i32]) -> Vec<i32> {
+    if !proc::is_namespace_init(root) {
+        return Vec::new();
     }
-    let level = root_ns.len() - 1;
-    Ok(pids
-        .iter()
-        .map(|&pid| proc::ns_pids(pid).ok().and_then(|ns| ns.get(level).copied()).unwrap_or(0))
-        .collect())
+    pids.iter().map(|&pid| proc::pid_inside(pid, root).unwrap_or(0)).collect()
 }
 
 /// How /proc marks a path whose file was unlinked.

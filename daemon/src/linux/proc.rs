@@ -96,19 +96,37 @@ pub fn process_tree(root: i32) -> io::Result<Vec<i32>> {
 /// init of a namespace below ours that CRIU traces (it holds the tree until it resumes it).
 /// CRIU creates it as its own child or, restoring as a sibling, as a child of ours.
 pub fn restoring_namespace_root(criu: i32) -> Option<i32> {
-    let depth = ns_pids(criu).ok()?.len();
     let mut candidates = children(criu).unwrap_or_default();
     candidates.extend(children(std::process::id() as i32).unwrap_or_default());
-    candidates.into_iter().find(|&pid| {
-        ns_pids(pid).is_ok_and(|ns| ns.len() > depth && ns.last() == Some(&1)) && tracer(pid) == Some(criu)
-    })
+    candidates.into_iter().find(|&pid| is_namespace_init(pid) && tracer(pid) == Some(criu))
+}
+
+/// Whether `pid` is the init of a pid namespace below this one.
+pub fn is_namespace_init(pid: i32) -> bool {
+    ns_pids(pid).is_ok_and(|ns| ns.len() > 1 && ns.last() == Some(&1))
+}
+
+/// The pid of `pid` inside the pid namespace of which `root` is the init (at `root`'s level,
+/// also for a process in a namespace nested deeper).
+pub fn pid_inside(pid: i32, root: i32) -> Option<i32> {
+    let level = ns_pids(root).ok()?.len() - 1;
+    ns_pids(pid).ok()?.get(level).copied()
 }
 
 /// The process tracing `pid` (its `TracerPid`), if one does.
 pub fn tracer(pid: i32) -> Option<i32> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let tracer: i32 = status.lines().find_map(|l| l.strip_prefix("TracerPid:"))?.trim().parse().ok()?;
+    let tracer: i32 = status_field(pid, "TracerPid").ok()??.parse().ok()?;
     (tracer != 0).then_some(tracer)
+}
+
+/// Field `key` of `/proc/PID/status` (what follows `key:`, trimmed); `None` without one.
+fn status_field(pid: i32, key: &str) -> io::Result<Option<String>> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status"))?;
+    Ok(field_of(&status, key).map(str::to_owned))
+}
+
+fn field_of<'a>(status: &'a str, key: &str) -> Option<&'a str> {
+    status.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(':')).map(str::trim)
 }
 
 fn children(pid: i32) -> io::Result<Vec<i32>> {
@@ -136,7 +154,7 @@ pub fn uids(pid: i32) -> io::Result<[u32; 4]> {
 }
 
 fn parse_uids(status: &str) -> Option<[u32; 4]> {
-    let line = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
+    let line = field_of(status, "Uid")?;
     let ids: Vec<u32> = line.split_whitespace().map(str::parse).collect::<Result<_, _>>().ok()?;
     ids.try_into().ok()
 }
@@ -144,8 +162,7 @@ fn parse_uids(status: &str) -> Option<[u32; 4]> {
 /// The pids of `pid` in each pid namespace it belongs to, outermost (this one's) first: its
 /// `NSpid` line. One entry for a process of this namespace.
 pub fn ns_pids(pid: i32) -> io::Result<Vec<i32>> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"));
+    let line = status_field(pid, "NSpid")?;
     let pids = line.map(|l| l.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<i32>>());
     pids.filter(|p| !p.is_empty())
         .ok_or_else(|| io::Error::other(format!("no NSpid line in /proc/{pid}/status")))
@@ -229,10 +246,10 @@ pub fn parse_locks(text: &str) -> BTreeSet<i32> {
 /// CPU time of every thread of `pid`: the first field of each thread's `schedstat`
 /// (nanoseconds, unlike `stat`'s clock ticks, which miss short bursts).
 pub fn cpu_time_ns(pid: i32) -> Option<u64> {
-    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let tasks = fs::read_dir(format!("/proc/{pid}/task")).ok()?;
     let total = tasks
         .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|t| fs::read_to_string(t.path().join("schedstat")).ok())
         .filter_map(|text| text.split_whitespace().next()?.parse::<u64>().ok())
         .sum();
     Some(total)
@@ -240,7 +257,7 @@ pub fn cpu_time_ns(pid: i32) -> Option<u64> {
 
 /// `rchar` of `/proc/PID/io`.
 pub fn read_chars(pid: i32) -> Option<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
+    let text = fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
     text.lines().find_map(|l| l.strip_prefix("rchar:"))?.trim().parse().ok()
 }
 
@@ -254,11 +271,8 @@ pub fn memory_total() -> Option<u64> {
 
 /// Resident memory of `pid` in bytes (`VmRSS`), 0 when unknown.
 pub fn resident_bytes(pid: i32) -> u64 {
-    let Ok(text) = fs::read_to_string(format!("/proc/{pid}/status")) else { return 0 };
-    text.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-        .map_or(0, |kib| kib * 1024)
+    let rss = status_field(pid, "VmRSS").ok().flatten();
+    rss.and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok()).map_or(0, |kib| kib * 1024)
 }
 
 /// The CPU's user-space instruction-set extensions: x86's `flags` narrowed to those programs
