@@ -11,7 +11,6 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
-use futures::TryStreamExt;
 use stasis_proto::stasis::v1::{Manifest, PackIndex};
 use tracing::{info, warn};
 
@@ -36,6 +35,30 @@ pub struct GcReport {
     pub bytes_freed: u64,
     /// Packs whose index cannot be read: kept, since they may hold chunks a checkpoint needs.
     pub damaged_packs: Vec<String>,
+}
+
+/// The packs of a listing of `packs/`, by id: data size, time, whether indexed.
+fn pack_objects_of(objects: &[object_store::ObjectMeta]) -> BTreeMap<String, PackObjects> {
+    let mut packs: BTreeMap<String, PackObjects> = BTreeMap::new();
+    for meta in objects {
+        let Some(name) = meta.location.filename() else { continue };
+        let (pack, is_data) = match (name.strip_suffix(".pack"), name.strip_suffix(".idx")) {
+            (Some(pack), _) => (pack, true),
+            (None, Some(pack)) => (pack, false),
+            (None, None) => continue,
+        };
+        let entry = packs.entry(pack.to_string()).or_insert(PackObjects {
+            size: None,
+            modified: meta.last_modified.into(),
+            indexed: false,
+        });
+        if is_data {
+            (entry.size, entry.modified) = (Some(meta.size), meta.last_modified.into());
+        } else {
+            entry.indexed = true;
+        }
+    }
+    packs
 }
 
 /// How long ago `at` was (zero for times in the future).
@@ -77,9 +100,11 @@ impl Store {
             manifests.retain(|m| !report.manifests_deleted.contains(&m.id));
         }
         let live = live_chunks(&manifests);
-        self.refresh_index().await?;
+        // One listing serves the index and the sweep.
+        let listing = self.list_packs().await?;
+        self.refresh_index_from(&listing).await?;
 
-        for (pack, PackObjects { size, modified, indexed: has_index }) in self.pack_objects().await? {
+        for (pack, PackObjects { size, modified, indexed: has_index }) in pack_objects_of(&listing) {
             let size = size.unwrap_or(0);
             let own = own_too && pack.starts_with(&format!("{}-", self.node_tag));
             let reclaimable = own || age(modified) >= grace;
@@ -125,29 +150,7 @@ impl Store {
 
     /// The packs of the store, by id, from one listing of `packs/`.
     pub(super) async fn pack_objects(&self) -> Result<BTreeMap<String, PackObjects>, StoreError> {
-        let dir = self.key("packs");
-        let objects: Vec<_> =
-            self.backend.list(Some(&dir)).try_collect().await.map_err(Self::backend_err(&dir))?;
-        let mut packs: BTreeMap<String, PackObjects> = BTreeMap::new();
-        for meta in &objects {
-            let Some(name) = meta.location.filename() else { continue };
-            let (pack, is_data) = match (name.strip_suffix(".pack"), name.strip_suffix(".idx")) {
-                (Some(pack), _) => (pack, true),
-                (None, Some(pack)) => (pack, false),
-                (None, None) => continue,
-            };
-            let entry = packs.entry(pack.to_string()).or_insert(PackObjects {
-                size: None,
-                modified: meta.last_modified.into(),
-                indexed: false,
-            });
-            if is_data {
-                (entry.size, entry.modified) = (Some(meta.size), meta.last_modified.into());
-            } else {
-                entry.indexed = true;
-            }
-        }
-        Ok(packs)
+        Ok(pack_objects_of(&self.list_packs().await?))
     }
 
     pub(super) async fn read_pack_index(&self, pack: &str) -> Result<PackIndex, StoreError> {

@@ -266,9 +266,17 @@ impl Store {
     /// before a restart), and forgets those no longer there (another node's collection
     /// deleted them): nothing may be deduplicated against a pack that is gone.
     pub async fn refresh_index(&self) -> Result<(), StoreError> {
+        self.refresh_index_from(&self.list_packs().await?).await
+    }
+
+    /// The objects under `packs/`.
+    async fn list_packs(&self) -> Result<Vec<object_store::ObjectMeta>, StoreError> {
         let dir = self.key("packs");
-        let metas: Vec<_> =
-            self.backend.list(Some(&dir)).try_collect().await.map_err(Self::backend_err(&dir))?;
+        self.backend.list(Some(&dir)).try_collect().await.map_err(Self::backend_err(&dir))
+    }
+
+    /// [`Store::refresh_index`] from a listing of `packs/` already made.
+    async fn refresh_index_from(&self, metas: &[object_store::ObjectMeta]) -> Result<(), StoreError> {
         let listed: std::collections::HashSet<&str> =
             metas.iter().filter_map(|m| m.location.filename()?.strip_suffix(".idx")).collect();
         for gone in self.index.packs().into_iter().filter(|p| !listed.contains(&**p)) {
