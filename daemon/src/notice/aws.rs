@@ -8,7 +8,7 @@ use std::time::{Duration, Instant, SystemTime};
 use serde::Deserialize;
 use tracing::warn;
 
-use super::{Cloud, Notice, NoticeError, NoticeKind, expect, rfc3339, send};
+use super::{Answer, Cloud, Notice, NoticeError, NoticeKind, expect, rfc3339, send};
 
 const TOKEN_PATH: &str = "/latest/api/token";
 const ACTION_PATH: &str = "/latest/meta-data/spot/instance-action";
@@ -104,7 +104,8 @@ impl Imds {
         let url = format!("{}{path}", self.base);
         for _ in 0..2 {
             let token = self.token().await?;
-            let (status, body) = send(self.client.get(&url).header(TOKEN_HEADER, token), &url).await?;
+            let Answer { status, body, .. } =
+                send(self.client.get(&url).header(TOKEN_HEADER, token), &url).await?;
             match expect(status, &url, &[401, 404])?.as_u16() {
                 401 => self.token = None,
                 404 => return Ok(None),
@@ -123,7 +124,7 @@ impl Imds {
         }
         let url = format!("{}{TOKEN_PATH}", self.base);
         let request = self.client.put(&url).header(TTL_HEADER, TOKEN_TTL_SECS.to_string());
-        let (status, token) = send(request, &url).await?;
+        let Answer { status, body: token, .. } = send(request, &url).await?;
         expect(status, &url, &[])?;
         let token = token.trim().to_owned();
         if token.is_empty() {

@@ -11,7 +11,7 @@ use serde::Deserialize;
 use tokio::sync::oneshot;
 use tracing::{info, warn};
 
-use super::{Cloud, Notice, NoticeError, NoticeKind, expect, send};
+use super::{Answer, Cloud, Notice, NoticeError, NoticeKind, expect, send};
 
 const EVENTS_PATH: &str = "/metadata/scheduledevents?api-version=2020-07-01";
 const NAME_PATH: &str = "/metadata/instance/compute/name?api-version=2021-02-01&format=text";
@@ -55,13 +55,15 @@ impl ScheduledEvents {
             Some(vm) => vm.clone(),
             None => {
                 let url = format!("{}{NAME_PATH}", self.base);
-                let (status, name) = send(self.client.get(&url).header(HEADER.0, HEADER.1), &url).await?;
+                let Answer { status, body: name, .. } =
+                    send(self.client.get(&url).header(HEADER.0, HEADER.1), &url).await?;
                 expect(status, &url, &[])?;
                 self.vm.insert(name.trim().to_owned()).clone()
             }
         };
         let url = format!("{}{EVENTS_PATH}", self.base);
-        let (status, body) = send(self.client.get(&url).header(HEADER.0, HEADER.1), &url).await?;
+        let Answer { status, body, .. } =
+            send(self.client.get(&url).header(HEADER.0, HEADER.1), &url).await?;
         expect(status, &url, &[])?;
         let document: Document =
             serde_json::from_str(&body).map_err(|e| NoticeError::Answer { url, reason: e.to_string() })?;
@@ -101,7 +103,7 @@ async fn acknowledge(client: reqwest::Client, base: String, event_id: String, ac
     let body = serde_json::json!({ "StartRequests": [{ "EventId": event_id }] }).to_string();
     let request =
         client.post(&url).header(HEADER.0, HEADER.1).header("Content-Type", "application/json").body(body);
-    match send(request, &url).await.and_then(|(status, _)| expect(status, &url, &[])) {
+    match send(request, &url).await.and_then(|answer| expect(answer.status, &url, &[])) {
         Ok(_) => info!(event = %event_id, "scheduled event acknowledged: the machine may go"),
         Err(e) => {
             warn!(event = %event_id, error = %crate::error_chain(&e), "cannot acknowledge the scheduled event; it starts at its time")

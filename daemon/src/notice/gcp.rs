@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use tracing::warn;
 
-use super::{Cloud, Notice, NoticeError, NoticeKind, expect};
+use super::{Answer, Cloud, Notice, NoticeError, NoticeKind, expect, send};
 
 const PREEMPTED_PATH: &str = "/computeMetadata/v1/instance/preempted";
 const MAINTENANCE_PATH: &str = "/computeMetadata/v1/instance/maintenance-event";
@@ -42,7 +42,7 @@ impl Metadata {
         self.preempted = preempted;
         let url = format!("{}{MAINTENANCE_PATH}", self.base);
         let asked =
-            self.get(&url).await.and_then(|(status, _, event)| expect(status, &url, &[]).map(|_| event));
+            self.get(&url).await.and_then(|answer| expect(answer.status, &url, &[]).map(|_| answer.body));
         let event = match asked {
             Ok(event) => event.trim().to_owned(),
             // The preemption found above must not be lost with this answer.
@@ -71,7 +71,7 @@ impl Metadata {
             let secs = self.wait.as_secs().max(1);
             url = format!("{url}?wait_for_change=true&timeout_sec={secs}&last_etag={etag}");
         }
-        let (status, etag, body) = self.get(&url).await?;
+        let Answer { status, etag, body } = self.get(&url).await?;
         expect(status, &url, &[])?;
         self.etag = etag;
         match body.trim() {
@@ -83,12 +83,8 @@ impl Metadata {
         }
     }
 
-    async fn get(&self, url: &str) -> Result<(reqwest::StatusCode, Option<String>, String), NoticeError> {
-        let err = |source| NoticeError::Request { url: url.to_owned(), source };
-        let response = self.client.get(url).header(FLAVOR.0, FLAVOR.1).send().await.map_err(err)?;
-        let status = response.status();
-        let etag = response.headers().get("etag").and_then(|v| v.to_str().ok()).map(str::to_owned);
-        Ok((status, etag, response.text().await.map_err(err)?))
+    async fn get(&self, url: &str) -> Result<Answer, NoticeError> {
+        send(self.client.get(url).header(FLAVOR.0, FLAVOR.1), url).await
     }
 }
 

@@ -239,15 +239,21 @@ impl Source {
     }
 }
 
-/// Sends `request` and answers its status and body.
-async fn send(
-    request: reqwest::RequestBuilder,
-    url: &str,
-) -> Result<(reqwest::StatusCode, String), NoticeError> {
+/// An answer of a metadata service.
+struct Answer {
+    status: reqwest::StatusCode,
+    /// Its `ETag` header, if any (GCP's, to wait for a change from).
+    etag: Option<String>,
+    body: String,
+}
+
+/// Sends `request` (to `url`) and reads the answer.
+async fn send(request: reqwest::RequestBuilder, url: &str) -> Result<Answer, NoticeError> {
     let err = |source| NoticeError::Request { url: url.to_owned(), source };
     let response = request.send().await.map_err(err)?;
     let status = response.status();
-    Ok((status, response.text().await.map_err(err)?))
+    let etag = response.headers().get("etag").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    Ok(Answer { status, etag, body: response.text().await.map_err(err)? })
 }
 
 /// `status`, unless it is neither success nor `allowed`.

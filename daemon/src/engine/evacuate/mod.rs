@@ -140,11 +140,16 @@ impl Engine {
                 let durable_unix_ms = Some(base.notice_unix_ms);
                 durable.push(Evacuation { workload: w.name, checkpoint, durable_unix_ms, ..base.clone() });
             } else if self.host.is_running(w.pid) && self.claim(&w.name, evict) {
-                let resident = self.host.resident_bytes(&self.host.trees(&[w.pid]));
-                candidates.push(Candidate { name: w.name, resident, last: w.last_cost });
+                candidates.push(self.candidate(&w));
             }
         }
         (durable, candidates)
+    }
+
+    /// Workload `w` as the planner sees it: its tree's memory now and its last checkpoint.
+    fn candidate(&self, w: &Workload) -> Candidate {
+        let resident = self.host.resident_bytes(&self.host.trees(&[w.pid]));
+        Candidate { name: w.name.clone(), resident, last: w.last_cost }
     }
 
     /// Checkpoints `name` (evicting it unless `leave_running`); answers the checkpoint's id.
@@ -192,9 +197,7 @@ impl Engine {
             return every;
         };
         let rounds = spot.div_ceil(PARALLEL).max(1) as u32;
-        let resident = self.host.resident_bytes(&self.host.trees(&[w.pid]));
-        let candidate = Candidate { name: w.name.clone(), resident, last: w.last_cost };
-        let fitted = plan::fitting_interval(&candidate, every, window / 2 / rounds);
+        let fitted = plan::fitting_interval(&self.candidate(w), every, window / 2 / rounds);
         let mut shown = lock(&self.schedule.fitted);
         if fitted == every {
             shown.remove(&w.name);
