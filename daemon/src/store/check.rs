@@ -199,7 +199,6 @@ fn check_manifest(
 mod tests {
     use std::path::Path;
     use std::sync::Arc;
-    use std::time::Duration;
 
     use super::*;
     use crate::criu::pageserver::{PAGE_SIZE, PE_PRESENT, PageRun, PageSink};
@@ -238,9 +237,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread")]
     async fn damage_is_found_and_named_with_the_checkpoints_it_breaks() {
         let dir = tempfile::tempdir().unwrap();
-        let store =
-            Store::open(&format!("file://{}", dir.path().join("store").display()), Duration::from_secs(1))
-                .unwrap();
+        let store = Store::in_dir(&dir.path().join("store"));
         let (a, b) = ("20261123-000001-aaaaaa", "20261123-000002-bbbbbb");
         checkpoint(&store, dir.path(), a, 3).await;
         checkpoint(&store, dir.path(), b, 5).await;

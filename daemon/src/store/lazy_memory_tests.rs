@@ -28,8 +28,7 @@ fn bytes(n: usize, seed: u64) -> Vec<u8> {
 /// A store holding one checkpoint of task 42: 40 lazy pages at 0x10000 (two of them zero),
 /// 8 lazy pages at 0x100000, and 2 pages that cannot be lazy at 0x200000.
 async fn stored(dir: &std::path::Path) -> (Store, Manifest, [Vec<u8>; 3]) {
-    let store =
-        Store::open(&format!("file://{}", dir.join("store").display()), Duration::from_secs(1)).unwrap();
+    let store = Store::in_dir(&dir.join("store"));
     let images = dir.join("images");
     std::fs::create_dir_all(&images).unwrap();
     std::fs::write(images.join("core-42.img"), b"core").unwrap();

@@ -250,8 +250,7 @@ mod tests {
 
     /// Two nodes' views of one store in `dir`.
     fn nodes(dir: &std::path::Path) -> (Store, Store) {
-        let url = format!("file://{}", dir.display());
-        let open = |tag: &str| Store::open(&url, Duration::from_secs(1)).unwrap().with_node_tag(tag);
+        let open = |tag: &str| Store::in_dir(dir).with_node_tag(tag);
         (open("node-a"), open("node-b"))
     }
 

@@ -132,6 +132,14 @@ pub struct Listing {
     pub unreadable: Vec<(String, String)>,
 }
 
+#[cfg(test)]
+impl Store {
+    /// A file store in `dir`, for tests.
+    pub(crate) fn in_dir(dir: &std::path::Path) -> Store {
+        Store::open(&format!("file://{}", dir.display()), std::time::Duration::from_secs(1)).unwrap()
+    }
+}
+
 impl Store {
     /// Opens the store at `url` (`file:///dir`, `s3://bucket/prefix`, `gs://…`, `az://…`);
     /// requests to remote stores are retried for at most `retry_timeout`.

@@ -218,7 +218,6 @@ async fn read_images(dir: &Path, skip: &[&str]) -> Result<Vec<(String, Vec<u8>)>
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
 
     use super::*;
     use crate::criu::pageserver::{PAGE_SIZE, PE_PRESENT, PageRun, PageSink};
@@ -263,9 +262,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread")]
     async fn the_same_memory_gives_the_same_chunks_wherever_criu_cut_its_transfers() {
         let dir = tempfile::tempdir().unwrap();
-        let store =
-            Store::open(&format!("file://{}", dir.path().join("store").display()), Duration::from_secs(1))
-                .unwrap();
+        let store = Store::in_dir(&dir.path().join("store"));
         let first = store_cut(&store, &dir.path().join("a"), &[&[20], &[]]).await;
         assert_eq!(first.memory.len(), 1);
         let runs: Vec<(u64, u64)> = first.memory[0].runs.iter().map(|r| (r.vaddr, r.nr_pages)).collect();
