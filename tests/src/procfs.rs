@@ -25,6 +25,21 @@ pub fn ppid(pid: i32) -> Option<i32> {
     stat_fields(pid)?.get(1)?.parse().ok()
 }
 
+/// Some kernel thread this pid namespace can see (kthreadd, pid 2, on a host), if any.
+pub fn kernel_thread() -> Option<i32> {
+    const PF_KTHREAD: u64 = 0x0020_0000;
+    let is_kthread = |pid: i32| {
+        stat_fields(pid)
+            .and_then(|f| f.get(6)?.parse::<u64>().ok())
+            .is_some_and(|flags| flags & PF_KTHREAD != 0)
+    };
+    fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .find(|&p| is_kthread(p))
+}
+
 /// Whether `pid` is a live process: it exists and is neither a zombie nor dead.
 pub fn alive(pid: i32) -> bool {
     matches!(proc_state(pid), Some(state) if !matches!(state, 'Z' | 'X' | 'x'))

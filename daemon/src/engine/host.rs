@@ -22,6 +22,9 @@ pub trait Host: Send + Sync {
     /// What `pid` is, if it may not be checkpointed at all: init, a kernel thread, or stasisd
     /// itself.
     fn untouchable(&self, pid: i32) -> Option<String>;
+    /// Why CRIU cannot record the session of `pid`, if it cannot (session 0, whose leader is
+    /// outside this pid namespace).
+    fn unrecordable_session(&self, pid: i32) -> Option<String>;
     /// The pid of `pid` inside the pid namespace of which `root` is the init.
     fn pid_inside(&self, pid: i32, root: i32) -> Option<i32>;
     /// Resident memory of `pids` together.
@@ -74,12 +77,13 @@ impl Host for LinuxHost {
             return Some("stasisd itself".into());
         }
         let stat = ProcStat::read(pid).ok()?;
-        if stat.is_kernel_thread() {
-            return Some(format!("a kernel thread ({})", stat.comm));
-        }
+        stat.is_kernel_thread().then(|| format!("a kernel thread ({})", stat.comm))
+    }
+
+    fn unrecordable_session(&self, pid: i32) -> Option<String> {
         // Session 0: the leader is outside this pid namespace (or the process descends from an
         // init that never started a session), and CRIU has no way to record it.
-        (stat.session == 0).then(|| {
+        (ProcStat::read(pid).ok()?.session == 0).then(|| {
             "in session 0, whose leader is outside this pid namespace, so CRIU cannot record it; \
              start it in a session of its own (setsid(1), or `stasis run`)"
                 .into()
@@ -209,6 +213,10 @@ pub(super) mod fake {
 
         fn untouchable(&self, pid: i32) -> Option<String> {
             (pid == 1).then(|| "init".into())
+        }
+
+        fn unrecordable_session(&self, _pid: i32) -> Option<String> {
+            None
         }
 
         fn pid_inside(&self, pid: i32, _root: i32) -> Option<i32> {

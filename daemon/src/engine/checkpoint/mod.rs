@@ -251,6 +251,9 @@ impl Engine {
                 reason: format!("its tree holds process {held}, {what}"),
             });
         }
+        if let Some(why) = self.host.unrecordable_session(pid) {
+            return Err(CheckpointError::Untouchable { pid, reason: format!("it is {why}") });
+        }
         if let Some(reason) = tree.sockets.refusal(&self.network_sockets, &self.network_lock) {
             return Err(CheckpointError::Sockets { workload: workload.into(), reason });
         }
