@@ -160,11 +160,11 @@ pub struct RunArgs {
     /// so another node can restore it (see `stasis spot`, `stasis evacuate`).
     #[arg(long)]
     pub spot: bool,
-    /// Run it in a pid namespace of its own (under a small init, stasis-init): its
-    /// checkpoints restore whether or not its pids are free, and can run as several copies
-    /// (`stasis restore --as`).
+    /// Run it with pids of stasisd's pid namespace instead of a namespace of its own (under
+    /// a small init, stasis-init): its checkpoints then restore only where those pids are
+    /// free, and never as a second copy (`stasis restore --as`).
     #[arg(long)]
-    pub own_pids: bool,
+    pub host_pids: bool,
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -215,8 +215,8 @@ pub struct RestoreArgs {
     /// them fails. Needed where their local addresses do not exist (on another node).
     #[arg(long)]
     pub tcp_close: bool,
-    /// Restore it as workload NAME: another copy beside the one running (checkpoints of
-    /// workloads run with --own-pids).
+    /// Restore it as workload NAME: another copy beside the one running (not for
+    /// workloads run with --host-pids).
     #[arg(long = "as", value_name = "NAME")]
     pub as_workload: Option<String>,
     /// Print the result as one JSON object.

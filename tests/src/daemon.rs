@@ -253,6 +253,12 @@ impl Daemon {
         workload
     }
 
+    /// Workload `name` in `status --json`.
+    pub fn workload(&self, name: &str) -> Value {
+        let all = self.workloads();
+        all.into_iter().find(|w| w["name"] == name).unwrap_or_else(|| panic!("{name} is not in status"))
+    }
+
     /// The `workloads` of `status --json`.
     pub fn workloads(&self) -> Vec<Value> {
         match self.json(&["status", "--json"])["workloads"].as_array() {

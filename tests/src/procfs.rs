@@ -40,6 +40,37 @@ pub fn kernel_thread() -> Option<i32> {
         .find(|&p| is_kthread(p))
 }
 
+/// The pids of `pid` in each pid namespace it is in, outermost first.
+pub fn ns_pids(pid: i32) -> Vec<i32> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:")).unwrap_or_default();
+    line.split_whitespace().filter_map(|p| p.parse().ok()).collect()
+}
+
+/// The pid of `pid` inside its own (innermost) pid namespace; `pid` itself if it has none
+/// other than this one (or is gone).
+pub fn inner(pid: i32) -> i32 {
+    ns_pids(pid).last().copied().unwrap_or(pid)
+}
+
+/// Whether `pid` is the init (pid 1) of a pid namespace below this one.
+pub fn is_namespace_init(pid: i32) -> bool {
+    matches!(ns_pids(pid).as_slice(), [_, .., 1])
+}
+
+/// The process running a workload's command, given the root of its tree: the root, or, where
+/// the root is the init of the workload's own pid namespace (stasis-init), the init's child.
+pub fn command_of(root: i32) -> i32 {
+    if !is_namespace_init(root) {
+        return root;
+    }
+    let children = children(root);
+    match children.iter().next() {
+        Some(&child) if children.len() == 1 => child,
+        _ => panic!("the namespace init {root} has children {children:?}, not one"),
+    }
+}
+
 /// Whether `pid` is a live process: it exists and is neither a zombie nor dead.
 pub fn alive(pid: i32) -> bool {
     matches!(proc_state(pid), Some(state) if !matches!(state, 'Z' | 'X' | 'x'))
@@ -77,6 +108,17 @@ pub fn cmdline(pid: i32) -> Option<Vec<String>> {
 pub fn cgroup(pid: i32) -> Option<String> {
     let text = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
     text.lines().find_map(|line| line.strip_prefix("0::")).map(str::to_owned)
+}
+
+/// The processes in a cgroup stasisd made for workload `name` (`.../stasis/<node>/<name>`).
+pub fn in_workload_cgroup(name: &str) -> Vec<i32> {
+    let suffix = format!("/{name}");
+    let Ok(entries) = fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .filter(|&pid| cgroup(pid).is_some_and(|c| c.contains("/stasis/") && c.ends_with(&suffix)))
+        .collect()
 }
 
 /// The thread ids of `pid`.

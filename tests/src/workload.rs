@@ -2,7 +2,9 @@
 
 use std::path::PathBuf;
 
-use crate::{TIMEOUT, complete_lines, expect_within, numbered};
+use serde_json::Value;
+
+use crate::{Daemon, TIMEOUT, complete_lines, expect_within, numbered, pid_of, procfs};
 
 /// A workload started by [`Daemon::run`].
 #[derive(Debug, Clone)]
@@ -15,6 +17,38 @@ pub struct Workload {
 }
 
 impl Workload {
+    /// The process running the command: the tree's root, or, where the root is the init of
+    /// the workload's own pid namespace (stasis-init), the init's child.
+    pub fn main_pid(&self) -> i32 {
+        procfs::command_of(self.pid)
+    }
+
+    /// The thread ids of its command, as its pid namespace numbers them (the same across
+    /// restores).
+    pub fn threads(&self) -> std::collections::BTreeSet<i32> {
+        procfs::tids(self.main_pid()).into_iter().map(procfs::inner).collect()
+    }
+
+    /// Takes on the tree that the restore result `r` names, checking its pids: a tree in a pid
+    /// namespace of its own has new pids outside it, the checkpointed ones inside (its root
+    /// is the namespace's init again); any other has the checkpointed pids.
+    pub fn restored(&mut self, r: &Value) {
+        let pid = pid_of(r);
+        if !procfs::is_namespace_init(pid) {
+            assert_eq!(pid, self.pid, "the restored tree must have the checkpointed pid: {r}");
+        }
+        self.pid = pid;
+    }
+
+    /// [`Workload::restored`] by daemon `d`, another node's: its output now goes to `d`'s log
+    /// of it.
+    pub fn restored_on(&mut self, d: &Daemon, r: &Value) {
+        self.restored(r);
+        let status = d.workload(&self.name);
+        self.log =
+            PathBuf::from(status["log_path"].as_str().unwrap_or_else(|| panic!("no log path: {status}")));
+    }
+
     /// The complete lines of its log so far.
     pub fn lines(&self) -> Vec<String> {
         complete_lines(&self.log)

@@ -7,7 +7,7 @@
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 
-use stasis_tests::{Daemon, TIMEOUT, expect_within, procfs, python_workload, skip_unless_ready};
+use stasis_tests::{Daemon, TIMEOUT, Workload, expect_within, procfs, python_workload, skip_unless_ready};
 
 /// A well-formed checkpoint id that no store holds.
 const UNKNOWN_ID: &str = "20200101-000000-abcdef";
@@ -35,22 +35,29 @@ fn refused(d: &Daemon, args: &[&str], any_of: &[&str]) -> String {
     err
 }
 
-/// Runs a counter and checkpoints it (evicting it); returns (checkpoint id, pid).
-fn evicted_counter(d: &Daemon, base: &str) -> (String, i32) {
+/// Runs a counter and checkpoints it (evicting it); returns (checkpoint id, the workload).
+fn evicted_counter(d: &Daemon, base: &str) -> (String, Workload) {
     let w = d.run(base, &python_workload("counter.py", &[]));
     w.wait_number("count ", 5);
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     expect_within(TIMEOUT, "the evicted counter to be gone", || (!procfs::exists(w.pid)).then_some(()));
-    (ck["id"].as_str().expect("checkpoint id").to_owned(), w.pid)
+    (ck["id"].as_str().expect("checkpoint id").to_owned(), w)
+}
+
+/// Checks that nothing of workload `w` runs: no process in its cgroup (a restored tree with
+/// its own pid namespace has new pids), nor its old root.
+fn nothing_runs(w: &Workload, after: &str) {
+    let left = procfs::in_workload_cgroup(&w.name);
+    assert!(!procfs::alive(w.pid) && left.is_empty(), "{after} left {} running: {left:?}", w.name);
 }
 
 /// A daemon with one evicted counter whose manifest then had a byte flipped; returns the daemon,
-/// the checkpoint's id and the counter's pid.
-fn daemon_with_a_flipped_manifest() -> (Daemon, String, i32) {
+/// the checkpoint's id and the counter.
+fn daemon_with_a_flipped_manifest() -> (Daemon, String, Workload) {
     let d = Daemon::start();
-    let (id, pid) = evicted_counter(&d, "flipped");
+    let (id, w) = evicted_counter(&d, "flipped");
     flip_byte_in_the_middle(&d.store_dir().join("manifests").join(format!("{id}.manifest")));
-    (d, id, pid)
+    (d, id, w)
 }
 
 fn flip_byte_in_the_middle(path: &Path) {
@@ -105,7 +112,7 @@ fn restore_with_damaged_packs(base: &str, damage: fn(&Path), expected: &[&str]) 
 fn restore_with_damaged_packs_as(base: &str, damage: fn(&Path), expected: &[&str], flags: &[&str]) {
     let d = Daemon::start();
     let before = pack_files(&d);
-    let (id, pid) = evicted_counter(&d, base);
+    let (id, w) = evicted_counter(&d, base);
     let fresh: Vec<_> = pack_files(&d).into_iter().filter(|p| !before.contains(p)).collect();
     assert!(!fresh.is_empty(), "checkpoint {id} wrote no pack");
     fresh.iter().for_each(|p| damage(p));
@@ -114,10 +121,10 @@ fn restore_with_damaged_packs_as(base: &str, damage: fn(&Path), expected: &[&str
     restore.extend_from_slice(flags);
     let err = refused(&d, &restore, expected);
     assert!(err.contains(&id), "the error should name checkpoint {id}:\n{err}");
-    assert!(!procfs::alive(pid), "a failed restore must not leave a (half-)restored process {pid} behind");
+    nothing_runs(&w, "a failed restore");
     // Its manifest is intact, so show works; the damage is found when the data is read.
     let shown = d.json(&["show", &id, "--json"]);
-    assert_eq!(shown["pid"], pid, "show of checkpoint {id} with {base} packs: {shown}");
+    assert_eq!(shown["pid"], w.pid, "show of checkpoint {id} with {base} packs: {shown}");
 }
 
 #[test]
@@ -180,9 +187,9 @@ fn delete_of_a_path_like_id_is_refused_and_deletes_nothing_outside_the_store() {
 #[test]
 fn restore_of_a_checkpoint_with_a_flipped_manifest_byte_says_corrupted_and_starts_nothing() {
     skip_unless_ready!();
-    let (d, id, pid) = daemon_with_a_flipped_manifest();
+    let (d, id, w) = daemon_with_a_flipped_manifest();
     refused(&d, &["restore", &id, "--json"], &["corrupted", "checksum"]);
-    assert!(!procfs::alive(pid), "a refused restore must not start anything");
+    nothing_runs(&w, "a refused restore");
 }
 
 #[test]
@@ -247,7 +254,7 @@ fn restore_with_a_deleted_pack_says_missing() {
 fn gc_runs_past_a_truncated_pack_index_keeping_that_pack_and_naming_it() {
     skip_unless_ready!();
     let d = Daemon::start();
-    let (kept, pid) = evicted_counter(&d, "kept");
+    let (kept, w) = evicted_counter(&d, "kept");
     let pack_file = pack_files(&d).into_iter().next().expect("the checkpoint wrote a pack");
     let damaged = pack_file.with_extension("idx");
     truncate_by_one(&damaged);
@@ -257,7 +264,7 @@ fn gc_runs_past_a_truncated_pack_index_keeping_that_pack_and_naming_it() {
     assert!(damaged.with_extension("pack").exists(), "the pack with the damaged index must be kept");
     // The checkpoint is still listed; its restore finds the damage when it reads the index.
     let shown = d.json(&["show", &kept, "--json"]);
-    assert_eq!(shown["pid"], pid, "show: {shown}");
+    assert_eq!(shown["pid"], w.pid, "show: {shown}");
 }
 
 #[test]

@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use stasis_tests::{
-    Daemon, DaemonOptions, TIMEOUT, Workload, expect_within, procfs, python_workload, skip_unless_ready,
+    Daemon, DaemonOptions, TIMEOUT, Workload, expect_within, pid_of, procfs, python_workload,
+    skip_unless_ready,
 };
 
 /// Milliseconds after the request at which stasisd is killed.
@@ -40,12 +41,14 @@ fn kill_during(d: &mut Daemon, args: &[&str], after_ms: u64) {
     let _ = request.wait();
 }
 
-/// After a crash: the workload runs with `sum` in memory, or it is gone and its newest
+/// After a crash: the workload runs with `sum` in memory (as the tree stasisd knows it by,
+/// which a restore may have started before the crash), or it is gone and its newest
 /// checkpoint restores with `sum`. Leaves it running. Returns which held.
-fn settled(d: &Daemon, w: &Workload, sum: &str, point: &str) -> &'static str {
+fn settled(d: &Daemon, w: &mut Workload, sum: &str, point: &str) -> &'static str {
     // The restart's recovery gives a held tree back, or completes its eviction.
-    expect_within(TIMEOUT, &format!("{point}: the workload to be settled"), || {
-        procfs::proc_state(w.pid).is_none_or(|s| s != 'T').then_some(())
+    w.pid = expect_within(TIMEOUT, &format!("{point}: the workload to be settled"), || {
+        let pid = pid_of(&d.workload(&w.name));
+        procfs::proc_state(pid).is_none_or(|s| s != 'T').then_some(pid)
     });
     let outcome = if procfs::running(w.pid) {
         "runs"
@@ -53,10 +56,15 @@ fn settled(d: &Daemon, w: &Workload, sum: &str, point: &str) -> &'static str {
         let newest = ids(d, w)
             .pop()
             .unwrap_or_else(|| panic!("{point}: the workload is gone and no checkpoint holds it"));
-        d.json(&["restore", &newest, "--json"]);
+        w.restored(&d.json(&["restore", &newest, "--json"]));
         "restored"
     };
     assert_eq!(checksum(w), sum, "{point}: the memory ({outcome})");
+    // One tree only: none that a restore before the crash started runs on beside it.
+    let tree: Vec<i32> = std::iter::once(w.pid).chain(procfs::descendants(w.pid)).collect();
+    let strays: Vec<i32> =
+        procfs::in_workload_cgroup(&w.name).into_iter().filter(|p| !tree.contains(p)).collect();
+    assert!(strays.is_empty(), "{point}: processes of another copy run beside {}: {strays:?}", w.pid);
     outcome
 }
 
@@ -67,18 +75,19 @@ fn stasisd_killed_at_any_point_loses_neither_the_job_nor_its_checkpoint() {
         args: ["--keep-last", "0", "--gc-grace-secs", "0"].map(String::from).to_vec(),
         ..Default::default()
     });
-    let w = d.run("crashy", &python_workload("memhog.py", &["128"]));
+    let mut w = d.run("crashy", &python_workload("memhog.py", &["128"]));
     w.wait_line_after(0, "`ready`", |l| l == "ready");
     let sum = checksum(&w);
     let mut seen = Vec::new();
     for after in KILL_AFTER_MS {
+        let name = w.name.clone();
         for (what, args) in [
-            ("eviction", vec!["checkpoint", "--workload", &w.name]),
-            ("leave-running", vec!["checkpoint", "--workload", &w.name, "--leave-running"]),
+            ("eviction", vec!["checkpoint", "--workload", &name]),
+            ("leave-running", vec!["checkpoint", "--workload", &name, "--leave-running"]),
         ] {
             let point = format!("{what} killed after {after} ms");
             kill_during(&mut d, &args, after);
-            seen.push(settled(&d, &w, &sum, &point));
+            seen.push(settled(&d, &mut w, &sum, &point));
         }
         for (what, lazy) in [("eager restore", false), ("lazy restore", true)] {
             let point = format!("{what} killed after {after} ms");
@@ -86,12 +95,12 @@ fn stasisd_killed_at_any_point_loses_neither_the_job_nor_its_checkpoint() {
             expect_within(TIMEOUT, "the evicted workload to be gone", || {
                 (!procfs::exists(w.pid)).then_some(())
             });
-            let mut args = vec!["restore", "--workload", &w.name];
+            let mut args = vec!["restore", "--workload", &name];
             if lazy {
                 args.push("--lazy");
             }
             kill_during(&mut d, &args, after);
-            seen.push(settled(&d, &w, &sum, &point));
+            seen.push(settled(&d, &mut w, &sum, &point));
         }
     }
     eprintln!("outcomes: {seen:?}");
@@ -122,7 +131,7 @@ fn criu_children(d: &Daemon) -> Vec<i32> {
 fn criu_killed_mid_dump_leaves_the_job_running() {
     skip_unless_ready!();
     let d = Daemon::start();
-    let w = d.run("crashy", &python_workload("memhog.py", &["128"]));
+    let mut w = d.run("crashy", &python_workload("memhog.py", &["128"]));
     w.wait_line_after(0, "`ready`", |l| l == "ready");
     let sum = checksum(&w);
     let mut killed = 0;
@@ -143,7 +152,7 @@ fn criu_killed_mid_dump_leaves_the_job_running() {
         killed += criu.iter().filter(|&&pid| procfs::exists(pid)).count();
         criu.into_iter().for_each(procfs::kill9);
         let _ = request.wait();
-        settled(&d, &w, &sum, &point);
+        settled(&d, &mut w, &sum, &point);
     }
     assert!(killed > 0, "no CRIU was caught dumping");
 }

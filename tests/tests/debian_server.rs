@@ -173,7 +173,7 @@ fn redis_with_300_mb_survives_eviction_and_leave_running_checkpoints() {
         .chain(["--appendonly", "no", "--daemonize", "no", "--enable-debug-command", "local"])
         .map(str::to_owned)
         .collect();
-    let w = d.run("redis", &argv);
+    let mut w = d.run("redis", &argv);
     let _reaper = KillOnDrop(w.pid);
     let mut kept = expect_within(TIMEOUT, &format!("redis to answer PING on port {port}"), || {
         let mut c = Client::connect(port).ok()?;
@@ -196,7 +196,7 @@ fn redis_with_300_mb_survives_eviction_and_leave_running_checkpoints() {
     let started = Instant::now();
     let r = d.json(&["restore", "--workload", &w.name, "--json"]);
     eprintln!("restore took {:?}: {r}", started.elapsed());
-    assert_eq!(r["pid"], w.pid, "restore result: {r}");
+    w.restored(&r);
     assert_eq!(data(&mut kept), before, "on the connection kept open across eviction and restore");
     let mut fresh = Client::connect(port).expect("a new connection to the restored redis");
     assert_eq!(data(&mut fresh), before, "on a new connection to the restored redis");
@@ -222,7 +222,7 @@ fn redis_with_300_mb_survives_eviction_and_leave_running_checkpoints() {
     let started = Instant::now();
     let r = d.json(&["restore", &id, "--json"]);
     eprintln!("restore of the --leave-running checkpoint took {:?}: {r}", started.elapsed());
-    assert_eq!(r["pid"], w.pid, "restore result: {r}");
+    w.restored(&r);
     let mut fresh = Client::connect(port).expect("a new connection to the restored redis");
     assert_eq!(data(&mut fresh), before, "after restoring the --leave-running checkpoint");
 }

@@ -10,7 +10,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use stasis_tests::{
-    Daemon, DaemonOptions, TIMEOUT, bin, expect_within, procfs, python_workload, skip_unless_ready,
+    Daemon, DaemonOptions, TIMEOUT, bin, expect_within, pid_of, procfs, python_workload, skip_unless_ready,
 };
 
 /// A string that appears nowhere unless this test's workload put it there.
@@ -40,14 +40,14 @@ fn found_in(dir: &Path, needle: &[u8]) -> bool {
     })
 }
 
-/// Evicts a secret holder to `d`'s store; returns its pid and the digest it printed.
-fn evict_secret(d: &Daemon) -> (String, i32, String) {
+/// Evicts a secret holder to `d`'s store; returns its name and the digest it printed.
+fn evict_secret(d: &Daemon) -> (String, String) {
     let w = d.run("secret", &python_workload("secret_holder.py", &[&marker()]));
     let (_, tick) = w.wait_line_after(0, "a tick", |l| l.starts_with("tick "));
     let digest = tick.split_whitespace().nth(2).unwrap().to_owned();
     d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(w.pid)).then_some(()));
-    (w.name, w.pid, digest)
+    (w.name, digest)
 }
 
 /// Starts stasisd on `store` with `args` expecting it to refuse; returns what it said.
@@ -82,7 +82,7 @@ fn an_encrypted_store_holds_nothing_readable_and_needs_its_key() {
 
     let key_arg = |path: &Path| vec!["--store-key-file".to_string(), path.display().to_string()];
     let mut d = Daemon::start_with(&DaemonOptions { args: key_arg(&key), ..Default::default() });
-    let (name, pid, digest) = evict_secret(&d);
+    let (name, digest) = evict_secret(&d);
     let store = d.store_dir();
     assert!(!found_in(&store, marker().as_bytes()), "the encrypted store shows the marker");
     assert!(!found_in(&store, b"secret_holder"), "the encrypted store shows the command line");
@@ -113,9 +113,13 @@ fn an_encrypted_store_holds_nothing_readable_and_needs_its_key() {
         let mut args = vec!["restore", "--workload", &name, "--json"];
         args.extend(how);
         let restored = after.json(&args);
-        assert_eq!(restored["pid"], pid, "{restored}");
-        // Its output goes where it went before the eviction: the first daemon's log of it.
-        let log = d.dir().join("state/logs").join(format!("{name}.log"));
+        let pid = pid_of(&restored);
+        assert!(
+            procfs::is_namespace_init(pid),
+            "the restored tree has a pid namespace of its own: {restored}"
+        );
+        // Its output goes to the restoring daemon's log of it.
+        let log = after.dir().join("state/logs").join(format!("{name}.log"));
         let seen = std::fs::read_to_string(&log).unwrap_or_default().lines().count();
         expect_within(Duration::from_secs(30), "new ticks with the same memory after the restore", || {
             let text = std::fs::read_to_string(&log).ok()?;

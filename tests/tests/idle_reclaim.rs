@@ -16,11 +16,6 @@ use stasis_tests::{
 };
 
 /// The status of workload `name`.
-fn status_of(d: &Daemon, name: &str) -> Value {
-    let all = d.workloads();
-    all.into_iter().find(|w| w["name"] == name).unwrap_or_else(|| panic!("{name} is not in status"))
-}
-
 /// Starts `http_counter.py` on a free port as workload `name`, reclaimed after `idle_after`;
 /// returns its port and pid.
 fn http_server(d: &Daemon, name: &str, hold_mib: &str, idle_after: &str) -> (u16, i32) {
@@ -35,7 +30,7 @@ fn http_server(d: &Daemon, name: &str, hold_mib: &str, idle_after: &str) -> (u16
 
 fn wait_reclaimed(d: &Daemon, name: &str, pid: i32) -> Value {
     let status = expect_within(Duration::from_secs(60), "the workload to be reclaimed", || {
-        let w = status_of(d, name);
+        let w = d.workload(name);
         (w["state"] == "reclaimed").then_some(w)
     });
     expect_within(TIMEOUT, "the reclaimed process to be gone", || (!procfs::exists(pid)).then_some(()));
@@ -50,7 +45,7 @@ fn an_idle_http_server_is_reclaimed_and_a_plain_request_wakes_it() {
     let (port, pid) = http_server(&d, &name, "64", "2s");
     let first = http_get(port).unwrap();
     assert!(first.starts_with("hits 2 sum "), "{first}");
-    let w = status_of(&d, &name);
+    let w = d.workload(&name);
     assert_eq!((w["state"].as_str(), w["idle_after_ms"].as_u64()), (Some("running"), Some(2000)), "{w}");
 
     let reclaimed = wait_reclaimed(&d, &name, pid);
@@ -65,12 +60,13 @@ fn an_idle_http_server_is_reclaimed_and_a_plain_request_wakes_it() {
     let answer = http_get(port).expect("the request that wakes the server");
     eprintln!("woken and answered in {:?}", started.elapsed());
     assert_eq!(answer, first.replace("hits 2", "hits 3"), "the counter and the memory go on");
-    let w = status_of(&d, &name);
-    assert_eq!((w["state"].as_str(), w["pid"].as_i64()), (Some("running"), Some(i64::from(pid))), "{w}");
-    assert!(procfs::running(pid));
+    let w = d.workload(&name);
+    let woken = pid_of(&w);
+    assert_eq!(w["state"], "running", "{w}");
+    assert!(procfs::running(woken) && procfs::is_namespace_init(woken), "{w}");
     // Later requests reach it directly; and it is watched again.
     assert!(http_get(port).unwrap().starts_with("hits 4 sum "));
-    wait_reclaimed(&d, &name, pid);
+    wait_reclaimed(&d, &name, woken);
     let answer = http_get(port).expect("a second wake");
     assert!(answer.starts_with("hits 5 sum "), "{answer}");
 }
@@ -83,13 +79,13 @@ fn a_request_during_the_reclaim_is_answered_and_the_server_runs_on() {
     // 384 MiB of random memory: its checkpoint takes long enough to send a request meanwhile.
     let (port, pid) = http_server(&d, &name, "384", "1s");
     expect_within(Duration::from_secs(60), "the reclaim to start", || {
-        (status_of(&d, &name)["state"] == "reclaiming").then_some(())
+        (d.workload(&name)["state"] == "reclaiming").then_some(())
     });
     let answer = http_get(port).expect("a request during the reclaim");
     assert!(answer.starts_with("hits 2 sum "), "{answer}");
     d.ok(&["idle", &name, "--off"]);
     let w = expect_within(Duration::from_secs(60), "the reclaim to end", || {
-        let w = status_of(&d, &name);
+        let w = d.workload(&name);
         (w["state"] != "reclaiming").then_some(w)
     });
     assert_eq!((w["state"].as_str(), w["pid"].as_i64()), (Some("running"), Some(i64::from(pid))), "{w}");
@@ -114,13 +110,13 @@ fn a_wake_while_the_store_is_down_fails_clearly_and_a_later_one_works() {
     let err = d.cli_err(&["wake", &name]);
     assert!(err.contains(&format!("waking workload {name} failed")), "{err}");
     assert!(err.contains("stays reclaimed"), "{err}");
-    let w = status_of(&d, &name);
+    let w = d.workload(&name);
     assert_eq!(w["state"], "reclaimed", "{w}");
     assert!(!w["last_error"].as_str().unwrap_or_default().is_empty(), "status says why: {w}");
 
     proxy.bring_up();
     let woken = d.json(&["wake", &name, "--json"]);
-    assert_eq!(woken["pid"], pid, "{woken}");
+    assert!(procfs::is_namespace_init(pid_of(&woken)), "{woken}");
     assert!(http_get(port).unwrap().starts_with("hits 2 sum "));
 }
 
@@ -132,7 +128,7 @@ fn a_workload_reclaimed_before_stasisd_restarts_is_woken_after() {
     let (port, pid) = http_server(&d, &name, "16", "1s");
     wait_reclaimed(&d, &name, pid);
     d.kill9_and_restart();
-    assert_eq!(status_of(&d, &name)["state"], "reclaimed");
+    assert_eq!(d.workload(&name)["state"], "reclaimed");
     let answer = http_get(port).expect("a request after the restart");
     assert!(answer.starts_with("hits 2 sum "), "{answer}");
 }

@@ -37,9 +37,9 @@ fn stat(ck: &serde_json::Value, key: &str) -> u64 {
     ck["stats"][key].as_u64().unwrap_or_else(|| panic!("no stats.{key} in {ck}"))
 }
 
-fn restore_and_check(d: &Daemon, w: &Workload, id: &str, expected: &str) {
+fn restore_and_check(d: &Daemon, w: &mut Workload, id: &str, expected: &str) {
     let r = d.json(&["restore", id, "--json"]);
-    assert_eq!(r["pid"].as_i64(), Some(i64::from(w.pid)), "{r}");
+    w.restored(&r);
     assert_eq!(checksum(w), expected, "memory of checkpoint {id} after restore");
 }
 
@@ -47,7 +47,7 @@ fn restore_and_check(d: &Daemon, w: &Workload, id: &str, expected: &str) {
 fn second_checkpoint_uploads_what_changed_and_each_restores_alone() {
     skip_unless_ready!();
     let d = daemon();
-    let w = d.run("memhog", &python_workload("memhog.py", &[]));
+    let mut w = d.run("memhog", &python_workload("memhog.py", &[]));
     w.wait_line_after(0, "`ready`", |l| l == "ready");
 
     let c1 = checksum(&w);
@@ -66,22 +66,22 @@ fn second_checkpoint_uploads_what_changed_and_each_restores_alone() {
     let id1 = ck1["id"].as_str().unwrap().to_owned();
     let id2 = ck2["id"].as_str().unwrap().to_owned();
     kill_and_wait(w.pid);
-    restore_and_check(&d, &w, &id1, &c1);
+    restore_and_check(&d, &mut w, &id1, &c1);
     kill_and_wait(w.pid);
-    restore_and_check(&d, &w, &id2, &c2);
+    restore_and_check(&d, &mut w, &id2, &c2);
 
     // Delete the first and collect garbage: the second does not depend on it.
     kill_and_wait(w.pid);
     d.ok(&["delete", &id1]);
     d.json(&["gc", "--json"]);
-    restore_and_check(&d, &w, &id2, &c2);
+    restore_and_check(&d, &mut w, &id2, &c2);
 }
 
 #[test]
 fn a_checkpoint_after_heap_churn_uploads_what_was_written_not_what_moved() {
     skip_unless_ready!();
     let d = daemon();
-    let w = d.run("churn", &python_workload("heap_churn.py", &["256"]));
+    let mut w = d.run("churn", &python_workload("heap_churn.py", &["256"]));
     w.wait_line_after(0, "`ready`", |l| l == "ready");
     let ck1 = d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
     let skip = w.lines().len();
@@ -99,14 +99,14 @@ fn a_checkpoint_after_heap_churn_uploads_what_was_written_not_what_moved() {
     // Random bytes do not compress: what is uploaded is what changed, plus images and indexes.
     assert!(up2 <= written * 11 / 10 + (1 << 20), "uploaded {up2} for {written} written: {ck2}");
     kill_and_wait(w.pid);
-    restore_and_check(&d, &w, ck2["id"].as_str().unwrap(), &c2);
+    restore_and_check(&d, &mut w, ck2["id"].as_str().unwrap(), &c2);
 }
 
 #[test]
 fn gc_reclaims_dead_checkpoints_and_keeps_live_ones() {
     skip_unless_ready!();
     let d = daemon();
-    let live = d.run("live", &python_workload("memhog.py", &[]));
+    let mut live = d.run("live", &python_workload("memhog.py", &[]));
     let dead = d.run("dead", &python_workload("memhog.py", &[]));
     for w in [&live, &dead] {
         w.wait_line_after(0, "`ready`", |l| l == "ready");
@@ -123,7 +123,7 @@ fn gc_reclaims_dead_checkpoints_and_keeps_live_ones() {
     assert!(packs() < before, "pack objects were deleted: {report}");
 
     expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(live.pid)).then_some(()));
-    restore_and_check(&d, &live, live_ck["id"].as_str().unwrap(), &live_sum);
+    restore_and_check(&d, &mut live, live_ck["id"].as_str().unwrap(), &live_sum);
 
     // Retention: three checkpoints, keep the newest one.
     let more: Vec<String> = (0..2)
@@ -137,7 +137,7 @@ fn gc_reclaims_dead_checkpoints_and_keeps_live_ones() {
         report["checkpoints_deleted"].as_array().unwrap().iter().filter_map(|v| v.as_str()).collect();
     assert_eq!(deleted, [live_ck["id"].as_str().unwrap(), more[0].as_str()], "{report}");
     kill_and_wait(live.pid);
-    restore_and_check(&d, &live, &more[1], &live_sum);
+    restore_and_check(&d, &mut live, &more[1], &live_sum);
 }
 
 #[test]
@@ -145,7 +145,7 @@ fn pages_beyond_the_staging_bound_spill_and_restore_intact() {
     skip_unless_ready!();
     let args = ["--staging-mib", "8"].map(String::from).to_vec();
     let d = Daemon::start_with(&DaemonOptions { args, ..Default::default() });
-    let w = d.run("spill", &python_workload("memhog.py", &[]));
+    let mut w = d.run("spill", &python_workload("memhog.py", &[]));
     w.wait_line_after(0, "`ready`", |l| l == "ready");
     let sum = checksum(&w);
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
@@ -155,5 +155,5 @@ fn pages_beyond_the_staging_bound_spill_and_restore_intact() {
     let shown = d.json(&["show", id, "--json"]);
     assert!(!shown["files"].to_string().contains("spill"), "{shown}");
     expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(w.pid)).then_some(()));
-    restore_and_check(&d, &w, id, &sum);
+    restore_and_check(&d, &mut w, id, &sum);
 }

@@ -17,23 +17,24 @@ fn lazily_restored_threads_go_on_and_memory_matches_once_resident() {
     skip_unless_ready!();
     let d = Daemon::start();
     // 4 threads with 48 MiB each, rewriting their memory while they run.
-    let w = d.run("memtest", &memtest::argv(4, 48));
+    let mut w = d.run("memtest", &memtest::argv(4, 48));
     memtest::wait_ready(&w);
-    let tids = procfs::tids(w.pid);
+    let tids = w.threads();
     let paused = memtest::pause(&w);
 
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
 
     let r = d.json(&["restore", "--workload", &w.name, "--lazy", "--json"]);
-    assert_eq!((r["id"].clone(), r["pid"].clone()), (ck["id"].clone(), w.pid.into()), "{r}");
+    assert_eq!(r["id"], ck["id"], "{r}");
+    w.restored(&r);
     let stats = &r["stats"];
     let (first_run, resident) =
         (stats["first_run_ms"].as_u64().unwrap(), stats["resident_ms"].as_u64().unwrap());
     assert_eq!(stats["lazy"], true, "{r}");
     assert!(first_run > 0 && first_run <= resident, "first run {first_run} ms, resident {resident} ms: {r}");
     assert!(stats["bytes_fetched"].as_u64().unwrap() > 0, "{r}");
-    assert_eq!(procfs::tids(w.pid), tids, "the restored process must have the same threads");
+    assert_eq!(w.threads(), tids, "the restored process must have the same threads");
 
     assert_eq!(memtest::checksum(&w), paused.checksum, "memory after the lazy restore differs");
 
@@ -46,7 +47,7 @@ fn lazily_restored_threads_go_on_and_memory_matches_once_resident() {
 fn lazy_restore_without_waiting_returns_while_memory_arrives_and_ends_resident() {
     skip_unless_ready!();
     let d = Daemon::start();
-    let w = d.run("memhog", &python_workload("memhog.py", &["96"]));
+    let mut w = d.run("memhog", &python_workload("memhog.py", &["96"]));
     w.wait_line_after(0, "memhog `ready`", |l| l == "ready");
     procfs::signal(w.pid, Signal::SIGUSR2);
     let (_, before) = w.wait_line_after(0, "`checksum ...`", |l| l.starts_with("checksum "));
@@ -65,6 +66,7 @@ fn lazy_restore_without_waiting_returns_while_memory_arrives_and_ends_resident()
 
     let r = d.json(&["restore", "--workload", &w.name, "--lazy", "--no-wait", "--json"]);
     assert_eq!(r["stats"]["resident_ms"], 0, "an answer before residency: {r}");
+    w.restored(&r);
     assert!(procfs::alive(w.pid), "the tree runs when the answer comes");
     let seen = w.lines().len();
     procfs::signal(w.pid, Signal::SIGUSR2);
@@ -102,8 +104,11 @@ fn lazy_restore_over_s3(
         }
         said.push_str(&line);
     }
-    let pid = w.pid;
-    (d, pid, restore, stderr)
+    let pid = said
+        .split("running as pid ")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok());
+    (d, pid.unwrap_or_else(|| panic!("no pid in {said:?}")), restore, stderr)
 }
 
 /// Waits for the restore to end; returns whether it succeeded, and the rest of its stderr.

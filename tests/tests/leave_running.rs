@@ -9,7 +9,7 @@ use stasis_tests::{Daemon, TIMEOUT, expect_within, procfs, python_workload, skip
 fn leave_running_keeps_the_original_going_and_restores_the_checkpointed_state() {
     skip_unless_ready!();
     let d = Daemon::start();
-    let w = d.run("counter", &python_workload("counter.py", &[]));
+    let mut w = d.run("counter", &python_workload("counter.py", &[]));
     let started = w.wait_number("count ", 10);
 
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
@@ -37,7 +37,7 @@ fn leave_running_keeps_the_original_going_and_restores_the_checkpointed_state() 
 
     let r = d.json(&["restore", &id, "--json"]);
     assert_eq!(r["id"], id.as_str(), "restore result: {r}");
-    assert_eq!(r["pid"], w.pid, "restore result: {r}");
+    w.restored(&r);
     w.wait_number("count ", at_kill + 5);
     let after = stasis_tests::numbered(&w.lines()[before..], "count ");
     let first = after[0];

@@ -1,5 +1,5 @@
-//! A checkpointed and evicted workload, once restored, goes on from where it was: same pids,
-//! same memory, same pipes, same file offsets. Each test: run, checkpoint (the tree is killed
+//! A checkpointed and evicted workload, once restored, goes on from where it was: same pids
+//! (inside its own pid namespace), same memory, same pipes, same file offsets. Each test: run, checkpoint (the tree is killed
 //! once the checkpoint is stored), restore, and check what the workload prints afterwards.
 
 #![forbid(unsafe_code)]
@@ -27,12 +27,12 @@ fn evict(d: &Daemon, w: &Workload, tree: &[i32]) -> serde_json::Value {
     ck
 }
 
-/// Restores the latest checkpoint of `w`; checks it is `ck` and comes back with `w`'s pid.
-fn restore(d: &Daemon, w: &Workload, ck: &serde_json::Value) -> serde_json::Value {
+/// Restores the latest checkpoint of `w`; checks it is `ck` and comes back with `w`'s pids.
+fn restore(d: &Daemon, w: &mut Workload, ck: &serde_json::Value) -> serde_json::Value {
     let r = d.json(&["restore", "--workload", &w.name, "--json"]);
     assert_eq!(r["id"], ck["id"], "restore result: {r}");
     assert_eq!(r["workload"], w.name.as_str(), "restore result: {r}");
-    assert_eq!(r["pid"], w.pid, "the restored tree must have the checkpointed pid: {r}");
+    w.restored(&r);
     assert!(
         procfs::running(w.pid),
         "restored pid {} is not running: state {:?}",
@@ -46,6 +46,11 @@ fn restore(d: &Daemon, w: &Workload, ck: &serde_json::Value) -> serde_json::Valu
         "stasisd should have adopted the restored tree (it reaps its workloads)"
     );
     r
+}
+
+/// The live children of `w`'s command, as its pid namespace numbers them.
+fn children(w: &Workload) -> Vec<i32> {
+    procfs::children(w.main_pid()).into_iter().filter(|&c| procfs::alive(c)).map(procfs::inner).collect()
 }
 
 /// Numbers printed with `prefix` in `w`'s log after its first `skip` lines.
@@ -64,7 +69,7 @@ fn assert_consecutive(numbers: &[u64], what: &str) {
 fn counter_continues_after_eviction_and_restore() {
     skip_unless_ready!();
     let d = Daemon::start();
-    let w = d.run("counter", &python_workload("counter.py", &[]));
+    let mut w = d.run("counter", &python_workload("counter.py", &[]));
     w.wait_number("count ", 10);
 
     let ck = evict(&d, &w, &[w.pid]);
@@ -73,7 +78,7 @@ fn counter_continues_after_eviction_and_restore() {
     assert!(last >= 10);
     assert_consecutive(&w.numbers("count "), "counts before the checkpoint");
 
-    restore(&d, &w, &ck);
+    restore(&d, &mut w, &ck);
     w.wait_number("count ", last + 10);
     let after = numbers_after(&w, before, "count ");
     let first = after[0];
@@ -89,9 +94,9 @@ fn counter_continues_after_eviction_and_restore() {
 fn memtest_memory_is_identical_after_restore_and_threads_go_on() {
     skip_unless_ready!();
     let d = Daemon::start();
-    let w = d.run("memtest", &memtest::argv(4, 16));
+    let mut w = d.run("memtest", &memtest::argv(4, 16));
     memtest::wait_ready(&w);
-    let tids = procfs::tids(w.pid);
+    let tids = w.threads();
     assert_eq!(tids.len(), 5, "main thread and 4 workers: {tids:?}");
     let paused = memtest::pause(&w);
 
@@ -100,8 +105,8 @@ fn memtest_memory_is_identical_after_restore_and_threads_go_on() {
         ck["stats"]["bytes_total"].as_u64().unwrap() >= 64 << 20,
         "64 MiB of written memory should be in the checkpoint: {ck}"
     );
-    restore(&d, &w, &ck);
-    assert_eq!(procfs::tids(w.pid), tids, "the restored process must have the same threads");
+    restore(&d, &mut w, &ck);
+    assert_eq!(w.threads(), tids, "the restored process must have the same threads");
     assert_eq!(
         memtest::checksum(&w),
         paused.checksum,
@@ -115,19 +120,19 @@ fn memtest_memory_is_identical_after_restore_and_threads_go_on() {
 fn pipes_between_two_processes_work_after_restore() {
     skip_unless_ready!();
     let d = Daemon::start();
-    let w = d.run("pipes", &python_workload("pipes.py", &[]));
+    let mut w = d.run("pipes", &python_workload("pipes.py", &[]));
     w.wait_number("roundtrip ", 10);
+    // The pid it prints is the one its pid namespace gives it.
     let child = w.numbers("child ")[0] as i32;
-    assert_eq!(procfs::children(w.pid).into_iter().collect::<Vec<_>>(), [child]);
-    assert_eq!(procfs::ppid(child), Some(w.pid));
+    assert_eq!(children(&w), [child]);
 
-    let ck = evict(&d, &w, &[w.pid, child]);
+    let tree: Vec<i32> = std::iter::once(w.pid).chain(procfs::descendants(w.pid)).collect();
+    let ck = evict(&d, &w, &tree);
     let before = w.lines().len();
     let last = w.last_number("roundtrip ").unwrap();
 
-    restore(&d, &w, &ck);
-    assert!(procfs::alive(child), "the restored tree should have its child {child} again");
-    assert_eq!(procfs::ppid(child), Some(w.pid), "child {child} should be the restored root's child");
+    restore(&d, &mut w, &ck);
+    assert_eq!(children(&w), [child], "the restored root should have its child {child} again");
     w.wait_number("roundtrip ", last + 10);
 
     let new: Vec<String> = w.lines()[before..].to_vec();
@@ -153,7 +158,8 @@ fn file_offsets_are_kept_across_restore() {
     std::fs::write(&data, text).unwrap();
     let copy = d.dir().join("copy.txt");
 
-    let w = d.run("reader", &python_workload("reader.py", &[data.to_str().unwrap(), copy.to_str().unwrap()]));
+    let mut w =
+        d.run("reader", &python_workload("reader.py", &[data.to_str().unwrap(), copy.to_str().unwrap()]));
     w.wait_number("read line ", 10);
 
     let ck = evict(&d, &w, &[w.pid]);
@@ -166,7 +172,7 @@ fn file_offsets_are_kept_across_restore() {
     let expected: Vec<String> = (1..=upto).map(|i| format!("line {i:05}")).collect();
     assert_eq!(copied, expected, "the copy at checkpoint time should be lines 1..={last}");
 
-    restore(&d, &w, &ck);
+    restore(&d, &mut w, &ck);
     w.wait_number("read line ", last + 5);
     let new = w.lines()[before..].to_vec();
     let first = new.first().expect("lines after the restore");

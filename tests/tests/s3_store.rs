@@ -19,7 +19,7 @@ fn checkpoints_go_through_a_real_s3_server_and_a_dead_one_leaves_the_job_running
     let Some(s3) = S3Server::start() else { return };
     let d = Daemon::start_with(&s3.daemon_options("tenant-a", &["--store-retry-secs", "2"]));
 
-    let w = d.run("counter", &python_workload("counter.py", &[]));
+    let mut w = d.run("counter", &python_workload("counter.py", &[]));
     w.wait_number("count ", 5);
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     let at_checkpoint = w.last_number("count ").unwrap();
@@ -27,7 +27,7 @@ fn checkpoints_go_through_a_real_s3_server_and_a_dead_one_leaves_the_job_running
     let first = ck["stats"]["bytes_uploaded"].as_u64().unwrap();
     assert!(first > 0, "{ck}");
 
-    d.json(&["restore", ck["id"].as_str().unwrap(), "--json"]);
+    w.restored(&d.json(&["restore", ck["id"].as_str().unwrap(), "--json"]));
     let resumed = w.wait_number("count ", at_checkpoint + 1);
     assert!(resumed <= at_checkpoint + 3, "counting resumed from {at_checkpoint}, not elsewhere: {resumed}");
     let again = d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
@@ -60,7 +60,7 @@ fn a_collection_on_another_node_waits_for_an_upload_under_way() {
     let relay = FaultyHttp::start(s3.port);
     let a = Daemon::start_with(&s3.daemon_options_at(relay.port, "shared", &[]));
     let b = Daemon::start_with(&s3.daemon_options("shared", &["--gc-grace-secs", "0"]));
-    let w = a.run("memhog", &python_workload("memhog.py", &["96"]));
+    let mut w = a.run("memhog", &python_workload("memhog.py", &["96"]));
     w.wait_line_after(0, "the workload to be ready", |l| l == "ready");
     procfs::signal(w.pid, Signal::SIGUSR2);
     let (_, before) = w.wait_line_after(0, "a checksum", |l| l.starts_with("checksum "));
@@ -85,7 +85,7 @@ fn a_collection_on_another_node_waits_for_an_upload_under_way() {
     assert_eq!(collected["packs_deleted"], 0, "B deleted packs of A's upload: {collected}");
     expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(w.pid)).then_some(()));
     let skip = w.lines().len();
-    a.json(&["restore", &id, "--json"]);
+    w.restored(&a.json(&["restore", &id, "--json"]));
     procfs::signal(w.pid, Signal::SIGUSR2);
     let (_, after) = w.wait_line_after(skip, "a checksum after the restore", |l| l.starts_with("checksum "));
     assert_eq!(after, before, "memory differs after B's collection");

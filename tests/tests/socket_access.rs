@@ -143,7 +143,7 @@ fn a_group_member_acts_only_on_its_own_and_others_cannot_connect() {
             .map(|u| u.split_whitespace().map(str::to_owned).collect::<Vec<_>>())
     };
     let mine = user.uid.to_string();
-    assert_eq!(uid_of(pid), Some(vec![mine.clone(); 4]), "the workload runs as the user");
+    assert_eq!(uid_of(procfs::command_of(pid)), Some(vec![mine.clone(); 4]), "the workload runs as the user");
     // Someone outside the group cannot even connect.
     let out = as_user(&d, &cli, "nobody", "nogroup", &["status"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -160,7 +160,8 @@ fn a_group_member_acts_only_on_its_own_and_others_cannot_connect() {
     let listed = json(&as_user(&d, &cli, name, group, &["list", "--json"]));
     assert_eq!(listed["checkpoints"][0]["id"], ck["id"], "its own checkpoint is listed: {listed}");
     let restored = json(&as_user(&d, &cli, name, group, &["restore", "--workload", "mine", "--json"]));
-    assert_eq!(uid_of(pid_of(&restored)), Some(vec![mine; 4]), "restored as the user, not as root");
+    let restored = procfs::command_of(pid_of(&restored));
+    assert_eq!(uid_of(restored), Some(vec![mine; 4]), "restored as the user, not as root");
 }
 
 /// Whether this process has CAP_SYS_RESOURCE (bit 24 of its effective set).

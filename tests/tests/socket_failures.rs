@@ -31,7 +31,7 @@ fn a_taken_port_refuses_the_restore_and_leaves_the_checkpoint_restorable() {
     skip_unless_ready!();
     let d = Daemon::start();
     let port = free_port();
-    let w = d.run("listener", &python_workload("net.py", &["--http", &port.to_string()]));
+    let mut w = d.run("listener", &python_workload("net.py", &["--http", &port.to_string()]));
     w.wait_number("tick ", 5);
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     let id = ck["id"].as_str().expect("checkpoint id").to_owned();
@@ -42,11 +42,15 @@ fn a_taken_port_refuses_the_restore_and_leaves_the_checkpoint_restorable() {
     let me = std::process::id();
     assert!(err.contains(&format!("port {port}/tcp (127.0.0.1) is in use by pid {me}")), "{err}");
     assert!(err.contains("nothing was restored"), "{err}");
-    assert!(!procfs::exists(w.pid), "nothing of the tree may run after a refused restore");
+    let left = procfs::in_workload_cgroup(&w.name);
+    assert!(
+        !procfs::exists(w.pid) && left.is_empty(),
+        "nothing of the tree may run after a refused restore: {left:?}"
+    );
 
     drop(squatter);
     let r = d.json(&["restore", &id, "--json"]);
-    assert_eq!(r["pid"], w.pid, "restore result: {r}");
+    w.restored(&r);
     let body = http_get(port).unwrap_or_else(|e| panic!("HTTP GET after the restore: {e}"));
     assert!(body.starts_with("tick "), "HTTP answer: {body:?}");
 }

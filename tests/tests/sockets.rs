@@ -88,7 +88,7 @@ fn evict_and_restore(d: &Daemon, restore_flags: &[&str]) {
     let lock = d.json(&["status", "--json"])["network_lock"].as_str().expect("network lock").to_owned();
     let peer = EchoPeer::start();
     let http = free_port();
-    let w = start(d, &peer, http, true);
+    let mut w = start(d, &peer, http, true);
     assert_http_answers(http);
 
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
@@ -122,7 +122,7 @@ fn evict_and_restore(d: &Daemon, restore_flags: &[&str]) {
     let mut restore = vec!["restore", &id, "--json"];
     restore.extend_from_slice(restore_flags);
     let r = d.json(&restore);
-    assert_eq!(r["pid"], w.pid, "restore result: {r}");
+    w.restored(&r);
     assert_eq!(r["warnings"].as_array().map(Vec::len), Some(0), "restore result: {r}");
     w.wait_number("tick ", at_eviction + 20);
     assert_http_answers(http);

@@ -67,7 +67,8 @@ fn s3_faults_at_each_phase_leave_the_job_running_or_its_checkpoint_durable() {
         fail("GET", "/packs/", fault);
         let err = d.cli_err(&["restore", "--workload", &w.name]);
         assert!(err.contains("packs/"), "the error should name what could not be read: {err}");
-        assert!(!procfs::exists(w.pid), "nothing restored runs after {fault:?}");
+        let left = procfs::in_workload_cgroup(&w.name);
+        assert!(!procfs::exists(w.pid) && left.is_empty(), "nothing restored runs after {fault:?}: {left:?}");
     }
     relay.set(None);
     d.json(&["restore", "--workload", &w.name, "--json"]);

@@ -3,7 +3,7 @@
 #![forbid(unsafe_code)]
 
 use serde_json::Value;
-use stasis_tests::{Daemon, python_workload, skip_unless_ready};
+use stasis_tests::{Daemon, procfs, python_workload, skip_unless_ready};
 
 fn ids(listed: &Value) -> Vec<String> {
     listed["checkpoints"]
@@ -56,7 +56,9 @@ fn list_show_and_delete_checkpoints() {
         .iter()
         .filter_map(Value::as_str)
         .collect();
-    for expected in ["inventory.img", "pstree.img", "pages-1.img", &format!("core-{}.img", w.pid)] {
+    for expected in
+        ["inventory.img", "pstree.img", "pages-1.img", &format!("core-{}.img", procfs::inner(w.pid))]
+    {
         assert!(files.contains(&expected), "show should list {expected}: {files:?}");
     }
     let pids = shown["pids"].as_array().unwrap_or_else(|| panic!("show has no pids: {shown}"));

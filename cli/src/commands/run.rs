@@ -28,7 +28,7 @@ pub async fn run(client: &mut Client, args: RunArgs) -> anyhow::Result<()> {
         idle_after_ms: args.idle_after.map(|d| d.as_millis() as u64).unwrap_or_default(),
         checkpoint_every_ms: args.checkpoint_every.map(|d| d.as_millis() as u64).unwrap_or_default(),
         spot: args.spot,
-        own_pids: args.own_pids,
+        host_pids: args.host_pids,
     };
     let response = client.rpc.run(request).await.map_err(|s| client.error(s))?.into_inner();
     if args.json {

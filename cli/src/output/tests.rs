@@ -209,6 +209,7 @@ fn status_response_lists_workloads() {
             spot: false,
             evacuation: None,
             fitted_every_ms: 0,
+            log_path: "/var/lib/stasis/logs/train.log".into(),
         }],
     };
     assert_eq!(
@@ -231,6 +232,7 @@ fn status_response_lists_workloads() {
                     "idle_after_ms": 30_000, "reclaimed_checkpoint": "20261123-120000-abcdef",
                     "checkpoint_every_ms": 0, "last_checkpoint": "20261123-120000-abcdef",
                     "spot": false, "evacuation": null, "fitted_every_ms": 0,
+                    "log_path": "/var/lib/stasis/logs/train.log",
                 },
             ],
         })

@@ -1,4 +1,4 @@
-//! stasis-init: the first process of a workload's own pid namespace (`stasis run --own-pids`).
+//! stasis-init: the first process of a workload's own pid namespace (what `stasis run` starts, unless --host-pids).
 //!
 //! stasisd starts it with a new pid namespace unshared for its children. It forks once: the
 //! child is pid 1 of the new namespace, and this process reports that child's pid (as stasisd
@@ -6,6 +6,12 @@
 //! (CRIU records sessions only inside the namespace), starts the workload's command (as
 //! `--uid`/`--gid` when given), forwards the signals a process gets asked to stop or report
 //! with to it, reaps whatever the namespace orphans, and exits as the command did.
+//!
+//! Once the command runs, the init moves into `--dir`, a directory of its own: CRIU's code
+//! injected into a namespace's init mounts a /proc for the namespace in a directory it makes
+//! in the init's working directory, so that directory must be writable and not shared with
+//! another workload's init that CRIU may be dumping at the same moment. The init removes it
+//! when it exits.
 //!
 //! Because the tree's processes are numbered inside the namespace, a checkpoint of it can be
 //! restored anywhere, as often as wanted: each copy gets a namespace of its own.
@@ -34,6 +40,9 @@ struct Args {
     uid: Option<u32>,
     #[arg(long)]
     gid: Option<u32>,
+    /// The init's own working directory (the command keeps the one it was started in).
+    #[arg(long)]
+    dir: std::path::PathBuf,
     /// The command and its arguments.
     #[arg(last = true, required = true)]
     command: Vec<String>,
@@ -62,7 +71,9 @@ fn main() -> anyhow::Result<ExitCode> {
         }
         Forked::Child => {
             drop(report);
-            init(&args)
+            let status = init(&args);
+            let _ = std::fs::remove_dir(&args.dir);
+            status
         }
     }
 }
@@ -84,6 +95,7 @@ fn init(args: &Args) -> anyhow::Result<ExitCode> {
     }
     let workload = cmd.spawn().with_context(|| format!("starting {}", args.command[0]))?;
     let workload = Pid::from_raw(workload.id() as i32);
+    std::env::set_current_dir(&args.dir).with_context(|| format!("moving into {}", args.dir.display()))?;
     loop {
         // A child that ended before the handler saw its SIGCHLD is reaped here too.
         while let Ok(status) = waitpid(None, Some(WaitPidFlag::WNOHANG)) {

@@ -13,6 +13,7 @@ pub mod lazy_pages;
 mod log;
 mod options;
 pub mod pageserver;
+pub mod parasite;
 pub mod support;
 mod swrk;
 

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use nix::fcntl::{OFlag, open};
 use nix::sys::stat::Mode;
-use stasis_proto::criu::{InheritFd, NetworkLockMethod, Options, PageServerInfo};
+use stasis_proto::criu::{CgroupRoot, InheritFd, NetworkLockMethod, Options, PageServerInfo};
 
 use super::{CriuError, LOG_FILE, NetworkLock};
 
@@ -107,6 +107,9 @@ pub struct RestoreSpec {
     pub lazy_pages: bool,
     /// Restore established TCP connections closed: the tree finds them reset.
     pub tcp_close: bool,
+    /// Move the tree from its root's cgroup at dump time into this one (of the v2
+    /// hierarchy, e.g. `/stasis/<node>/<workload>`).
+    pub cgroup: Option<String>,
 }
 
 impl RestoreSpec {
@@ -118,6 +121,12 @@ impl RestoreSpec {
         opts.lazy_pages = Some(self.lazy_pages);
         self.tree.apply(&mut opts);
         opts.tcp_close = Some(self.tcp_close);
+        // "" names the v2 hierarchy; v1 controllers keep the cgroups the images name.
+        opts.cgroup_root = self
+            .cgroup
+            .iter()
+            .map(|path| CgroupRoot { ctrl: Some(String::new()), path: path.clone() })
+            .collect();
         opts.inherit_fd = self
             .inherit_fds
             .iter()

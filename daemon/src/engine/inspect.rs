@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io;
+use std::path::PathBuf;
 
 use super::sockets::{self, TreeSockets};
 use crate::criu::TreeOptions;
@@ -23,6 +24,10 @@ pub struct TreeInfo {
     /// Each process's pid inside the root's own pid namespace, in the order of `pids`, when
     /// the root is that namespace's init (see `stasis-init`); empty otherwise.
     pub ns_pids: Vec<i32>,
+    /// The paths of the files its processes hold open (as /proc names them).
+    pub open_files: BTreeSet<PathBuf>,
+    /// With `ns_pids`: the working directory of the namespace's init (see `stasis-init`).
+    pub init_dir: Option<PathBuf>,
 }
 
 /// Inspects the tree rooted at `root`.
@@ -39,6 +44,7 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
     let sockets = sockets::survey(&pids);
     options.tcp_established = sockets.may_hold_connections();
     options.ext_unix_sk = sockets.has_unix();
+    let mut open_files = BTreeSet::new();
     for &pid in &pids {
         options.link_remap |= proc::mapped_paths(pid).iter().any(|p| p.ends_with(DELETED));
         let Ok(fds) = proc::fd_targets(pid) else {
@@ -50,11 +56,17 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
                 // A terminal outside the tree: restore gives the job a new one.
                 options.external.push(key);
             }
+            if target.is_absolute() {
+                open_files.insert(target);
+            }
         }
     }
-    let uids = pids.iter().filter_map(|&pid| proc::uids(pid).ok()).flatten().collect();
     let started = pids.iter().filter_map(|&pid| Some((pid, ProcStat::read(pid).ok()?.start_time?))).collect();
     let ns_pids = own_namespace_pids(root, &pids);
+    // stasis-init is root's, whoever's command it runs: the tree is the command's user's.
+    let ours = !ns_pids.is_empty() && proc::exe(root).ok() == crate::linux::init_program().ok();
+    let users = pids.iter().filter(|&&pid| !(ours && pid == root));
+    let uids = users.filter_map(|&pid| proc::uids(pid).ok()).flatten().collect();
     let mut command = proc::cmdline(root)?;
     if !ns_pids.is_empty()
         && let Some(at) = command.iter().position(|a| a == "--")
@@ -62,7 +74,8 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
         // stasis-init's own arguments say nothing about the workload: the command after them.
         command.drain(..=at);
     }
-    Ok(TreeInfo { pids, command, options, sockets, uids, started, ns_pids })
+    let init_dir = if ns_pids.is_empty() { None } else { proc::cwd(root).ok() };
+    Ok(TreeInfo { pids, command, options, sockets, uids, started, ns_pids, open_files, init_dir })
 }
 
 /// The pids of `pids` inside `root`'s pid namespace, if `root` is its init and it is not

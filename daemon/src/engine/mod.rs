@@ -12,6 +12,7 @@ mod error;
 mod evacuate;
 mod gpu;
 mod gpu_map;
+mod home;
 mod host;
 mod hot_restore;
 mod idle;
@@ -135,7 +136,19 @@ pub struct Engine {
     /// Workloads an evacuation is checkpointing, and whether it evicts them (see `evacuate`).
     evacuating: std::sync::Mutex<HashMap<String, bool>>,
     /// One job at a time per workload.
-    workload_locks: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    workload_locks: KeyedLocks<String>,
+    /// Dumps of trees whose namespace inits share a working directory (copies of one
+    /// checkpoint) run one at a time: CRIU mounts a /proc in it, under one name.
+    init_dir_locks: KeyedLocks<std::path::PathBuf>,
+}
+
+/// A lock per key, made on first use.
+type KeyedLocks<K> = tokio::sync::Mutex<HashMap<K, Arc<tokio::sync::Mutex<()>>>>;
+
+/// The lock of `key` in `locks`, held.
+async fn hold<K: std::hash::Hash + Eq>(locks: &KeyedLocks<K>, key: K) -> tokio::sync::OwnedMutexGuard<()> {
+    let lock = locks.lock().await.entry(key).or_default().clone();
+    lock.lock_owned().await
 }
 
 /// `m` locked; a poisoned lock is taken as it is (its holder panicked, the data is still
@@ -184,7 +197,6 @@ impl Engine {
     }
 
     async fn lock_workload(&self, name: &str) -> tokio::sync::OwnedMutexGuard<()> {
-        let lock = self.workload_locks.lock().await.entry(name.to_string()).or_default().clone();
-        lock.lock_owned().await
+        hold(&self.workload_locks, name.to_string()).await
     }
 }

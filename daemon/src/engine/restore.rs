@@ -20,6 +20,7 @@ use super::checkpoint::tree_options;
 use super::compat;
 use super::gpu::{self, GpuError};
 use super::gpu_map;
+use super::home::{Home, init_dir_again};
 use super::hot_restore::{FaultGuard, KillTree, LazyError, LazySession, Roots, tree_killer};
 use super::ids::{ms, valid_checkpoint_id};
 use super::sockets::{self, needs_network_support};
@@ -165,6 +166,7 @@ impl Engine {
         let name = params.as_workload.clone().unwrap_or_else(|| manifest.workload.clone());
         let _guard = self.lock_workload(&name).await;
         self.check_name(&manifest, &name, params.caller)?;
+        let home = self.restored_home(&manifest, &name, params.caller)?;
         let preflight = self.preflight(&manifest, &params.gpu_map, params.tcp_close).await?;
         let lazy = params.lazy;
         let bytes = manifest.stats.map(|s| s.bytes_total).unwrap_or_default();
@@ -183,7 +185,7 @@ impl Engine {
             ),
         };
         let (pid, session) =
-            self.run_criu(&manifest, work.path(), params.tcp_close, session, &progress).await?;
+            self.run_criu(&manifest, &home, work.path(), params.tcp_close, session, &progress).await?;
         if manifest.own_pid_namespace {
             *lock(&roots) = vec![pid];
         }
@@ -193,7 +195,7 @@ impl Engine {
         let gpu_restore_ms = self.reattach_gpu(&manifest, gpu_pids, preflight.gpu_pairs, &progress).await?;
         restored.armed = false;
         let stats = RestoreStats::running(started, fetched, bytes_fetched, gpu_restore_ms, lazy);
-        self.remember_restore(&manifest, &name, pid);
+        self.remember_restore(&manifest, &home, &name, pid);
         let outcome = RestoreOutcome {
             id: manifest.id.clone(),
             workload: name,
@@ -208,6 +210,17 @@ impl Engine {
         drop(commit_guard);
         info!(checkpoint = %outcome.id, workload = %outcome.workload, pid, stats = ?outcome.stats, "restored");
         Ok(outcome)
+    }
+
+    /// The home on this node of the tree restored as `name`: its log, its cgroup if it had
+    /// one, and its namespace init's directory made again if it is gone.
+    fn restored_home(&self, manifest: &Manifest, name: &str, caller: Caller) -> Result<Home, RestoreError> {
+        let home =
+            self.home(name, caller, !manifest.cgroup.is_empty()).map_err(|(what, e)| local(what)(e))?;
+        if !manifest.init_dir.is_empty() {
+            init_dir_again(&manifest.init_dir).map_err(local("its init's directory"))?;
+        }
+        Ok(home)
     }
 
     /// Whether the restored tree may be workload `name`: not a reclaimed one, and a name of
@@ -231,7 +244,7 @@ impl Engine {
         let why = if !valid_name(name) {
             "it is not a valid workload name"
         } else if !manifest.own_pid_namespace {
-            "only a checkpoint of a workload with its own pid namespace (stasis run --own-pids) can run twice"
+            "it keeps its pids (a process checkpointed by pid, or run with --host-pids), so only one copy can run"
         } else if runs || existing.is_some_and(|w| !caller.owns(w.owner_uid)) {
             "a running workload (or another user's) has that name"
         } else {
@@ -318,6 +331,7 @@ impl Engine {
     async fn run_criu(
         &self,
         manifest: &Manifest,
+        home: &Home,
         dir: &Path,
         tcp_close: bool,
         session: Option<LazySession>,
@@ -325,11 +339,16 @@ impl Engine {
     ) -> Result<(i32, Option<LazySession>), RestoreError> {
         let id = manifest.id.clone();
         let tree = tree_options(&manifest.options.clone().unwrap_or_default());
-        let inherit_fds =
-            self.replacement_terminals(&manifest.workload, &tree.external).map_err(local("terminal"))?;
+        let inherit_fds = replacement_files(manifest, home, &tree.external)?;
         progress(ProgressUpdate { phase: "restore", done: 0, total: 0 });
-        let lazy_pages = session.is_some();
-        let spec = RestoreSpec { images_dir: dir.to_path_buf(), tree, inherit_fds, lazy_pages, tcp_close };
+        let spec = RestoreSpec {
+            images_dir: dir.to_path_buf(),
+            tree,
+            inherit_fds,
+            lazy_pages: session.is_some(),
+            tcp_close,
+            cgroup: home.cgroup_in_hierarchy().filter(|_| !manifest.cgroup.is_empty()),
+        };
         session.iter().for_each(LazySession::arm);
         let faults = session.as_ref().map(LazySession::fault_guard);
         let mut on_notify = {
@@ -444,51 +463,58 @@ impl Engine {
             .map_err(|source| RestoreError::GpuPlacement { id, source: Box::new(source) })
     }
 
-    /// A new terminal, logged to the workload's log, for each terminal the tree had.
-    fn replacement_terminals(
-        &self,
-        workload: &str,
-        external: &[String],
-    ) -> std::io::Result<Vec<(String, OwnedFd)>> {
-        let log = self
-            .registry
-            .get(workload)
-            .and_then(|w| w.log_path)
-            .unwrap_or_else(|| self.state.log_file(workload));
-        external
-            .iter()
-            .filter(|k| pty::is_tty_key(k))
-            .map(|key| Ok((key.clone(), pty::terminal_to_log(&log)?)))
-            .collect()
-    }
-
     /// Records the restored tree in the workload registry. A failure is logged, not
     /// returned: the tree runs, and the registry is bookkeeping.
-    fn remember_restore(&self, manifest: &Manifest, name: &str, pid: i32) {
-        if let Err(e) = self.record_restore(manifest, name, pid) {
+    fn remember_restore(&self, manifest: &Manifest, home: &Home, name: &str, pid: i32) {
+        if let Err(e) = self.record_restore(manifest, home, name, pid) {
             warn!(workload = %name, error = %e, "cannot record the restore in the workload registry");
         }
     }
 
-    fn record_restore(&self, manifest: &Manifest, name: &str, pid: i32) -> std::io::Result<()> {
+    fn record_restore(&self, manifest: &Manifest, home: &Home, name: &str, pid: i32) -> std::io::Result<()> {
+        let cgroup = home.cgroup.as_ref().map(|c| c.path.clone());
         // A copy (`--as`) gets a record of its own, even over an old one of that name.
         if name == manifest.workload && self.registry.get(name).is_some() {
             return self.registry.update(name, |w| {
                 w.pid = pid;
                 w.last_error = None;
+                w.cgroup = cgroup;
             });
         }
         self.registry.put(Workload {
             name: name.to_owned(),
             pid,
             command: manifest.command.clone(),
-            managed: false,
-            log_path: Some(self.state.log_file(&manifest.workload)),
+            managed: !manifest.log_file.is_empty(),
+            log_path: Some(home.log_path.clone()),
+            cgroup,
             last_checkpoint: Some(manifest.id.clone()),
             owner_uid: manifest.owner_uid,
             ..Default::default()
         })
     }
+}
+
+/// What the restored tree gets in place of what it held outside itself: the workload's log
+/// on this node for the log file it wrote to, and a new terminal, logged there too, for each
+/// terminal it had.
+fn replacement_files(
+    manifest: &Manifest,
+    home: &Home,
+    external: &[String],
+) -> Result<Vec<(String, OwnedFd)>, RestoreError> {
+    let mut files: Vec<(String, OwnedFd)> = external
+        .iter()
+        .filter(|k| pty::is_tty_key(k))
+        .map(|key| Ok((key.clone(), pty::terminal_to_log(&home.log_path)?)))
+        .collect::<std::io::Result<_>>()
+        .map_err(local("terminal"))?;
+    if let Some(path) = manifest.log_file.strip_prefix('/') {
+        // CRIU names a regular file by its path without the leading slash.
+        let log = home.log.try_clone().map_err(local("its log file"))?;
+        files.push((path.to_owned(), log.into()));
+    }
+    Ok(files)
 }
 
 /// The restored tree's roots as known before CRIU runs: the recorded pids, or none yet for a

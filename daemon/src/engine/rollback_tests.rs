@@ -48,6 +48,8 @@ pub(super) fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
         uids: [0].into(),
         started: [(ROOT, 1), (CHILD, 1)].into(),
         ns_pids: Vec::new(),
+        open_files: Default::default(),
+        init_dir: None,
     };
     let host = Arc::new(FakeHost { cuda: vec![ROOT], ..FakeHost::with_tree(tree) });
     host.stopped.lock().unwrap().insert(CHILD);

@@ -1,20 +1,20 @@
-//! Starting workloads under stasisd's management: own session, stdio to a log file in the
-//! state directory, own cgroup.
+//! Starting workloads under stasisd's management: own session and (unless asked otherwise)
+//! own pid namespace under `stasis-init`, stdio to a log file in the state directory, own
+//! cgroup (the last two: `home.rs`).
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::Read;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use nix::fcntl::OFlag;
 use tracing::info;
 
+use super::home::new_init_dir;
 use super::workloads::{Workload, derived_name, valid_name};
 use super::{Caller, Engine, RunError};
-use crate::linux::cgroup::{WorkloadCgroup, v2_root};
 use crate::linux::sys::{ChildSetup, spawn};
 
 /// What to start.
@@ -54,47 +54,37 @@ impl Engine {
             let workload = name.clone();
             move |source| RunError::Setup { workload, what, source }
         };
-        let log_path = self.state.log_file(&name);
-        let log = open_log(&log_path, params.caller).map_err(setup_err("its log file"))?;
-        let cgroup = match v2_root() {
-            Some(root) => Some(
-                WorkloadCgroup::create(&root, self.store.node_tag(), &name)
-                    .map_err(setup_err("its cgroup"))?,
-            ),
-            None => None,
-        };
-        let procs = cgroup.as_ref().map(|c| c.open_procs()).transpose().map_err(setup_err("its cgroup"))?;
+        let home = self.home(&name, params.caller, true).map_err(|(what, e)| setup_err(what)(e))?;
+        let procs =
+            home.cgroup.as_ref().map(|c| c.open_procs()).transpose().map_err(setup_err("its cgroup"))?;
+        let log = home.log.try_clone().map_err(setup_err("its log file"))?;
         let stdout = log.try_clone().map_err(setup_err("its log file"))?;
-        let report = match params.own_pids {
-            true => Some(nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| setup_err("its init")(e.into()))?),
-            false => None,
-        };
-        let init = report.as_ref().map(|(_, w)| w.as_raw_fd());
-        let mut cmd = command_for(&params, [stdout, log], init).map_err(setup_err("its init"))?;
+        let init = params.own_pids.then(InitSetup::new).transpose().map_err(setup_err("its init"))?;
+        let mut cmd = command_for(&params, [stdout, log], init.as_ref()).map_err(setup_err("its init"))?;
         let setup = ChildSetup {
             new_session: true,
             cgroup_procs: procs.as_ref().map(|f| f.as_raw_fd()),
-            keep_fds: init.into_iter().collect(),
+            keep_fds: init.iter().map(|i| i.write.as_raw_fd()).collect(),
             new_pid_ns: params.own_pids,
         };
-        let child = spawn(&mut cmd, setup).map_err(|source| RunError::Spawn { program, source })?;
+        let spawned = spawn(&mut cmd, setup);
         // The reaper collects its exit status; nothing here waits for it.
-        let pid = match report {
-            None => child.id() as i32,
-            Some((read, write)) => {
-                drop(write);
-                reported_pid(read).map_err(setup_err("its init"))?
+        let pid = match (spawned, init) {
+            (Err(source), init) => {
+                init.into_iter().for_each(InitSetup::abandon);
+                return Err(RunError::Spawn { program, source });
             }
+            (Ok(child), None) => child.id() as i32,
+            (Ok(_), Some(init)) => init.reported_pid().map_err(setup_err("its init"))?,
         };
-        drop(child);
         self.registry
             .put(Workload {
                 name: name.clone(),
                 pid,
                 command: params.argv,
                 managed: true,
-                log_path: Some(log_path.clone()),
-                cgroup: cgroup.map(|c| c.path),
+                log_path: Some(home.log_path.clone()),
+                cgroup: home.cgroup.as_ref().map(|c| c.path.clone()),
                 idle_after_ms: params.idle_after.map(|d| d.as_millis() as u64),
                 checkpoint_every_ms: params.checkpoint_every.map(|d| d.as_millis() as u64),
                 owner_uid: params.caller.uid(),
@@ -103,7 +93,7 @@ impl Engine {
             })
             .map_err(setup_err("the workload registry"))?;
         info!(workload = %name, pid, "workload started");
-        Ok(RunOutcome { workload: name, pid, log_path })
+        Ok(RunOutcome { workload: name, pid, log_path: home.log_path.clone() })
     }
 
     /// The name the new workload gets: the one asked for, if no live or reclaimed workload
@@ -129,23 +119,49 @@ impl Engine {
     }
 }
 
-/// Opens (appending) the workload's log file, owned by whom the workload runs as.
-fn open_log(path: &Path, caller: Caller) -> std::io::Result<File> {
-    let log = OpenOptions::new().create(true).append(true).mode(0o600).open(path)?;
-    if let Caller::User { uid, gid } = caller {
-        std::os::unix::fs::fchown(&log, Some(uid), Some(gid))?;
+/// What `stasis-init` is given: the pipe it reports the namespace init's pid on, and the
+/// init's own working directory.
+struct InitSetup {
+    read: OwnedFd,
+    write: OwnedFd,
+    dir: PathBuf,
+}
+
+impl InitSetup {
+    fn new() -> std::io::Result<Self> {
+        let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
+        Ok(Self { read, write, dir: new_init_dir()? })
     }
-    Ok(log)
+
+    /// The pid `stasis-init` reports for the namespace's init (it writes it, then exits).
+    fn reported_pid(self) -> std::io::Result<i32> {
+        let Self { read, write, dir } = self;
+        drop(write);
+        let mut text = String::new();
+        let pid = File::from(read).read_to_string(&mut text).and_then(|_| {
+            text.trim()
+                .parse()
+                .map_err(|_| std::io::Error::other(format!("stasis-init reported {text:?}, not a pid")))
+        });
+        if pid.is_err() {
+            let _ = std::fs::remove_dir(&dir);
+        }
+        pid
+    }
+
+    /// Gives up the setup of an init that never started.
+    fn abandon(self) {
+        let _ = std::fs::remove_dir(&self.dir);
+    }
 }
 
 /// The command that starts the workload: as the caller, stdin from /dev/null, stdout and
-/// stderr to its log. With `init` (the descriptor it reports on), `stasis-init` starts it in
-/// a pid namespace of its own, and takes on the caller's ids only for the command (the
-/// namespace is made as root).
+/// stderr to its log. With `init`, `stasis-init` starts it in a pid namespace of its own, and
+/// takes on the caller's ids only for the command (the namespace is made as root).
 fn command_for(
     params: &RunParams,
     [stdout, stderr]: [File; 2],
-    init: Option<RawFd>,
+    init: Option<&InitSetup>,
 ) -> std::io::Result<Command> {
     let mut cmd = match init {
         None => {
@@ -157,9 +173,9 @@ fn command_for(
             cmd.args(&params.argv[1..]);
             cmd
         }
-        Some(report) => {
-            let mut cmd = Command::new(crate::linux::companion_program(INIT_BIN)?);
-            cmd.args(["--report-fd", &report.to_string()]);
+        Some(init) => {
+            let mut cmd = Command::new(crate::linux::init_program()?);
+            cmd.args(["--report-fd", &init.write.as_raw_fd().to_string()]).arg("--dir").arg(&init.dir);
             if let Caller::User { uid, gid } = params.caller {
                 cmd.args(["--uid", &uid.to_string(), "--gid", &gid.to_string()]);
             }
@@ -172,16 +188,4 @@ fn command_for(
         cmd.current_dir(cwd);
     }
     Ok(cmd)
-}
-
-/// The program that starts a workload in a pid namespace of its own.
-const INIT_BIN: &str = "stasis-init";
-
-/// The pid `stasis-init` reports for the namespace's init (it writes it, then exits).
-fn reported_pid(read: OwnedFd) -> std::io::Result<i32> {
-    let mut text = String::new();
-    File::from(read).read_to_string(&mut text)?;
-    text.trim()
-        .parse()
-        .map_err(|_| std::io::Error::other(format!("stasis-init reported {text:?}, not a pid")))
 }

@@ -16,6 +16,7 @@ use super::{Engine, EngineConfig, GpuActivity, StartError, dump};
 use crate::criu::{Criu, CriuOps, CriuVersion, MIN_VERSION, NetworkLock, support};
 use crate::cuda::nvml::Nvml;
 use crate::cuda::{CudaDriver, CudaError, GpuCheckpointer};
+use crate::linux::cgroup::WorkloadCgroup;
 use crate::linux::reaper::Reaper;
 use crate::store::{StagingBudget, Store};
 
@@ -102,6 +103,23 @@ impl Engine {
             notice_window: config.notice_window,
             evacuating: Default::default(),
             workload_locks: Default::default(),
+            init_dir_locks: Default::default(),
+        }
+    }
+
+    /// Takes back the trees that a restore had put in their workload's cgroup when a crash
+    /// kept them out of the registry (a tree with a pid namespace of its own has new pids).
+    fn adopt_restored(&self) {
+        for w in self.registry.all().into_iter().filter(|w| !self.host.is_running(w.pid)) {
+            let Some(pid) = w.cgroup.and_then(|path| WorkloadCgroup { path }.root_process()) else {
+                continue;
+            };
+            match self.registry.update(&w.name, |w| w.pid = pid) {
+                Ok(()) => info!(workload = %w.name, pid, "took back a tree restored before the restart"),
+                Err(e) => {
+                    warn!(workload = %w.name, pid, error = %e, "cannot record a tree restored before the restart")
+                }
+            }
         }
     }
 
@@ -116,6 +134,7 @@ impl Engine {
             }
         }
         self.recover_held().await;
+        self.adopt_restored();
         for w in self.registry.all().iter().filter(|w| !self.host.is_running(w.pid)) {
             self.release_cgroup(&w.name);
         }

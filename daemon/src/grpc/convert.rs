@@ -139,7 +139,7 @@ impl TryFrom<pb::RunRequest> for RunParams {
             checkpoint_every: (r.checkpoint_every_ms > 0)
                 .then(|| std::time::Duration::from_millis(r.checkpoint_every_ms)),
             spot: r.spot,
-            own_pids: r.own_pids,
+            own_pids: !r.host_pids,
             caller: Caller::Root,
         })
     }
@@ -321,6 +321,7 @@ impl From<StatusReport> for pb::StatusResponse {
                         spot: w.spot,
                         fitted_every_ms: fitted_every.map_or(0, |d| d.as_millis() as u64),
                         evacuation: w.evacuation.map(Into::into),
+                        log_path: w.log_path.map(|p| p.display().to_string()).unwrap_or_default(),
                     }
                 })
                 .collect(),

@@ -6,6 +6,8 @@ use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::path::{Path, PathBuf};
 
+use super::proc::ProcStat;
+
 const PURE_V2: &str = "/sys/fs/cgroup";
 const HYBRID_V2: &str = "/sys/fs/cgroup/unified";
 
@@ -15,6 +17,13 @@ pub fn v2_root() -> Option<PathBuf> {
         return Some(PURE_V2.into());
     }
     Path::new(HYBRID_V2).join("cgroup.procs").exists().then(|| HYBRID_V2.into())
+}
+
+/// The path of the cgroup at `dir` within the v2 hierarchy (`/stasis/...`), as CRIU names
+/// cgroups.
+pub fn hierarchy_path(dir: &Path) -> Option<String> {
+    let within = dir.strip_prefix(v2_root()?).ok()?;
+    Some(format!("/{}", within.display()))
 }
 
 /// The cgroup of one workload: `<v2 root>/stasis/<daemon>/<name>`, where `<daemon>` tells
@@ -41,6 +50,12 @@ impl WorkloadCgroup {
     pub fn pids(&self) -> io::Result<Vec<i32>> {
         let text = fs::read_to_string(self.path.join("cgroup.procs"))?;
         Ok(text.lines().filter_map(|l| l.trim().parse().ok()).collect())
+    }
+
+    /// The root of the tree in the cgroup: a process of it whose parent is outside it.
+    pub fn root_process(&self) -> Option<i32> {
+        let pids = self.pids().ok()?;
+        pids.iter().copied().find(|&pid| ProcStat::read(pid).is_ok_and(|s| !pids.contains(&s.ppid)))
     }
 
     /// Removes the cgroup if it is empty; a busy or missing cgroup is left alone.

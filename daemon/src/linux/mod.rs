@@ -18,6 +18,11 @@ pub fn companion_program(name: &str) -> std::io::Result<std::path::PathBuf> {
     std::env::current_exe().map(|exe| exe.with_file_name(name))
 }
 
+/// `stasis-init`, which starts a workload in a pid namespace of its own.
+pub fn init_program() -> std::io::Result<std::path::PathBuf> {
+    companion_program("stasis-init")
+}
+
 /// The first file named `name` in a directory of `PATH`, as a shell would find the program.
 pub fn find_program(name: &str) -> Option<std::path::PathBuf> {
     let paths = std::env::var_os("PATH")?;

@@ -168,6 +168,16 @@ pub fn ns_pids(pid: i32) -> io::Result<Vec<i32>> {
         .ok_or_else(|| io::Error::other(format!("no NSpid line in /proc/{pid}/status")))
 }
 
+/// The program `pid` runs.
+pub fn exe(pid: i32) -> io::Result<PathBuf> {
+    fs::read_link(format!("/proc/{pid}/exe"))
+}
+
+/// The working directory of `pid`.
+pub fn cwd(pid: i32) -> io::Result<PathBuf> {
+    fs::read_link(format!("/proc/{pid}/cwd"))
+}
+
 /// The command line of `pid`, split at NULs.
 pub fn cmdline(pid: i32) -> io::Result<Vec<String>> {
     let raw = fs::read(format!("/proc/{pid}/cmdline"))?;

@@ -299,6 +299,16 @@ impl Engine {
         progress: &ProgressFn,
     ) -> Result<(Dump, Instant), CheckpointError> {
         progress(ProgressUpdate { phase: "dump", done: 0, total: 0 });
+        let _init_dir = match &tree.init_dir {
+            Some(dir) => {
+                let held = super::hold(&self.init_dir_locks, dir.clone()).await;
+                if let Err(e) = crate::criu::parasite::clear_leftovers(dir) {
+                    warn!(workload = %job.workload, dir = %dir.display(), error = %e, "cannot clear what an interrupted dump left; the dump may fail");
+                }
+                Some(held)
+            }
+            None => None,
+        };
         let spec = DumpSpec {
             pid: job.pid,
             images_dir: images.to_path_buf(),

@@ -16,6 +16,7 @@ use super::super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
 use super::{CheckpointStats, convert_stats};
 use crate::criu::{LOG_FILE, NetworkLock, TreeOptions};
 use crate::engine::access::owner_of;
+use crate::linux::cgroup;
 use crate::store::{Manifest, Staged, StoredDump};
 
 /// A tree CRIU has dumped, about to be stored as checkpoint `id`.
@@ -95,6 +96,7 @@ impl Engine {
     /// The manifest of a stored dump.
     fn manifest(&self, d: &Dumped<'_>, stored: StoredDump, stats: CheckpointStats) -> Manifest {
         let gpu = d.gpu;
+        let record = self.registry.get(d.workload).unwrap_or_default();
         Manifest {
             id: d.id.into(),
             workload: d.workload.into(),
@@ -106,7 +108,7 @@ impl Engine {
             pids: d.tree.pids.clone(),
             command: d.tree.command.clone(),
             options: Some(dump_options(&d.tree.options)),
-            parent_id: self.registry.get(d.workload).and_then(|w| w.last_checkpoint).unwrap_or_default(),
+            parent_id: record.last_checkpoint.unwrap_or_default(),
             files: stored.files,
             memory: stored.memory,
             gpu_pids: gpu.map(|g| g.pids.clone()).unwrap_or_default(),
@@ -119,6 +121,12 @@ impl Engine {
             cpu_flags: self.host.cpu_flags().into_iter().collect(),
             own_pid_namespace: !d.tree.ns_pids.is_empty(),
             ns_pids: d.tree.ns_pids.clone(),
+            log_file: (record.log_path)
+                .filter(|log| d.tree.open_files.contains(log))
+                .map(|log| log.display().to_string())
+                .unwrap_or_default(),
+            cgroup: record.cgroup.as_deref().and_then(cgroup::hierarchy_path).unwrap_or_default(),
+            init_dir: d.tree.init_dir.as_ref().map(|dir| dir.display().to_string()).unwrap_or_default(),
         }
     }
 }
