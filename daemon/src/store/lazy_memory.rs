@@ -65,6 +65,11 @@ impl LazyMemory {
         self.chunks.is_empty()
     }
 
+    /// How many tasks have memory restored lazily.
+    pub fn tasks(&self) -> usize {
+        self.runs.iter().map(|r| r.pid).collect::<std::collections::BTreeSet<_>>().len()
+    }
+
     /// The chunk holding `vaddr` of task `pid`, the offset of `vaddr` in it, and where the
     /// run of lazily restored pages holding it ends.
     pub(super) fn locate(&self, pid: u64, vaddr: u64) -> Option<(usize, u64, u64)> {

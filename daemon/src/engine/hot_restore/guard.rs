@@ -50,6 +50,9 @@ pub(in crate::engine) struct FaultGuard {
     daemon: i32,
     reaper: Reaper,
     tree: TreePids,
+    /// How many of the tree's tasks have memory restored lazily: CRIU gives each of those,
+    /// and only those, a userfaultfd.
+    lazy_tasks: usize,
     started: Arc<std::sync::Mutex<Option<GuardProcess>>>,
     /// Why the guard could not start (CRIU only logs a failed notification and goes on).
     failure: Arc<std::sync::Mutex<Option<Arc<GuardError>>>>,
@@ -67,6 +70,8 @@ pub(in crate::engine) enum TreePids {
 
 /// How long the restore's userfaultfds may take to reach the lazy-pages daemon.
 const UFFDS_WAIT: Duration = Duration::from_secs(5);
+/// How long an unchanged, non-zero count of them is waited on before it is taken as all.
+const UFFDS_SETTLED: Duration = Duration::from_millis(200);
 
 /// A running `stasis-lazy-guard`; writing a byte to `control` (or dropping it after stasisd
 /// died) ends it.
@@ -86,9 +91,16 @@ impl GuardProcess {
 
 impl FaultGuard {
     /// A guard, not started yet, for the tree `pids` (root first) that the lazy-pages daemon
-    /// `daemon` serves.
-    pub(super) fn new(daemon: i32, reaper: Reaper, tree: TreePids) -> FaultGuard {
-        FaultGuard { daemon, reaper, tree, started: Default::default(), failure: Default::default() }
+    /// `daemon` serves, `lazy_tasks` of whose tasks have memory restored lazily.
+    pub(super) fn new(daemon: i32, reaper: Reaper, tree: TreePids, lazy_tasks: usize) -> FaultGuard {
+        FaultGuard {
+            daemon,
+            reaper,
+            tree,
+            lazy_tasks,
+            started: Default::default(),
+            failure: Default::default(),
+        }
     }
 
     /// The tree's processes, root first, now that CRIU (process `criu`) has created them.
@@ -128,10 +140,13 @@ impl FaultGuard {
         }
     }
 
-    /// The daemon's userfaultfds: one per live task, some possibly still in transit from the
-    /// restore, so it waits a little for all of them.
+    /// The daemon's userfaultfds: one per live task with lazy memory, some possibly still in
+    /// transit from the restore, so it waits a little for all of them. The daemon closes the
+    /// one of a task all of whose memory is in (a small task's, often before the others
+    /// arrive), so a count that has held still for a moment is taken as complete too.
     fn daemon_uffds(&self, tasks: usize) -> Result<Vec<i32>, GuardError> {
         let deadline = Instant::now() + UFFDS_WAIT;
+        let mut seen = (usize::MAX, Instant::now());
         loop {
             let fds = proc::fd_targets(self.daemon).map_err(GuardError::ListFds)?;
             let uffds: Vec<i32> = fds
@@ -139,7 +154,11 @@ impl FaultGuard {
                 .filter(|(_, target)| target.as_os_str() == "anon_inode:[userfaultfd]")
                 .map(|(fd, _)| fd)
                 .collect();
-            if uffds.len() >= tasks || Instant::now() >= deadline {
+            if uffds.len() != seen.0 {
+                seen = (uffds.len(), Instant::now());
+            }
+            let settled = !uffds.is_empty() && seen.1.elapsed() >= UFFDS_SETTLED;
+            if uffds.len() >= tasks || settled || Instant::now() >= deadline {
                 if uffds.len() < tasks {
                     // Zombies of the tree get none; a missing one is a task left unguarded.
                     warn!(found = uffds.len(), tasks, "fewer userfaultfds than tasks");
@@ -179,7 +198,7 @@ impl FaultGuard {
     }
 
     fn try_start(&self, tree: &[i32]) -> Result<(), GuardError> {
-        let copies = match self.copy_uffds(tree.len()) {
+        let copies = match self.copy_uffds(self.lazy_tasks.min(tree.len())) {
             Ok(copies) => copies,
             // The daemon may have brought every page in and exited before the tree runs (its
             // background transfer starts once CRIU says the restore is done): nothing to guard.

@@ -156,7 +156,7 @@ impl Engine {
         roots: Roots,
     ) -> Result<LazySession, LazyError> {
         let kill = tree_killer(self.host.clone(), roots.clone());
-        let total = memory.bytes();
+        let (total, lazy_tasks) = (memory.bytes(), memory.tasks());
         let (ours, theirs): (OwnedFd, OwnedFd) =
             socketpair(AddressFamily::Unix, SockType::Stream, None, SockFlag::SOCK_CLOEXEC)
                 .map_err(|e| LazyError::Start(CriuError::Io(e.into())))?;
@@ -187,7 +187,7 @@ impl Engine {
                         TreePids::Recorded(pids)
                     }
                 };
-                let guard = FaultGuard::new(daemon.pid, self.reaper.clone(), tree);
+                let guard = FaultGuard::new(daemon.pid, self.reaper.clone(), tree, lazy_tasks);
                 Ok(LazySession { daemon, fetch, server, armed, served, total, guard, kill })
             }
             Err(e) => {
