@@ -90,10 +90,17 @@ fn an_aws_notice_evicts_the_spot_workload_in_time_and_another_node_restores_it()
         (at_eviction..=at_eviction + 2).contains(&resumed),
         "counting resumed from {at_eviction}, not elsewhere: {resumed}"
     );
+    // A second restore of the same checkpoint on B runs beside the first, from the same point.
+    let mut again = counter.clone();
+    again.name = format!("{}-again", counter.name);
+    again.restored_on(&b, &b.json(&["restore", "--workload", &counter.name, "--as", &again.name, "--json"]));
+    again.wait_number("count ", 0);
+    assert_eq!(again.numbers("count ")[0], resumed, "the copy starts where the first did");
+    assert!(again.pid != counter.pid && procfs::running(counter.pid) && procfs::running(again.pid));
     big.restored_on(&b, &b.json(&["restore", "--workload", &big.name, "--json"]));
     let skip = big.lines().len();
     assert_eq!(checksum(&big, skip), sum_before, "the 1 GiB of memory differs after the move");
-    for pid in [big.pid, counter.pid] {
+    for pid in [big.pid, counter.pid, again.pid] {
         procfs::kill9(pid);
     }
 }
