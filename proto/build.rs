@@ -4,7 +4,7 @@
 /// The `stasis.v1` messages the CLI prints with `--json`. They derive `serde::Serialize`, so
 /// the JSON output has the proto field names (snake_case) and nesting, with absent messages
 /// as `null` and 64-bit integers as numbers (unlike the proto3 JSON mapping).
-const PRINTED: [&str; 15] = [
+const PRINTED: [&str; 17] = [
     "RunResponse",
     "CheckResponse",
     "BrokenCheckpoint",
@@ -20,6 +20,8 @@ const PRINTED: [&str; 15] = [
     "GcResponse",
     "Evacuation",
     "EvacuateResponse",
+    "ExportResponse",
+    "ImportResponse",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

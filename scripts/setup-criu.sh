@@ -47,25 +47,11 @@ libmnl0 libjansson4 libxtables12 libbsd0 libmd0 libcap2 libuuid1 libc6 libp11-ki
 libunistring5 libtasn1-6 libnettle8t64 libhogweed6t64 libgmp10 libffi8 libzstd1 zlib1g
 libbrotli1 libedit2 libgcc-s1 libdrm2"
 
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/lists/partial" "$work/debs" "$work/etc"
-echo "deb http://deb.debian.org/debian $suite main" >"$work/etc/sources.list"
-apt_opts=(-o "Dir::Etc::SourceList=$work/etc/sources.list" -o "Dir::Etc::SourceParts=-"
-  -o "Dir::State::Lists=$work/lists" -o "Dir::Cache::Archives=$work/debs"
-  -o "APT::Get::List-Cleanup=0")
 echo "setup-criu: fetching CRIU from Debian $suite into $prefix" >&2
-apt-get "${apt_opts[@]}" -qq update >&2
-(cd "$work/debs" && apt-get "${apt_opts[@]}" -qq download $pkgs >&2)
-
-rm -rf "$prefix.tmp" && mkdir -p "$prefix.tmp/bin"
-for deb in "$work"/debs/*.deb; do dpkg -x "$deb" "$prefix.tmp"; done
-libdir=$prefix/usr/lib/x86_64-linux-gnu
-cat >"$prefix.tmp/bin/criu" <<WRAP
-#!/bin/sh
-exec "$libdir/ld-linux-x86-64.so.2" --library-path "$libdir" "$prefix/usr/sbin/criu" "\$@"
-WRAP
-chmod +x "$prefix.tmp/bin/criu"
+# shellcheck source=scripts/debs.sh
+. "$root/scripts/debs.sh"
+unpack_debs "$suite" "$prefix" $pkgs
+loader_wrapper "$prefix" criu "$prefix/usr/sbin/criu"
 rm -rf "$prefix" && mv "$prefix.tmp" "$prefix"
 "$wrapper" --version >&2
 "$wrapper" check >&2

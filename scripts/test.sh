@@ -4,14 +4,17 @@
 # root). Installs what it needs itself: CRIU 4.2 under .stasis/criu when the system has no
 # usable one (and Debian 13's CRIU 4.1 under .stasis/criu-4.1, for the test of a CRIU too old
 # for this kernel's sockets), moto's S3 server and a Jupyter kernel with its client (ipykernel,
-# jupyter_client; PyPI) in a virtual environment under .stasis/venv, and Debian's redis-server
-# and iptables.
+# jupyter_client; PyPI) in a virtual environment under .stasis/venv, Debian's redis-server
+# and iptables, Podman with runc and busybox-static (the interop tests' container engine and
+# image), and Debian unstable's checkpointctl under .stasis/checkpointctl.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
 scripts/setup-criu.sh >/dev/null
 STASIS_CRIU_SUITE=trixie scripts/setup-criu.sh "$root/.stasis/criu-4.1" >/dev/null
+STASIS_CHECKPOINTCTL=$(scripts/setup-checkpointctl.sh | tail -n 1)
+export STASIS_CHECKPOINTCTL
 # ipykernel brings bin/ipython: its absence means a venv from before the Jupyter test.
 if [ ! -x .stasis/venv/bin/moto_server ] || [ ! -x .stasis/venv/bin/ipython ]; then
   [ -x .stasis/venv/bin/python ] || python3 -m venv .stasis/venv
@@ -28,6 +31,9 @@ export STASIS_VENV_PYTHON=$root/.stasis/venv/bin/python
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v iptables >/dev/null || missing+=(iptables)
+command -v podman >/dev/null || missing+=(podman)
+command -v runc >/dev/null || missing+=(runc)
+[ -x /bin/busybox ] || missing+=(busybox-static)
 if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

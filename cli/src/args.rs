@@ -55,6 +55,39 @@ pub enum Command {
     /// Make every spot workload durable now, shortest first, as a preemption notice does
     /// (evicted unless --leave-running). Root's alone.
     Evacuate(EvacuateArgs),
+    /// Write a checkpoint as a container checkpoint archive (the layout of Podman's
+    /// `container checkpoint --export` and the kubelet's checkpoint API). Root's alone.
+    Export(ExportArgs),
+    /// Take in a container checkpoint archive (Podman's, CRI-O's, containerd's or stasis')
+    /// as a checkpoint of the store. Root's alone.
+    Import(ImportArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// Id of the checkpoint.
+    pub id: String,
+    /// The archive to write (it must not exist).
+    #[arg(short, long, value_name = "FILE")]
+    pub output: PathBuf,
+    /// zstd, gzip or none.
+    #[arg(long, default_value = "zstd")]
+    pub compress: String,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ImportArgs {
+    /// The archive: tar, gzip- or zstd-compressed.
+    pub archive: PathBuf,
+    /// The workload the checkpoint is of (by default the one the archive names).
+    #[arg(long)]
+    pub workload: Option<String>,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

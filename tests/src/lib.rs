@@ -15,6 +15,7 @@ pub mod imds;
 mod logs;
 pub mod memtest;
 mod peer;
+pub mod podman;
 pub mod procfs;
 pub mod proxy;
 pub mod s3;

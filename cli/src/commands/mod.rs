@@ -10,6 +10,7 @@ use crate::args::Command;
 use crate::client::Client;
 use crate::progress::ProgressLine;
 
+mod archive;
 mod check;
 mod checkpoint;
 mod delete;
@@ -40,6 +41,8 @@ pub async fn execute(socket: &Path, command: Command) -> anyhow::Result<()> {
         Command::Periodic(args) => idle::periodic(&mut client, args).await,
         Command::Spot(args) => evacuate::spot(&mut client, args).await,
         Command::Evacuate(args) => evacuate::run(&mut client, args).await,
+        Command::Export(args) => archive::export(&mut client, args).await,
+        Command::Import(args) => archive::import(&mut client, args).await,
     }
 }
 

@@ -116,6 +116,25 @@ impl Stasis for FakeDaemon {
         }
     }
 
+    async fn export(&self, req: Request<ExportRequest>) -> Result<Response<ExportResponse>, Status> {
+        let r = req.into_inner();
+        let files = vec!["checkpoint".into(), "config.dump".into()];
+        Ok(Response::new(ExportResponse { id: r.id, path: r.path, bytes: 3 << 20, files }))
+    }
+
+    async fn import(&self, req: Request<ImportRequest>) -> Result<Response<ImportResponse>, Status> {
+        let r = req.into_inner();
+        Ok(Response::new(ImportResponse {
+            id: "20261123-120000-abcdef".into(),
+            workload: if r.workload.is_empty() { "from-archive".into() } else { r.workload },
+            engine: "podman".into(),
+            kept: vec![r.path],
+            bytes_total: 2 << 20,
+            bytes_uploaded: 1 << 20,
+            restore: "stasis restore hands it to podman".into(),
+        }))
+    }
+
     async fn delete(&self, req: Request<DeleteRequest>) -> Result<Response<DeleteResponse>, Status> {
         Ok(Response::new(DeleteResponse { id: req.into_inner().id }))
     }

@@ -9,12 +9,13 @@ use std::io::{self, Write};
 use std::path::Path;
 
 use prost::Message;
-use stasis_proto::criu::{InventoryEntry, PagemapEntry, PagemapHead};
+use stasis_proto::criu::{InventoryEntry, PagemapEntry, PagemapHead, PstreeEntry};
 
 use super::pageserver::PageRun;
 
 const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
 const PAGEMAP_MAGIC: u32 = 0x5608_4025;
+const PSTREE_MAGIC: u32 = 0x5027_3030;
 const TYPE_TASK: u64 = 1;
 const TYPE_SHMEM: u64 = 2;
 
@@ -79,6 +80,66 @@ pub fn write_pagemap(path: &Path, pages_id: u32, runs: &[PageRun]) -> io::Result
     std::fs::File::create(path)?.write_all(&out)
 }
 
+/// The page-server destination id a pagemap file name stands for (`pagemap-<pid>.img`,
+/// `pagemap-shmem-<id>.img`); `None` for any other name.
+pub fn pagemap_dst_id(file_name: &str) -> Option<u64> {
+    let stem = file_name.strip_prefix("pagemap-")?.strip_suffix(".img")?;
+    match stem.strip_prefix("shmem-") {
+        Some(id) => Some(id.parse::<u64>().ok()? << 8 | TYPE_SHMEM),
+        None => Some(stem.parse::<u64>().ok()? << 8 | TYPE_TASK),
+    }
+}
+
+/// Reads a pagemap image CRIU wrote: the id of its pages file and its runs (as `dst_id`'s),
+/// in order. Entries of CRIU versions that wrote no flags are present unless in a parent.
+pub fn read_pagemap(data: &[u8], dst_id: u64) -> io::Result<(u32, Vec<PageRun>)> {
+    use crate::criu::pageserver::{PE_PARENT, PE_PRESENT};
+    let invalid = invalid("pagemap");
+    let mut bodies = entries(data, PAGEMAP_MAGIC, "pagemap")?.into_iter();
+    let head = bodies.next().ok_or_else(|| invalid("no head".into()))?;
+    let head = PagemapHead::decode(head).map_err(|e| invalid(e.to_string()))?;
+    let mut runs = Vec::new();
+    for body in bodies {
+        let e = PagemapEntry::decode(body).map_err(|e| invalid(e.to_string()))?;
+        let flags = e.flags.unwrap_or(if e.in_parent == Some(true) { PE_PARENT } else { PE_PRESENT });
+        let nr_pages = e.nr_pages.unwrap_or(u64::from(e.compat_nr_pages));
+        runs.push(PageRun { dst_id, vaddr: e.vaddr, nr_pages, flags });
+    }
+    Ok((head.pages_id, runs))
+}
+
+/// The processes of a dumped tree (`pstree.img`): each one's pid and its parent's, in
+/// CRIU's order (the root first), as the tree's own pid namespace numbers them.
+pub fn read_pstree(data: &[u8]) -> io::Result<Vec<(u32, u32)>> {
+    let bodies = entries(data, PSTREE_MAGIC, "pstree")?;
+    let decode = |body: &[u8]| PstreeEntry::decode(body).map(|e| (e.pid, e.ppid));
+    bodies.into_iter().map(decode).collect::<Result<_, _>>().map_err(|e| invalid("pstree")(e.to_string()))
+}
+
+/// The bodies of the messages in an image with magic `magic` (after the common magic).
+fn entries<'a>(data: &'a [u8], magic: u32, what: &'static str) -> io::Result<Vec<&'a [u8]>> {
+    let invalid = invalid(what);
+    let word = |at: usize| data.get(at..at + 4).map(|b| u32::from_ne_bytes(b.try_into().unwrap_or_default()));
+    if word(0) != Some(IMG_COMMON_MAGIC) || word(4) != Some(magic) {
+        return Err(invalid("wrong magic".into()));
+    }
+    let (mut at, mut bodies) = (8, Vec::new());
+    while let Some(len) = word(at) {
+        let body = data.get(at + 4..at + 4 + len as usize).ok_or_else(|| invalid("truncated".into()))?;
+        bodies.push(body);
+        at += 4 + len as usize;
+    }
+    if at != data.len() {
+        return Err(invalid("truncated".into()));
+    }
+    Ok(bodies)
+}
+
+/// An error naming a malformed image of kind `what`.
+fn invalid(what: &'static str) -> impl Fn(String) -> io::Error {
+    move |why| io::Error::new(io::ErrorKind::InvalidData, format!("{what} image: {why}"))
+}
+
 fn push(out: &mut Vec<u8>, message: &impl Message) {
     let body = message.encode_to_vec();
     out.extend_from_slice(&(body.len() as u32).to_ne_bytes());
@@ -97,6 +158,25 @@ pub(crate) mod tests {
         push(&mut data, &entry);
         std::fs::write(dir.join(INVENTORY_FILE), &data).unwrap();
         data
+    }
+
+    #[test]
+    fn a_written_pagemap_reads_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let dst_id = 42 << 8 | TYPE_TASK;
+        let runs = [
+            PageRun { dst_id, vaddr: 0x1000, nr_pages: 3, flags: PE_PRESENT },
+            PageRun { dst_id, vaddr: 0x9000, nr_pages: 1, flags: 0 },
+        ];
+        let path = dir.path().join("pagemap-42.img");
+        write_pagemap(&path, 7, &runs).unwrap();
+        assert_eq!(pagemap_dst_id("pagemap-42.img"), Some(dst_id));
+        assert_eq!(pagemap_dst_id("pagemap-shmem-9.img"), Some(9 << 8 | TYPE_SHMEM));
+        assert_eq!(pagemap_dst_id("pages-1.img"), None);
+        let data = std::fs::read(&path).unwrap();
+        assert_eq!(read_pagemap(&data, dst_id).unwrap(), (7, runs.to_vec()));
+        assert!(read_pagemap(&data[..data.len() - 3], dst_id).is_err());
+        assert!(read_pagemap(b"not an image", dst_id).is_err());
     }
 
     #[test]

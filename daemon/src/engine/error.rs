@@ -173,6 +173,8 @@ pub enum RestoreError {
     Incompatible { id: String, reason: String },
     #[error("cannot restore as workload {name:?}: {why}")]
     BadName { name: String, why: &'static str },
+    #[error("{runtime} could not restore checkpoint {id}: {why}")]
+    Runtime { id: String, runtime: &'static str, why: String },
     #[error("CRIU could not restore checkpoint {id}")]
     Criu {
         id: String,

@@ -5,6 +5,7 @@
 //! back, also when its client goes away.
 
 mod access;
+pub mod archive;
 mod checkpoint;
 mod compat;
 mod dump;

@@ -164,6 +164,9 @@ impl Engine {
             return Err(RestoreError::NotYours(manifest.id));
         }
         let name = params.as_workload.clone().unwrap_or_else(|| manifest.workload.clone());
+        if manifest.archive.is_some() {
+            return self.restore_container(&manifest, &name).await;
+        }
         let _guard = self.lock_workload(&name).await;
         self.check_name(&manifest, &name, params.caller)?;
         let home = self.restored_home(&manifest, &name, params.caller)?;

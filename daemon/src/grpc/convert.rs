@@ -14,11 +14,11 @@ use crate::engine::{
 };
 use crate::store::{CheckReport, GcReport, StoreError};
 
-fn status(code: Code, err: &dyn Error) -> Status {
+pub(super) fn status(code: Code, err: &dyn Error) -> Status {
     Status::new(code, crate::error_chain(err))
 }
 
-fn store_code(e: &StoreError) -> Code {
+pub(super) fn store_code(e: &StoreError) -> Code {
     match e {
         StoreError::NotFound(_) => Code::NotFound,
         StoreError::Envelope { .. }
@@ -81,7 +81,7 @@ fn restore_code(e: &RestoreError) -> Code {
         RestoreError::PidsInUse { .. } | RestoreError::Sockets { .. } | RestoreError::Incompatible { .. } => {
             Code::FailedPrecondition
         }
-        RestoreError::Criu { .. } => Code::Aborted,
+        RestoreError::Criu { .. } | RestoreError::Runtime { .. } => Code::Aborted,
         RestoreError::ShuttingDown => Code::Unavailable,
         RestoreError::Gpu { .. } => Code::Internal,
         RestoreError::GpuPlacement { .. } => Code::FailedPrecondition,

@@ -1,6 +1,7 @@
 //! The `stasis.v1` gRPC service: a thin adapter that converts messages, calls the engine, and
 //! streams progress of long operations.
 
+mod archive;
 mod caller;
 mod convert;
 
@@ -149,6 +150,24 @@ impl Stasis for StasisService {
             n => Some(n as usize),
         };
         Ok(Response::new(self.engine.gc(keep_last, caller).await?.into()))
+    }
+
+    async fn export(&self, req: Request<pb::ExportRequest>) -> Result<Response<pb::ExportResponse>, Status> {
+        let caller = caller_of(&req)?;
+        let r = req.into_inner();
+        let compression = crate::engine::archive::Compression::parse(&r.compression).ok_or_else(|| {
+            Status::invalid_argument(format!("unknown compression {:?}: zstd, gzip or none", r.compression))
+        })?;
+        let outcome = self.engine.export(&r.id, std::path::Path::new(&r.path), compression, caller).await?;
+        Ok(Response::new(outcome.into()))
+    }
+
+    async fn import(&self, req: Request<pb::ImportRequest>) -> Result<Response<pb::ImportResponse>, Status> {
+        let caller = caller_of(&req)?;
+        let r = req.into_inner();
+        let workload = Some(r.workload.as_str()).filter(|w| !w.is_empty());
+        let outcome = self.engine.import(std::path::Path::new(&r.path), workload, caller).await?;
+        Ok(Response::new(outcome.into()))
     }
 
     async fn status(&self, req: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {

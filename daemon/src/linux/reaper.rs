@@ -130,23 +130,34 @@ impl Reaper {
 
     /// Runs `cmd` to its end; returns how it ended and what it wrote to stderr. The way to run
     /// a short program in stasisd: `Command::output` cannot wait for a child the reaper reaps.
-    pub async fn run(&self, mut cmd: std::process::Command) -> std::io::Result<(ExitKind, String)> {
+    pub async fn run(&self, cmd: std::process::Command) -> std::io::Result<(ExitKind, String)> {
+        let (exit, _, stderr) = self.run_output(cmd).await?;
+        Ok((exit, stderr))
+    }
+
+    /// [`Reaper::run`], keeping what `cmd` wrote to stdout too: (how it ended, stdout, stderr).
+    pub async fn run_output(
+        &self,
+        mut cmd: std::process::Command,
+    ) -> std::io::Result<(ExitKind, String, String)> {
         use std::io::Read;
-        cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null());
-        cmd.stderr(std::process::Stdio::piped());
-        let mut child = cmd.spawn()?;
+        use std::process::Stdio;
+        let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
         let pid = child.id() as i32;
         self.forget_earlier_exit(pid);
-        let stderr = child.stderr.take();
-        let text = tokio::task::spawn_blocking(move || {
-            let mut text = String::new();
-            if let Some(mut pipe) = stderr {
-                let _ = pipe.read_to_string(&mut text);
-            }
-            text
-        });
-        let text = text.await.unwrap_or_default();
-        Ok((self.wait_exit(pid).await, text))
+        let read = |pipe: Option<Box<dyn Read + Send>>| {
+            tokio::task::spawn_blocking(move || {
+                let mut text = String::new();
+                if let Some(mut pipe) = pipe {
+                    let _ = pipe.read_to_string(&mut text);
+                }
+                text
+            })
+        };
+        let stdout = read(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+        let stderr = read(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+        let (stdout, stderr) = (stdout.await.unwrap_or_default(), stderr.await.unwrap_or_default());
+        Ok((self.wait_exit(pid).await, stdout, stderr))
     }
 
     /// Waits until none of `pids` is a zombie waiting to be reaped by us, or `timeout` passes.

@@ -127,6 +127,7 @@ impl Engine {
                 .unwrap_or_default(),
             cgroup: record.cgroup.as_deref().and_then(cgroup::hierarchy_path).unwrap_or_default(),
             init_dir: d.tree.init_dir.as_ref().map(|dir| dir.display().to_string()).unwrap_or_default(),
+            archive: None,
         }
     }
 }
