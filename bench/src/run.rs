@@ -89,7 +89,9 @@ pub fn start_workload(d: &Daemon, args: &Args) -> anyhow::Result<(i32, PathBuf)>
         format!("--dirty-block-kib={}", args.dirty_block_kib),
     ];
     let churn = args.churn.then(|| "--churn".to_string());
-    let mut argv = vec!["run", "--workload", "bench", "--json", "--"];
+    // In stasisd's pid namespace: the peer pipeline restores the same pids, and both ways are
+    // measured on the process that keeps them (the namespace's init adds nothing to measure).
+    let mut argv = vec!["run", "--host-pids", "--workload", "bench", "--json", "--"];
     argv.extend(command.iter().chain(&churn).map(String::as_str));
     let run = d.cli(&argv)?;
     let pid = run["pid"].as_i64().context("`stasis run --json` printed no pid")? as i32;
