@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use super::sockets::{self, TreeSockets};
 use crate::criu::TreeOptions;
 use crate::linux::proc::{self, ProcStat};
-use crate::linux::pty;
+use crate::linux::{init_program, pty};
 
 /// A process tree about to be dumped.
 #[derive(Debug, Clone)]
@@ -28,6 +28,8 @@ pub struct TreeInfo {
     pub open_files: BTreeSet<PathBuf>,
     /// With `ns_pids`: the working directory of the namespace's init (see `stasis-init`).
     pub init_dir: Option<PathBuf>,
+    /// With `ns_pids`: the installed stasis-init the namespace's init runs, if it is one.
+    pub init_program: Option<PathBuf>,
 }
 
 /// Inspects the tree rooted at `root`.
@@ -64,7 +66,11 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
     let started = pids.iter().filter_map(|&pid| Some((pid, ProcStat::read(pid).ok()?.start_time?))).collect();
     let ns_pids = own_namespace_pids(root, &pids);
     // stasis-init is root's, whoever's command it runs: the tree is the command's user's.
-    let ours = !ns_pids.is_empty() && proc::exe(root).ok() == crate::linux::init_program().ok();
+    let init_program = match ns_pids.is_empty() {
+        true => None,
+        false => proc::exe(root).ok().filter(|exe| init_program::is_installed(exe)),
+    };
+    let ours = init_program.is_some();
     let users = pids.iter().filter(|&&pid| !(ours && pid == root));
     let uids = users.filter_map(|&pid| proc::uids(pid).ok()).flatten().collect();
     let mut command = proc::cmdline(root)?;
@@ -75,7 +81,18 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
         command.drain(..=at);
     }
     let init_dir = if ns_pids.is_empty() { None } else { proc::cwd(root).ok() };
-    Ok(TreeInfo { pids, command, options, sockets, uids, started, ns_pids, open_files, init_dir })
+    Ok(TreeInfo {
+        pids,
+        command,
+        options,
+        sockets,
+        uids,
+        started,
+        ns_pids,
+        open_files,
+        init_dir,
+        init_program,
+    })
 }
 
 /// The pids of `pids` inside `root`'s pid namespace, if `root` is its init and it is not

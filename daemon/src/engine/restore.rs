@@ -28,7 +28,7 @@ use super::workloads::{Workload, valid_name};
 use super::{Caller, Engine, ProgressFn, ProgressUpdate, RestoreError, lock};
 use crate::criu::RestoreSpec;
 use crate::cuda::GpuUuid;
-use crate::linux::pty;
+use crate::linux::{init_program, pty};
 use crate::store::{LazyMemory, Manifest, MemoryMode};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -177,6 +177,7 @@ impl Engine {
         // Packs stay out of garbage collection's reach until every page is in.
         let commit_guard = self.store.begin_commit().await?;
         let (bytes_fetched, memory) = self.fetch_images(&manifest, work.path(), lazy, &progress).await?;
+        init_program::install_from(work.path()).map_err(local("the checkpoint's stasis-init"))?;
         let fetched = Instant::now();
         let roots = initial_roots(&manifest);
         let session = match memory.is_empty() {

@@ -174,7 +174,7 @@ fn command_for(
             cmd
         }
         Some(init) => {
-            let mut cmd = Command::new(crate::linux::init_program()?);
+            let mut cmd = Command::new(crate::linux::init_program::install()?);
             cmd.args(["--report-fd", &init.write.as_raw_fd().to_string()]).arg("--dir").arg(&init.dir);
             if let Caller::User { uid, gid } = params.caller {
                 cmd.args(["--uid", &uid.to_string(), "--gid", &gid.to_string()]);

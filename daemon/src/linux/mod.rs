@@ -3,6 +3,7 @@
 //! All unsafe code of this area lives in [`sys`].
 
 pub mod cgroup;
+pub mod init_program;
 pub mod iptables;
 pub mod net;
 pub mod nft;
@@ -16,11 +17,6 @@ pub mod sys;
 /// `stasis-init`).
 pub fn companion_program(name: &str) -> std::io::Result<std::path::PathBuf> {
     std::env::current_exe().map(|exe| exe.with_file_name(name))
-}
-
-/// `stasis-init`, which starts a workload in a pid namespace of its own.
-pub fn init_program() -> std::io::Result<std::path::PathBuf> {
-    companion_program("stasis-init")
 }
 
 /// The first file named `name` in a directory of `PATH`, as a shell would find the program.

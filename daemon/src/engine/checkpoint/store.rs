@@ -16,7 +16,7 @@ use super::super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
 use super::{CheckpointStats, convert_stats};
 use crate::criu::{LOG_FILE, NetworkLock, TreeOptions};
 use crate::engine::access::owner_of;
-use crate::linux::cgroup;
+use crate::linux::{cgroup, init_program};
 use crate::store::{Manifest, Staged, StoredDump};
 
 /// A tree CRIU has dumped, about to be stored as checkpoint `id`.
@@ -57,6 +57,15 @@ impl Engine {
             let progress = progress.clone();
             Arc::new(move |done, total| progress(ProgressUpdate { phase: "upload", done, total }))
         };
+        // The tree's stasis-init travels with it (see `linux::init_program`).
+        if let Some((exe, name)) =
+            dumped.tree.init_program.as_ref().and_then(|e| Some((e, init_program::name_of(e)?)))
+        {
+            std::fs::copy(exe, images.join(name)).map_err(|source| CheckpointError::Local {
+                what: "copy of the tree's stasis-init",
+                source,
+            })?;
+        }
         let skip = [LOG_FILE, SPILL_FILE];
         let committed = async {
             let guard = self.store.begin_commit().await?;

@@ -15,7 +15,7 @@
 //!
 //! Because the tree's processes are numbered inside the namespace, a checkpoint of it can be
 //! restored anywhere, as often as wanted: each copy gets a namespace of its own.
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 use std::io::Write;
 use std::os::unix::process::CommandExt;
@@ -27,7 +27,10 @@ use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
 use signal_hook::iterator::Signals;
-use stasis_daemon::linux::sys::{Forked, fork, take_inherited_fd};
+#[allow(unsafe_code)] // the only unsafe code: sys.rs
+mod sys;
+
+use sys::{Forked, fork, take_inherited_fd};
 
 /// Runs a workload as the init of its own pid namespace (started by stasisd, not by hand).
 #[derive(Debug, Parser)]
