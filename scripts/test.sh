@@ -6,7 +6,8 @@
 # for this kernel's sockets), moto's S3 server and a Jupyter kernel with its client (ipykernel,
 # jupyter_client; PyPI) in a virtual environment under .stasis/venv, Debian's redis-server
 # and iptables, Podman with runc and busybox-static (the interop tests' container engine and
-# image), and Debian unstable's checkpointctl under .stasis/checkpointctl.
+# image), Debian unstable's checkpointctl under .stasis/checkpointctl, and Debian 13's
+# containerd 1.7 (CRI and NRI; the Kubernetes tests' runtime) under .stasis/containerd.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -14,7 +15,8 @@ cd "$root"
 scripts/setup-criu.sh >/dev/null
 STASIS_CRIU_SUITE=trixie scripts/setup-criu.sh "$root/.stasis/criu-4.1" >/dev/null
 STASIS_CHECKPOINTCTL=$(scripts/setup-checkpointctl.sh | tail -n 1)
-export STASIS_CHECKPOINTCTL
+STASIS_CONTAINERD=$(scripts/setup-containerd.sh | tail -n 1)
+export STASIS_CHECKPOINTCTL STASIS_CONTAINERD
 # ipykernel brings bin/ipython: its absence means a venv from before the Jupyter test.
 if [ ! -x .stasis/venv/bin/moto_server ] || [ ! -x .stasis/venv/bin/ipython ]; then
   [ -x .stasis/venv/bin/python ] || python3 -m venv .stasis/venv

@@ -1,5 +1,6 @@
-//! Generated protobuf code: the `stasis.v1` gRPC API, the checkpoint manifest, and our own
-//! definitions of the CRIU RPC messages stasisd exchanges with `criu swrk`.
+//! Generated protobuf code: the `stasis.v1` gRPC API, the checkpoint manifest, our own
+//! definitions of the CRIU RPC messages stasisd exchanges with `criu swrk`, and of the part of
+//! Kubernetes' CRI that drives a container runtime.
 #![forbid(unsafe_code)]
 #![allow(clippy::all, missing_docs)]
 
@@ -17,4 +18,9 @@ pub mod stasis {
 /// CRIU's RPC messages (`criu swrk`), as far as stasis uses them.
 pub mod criu {
     tonic::include_proto!("criu");
+}
+
+/// The part of the Kubernetes CRI (`runtime.v1.RuntimeService`) stasis uses.
+pub mod cri {
+    tonic::include_proto!("runtime.v1");
 }

@@ -7,6 +7,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod containerd;
 mod daemon;
 pub mod disk;
 mod http;

@@ -87,6 +87,11 @@ impl Podman {
         self.dir.path().join(name)
     }
 
+    /// The busybox root file system the test image was made of, as a tar.
+    pub fn rootfs(&self) -> String {
+        self.dir.path().join("rootfs.tar").display().to_string()
+    }
+
     /// Imports a root file system of busybox and its applets as the test image.
     fn build_image(&self) {
         let root = self.dir.path().join("rootfs");
