@@ -140,6 +140,8 @@ fn a_podman_archive_is_imported_given_back_and_restored_through_podman() {
         assert!(kept.contains(&file), "{file} kept: {kept:?}");
     }
     let id = imported["id"].as_str().unwrap();
+    let shown = d.ok(&["show", id]);
+    assert!(shown.contains(&format!("imported from: podman archive (container {name}")), "{shown}");
 
     // Given back: an archive checkpointctl reads as Podman's.
     let back = podman.path("back.tar.zst");

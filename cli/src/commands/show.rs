@@ -28,6 +28,9 @@ fn describe(c: &CheckpointInfo) -> String {
         format!("command: {}", c.command.join(" ")),
         format!("pids: {}", pids.join(" ")),
     ];
+    if !c.imported_from.is_empty() {
+        lines.push(format!("imported from: {}", c.imported_from));
+    }
     if let Some(s) = &c.stats {
         lines.push(format!(
             "timings: frozen {} ms, dump {} ms, store {} ms, total {} ms",

@@ -49,6 +49,7 @@ fn info() -> CheckpointInfo {
         stats: Some(stats()),
         criu_options: vec!["tcp_established".into()],
         sockets: vec!["tcp listen 127.0.0.1:8080, pid 4242 fd 3".into()],
+        imported_from: String::new(),
     }
 }
 
@@ -154,6 +155,7 @@ fn checkpoint_info_has_every_field() {
             "criu_version",
             "files",
             "id",
+            "imported_from",
             "kernel",
             "node",
             "pid",

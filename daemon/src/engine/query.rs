@@ -24,6 +24,8 @@ pub struct CheckpointSummary {
     /// The tree's sockets, one line each.
     pub sockets: Vec<String>,
     pub stats: super::CheckpointStats,
+    /// For an imported checkpoint, what archive it came from.
+    pub imported_from: String,
 }
 
 impl From<&Manifest> for CheckpointSummary {
@@ -43,7 +45,21 @@ impl From<&Manifest> for CheckpointSummary {
             criu_options: super::checkpoint::tree_options(&m.options.clone().unwrap_or_default()).describe(),
             sockets: m.sockets.iter().map(super::sockets::describe).collect(),
             stats: m.stats.as_ref().map(super::checkpoint::stats_of).unwrap_or_default(),
+            imported_from: m.archive.as_ref().map(imported_from).unwrap_or_default(),
         }
+    }
+}
+
+/// What an imported checkpoint's archive was: its engine, container and image.
+fn imported_from(a: &stasis_proto::stasis::v1::ArchiveInfo) -> String {
+    let details: Vec<String> = [("container", &a.container), ("image", &a.image)]
+        .into_iter()
+        .filter(|(_, v)| !v.is_empty())
+        .map(|(k, v)| format!("{k} {v}"))
+        .collect();
+    match details.is_empty() {
+        true => format!("{} archive", a.engine),
+        false => format!("{} archive ({})", a.engine, details.join(", ")),
     }
 }
 

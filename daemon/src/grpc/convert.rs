@@ -264,6 +264,7 @@ impl From<CheckpointSummary> for pb::CheckpointInfo {
             files: c.files,
             criu_options: c.criu_options,
             sockets: c.sockets,
+            imported_from: c.imported_from,
         }
     }
 }
