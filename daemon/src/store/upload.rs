@@ -2,16 +2,17 @@
 //! index objects after their packs, and the chunk index updated as packs land.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use object_store::path::Path as ObjPath;
 use object_store::{PutPayload, WriteMultipart};
-use stasis_proto::stasis::v1::{FileImage, MemoryImage, PageRun as StoredRun};
+use stasis_proto::stasis::v1::{ChunkRef, FileImage, MemoryImage, PageRun as StoredRun};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 
-use super::chunks::{ChunkStats, ChunkWriter, FinishedPack, UploaderGone, aligned_windows};
+use super::chunks::{CHUNK, ChunkStats, ChunkWriter, FinishedPack, UploaderGone, aligned_windows};
 use super::staging::{Staged, StagedRun};
 use super::{Progress, Store, StoreError, envelope};
 
@@ -52,8 +53,9 @@ impl Store {
         skip: &[&str],
         progress: Progress,
     ) -> Result<StoredDump, StoreError> {
-        let files = read_images(images_dir, skip).await?;
-        let total = staged.len() + files.iter().map(|(_, d)| d.len() as u64).sum::<u64>();
+        let files = list_images(images_dir, skip).await?;
+        let total = staged.len() + files.iter().map(|(_, _, size)| size).sum::<u64>();
+        let stopped = uploader_stopped(images_dir);
         let (tx, mut rx) = mpsc::channel::<FinishedPack>(PACKS_QUEUED);
         let index = self.index.clone();
         let tag = self.node_tag.clone();
@@ -64,15 +66,15 @@ impl Store {
             let memory = memory_images(&staged, &mut writer, &mut |n| {
                 done += n;
                 progress(done, total);
-            })?;
+            })
+            .map_err(|UploaderGone| stopped())?;
             let mut images = Vec::with_capacity(files.len());
-            for (name, data) in files {
-                let windows = aligned_windows(0, &[&data]);
-                let chunks = writer.write(&windows.iter().map(|w| w.as_ref()).collect::<Vec<_>>())?;
-                images.push(FileImage { name, size: data.len() as u64, chunks });
+            for (name, path, size) in files {
+                let chunks = chunk_file(&mut writer, &path, size).map_err(|e| e.unwrap_or_else(&stopped))?;
+                images.push(FileImage { name, size, chunks });
             }
-            writer.flush()?;
-            Ok::<_, UploaderGone>((memory, images, writer.stats))
+            writer.flush().map_err(|UploaderGone| stopped())?;
+            Ok::<_, StoreError>((memory, images, writer.stats))
         });
 
         let slots = Arc::new(Semaphore::new(UPLOADS_IN_FLIGHT));
@@ -106,10 +108,7 @@ impl Store {
         if let Some(e) = failure {
             return Err(e);
         }
-        let (memory, files, chunks) = produced.map_err(|UploaderGone| StoreError::Local {
-            path: images_dir.display().to_string(),
-            source: std::io::Error::other("pack uploader stopped"),
-        })?;
+        let (memory, files, chunks) = produced?;
         Ok(StoredDump { memory, files, chunks, ..outcome })
     }
 
@@ -197,23 +196,64 @@ fn continuations<'a, 'r>(runs: &'a [&'r StagedRun]) -> impl Iterator<Item = &'a 
     runs.chunk_by(|a, b| a.run.flags == b.run.flags && a.run.vaddr + a.run.byte_len() == b.run.vaddr)
 }
 
-/// The regular files of `dir` except `skip`, sorted by name.
-async fn read_images(dir: &Path, skip: &[&str]) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
-    let local = |path: &Path| {
-        let path = path.display().to_string();
-        move |source| StoreError::Local { path, source }
-    };
+/// The regular files of `dir` except `skip`, with their paths and sizes, sorted by name.
+async fn list_images(dir: &Path, skip: &[&str]) -> Result<Vec<(String, PathBuf, u64)>, StoreError> {
     let mut out = Vec::new();
     let mut entries = tokio::fs::read_dir(dir).await.map_err(local(dir))?;
     while let Some(entry) = entries.next_entry().await.map_err(local(dir))? {
         let name = entry.file_name().to_string_lossy().into_owned();
         let meta = entry.metadata().await.map_err(local(&entry.path()))?;
         if meta.is_file() && !skip.contains(&name.as_str()) {
-            out.push((name, tokio::fs::read(entry.path()).await.map_err(local(&entry.path()))?));
+            out.push((name, entry.path(), meta.len()));
         }
     }
     out.sort();
     Ok(out)
+}
+
+/// Bytes of a file chunked at a time: whole windows, so every block starts at one.
+const FILE_BLOCK: usize = 64 * CHUNK;
+
+/// Chunks the file at `path` (`size` bytes when listed) a block at a time, so that no file is
+/// held in memory whole (an imported archive's `rootfs-diff.tar` may be large), and a small
+/// one takes no more than its size. `Err(None)`: the uploader stopped.
+fn chunk_file(
+    writer: &mut ChunkWriter<'_>,
+    path: &Path,
+    size: u64,
+) -> Result<Vec<ChunkRef>, Option<StoreError>> {
+    let mut file = std::fs::File::open(path).map_err(|e| Some(local(path)(e)))?;
+    let block_len = usize::try_from(size).unwrap_or(FILE_BLOCK).clamp(1, FILE_BLOCK);
+    let (mut block, mut chunks) = (vec![0u8; block_len], Vec::new());
+    loop {
+        let mut filled = 0;
+        while filled < block.len() {
+            match file.read(&mut block[filled..]) {
+                Ok(0) => break,
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Some(local(path)(e))),
+            }
+        }
+        let windows = aligned_windows(0, &[&block[..filled]]);
+        chunks
+            .extend(writer.write(&windows.iter().map(|w| w.as_ref()).collect::<Vec<_>>()).map_err(|_| None)?);
+        if filled < block.len() {
+            return Ok(chunks);
+        }
+    }
+}
+
+/// An error naming `path` for a failed local file operation.
+fn local(path: &Path) -> impl Fn(std::io::Error) -> StoreError {
+    let path = path.display().to_string();
+    move |source| StoreError::Local { path: path.clone(), source }
+}
+
+/// The error of a dump whose pack uploader stopped (its failure is reported instead).
+fn uploader_stopped(images_dir: &Path) -> impl Fn() -> StoreError + Send + Sync + 'static {
+    let path = images_dir.display().to_string();
+    move || StoreError::Local { path: path.clone(), source: std::io::Error::other("pack uploader stopped") }
 }
 
 #[cfg(test)]
@@ -284,5 +324,29 @@ mod tests {
         store.materialize_as(&manifest, &out, MemoryMode::Eager, Arc::new(|_, _| {})).await.unwrap();
         let expected: Vec<u8> = memory().into_iter().flat_map(|(_, b)| b).collect();
         assert_eq!(std::fs::read(out.join("pages-1.img")).unwrap(), expected);
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_file_larger_than_a_block_is_chunked_as_a_whole_and_restores_byte_for_byte() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::in_dir(&dir.path().join("store"));
+        let images = dir.path().join("images");
+        std::fs::create_dir_all(&images).unwrap();
+        let data: Vec<u8> = (0..FILE_BLOCK + 3 * CHUNK + 123).map(|i| (i * 7 + i / 4096) as u8).collect();
+        std::fs::write(images.join("rootfs-diff.tar"), &data).unwrap();
+        std::fs::write(images.join("empty"), b"").unwrap();
+        let staging = Staging::new(&crate::store::StagingBudget::new(1 << 20), &dir.path().join("spill"));
+        let staged = Arc::new(staging.finish().unwrap());
+        let stored = store.store_dump(staged, &images, &[], Arc::new(|_, _| {})).await.unwrap();
+        let file = stored.files.iter().find(|f| f.name == "rootfs-diff.tar").unwrap();
+        assert_eq!(file.size, data.len() as u64);
+        assert_eq!(file.chunks.len(), data.len().div_ceil(CHUNK), "one chunk per window across blocks");
+        let manifest =
+            Manifest { id: "20261123-000000-abcdef".into(), files: stored.files, ..Default::default() };
+        let out = dir.path().join("restore");
+        std::fs::create_dir_all(&out).unwrap();
+        store.materialize_as(&manifest, &out, MemoryMode::Eager, Arc::new(|_, _| {})).await.unwrap();
+        assert_eq!(std::fs::read(out.join("rootfs-diff.tar")).unwrap(), data);
+        assert_eq!(std::fs::read(out.join("empty")).unwrap(), b"");
     }
 }
