@@ -229,6 +229,13 @@ pub enum RestoreError {
     },
 }
 
+impl RestoreError {
+    /// An error naming the local `what` that failed.
+    pub(super) fn local(what: &'static str) -> impl Fn(io::Error) -> Self {
+        move |source| Self::Local { what, source }
+    }
+}
+
 /// `list`, `show` or `delete` failed.
 #[derive(Debug, thiserror::Error)]
 pub enum QueryError {

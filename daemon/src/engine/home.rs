@@ -32,14 +32,13 @@ const INIT_DIRS: &str = "/run/stasis/init";
 /// A new, empty working directory for a namespace init.
 pub(super) fn new_init_dir() -> io::Result<PathBuf> {
     let dir = Path::new(INIT_DIRS).join(format!("{:016x}", rand::random::<u64>()));
-    fs::create_dir_all(INIT_DIRS)?;
-    fs::DirBuilder::new().mode(0o700).create(&dir)?;
+    create_init_dir(&dir)?;
     Ok(dir)
 }
 
 /// The working directory `recorded` in a checkpoint for its namespace init, made again if it
 /// is gone; refused unless it is one of [`INIT_DIRS`].
-pub(super) fn init_dir_again(recorded: &str) -> io::Result<PathBuf> {
+pub(super) fn init_dir_again(recorded: &str) -> io::Result<()> {
     let dir = Path::new(recorded);
     let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default();
     if dir.parent() != Some(Path::new(INIT_DIRS))
@@ -53,11 +52,16 @@ pub(super) fn init_dir_again(recorded: &str) -> io::Result<PathBuf> {
             ),
         ));
     }
-    fs::create_dir_all(INIT_DIRS)?;
-    match fs::DirBuilder::new().mode(0o700).create(dir) {
+    match create_init_dir(dir) {
         Err(e) if e.kind() != io::ErrorKind::AlreadyExists => Err(e),
-        _ => Ok(dir.to_path_buf()),
+        _ => Ok(()),
     }
+}
+
+/// Makes init directory `dir` (root's alone), failing if it exists.
+fn create_init_dir(dir: &Path) -> io::Result<()> {
+    fs::create_dir_all(INIT_DIRS)?;
+    fs::DirBuilder::new().mode(0o700).create(dir)
 }
 
 impl Home {

@@ -173,11 +173,13 @@ impl Engine {
         let preflight = self.preflight(&manifest, &params.gpu_map, params.tcp_close).await?;
         let lazy = params.lazy;
         let bytes = manifest.stats.map(|s| s.bytes_total).unwrap_or_default();
-        let work = self.state.new_restore_dir(bytes).map_err(local("restore scratch directory"))?;
+        let work =
+            self.state.new_restore_dir(bytes).map_err(RestoreError::local("restore scratch directory"))?;
         // Packs stay out of garbage collection's reach until every page is in.
         let commit_guard = self.store.begin_commit().await?;
         let (bytes_fetched, memory) = self.fetch_images(&manifest, work.path(), lazy, &progress).await?;
-        init_program::install_from(work.path()).map_err(local("the checkpoint's stasis-init"))?;
+        init_program::install_from(work.path())
+            .map_err(RestoreError::local("the checkpoint's stasis-init"))?;
         let fetched = Instant::now();
         let roots = initial_roots(&manifest);
         let session = match memory.is_empty() {
@@ -219,10 +221,11 @@ impl Engine {
     /// The home on this node of the tree restored as `name`: its log, its cgroup if it had
     /// one, and its namespace init's directory made again if it is gone.
     fn restored_home(&self, manifest: &Manifest, name: &str, caller: Caller) -> Result<Home, RestoreError> {
-        let home =
-            self.home(name, caller, !manifest.cgroup.is_empty()).map_err(|(what, e)| local(what)(e))?;
+        let home = self
+            .home(name, caller, !manifest.cgroup.is_empty())
+            .map_err(|(what, e)| RestoreError::local(what)(e))?;
         if !manifest.init_dir.is_empty() {
-            init_dir_again(&manifest.init_dir).map_err(local("its init's directory"))?;
+            init_dir_again(&manifest.init_dir).map_err(RestoreError::local("its init's directory"))?;
         }
         Ok(home)
     }
@@ -365,7 +368,7 @@ impl Engine {
         let criu = self.criu.clone();
         let restored = tokio::task::spawn_blocking(move || criu.restore(&spec, &mut on_notify))
             .await
-            .map_err(|e| local("restore thread")(std::io::Error::other(e)))
+            .map_err(|e| RestoreError::local("restore thread")(std::io::Error::other(e)))
             .and_then(|r| r.map_err(|source| RestoreError::Criu { id: id.clone(), source }));
         let unguarded = faults.as_ref().and_then(FaultGuard::not_started);
         match (restored, unguarded) {
@@ -408,7 +411,7 @@ impl Engine {
         let (id, pid) = (outcome.id.clone(), outcome.pid);
         let watched = match watch.await {
             Ok(watched) => watched.map_err(|source| RestoreError::Lazy { id, pid, source }),
-            Err(e) => Err(local("lazy restore task")(std::io::Error::other(e))),
+            Err(e) => Err(RestoreError::local("lazy restore task")(std::io::Error::other(e))),
         };
         let (lazy_bytes, resident_at) = watched.inspect_err(|e| {
             // The tree is gone: whoever looks at the workload next learns why.
@@ -512,10 +515,10 @@ fn replacement_files(
         .filter(|k| pty::is_tty_key(k))
         .map(|key| Ok((key.clone(), pty::terminal_to_log(&home.log_path)?)))
         .collect::<std::io::Result<_>>()
-        .map_err(local("terminal"))?;
+        .map_err(RestoreError::local("terminal"))?;
     if let Some(path) = manifest.log_file.strip_prefix('/') {
         // CRIU names a regular file by its path without the leading slash.
-        let log = home.log.try_clone().map_err(local("its log file"))?;
+        let log = home.log.try_clone().map_err(RestoreError::local("its log file"))?;
         files.push((path.to_owned(), log.into()));
     }
     Ok(files)
@@ -549,8 +552,4 @@ impl Drop for Restored {
             (self.kill)();
         }
     }
-}
-
-fn local(what: &'static str) -> impl Fn(std::io::Error) -> RestoreError {
-    move |source| RestoreError::Local { what, source }
 }

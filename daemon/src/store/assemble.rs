@@ -52,11 +52,6 @@ fn corrupt(id: &str, what: &str, reason: String) -> StoreError {
     StoreError::Corrupt { id: id.into(), file: what.into(), reason }
 }
 
-fn local(path: &Path) -> impl Fn(std::io::Error) -> StoreError {
-    let path = path.display().to_string();
-    move |source| StoreError::Local { path: path.clone(), source }
-}
-
 /// Which memory a restore leaves in the store, to be served on demand.
 #[derive(Debug, Clone, Copy)]
 pub enum MemoryMode<'a> {
@@ -121,7 +116,7 @@ impl Store {
             return Err(corrupt(id, &file.name, "the manifest names an unsafe file path".into()));
         }
         let path = dir.join(&file.name);
-        let out = Arc::new(create_sized(&path, file.size).map_err(local(&path))?);
+        let out = Arc::new(create_sized(&path, file.size).map_err(StoreError::local(&path))?);
         let placed = self.place(id, &file.name, &file.chunks, &out, 0, plan)?;
         if placed != file.size {
             return Err(corrupt(
@@ -146,7 +141,7 @@ impl Store {
         let name = pagemap_file_name(image.dst_id)
             .ok_or_else(|| corrupt(id, "memory", format!("unknown pagemap id {:#x}", image.dst_id)))?;
         let pages = dir.join(pages_file_name(pages_id));
-        let out = Arc::new(create_sized(&pages, 0).map_err(local(&pages))?);
+        let out = Arc::new(create_sized(&pages, 0).map_err(StoreError::local(&pages))?);
         let (mut chunks, mut written) = (image.chunks.as_slice(), 0u64);
         let mut runs = Vec::with_capacity(image.runs.len());
         for r in &image.runs {
@@ -188,9 +183,9 @@ impl Store {
         if !chunks.is_empty() {
             return Err(corrupt(id, &name, "chunks hold more bytes than its pages".into()));
         }
-        out.set_len(written).map_err(local(&pages))?;
+        out.set_len(written).map_err(StoreError::local(&pages))?;
         let pagemap = dir.join(&name);
-        write_pagemap(&pagemap, pages_id, &runs).map_err(local(&pagemap))
+        write_pagemap(&pagemap, pages_id, &runs).map_err(StoreError::local(&pagemap))
     }
 
     /// Fetches every pack `plan` needs, several at a time, writing their chunks where the plan

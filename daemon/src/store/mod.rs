@@ -95,6 +95,14 @@ pub enum StoreError {
     },
 }
 
+impl StoreError {
+    /// An error naming the local file `path` that could not be read or written.
+    pub(super) fn local(path: &std::path::Path) -> impl Fn(std::io::Error) -> Self + use<> {
+        let path = path.display().to_string();
+        move |source| Self::Local { path: path.clone(), source }
+    }
+}
+
 /// A checkpoint store.
 #[derive(Debug, Clone)]
 pub struct Store {

@@ -199,10 +199,10 @@ fn continuations<'a, 'r>(runs: &'a [&'r StagedRun]) -> impl Iterator<Item = &'a 
 /// The regular files of `dir` except `skip`, with their paths and sizes, sorted by name.
 async fn list_images(dir: &Path, skip: &[&str]) -> Result<Vec<(String, PathBuf, u64)>, StoreError> {
     let mut out = Vec::new();
-    let mut entries = tokio::fs::read_dir(dir).await.map_err(local(dir))?;
-    while let Some(entry) = entries.next_entry().await.map_err(local(dir))? {
+    let mut entries = tokio::fs::read_dir(dir).await.map_err(StoreError::local(dir))?;
+    while let Some(entry) = entries.next_entry().await.map_err(StoreError::local(dir))? {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let meta = entry.metadata().await.map_err(local(&entry.path()))?;
+        let meta = entry.metadata().await.map_err(StoreError::local(&entry.path()))?;
         if meta.is_file() && !skip.contains(&name.as_str()) {
             out.push((name, entry.path(), meta.len()));
         }
@@ -222,7 +222,7 @@ fn chunk_file(
     path: &Path,
     size: u64,
 ) -> Result<Vec<ChunkRef>, Option<StoreError>> {
-    let mut file = std::fs::File::open(path).map_err(|e| Some(local(path)(e)))?;
+    let mut file = std::fs::File::open(path).map_err(|e| Some(StoreError::local(path)(e)))?;
     let block_len = usize::try_from(size).unwrap_or(FILE_BLOCK).clamp(1, FILE_BLOCK);
     let (mut block, mut chunks) = (vec![0u8; block_len], Vec::new());
     loop {
@@ -232,7 +232,7 @@ fn chunk_file(
                 Ok(0) => break,
                 Ok(n) => filled += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(Some(local(path)(e))),
+                Err(e) => return Err(Some(StoreError::local(path)(e))),
             }
         }
         let windows = aligned_windows(0, &[&block[..filled]]);
@@ -242,12 +242,6 @@ fn chunk_file(
             return Ok(chunks);
         }
     }
-}
-
-/// An error naming `path` for a failed local file operation.
-fn local(path: &Path) -> impl Fn(std::io::Error) -> StoreError {
-    let path = path.display().to_string();
-    move |source| StoreError::Local { path: path.clone(), source }
 }
 
 /// The error of a dump whose pack uploader stopped (its failure is reported instead).

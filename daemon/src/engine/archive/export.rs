@@ -12,7 +12,7 @@ use tracing::info;
 
 use super::layout::{
     ArchiveWriter, CONFIG_DUMP, Compression, ConfigDump, IMAGES_DIR, SPEC_DUMP, STASIS_MANIFEST, STATS_DUMP,
-    SpecDump, SpecProcess, kept_path,
+    SpecDump, SpecProcess, kept_name, kept_path,
 };
 use super::{ArchiveError, ExportOutcome};
 use crate::engine::ids::valid_checkpoint_id;
@@ -35,7 +35,7 @@ impl Engine {
             return Err(ArchiveError::BadId(id.into()));
         }
         check_new_path(path)?;
-        let manifest = self.store.manifest(id).await.map_err(|e| ArchiveError::Store(Box::new(e)))?;
+        let manifest = self.store.manifest(id).await?;
         let files = self.write_archive(&manifest, path, compression).await?;
         let bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or_default();
         info!(checkpoint = %id, path = %path.display(), bytes, "checkpoint exported");
@@ -63,7 +63,7 @@ impl Engine {
                     .map_err(|e| ArchiveError::local("archive writer")(std::io::Error::other(e)))
                     .and_then(|r| r)
             }
-            Err(e) => Err(ArchiveError::Store(Box::new(e))),
+            Err(e) => Err(e.into()),
         };
         let _ = std::fs::remove_dir_all(work.path());
         files.inspect_err(|_| {
@@ -102,48 +102,37 @@ fn archive_of(
         .collect();
     names.sort();
     let mut tar = ArchiveWriter::create(path, compression).map_err(&failed)?;
-    let mut files = Vec::new();
-    let mut add = |tar: &mut ArchiveWriter, entry: String, from: Option<&str>, data: Option<&[u8]>| {
-        match (from, data) {
-            (Some(name), _) => tar.copy(&entry, &images.join(name)),
-            (None, Some(data)) => tar.file(&entry, data),
-            (None, None) => tar.dir(&entry),
-        }
-        .map_err(&failed)?;
-        files.push(entry);
-        Ok::<_, ArchiveError>(())
-    };
-    add(&mut tar, IMAGES_DIR.into(), None, None)?;
+    tar.dir(IMAGES_DIR).map_err(&failed)?;
     for name in names.iter().filter(|n| kept_path(n).is_none() && *n != STATS_DUMP) {
-        add(&mut tar, format!("{IMAGES_DIR}/{name}"), Some(name), None)?;
+        tar.copy(&format!("{IMAGES_DIR}/{name}"), &images.join(name)).map_err(&failed)?;
     }
     if names.iter().any(|n| n == STATS_DUMP) {
-        add(&mut tar, STATS_DUMP.into(), Some(STATS_DUMP), None)?;
+        tar.copy(STATS_DUMP, &images.join(STATS_DUMP)).map_err(&failed)?;
     }
     match &manifest.archive {
         // An imported archive's own files, as they were.
         Some(archive) => {
             for entry in &archive.paths {
-                let kept = names.iter().find(|n| kept_path(n).as_deref() == Some(entry.as_str()));
+                let kept = kept_name(entry).filter(|name| names.contains(name));
                 match (archive.dirs.contains(entry), kept) {
-                    (true, _) => add(&mut tar, entry.clone(), None, None)?,
-                    (false, Some(name)) => add(&mut tar, entry.clone(), Some(name), None)?,
-                    (false, None) => {}
+                    (true, _) => tar.dir(entry),
+                    (false, Some(name)) => tar.copy(entry, &images.join(name)),
+                    (false, None) => Ok(()),
                 }
+                .map_err(&failed)?;
             }
         }
         None => {
             let (config, spec) = dumps_of(manifest);
-            add(&mut tar, CONFIG_DUMP.into(), None, Some(&config))?;
-            add(&mut tar, SPEC_DUMP.into(), None, Some(&spec))?;
+            tar.file(CONFIG_DUMP, &config).map_err(&failed)?;
+            tar.file(SPEC_DUMP, &spec).map_err(&failed)?;
             let mut own = manifest.clone();
             own.files.clear();
             own.memory.clear();
-            add(&mut tar, STASIS_MANIFEST.into(), None, Some(&own.encode_to_vec()))?;
+            tar.file(STASIS_MANIFEST, &own.encode_to_vec()).map_err(&failed)?;
         }
     }
-    tar.finish().map_err(&failed)?;
-    Ok(files)
+    tar.finish().map_err(failed)
 }
 
 /// `config.dump` and `spec.dump` describing a checkpoint of stasis.

@@ -98,13 +98,9 @@ impl Engine {
             return Err(ArchiveError::BadWorkload(name));
         }
         let kept = keep_files(dir, &unpacked)?;
-        let guard = self.store.begin_commit().await.map_err(|e| ArchiveError::Store(Box::new(e)))?;
+        let guard = self.store.begin_commit().await?;
         let quiet: crate::store::Progress = Arc::new(|_, _| {});
-        let stored = self
-            .store
-            .store_dump(Arc::new(staged), &images, &[], quiet)
-            .await
-            .map_err(|e| ArchiveError::Store(Box::new(e)))?;
+        let stored = self.store.store_dump(Arc::new(staged), &images, &[], quiet).await?;
         let mut manifest = match unpacked.stasis {
             Some(own) => own,
             None => Manifest {
@@ -135,7 +131,7 @@ impl Engine {
             chunks_new: stored.chunks.chunks_new,
             ..Default::default()
         });
-        self.store.commit(&manifest, &guard).await.map_err(|e| ArchiveError::Store(Box::new(e)))?;
+        self.store.commit(&manifest, &guard).await?;
         info!(checkpoint = %id, workload = %name, engine, archive = %path.display(), "archive imported");
         Ok(ImportOutcome {
             id: id.into(),

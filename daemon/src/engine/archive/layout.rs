@@ -65,9 +65,11 @@ pub fn open_archive(path: &Path) -> io::Result<tar::Archive<Box<dyn Read>>> {
     Ok(tar::Archive::new(reader))
 }
 
-/// A compressing writer of a new archive file at `path` (which must not exist yet).
+/// A compressing writer of a new archive file at `path` (which must not exist yet), keeping
+/// the names of the entries it wrote.
 pub struct ArchiveWriter {
     tar: tar::Builder<Box<dyn Write>>,
+    entries: Vec<String>,
 }
 
 impl ArchiveWriter {
@@ -82,7 +84,7 @@ impl ArchiveWriter {
         };
         let mut tar = tar::Builder::new(writer);
         tar.mode(tar::HeaderMode::Deterministic);
-        Ok(Self { tar })
+        Ok(Self { tar, entries: Vec::new() })
     }
 
     pub fn dir(&mut self, path: &str) -> io::Result<()> {
@@ -90,29 +92,36 @@ impl ArchiveWriter {
         header.set_entry_type(tar::EntryType::Directory);
         header.set_mode(0o700);
         header.set_size(0);
-        self.tar.append_data(&mut header, format!("{path}/"), io::empty())
+        self.tar.append_data(&mut header, format!("{path}/"), io::empty())?;
+        self.entries.push(path.into());
+        Ok(())
     }
 
     pub fn file(&mut self, path: &str, data: &[u8]) -> io::Result<()> {
-        let mut header = tar::Header::new_gnu();
-        header.set_mode(0o600);
-        header.set_size(data.len() as u64);
-        self.tar.append_data(&mut header, path, data)
+        self.append(path, data.len() as u64, data)
     }
 
     /// Copies file `from` into the archive as `path`.
     pub fn copy(&mut self, path: &str, from: &Path) -> io::Result<()> {
-        let mut file = File::open(from)?;
-        let mut header = tar::Header::new_gnu();
-        header.set_mode(0o600);
-        header.set_size(file.metadata()?.len());
-        self.tar.append_data(&mut header, path, &mut file)
+        let file = File::open(from)?;
+        let len = file.metadata()?.len();
+        self.append(path, len, file)
     }
 
-    /// Writes the end of the archive and flushes it to disk.
-    pub fn finish(self) -> io::Result<()> {
+    fn append(&mut self, path: &str, len: u64, data: impl io::Read) -> io::Result<()> {
+        let mut header = tar::Header::new_gnu();
+        header.set_mode(0o600);
+        header.set_size(len);
+        self.tar.append_data(&mut header, path, data)?;
+        self.entries.push(path.into());
+        Ok(())
+    }
+
+    /// Writes the end of the archive and flushes it to disk; returns its entries, in order.
+    pub fn finish(self) -> io::Result<Vec<String>> {
         let mut out = self.tar.into_inner()?;
-        out.flush()
+        out.flush()?;
+        Ok(self.entries)
     }
 }
 

@@ -60,6 +60,12 @@ pub enum ArchiveError {
     },
 }
 
+impl From<StoreError> for ArchiveError {
+    fn from(e: StoreError) -> Self {
+        Self::Store(Box::new(e))
+    }
+}
+
 impl ArchiveError {
     fn local(what: &'static str) -> impl Fn(std::io::Error) -> Self {
         move |source| Self::Local { what, source }

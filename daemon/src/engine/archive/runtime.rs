@@ -35,15 +35,17 @@ impl Engine {
         let Some(podman) = podman else {
             return Err(RestoreError::Incompatible { id, reason: restorable(engine) });
         };
-        let work = self.state.new_work_dir(&format!("container-{id}")).map_err(local("work directory"))?;
+        let work = self
+            .state
+            .new_work_dir(&format!("container-{id}"))
+            .map_err(RestoreError::local("work directory"))?;
         let archive = work.path().join("checkpoint.tar");
         let runtime = |why: String| RestoreError::Runtime { id: id.clone(), runtime: "podman", why };
         self.write_archive(manifest, &archive, Compression::None)
             .await
             .map_err(|e| runtime(crate::error_chain(&e)))?;
-        let restore = ["container", "restore", "--import"].map(str::to_owned);
-        let args =
-            [restore.to_vec(), vec![archive.display().to_string(), "--name".into(), name.into()]].concat();
+        let archive_arg = archive.display().to_string();
+        let args = ["container", "restore", "--import", &archive_arg, "--name", name].map(str::to_owned);
         let restored = self.run_podman(&podman, &args).await;
         let _ = std::fs::remove_dir_all(work.path());
         let container = restored.map_err(&runtime)?;
@@ -87,8 +89,4 @@ impl Engine {
             Err(e) => Err(format!("cannot run {}: {e}", podman.display())),
         }
     }
-}
-
-fn local(what: &'static str) -> impl Fn(std::io::Error) -> RestoreError {
-    move |source| RestoreError::Local { what, source }
 }
