@@ -259,6 +259,14 @@ impl Daemon {
         all.into_iter().find(|w| w["name"] == name).unwrap_or_else(|| panic!("{name} is not in status"))
     }
 
+    /// Workload `name` (running `argv`) as `status --json` shows it: its pid and its log.
+    pub fn known(&self, name: &str, argv: &[String]) -> Workload {
+        let status = self.workload(name);
+        let log =
+            PathBuf::from(status["log_path"].as_str().unwrap_or_else(|| panic!("no log path: {status}")));
+        Workload { name: name.to_owned(), pid: pid_of(&status), log, argv: argv.to_vec() }
+    }
+
     /// The `workloads` of `status --json`.
     pub fn workloads(&self) -> Vec<Value> {
         match self.json(&["status", "--json"])["workloads"].as_array() {

@@ -44,9 +44,7 @@ impl Workload {
     /// of it.
     pub fn restored_on(&mut self, d: &Daemon, r: &Value) {
         self.restored(r);
-        let status = d.workload(&self.name);
-        self.log =
-            PathBuf::from(status["log_path"].as_str().unwrap_or_else(|| panic!("no log path: {status}")));
+        self.log = d.known(&self.name, &self.argv).log;
     }
 
     /// The complete lines of its log so far.

@@ -99,15 +99,13 @@ fn an_export_imported_again_stores_nothing_new_and_restores() {
     assert_eq!(shown.0["files"], shown.1["files"], "the same images");
     assert_eq!(shown.0["bytes_total"], shown.1["bytes_total"]);
 
-    let restored = d.json(&["restore", imported["id"].as_str().unwrap(), "--json"]);
-    let mut again = d.workload(&copy);
-    let log = PathBuf::from(again["log_path"].as_str().unwrap());
-    let w2 = Workload { name: copy.clone(), pid: stasis_tests::pid_of(&restored), log, argv: w.argv.clone() };
-    w2.wait_number("count ", 0);
-    let first = w2.numbers("count ")[0];
+    d.json(&["restore", imported["id"].as_str().unwrap(), "--json"]);
+    let again = d.known(&copy, &w.argv);
+    again.wait_number("count ", 0);
+    let first = again.numbers("count ")[0];
     assert!((at_checkpoint..=at_checkpoint + 1).contains(&first), "from {at_checkpoint}: {first}");
-    again = d.workload(&copy);
-    assert_eq!(again["state"], "running", "{again}");
+    let status = d.workload(&copy);
+    assert_eq!(status["state"], "running", "{status}");
 }
 
 #[test]

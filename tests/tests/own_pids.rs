@@ -6,24 +6,10 @@
 
 #![forbid(unsafe_code)]
 
-use std::path::PathBuf;
-
 use nix::sys::signal::Signal;
 use stasis_tests::{
     Daemon, TIMEOUT, Workload, expect_within, pid_of, procfs, python_workload, skip_unless_ready,
 };
-
-/// The pid of `pid` inside its innermost pid namespace.
-fn inner_pid(pid: i32) -> Option<i32> {
-    procfs::ns_pids(pid).last().copied()
-}
-
-/// The log of workload `name`, as `stasis status` names it.
-fn log_of(d: &Daemon, name: &str, argv: &[String]) -> Workload {
-    let status = d.workload(name);
-    let log = PathBuf::from(status["log_path"].as_str().expect("a log path"));
-    Workload { name: name.to_owned(), pid: pid_of(&status), log, argv: argv.to_vec() }
-}
 
 /// Asks the tree of `pid` (memhog.py under its init, which passes the signal on) for its
 /// checksum, and waits for the answer after the log's current lines.
@@ -42,9 +28,9 @@ fn one_checkpoint_runs_as_several_independent_copies_beside_the_original() {
     let mut args = vec!["run", "--workload", &name, "--json", "--"];
     args.extend(argv.iter().map(String::as_str));
     let init = pid_of(&d.json(&args));
-    let log = log_of(&d, &name, &argv);
+    let log = d.known(&name, &argv);
     log.wait_line_after(0, "the workload to be ready", |l| l == "ready");
-    assert_eq!(inner_pid(init), Some(1), "the workload's root is the init of its own namespace");
+    assert_eq!(procfs::inner(init), 1, "the workload's root is the init of its own namespace");
     let original = checksum(&log, init);
     let ck = d.json(&["checkpoint", "--workload", &name, "--leave-running", "--json"]);
     let id = ck["id"].as_str().unwrap();
@@ -56,7 +42,7 @@ fn one_checkpoint_runs_as_several_independent_copies_beside_the_original() {
         .map(|copy| {
             let restored = d.json(&["restore", id, "--as", &format!("{name}-{copy}"), "--json"]);
             assert_eq!(restored["workload"], format!("{name}-{copy}"), "{restored}");
-            log_of(&d, &format!("{name}-{copy}"), &argv)
+            d.known(&format!("{name}-{copy}"), &argv)
         })
         .collect();
     let err = d.cli_err(&["restore", id, "--as", &format!("{name}-copy1")]);
@@ -66,7 +52,7 @@ fn one_checkpoint_runs_as_several_independent_copies_beside_the_original() {
     for copy in &copies {
         let pid = copy.pid;
         assert!(pid != init && procfs::running(pid), "copy {pid} of {init}");
-        assert_eq!(inner_pid(pid), Some(1), "each copy has a namespace of its own");
+        assert_eq!(procfs::inner(pid), 1, "each copy has a namespace of its own");
         assert_eq!(checksum(copy, pid), original, "copy {pid} has other memory");
         // Its output goes to a log of its own, and it sits in a cgroup of its own.
         assert_ne!(copy.log, log.log);
@@ -92,7 +78,7 @@ fn one_checkpoint_runs_as_several_independent_copies_beside_the_original() {
     let restored = d.json(&["restore", "--workload", &copy1, "--lazy", "--json"]);
     assert_eq!(restored["stats"]["lazy"], true, "{restored}");
     let again = pid_of(&restored);
-    assert_eq!(inner_pid(again), Some(1), "{restored}");
+    assert_eq!(procfs::inner(again), 1, "{restored}");
     assert_eq!(checksum(&copies[0], again), original);
     assert!(procfs::running(copies[1].pid), "the other copy runs on");
     for pid in [again, copies[1].pid] {
@@ -112,7 +98,7 @@ fn a_workload_run_with_host_pids_comes_back_with_its_pids_and_only_once() {
     args.extend(argv.iter().map(String::as_str));
     let pid = pid_of(&d.json(&args));
     assert_eq!(procfs::ns_pids(pid).len(), 1, "no pid namespace of its own");
-    let mut w = log_of(&d, &name, &argv);
+    let mut w = d.known(&name, &argv);
     w.wait_number("count ", 3);
     let ck = d.json(&["checkpoint", "--workload", &name, "--leave-running", "--json"]);
     let at_checkpoint = w.last_number("count ").unwrap();
