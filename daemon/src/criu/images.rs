@@ -26,15 +26,11 @@ pub const INVENTORY_FILE: &str = "inventory.img";
 /// carries a single magic and one message); `None` for CRIU that records none.
 pub fn dump_run_id(images_dir: &Path) -> io::Result<Option<String>> {
     let data = std::fs::read(images_dir.join(INVENTORY_FILE))?;
-    let invalid = |what: &str| io::Error::new(io::ErrorKind::InvalidData, format!("inventory image: {what}"));
-    let word = |at: usize| data.get(at..at + 4).map(|b| u32::from_ne_bytes(b.try_into().unwrap_or_default()));
-    let mut at = 4;
-    if word(0) == Some(IMG_COMMON_MAGIC) {
-        at = 8;
-    }
-    let len = word(at).ok_or_else(|| invalid("truncated"))? as usize;
-    let body = data.get(at + 4..at + 4 + len).ok_or_else(|| invalid("truncated"))?;
-    let entry = InventoryEntry::decode(body).map_err(|e| invalid(&e.to_string()))?;
+    let invalid = invalid("inventory");
+    let at = if word(&data, 0) == Some(IMG_COMMON_MAGIC) { 8 } else { 4 };
+    let len = word(&data, at).ok_or_else(|| invalid("truncated".into()))? as usize;
+    let body = data.get(at + 4..at + 4 + len).ok_or_else(|| invalid("truncated".into()))?;
+    let entry = InventoryEntry::decode(body).map_err(|e| invalid(e.to_string()))?;
     Ok(entry.dump_criu_run_id.filter(|id| !id.is_empty()))
 }
 
@@ -119,12 +115,11 @@ pub fn read_pstree(data: &[u8]) -> io::Result<Vec<(u32, u32)>> {
 /// The bodies of the messages in an image with magic `magic` (after the common magic).
 fn entries<'a>(data: &'a [u8], magic: u32, what: &'static str) -> io::Result<Vec<&'a [u8]>> {
     let invalid = invalid(what);
-    let word = |at: usize| data.get(at..at + 4).map(|b| u32::from_ne_bytes(b.try_into().unwrap_or_default()));
-    if word(0) != Some(IMG_COMMON_MAGIC) || word(4) != Some(magic) {
+    if word(data, 0) != Some(IMG_COMMON_MAGIC) || word(data, 4) != Some(magic) {
         return Err(invalid("wrong magic".into()));
     }
     let (mut at, mut bodies) = (8, Vec::new());
-    while let Some(len) = word(at) {
+    while let Some(len) = word(data, at) {
         let body = data.get(at + 4..at + 4 + len as usize).ok_or_else(|| invalid("truncated".into()))?;
         bodies.push(body);
         at += 4 + len as usize;
@@ -133,6 +128,11 @@ fn entries<'a>(data: &'a [u8], magic: u32, what: &'static str) -> io::Result<Vec
         return Err(invalid("truncated".into()));
     }
     Ok(bodies)
+}
+
+/// The native-endian word of an image at byte `at`, if the image is that long.
+fn word(data: &[u8], at: usize) -> Option<u32> {
+    data.get(at..at + 4).map(|b| u32::from_ne_bytes(b.try_into().unwrap_or_default()))
 }
 
 /// An error naming a malformed image of kind `what`.
