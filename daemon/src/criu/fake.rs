@@ -23,6 +23,8 @@ pub struct FakeCriu {
     pub restored_pid: i32,
     /// Run on a dump that succeeds, before it answers (e.g. to stop the tree).
     pub on_dump: Option<Hook<DumpSpec>>,
+    /// Run on a dump that fails, before it answers (e.g. to have the tree die with it).
+    pub on_failed_dump: Option<Hook<DumpSpec>>,
     /// Run on a restore that succeeds, before it answers (e.g. to start the tree).
     pub on_restore: Option<Hook<RestoreSpec>>,
     pub calls: Mutex<Vec<String>>,
@@ -36,6 +38,7 @@ impl Default for FakeCriu {
             fail_restore: None,
             restored_pid: 0,
             on_dump: None,
+            on_failed_dump: None,
             on_restore: None,
             calls: Mutex::new(Vec::new()),
         }
@@ -92,6 +95,9 @@ impl CriuOps for FakeCriu {
     fn dump(&self, spec: &DumpSpec, _on_notify: OnNotify<'_>) -> Result<(), CriuError> {
         self.calls.lock().unwrap().push(format!("dump {}", spec.pid));
         if let Some(line) = &self.fail_dump {
+            if let Some(hook) = &self.on_failed_dump {
+                hook(spec);
+            }
             return Err(failure(line));
         }
         if let Some(fd) = spec.page_server_fd {

@@ -104,6 +104,18 @@ pub enum CheckpointError {
         #[source]
         source: CriuError,
     },
+    /// CRIU failed and the tree died with it: CRIU runs code of its own inside each process
+    /// it dumps, and a CRIU killed while that code runs leaves the process to die of its trap.
+    #[error(
+        "dumping workload {workload} failed and its processes died with the dump; nothing holds \
+         the state they had (a CRIU that dies while its code runs inside a process takes the \
+         process with it)"
+    )]
+    Lost {
+        workload: String,
+        #[source]
+        source: CriuError,
+    },
     #[error("receiving the pages of workload {workload} failed; it was left running")]
     PageServer {
         workload: String,

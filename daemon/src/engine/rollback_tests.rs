@@ -201,6 +201,25 @@ async fn a_failed_dump_puts_the_cuda_state_back_and_touches_nothing_else() {
 }
 
 #[tokio::test]
+async fn a_dump_whose_processes_die_with_it_says_they_are_lost() {
+    // As when CRIU is killed while its parasite runs in the tree: the tree dies of its trap.
+    let host: Arc<std::sync::OnceLock<Arc<FakeHost>>> = Default::default();
+    let dying = host.clone();
+    let criu = FakeCriu {
+        fail_dump: Some("Error: CRIU exited before answering".into()),
+        on_failed_dump: Some(Box::new(move |_| dying.get().unwrap().running.lock().unwrap().clear())),
+        ..Default::default()
+    };
+    let r = rig(criu, FakeGpu::default());
+    host.set(r.host.clone()).ok().unwrap();
+    let err = r.checkpoint(false).await.unwrap_err();
+    assert!(matches!(err, CheckpointError::Lost { .. }), "{err}");
+    assert!(err.to_string().contains("died with the dump"), "{err}");
+    assert!(r.host.signals_of(Signal::SIGKILL).is_empty());
+    assert_eq!(r.held_records(), 0);
+}
+
+#[tokio::test]
 async fn a_leave_running_checkpoint_whose_storing_fails_resumes_the_gpu_once() {
     let r = rig(FakeCriu::default(), FakeGpu::default());
     r.break_store();

@@ -53,7 +53,9 @@ impl From<CheckpointError> for Status {
             CheckpointError::NotRunning { .. }
             | CheckpointError::Sockets { .. }
             | CheckpointError::Untouchable { .. } => Code::FailedPrecondition,
-            CheckpointError::Dump { .. } | CheckpointError::PageServer { .. } => Code::Aborted,
+            CheckpointError::Dump { .. }
+            | CheckpointError::Lost { .. }
+            | CheckpointError::PageServer { .. } => Code::Aborted,
             CheckpointError::Store { source, .. } => store_code(source),
             CheckpointError::ShuttingDown => Code::Unavailable,
             CheckpointError::Gpu(_) => Code::FailedPrecondition,

@@ -106,8 +106,18 @@ impl<'a> Hold<'a> {
 
     /// The checkpoint failed with `cause`: gives the tree back as it was, and returns `cause`
     /// with whatever could not be undone.
+    /// A dump whose processes died with it says so instead of claiming they run on.
     pub async fn give_back(self, cause: CheckpointError) -> CheckpointError {
-        CheckpointError::with_rollback(cause, self.resume().await)
+        let (engine, tree) = (self.engine, self.tree);
+        let problems = self.resume().await;
+        let cause = match cause {
+            CheckpointError::Dump { workload, source } if engine.tree_now(tree).is_empty() => {
+                error!(workload = %workload, pids = ?tree.pids, error = %source, "the workload died during its failed dump");
+                CheckpointError::Lost { workload, source }
+            }
+            other => other,
+        };
+        CheckpointError::with_rollback(cause, problems)
     }
 
     /// Gives the tree back as it was (its checkpoint failed, or is stored but the tree is to
