@@ -7,7 +7,8 @@
 # jupyter_client; PyPI) in a virtual environment under .stasis/venv, Debian's redis-server
 # and iptables, Podman with runc and busybox-static (the interop tests' container engine and
 # image), Debian unstable's checkpointctl under .stasis/checkpointctl, and Debian 13's
-# containerd 1.7 (CRI and NRI; the Kubernetes tests' runtime) under .stasis/containerd.
+# containerd 1.7 (CRI and NRI; the Kubernetes tests' runtime) under .stasis/containerd, with
+# the pod bundle (CRIU as opted-in containers run it) under .stasis/pod-bundle.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -16,6 +17,7 @@ scripts/setup-criu.sh >/dev/null
 STASIS_CRIU_SUITE=trixie scripts/setup-criu.sh "$root/.stasis/criu-4.1" >/dev/null
 STASIS_CHECKPOINTCTL=$(scripts/setup-checkpointctl.sh | tail -n 1)
 STASIS_CONTAINERD=$(scripts/setup-containerd.sh | tail -n 1)
+scripts/pod-bundle.sh "$root/.stasis/pod-bundle" >/dev/null
 export STASIS_CHECKPOINTCTL STASIS_CONTAINERD
 # ipykernel brings bin/ipython: its absence means a venv from before the Jupyter test.
 if [ ! -x .stasis/venv/bin/moto_server ] || [ ! -x .stasis/venv/bin/ipython ]; then

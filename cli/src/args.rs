@@ -61,6 +61,50 @@ pub enum Command {
     /// Take in a container checkpoint archive (Podman's, CRI-O's, containerd's or stasis')
     /// as a checkpoint of the store. Root's alone.
     Import(ImportArgs),
+    /// Kubernetes containers, as the NRI plugin reports them (root's alone).
+    #[command(subcommand)]
+    Container(ContainerCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ContainerCommand {
+    /// Record an opted-in container: its tree becomes the workload its identity names.
+    Register(RegisterArgs),
+    /// Forget a removed container (its workload keeps its checkpoints).
+    Forget {
+        /// The runtime's container id.
+        id: String,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct RegisterArgs {
+    /// The runtime's container id.
+    #[arg(long)]
+    pub id: String,
+    /// The container's init process (stasis-pod), as this host numbers it.
+    #[arg(long)]
+    pub init_pid: i32,
+    /// The image it runs (digest, or reference).
+    #[arg(long)]
+    pub image: String,
+    /// The pod's namespace.
+    #[arg(long)]
+    pub namespace: String,
+    /// The pod's owner: kind (StatefulSet, Job, Pod, ...) and name.
+    #[arg(long)]
+    pub owner_kind: String,
+    #[arg(long)]
+    pub owner_name: String,
+    /// Which of the owner's pods (StatefulSet ordinal, Job completion index).
+    #[arg(long, default_value = "")]
+    pub ordinal: String,
+    /// The container's name in the pod.
+    #[arg(long)]
+    pub container: String,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

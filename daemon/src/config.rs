@@ -25,6 +25,7 @@
 //! notices = "auto"                          # preemption notices: auto, off, aws, gcp, azure
 //! notice_url = "http://169.254.169.254"     #   ... the metadata service (the cloud's own)
 //! notice_poll_ms = 2000                     #   ... asked this often
+//! pod_socket = "/run/stasis/pod/pod.sock"   # Kubernetes: the endpoint containers reach (off by default)
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -157,6 +158,10 @@ pub struct Args {
     /// Milliseconds between questions to the metadata service (default 2000).
     #[arg(long)]
     pub notice_poll_ms: Option<u64>,
+    /// Kubernetes: serve the pod endpoint (what opted-in containers mount and reach; not the
+    /// API) on this socket. Off by default.
+    #[arg(long)]
+    pub pod_socket: Option<PathBuf>,
 }
 
 /// The `notices` setting.
@@ -249,6 +254,8 @@ pub struct DaemonConfig {
     pub metrics_listen: Option<std::net::SocketAddr>,
     /// Where to watch for preemption notices; `None`: nowhere.
     pub notices: Option<WatchSettings>,
+    /// The pod endpoint's socket, if served.
+    pub pod_socket: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -310,6 +317,7 @@ impl DaemonConfig {
             idle,
             metrics_listen: s.metrics_listen,
             notices,
+            pod_socket: s.pod_socket,
         };
         if config.lazy_timeout_secs == 0 || config.lazy_timeout_secs > 86_400 {
             let reason = "must be 1 to 86400 seconds (a lazy restore kills the tree when it passes)";

@@ -84,6 +84,14 @@ pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
         }
         None => "off".to_owned(),
     };
+    if let Some(path) = config.pod_socket.clone() {
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            if let Err(e) = crate::engine::pods::serve_endpoint(engine, &path).await {
+                tracing::error!(socket = %path.display(), error = %e, "the pod endpoint stopped");
+            }
+        });
+    }
     let listener = bind(&config.socket)?;
     if let Some(group) = &config.socket_group {
         open_to_group(&config.socket, group)?;

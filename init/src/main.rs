@@ -23,14 +23,9 @@ use std::process::{Command, ExitCode};
 
 use anyhow::Context;
 use clap::Parser;
-use nix::sys::signal::{Signal, kill};
-use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
-use signal_hook::iterator::Signals;
-#[allow(unsafe_code)] // the only unsafe code: sys.rs
-mod sys;
-
-use sys::{Forked, fork, take_inherited_fd};
+use stasis_init::supervise::{handle_signals, supervise};
+use stasis_init::sys::{Forked, fork, take_inherited_fd};
 
 /// Runs a workload as the init of its own pid namespace (started by stasisd, not by hand).
 #[derive(Debug, Parser)]
@@ -50,18 +45,6 @@ struct Args {
     #[arg(last = true, required = true)]
     command: Vec<String>,
 }
-
-/// Signals passed on to the workload.
-const FORWARDED: [Signal; 8] = [
-    Signal::SIGHUP,
-    Signal::SIGINT,
-    Signal::SIGQUIT,
-    Signal::SIGTERM,
-    Signal::SIGUSR1,
-    Signal::SIGUSR2,
-    Signal::SIGWINCH,
-    Signal::SIGCONT,
-];
 
 fn main() -> anyhow::Result<ExitCode> {
     let args = Args::parse();
@@ -84,10 +67,7 @@ fn main() -> anyhow::Result<ExitCode> {
 /// Pid 1 of the namespace: starts the command, forwards signals, reaps, exits as the command.
 fn init(args: &Args) -> anyhow::Result<ExitCode> {
     nix::unistd::setsid().context("starting a session")?;
-    // Handlers, not a blocked mask: the kernel passes a signal from outside the namespace to
-    // its init only if the init handles it.
-    let handled: Vec<i32> = FORWARDED.iter().chain([&Signal::SIGCHLD]).map(|s| *s as i32).collect();
-    let mut signals = Signals::new(&handled).context("handling signals")?;
+    let mut signals = handle_signals()?;
     let mut cmd = Command::new(&args.command[0]);
     cmd.args(&args.command[1..]);
     if let Some(gid) = args.gid {
@@ -99,25 +79,5 @@ fn init(args: &Args) -> anyhow::Result<ExitCode> {
     let workload = cmd.spawn().with_context(|| format!("starting {}", args.command[0]))?;
     let workload = Pid::from_raw(workload.id() as i32);
     std::env::set_current_dir(&args.dir).with_context(|| format!("moving into {}", args.dir.display()))?;
-    loop {
-        // A child that ended before the handler saw its SIGCHLD is reaped here too.
-        while let Ok(status) = waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-            match status {
-                WaitStatus::Exited(pid, code) if pid == workload => return Ok(ExitCode::from(code as u8)),
-                WaitStatus::Signaled(pid, signal, _) if pid == workload => {
-                    return Ok(ExitCode::from(128 + signal as u8));
-                }
-                WaitStatus::StillAlive => break,
-                _ => {}
-            }
-        }
-        for signal in signals.wait() {
-            match Signal::try_from(signal) {
-                Ok(Signal::SIGCHLD) | Err(_) => {}
-                Ok(signal) => {
-                    let _ = kill(workload, signal);
-                }
-            }
-        }
-    }
+    Ok(supervise(workload, &mut signals))
 }

@@ -1,5 +1,6 @@
-//! The two system calls stasis-init makes without a safe wrapper: its own fork, and taking
-//! ownership of the descriptor it reports on.
+//! The system calls the init programs make without a safe wrapper: stasis-init's own fork,
+//! taking ownership of the descriptor it reports on, and stasis-pod's new session for its
+//! workload.
 
 use std::io;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
@@ -34,4 +35,17 @@ pub fn take_inherited_fd(fd: RawFd) -> io::Result<OwnedFd> {
     // SAFETY: the descriptor is open (checked above) and, by the caller's contract, owned by
     // nothing else in this process, so this is its only owner.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Has the process `cmd` starts lead a session of its own (setsid between fork and exec).
+pub fn own_session(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the forked child before exec and calls only setsid, which is
+    // async-signal-safe, touching no memory shared with the parent.
+    unsafe {
+        cmd.pre_exec(|| match libc::setsid() {
+            -1 => Err(io::Error::last_os_error()),
+            _ => Ok(()),
+        })
+    };
 }

@@ -13,6 +13,7 @@ pub mod disk;
 mod http;
 pub mod http_faults;
 pub mod imds;
+pub mod kube;
 mod logs;
 pub mod memtest;
 mod peer;

@@ -6,38 +6,16 @@
 
 #![forbid(unsafe_code)]
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use stasis_proto::cri::{
-    ContainerConfig, ContainerMetadata, ContainerState, ContainerStatusRequest, CreateContainerRequest,
-    ExecSyncRequest, ImageSpec, LinuxPodSandboxConfig, LinuxSandboxSecurityContext, NamespaceMode,
-    NamespaceOption, PodSandboxConfig, PodSandboxMetadata, RemovePodSandboxRequest, RunPodSandboxRequest,
-    StartContainerRequest, StopContainerRequest, StopPodSandboxRequest,
+    ContainerState, ContainerStatusRequest, CreateContainerRequest, ExecSyncRequest, RemovePodSandboxRequest,
+    RunPodSandboxRequest, StartContainerRequest, StopContainerRequest, StopPodSandboxRequest,
 };
 use stasis_tests::containerd::Containerd;
+use stasis_tests::kube::{container, pod};
 use stasis_tests::podman::{IMAGE, Podman};
 use stasis_tests::{TIMEOUT, expect_within, procfs, skip_unless_ready};
-
-/// A pod on the host's network (no CNI here), logging under `logs`.
-fn pod(name: &str, logs: &str) -> PodSandboxConfig {
-    let host = NamespaceOption { network: NamespaceMode::Node as i32, ..Default::default() };
-    PodSandboxConfig {
-        metadata: Some(PodSandboxMetadata {
-            name: name.into(),
-            uid: format!("uid-{name}"),
-            namespace: "test".into(),
-            attempt: 0,
-        }),
-        log_directory: logs.into(),
-        linux: Some(LinuxPodSandboxConfig {
-            security_context: Some(LinuxSandboxSecurityContext { namespace_options: Some(host) }),
-            ..Default::default()
-        }),
-        labels: HashMap::from([("stasis.dev/test".into(), name.into())]),
-        ..Default::default()
-    }
-}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn containerd_runs_execs_and_stops_a_pod_driven_through_the_cri() {
@@ -48,7 +26,7 @@ async fn containerd_runs_execs_and_stops_a_pod_driven_through_the_cri() {
     assert!(containerd.nri_socket().exists(), "NRI listens");
     let logs = containerd.dir().join("pods");
     std::fs::create_dir_all(&logs).unwrap();
-    let config = pod("counter", &logs.display().to_string());
+    let config = pod("counter", &logs);
     let sandbox = cri
         .run_pod_sandbox(RunPodSandboxRequest {
             config: Some(config.clone()),
@@ -58,19 +36,9 @@ async fn containerd_runs_execs_and_stops_a_pod_driven_through_the_cri() {
         .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", containerd.log_tail()))
         .into_inner()
         .pod_sandbox_id;
-    let container = ContainerConfig {
-        metadata: Some(ContainerMetadata { name: "count".into(), attempt: 0 }),
-        image: Some(ImageSpec { image: IMAGE.into(), ..Default::default() }),
-        command: [
-            "/bin/sh",
-            "-c",
-            "trap 'echo stopping; exit 0' TERM; i=0; while true; do echo $i; i=$((i+1)); sleep 0.1; done",
-        ]
-        .map(String::from)
-        .to_vec(),
-        log_path: "count.log".into(),
-        ..Default::default()
-    };
+    let script =
+        "trap 'echo stopping; exit 0' TERM; i=0; while true; do echo $i; i=$((i+1)); sleep 0.1; done";
+    let container = container("count", IMAGE, &["/bin/sh", "-c", script]);
     let request = CreateContainerRequest {
         pod_sandbox_id: sandbox.clone(),
         config: Some(container),

@@ -13,6 +13,7 @@ use crate::progress::ProgressLine;
 mod archive;
 mod check;
 mod checkpoint;
+mod container;
 mod delete;
 mod evacuate;
 mod gc;
@@ -43,6 +44,7 @@ pub async fn execute(socket: &Path, command: Command) -> anyhow::Result<()> {
         Command::Evacuate(args) => evacuate::run(&mut client, args).await,
         Command::Export(args) => archive::export(&mut client, args).await,
         Command::Import(args) => archive::import(&mut client, args).await,
+        Command::Container(command) => container::run(&mut client, command).await,
     }
 }
 

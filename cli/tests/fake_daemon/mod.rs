@@ -135,6 +135,23 @@ impl Stasis for FakeDaemon {
         }))
     }
 
+    async fn register_container(
+        &self,
+        req: Request<RegisterContainerRequest>,
+    ) -> Result<Response<RegisterContainerResponse>, Status> {
+        let r = req.into_inner();
+        Ok(Response::new(RegisterContainerResponse {
+            workload: format!("k8s.{}.{}", r.namespace, r.container),
+        }))
+    }
+
+    async fn forget_container(
+        &self,
+        _: Request<ForgetContainerRequest>,
+    ) -> Result<Response<ForgetContainerResponse>, Status> {
+        Ok(Response::new(ForgetContainerResponse {}))
+    }
+
     async fn delete(&self, req: Request<DeleteRequest>) -> Result<Response<DeleteResponse>, Status> {
         Ok(Response::new(DeleteResponse { id: req.into_inner().id }))
     }

@@ -14,6 +14,12 @@ pub enum CriuError {
         #[source]
         source: io::Error,
     },
+    #[error("cannot join the container's cgroup ({file})")]
+    Cgroup {
+        file: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     #[error("cannot talk to CRIU")]
     Io(#[source] io::Error),
     #[error("CRIU exited before answering{}", log_suffix(.log_tail))]

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 pub use error::{CriuError, log_section};
 pub use lazy_pages::LazyPagesDaemon;
 pub use log::tail_of as log_tail_of;
-pub use options::{DumpSpec, RestoreSpec, TreeOptions};
+pub use options::{DumpSpec, Enter, RestoreSpec, TreeOptions};
 use stasis_proto::criu::{Request, RequestType};
 pub use support::NetworkLock;
 use swrk::Session;
@@ -113,7 +113,7 @@ impl CriuOps for Criu {
     }
 
     fn version(&self) -> Result<CriuVersion, CriuError> {
-        let mut session = Session::start(&self.path, &[])?;
+        let mut session = Session::start(&self.path, &[], None)?;
         let resp =
             session.call(&Request { r#type: Some(RequestType::Version as i32), ..Default::default() })?;
         let v = resp.version.ok_or(CriuError::Protocol("VERSION answer without a version"))?;
@@ -128,36 +128,38 @@ impl CriuOps for Criu {
         let dir = options::open_dir(work_dir)?;
         let req = Request {
             r#type: Some(RequestType::Check as i32),
-            opts: Some(options::base_options(dir.as_raw_fd())),
+            opts: Some(options::base_options(dir.as_raw_fd(), false)),
             ..Default::default()
         };
-        let mut session = Session::start(&self.path, &[])?;
+        let mut session = Session::start(&self.path, &[], None)?;
         let resp = session.call(&req)?;
         error::check_success(&resp, work_dir, "check")
     }
 
     fn dump(&self, spec: &DumpSpec, on_notify: OnNotify<'_>) -> Result<(), CriuError> {
         let dir = options::open_dir(&spec.images_dir)?;
-        let keep: Vec<RawFd> = spec.page_server_fd.iter().copied().collect();
+        let mut keep: Vec<RawFd> = spec.page_server_fd.iter().copied().collect();
+        keep.extend(spec.enter.as_ref().map(|_| dir.as_raw_fd()));
         let req = Request {
             r#type: Some(RequestType::Dump as i32),
             opts: Some(spec.to_options(dir.as_raw_fd())),
             ..Default::default()
         };
-        let mut session = Session::start(&self.path, &keep)?;
+        let mut session = Session::start(&self.path, &keep, spec.enter.as_ref())?;
         let resp = session.call_with_notify(&req, on_notify)?;
         error::check_success(&resp, &spec.images_dir, "dump")
     }
 
     fn restore(&self, spec: &RestoreSpec, on_notify: OnNotify<'_>) -> Result<i32, CriuError> {
         let dir = options::open_dir(&spec.images_dir)?;
-        let keep: Vec<RawFd> = spec.inherit_fds.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
+        let mut keep: Vec<RawFd> = spec.inherit_fds.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
+        keep.extend(spec.enter.as_ref().map(|_| dir.as_raw_fd()));
         let req = Request {
             r#type: Some(RequestType::Restore as i32),
             opts: Some(spec.to_options(dir.as_raw_fd())),
             ..Default::default()
         };
-        let mut session = Session::start(&self.path, &keep)?;
+        let mut session = Session::start(&self.path, &keep, spec.enter.as_ref())?;
         let resp = session.call_with_notify(&req, on_notify)?;
         error::check_success(&resp, &spec.images_dir, "restore")?;
         resp.restore.and_then(|r| r.pid).ok_or(CriuError::Protocol("RESTORE answer without a pid"))

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use nix::fcntl::{OFlag, open};
 use nix::sys::stat::Mode;
-use stasis_proto::criu::{CgroupRoot, InheritFd, NetworkLockMethod, Options, PageServerInfo};
+use stasis_proto::criu::{CgroupMode, CgroupRoot, InheritFd, NetworkLockMethod, Options, PageServerInfo};
 
 use super::{CriuError, LOG_FILE, NetworkLock};
 
@@ -63,9 +63,22 @@ impl TreeOptions {
     }
 }
 
+/// Where CRIU runs when the tree lives in a container: inside every namespace of the
+/// container's init `pid` (a host pid), so that the tree's mounts, pids and files are CRIU's
+/// own; from the pod bundle the container mounts at `bundle` (see `scripts/pod-bundle.sh`),
+/// since nothing of the host's filesystem is visible there; in the cgroups whose
+/// `cgroup.procs` files are `cgroups`, which a restored tree inherits.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Enter {
+    pub pid: i32,
+    pub bundle: PathBuf,
+    pub cgroups: Vec<PathBuf>,
+}
+
 /// A dump request.
 #[derive(Debug, Clone)]
 pub struct DumpSpec {
+    /// The tree's root, as CRIU sees it (inside the container's pid namespace if `enter`).
     pub pid: i32,
     pub images_dir: PathBuf,
     pub tree: TreeOptions,
@@ -75,11 +88,13 @@ pub struct DumpSpec {
     pub leave_stopped: bool,
     /// A connected stream socket for CRIU's page-server traffic, if pages go to stasisd.
     pub page_server_fd: Option<RawFd>,
+    /// Run CRIU inside the tree's container.
+    pub enter: Option<Enter>,
 }
 
 impl DumpSpec {
     pub(super) fn to_options(&self, dir_fd: RawFd) -> Options {
-        let mut opts = base_options(dir_fd);
+        let mut opts = base_options(dir_fd, self.enter.is_some());
         opts.pid = Some(self.pid);
         opts.leave_running = Some(self.leave_running);
         opts.leave_stopped = Some(self.leave_stopped);
@@ -110,13 +125,21 @@ pub struct RestoreSpec {
     /// Move the tree from its root's cgroup at dump time into this one (of the v2
     /// hierarchy, e.g. `/stasis/<node>/<workload>`).
     pub cgroup: Option<String>,
+    /// Run CRIU inside the container the tree is restored into; the tree is then left to the
+    /// container's init (CRIU's reaper there), in CRIU's cgroups.
+    pub enter: Option<Enter>,
 }
 
 impl RestoreSpec {
     pub(super) fn to_options(&self, dir_fd: RawFd) -> Options {
-        let mut opts = base_options(dir_fd);
-        // The restored root becomes our child (a sibling of CRIU), so stasisd reaps it.
-        opts.rst_sibling = Some(true);
+        let mut opts = base_options(dir_fd, self.enter.is_some());
+        // The restored root becomes our child (a sibling of CRIU), so stasisd reaps it; in a
+        // container it becomes the container init's once CRIU exits.
+        opts.rst_sibling = Some(self.enter.is_none());
+        if self.enter.is_some() {
+            opts.manage_cgroups = Some(true);
+            opts.manage_cgroups_mode = Some(CgroupMode::CgIgnore as i32);
+        }
         opts.notify_scripts = Some(true);
         opts.lazy_pages = Some(self.lazy_pages);
         self.tree.apply(&mut opts);
@@ -136,10 +159,17 @@ impl RestoreSpec {
     }
 }
 
-/// Options every request carries: where images and the log go.
-pub(super) fn base_options(dir_fd: RawFd) -> Options {
+/// Options every request carries: where images and the log go. A CRIU inside a container
+/// cannot see stasisd's `/proc/<pid>/fd`, so it gets the descriptor itself (kept across exec)
+/// and names it through its own.
+pub(super) fn base_options(dir_fd: RawFd, entered: bool) -> Options {
+    let (images_dir_fd, images_dir) = match entered {
+        false => (Some(dir_fd), None),
+        true => (None, Some(format!("/proc/self/fd/{dir_fd}"))),
+    };
     Options {
-        images_dir_fd: Some(dir_fd),
+        images_dir_fd,
+        images_dir,
         log_level: Some(LOG_LEVEL),
         log_file: Some(LOG_FILE.into()),
         ..Default::default()
@@ -171,6 +201,7 @@ mod tests {
             leave_running: false,
             leave_stopped: true,
             page_server_fd: Some(9),
+            enter: None,
         };
         let o = spec.to_options(7);
         assert_eq!(o.images_dir_fd, Some(7));

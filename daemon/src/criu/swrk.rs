@@ -10,7 +10,7 @@ use prost::Message;
 use stasis_proto::criu::{Request, RequestType, Response};
 use tracing::debug;
 
-use super::CriuError;
+use super::{CriuError, Enter};
 use crate::linux::sys::{ChildSetup, spawn};
 use crate::linux::{net, proc};
 
@@ -24,17 +24,39 @@ pub(super) struct Session {
     peer_inode: u64,
 }
 
+/// What enters a container's namespaces for CRIU (util-linux).
+const NSENTER: &str = "nsenter";
+
+/// Opens the `cgroup.procs` files a CRIU joins before it runs.
+fn open_cgroups(files: &[PathBuf]) -> Result<Vec<std::fs::File>, CriuError> {
+    let open = |file: &PathBuf| std::fs::OpenOptions::new().write(true).open(file);
+    files.iter().map(|f| open(f).map_err(|source| CriuError::Cgroup { file: f.clone(), source })).collect()
+}
+
 /// How often a wait for CRIU's answer checks that CRIU is still there.
 const LIVENESS_EVERY_MS: u16 = 1000;
 
 impl Session {
     /// Starts `criu swrk` with one end of a fresh socketpair; `keep_fds` are passed on to CRIU
-    /// under the same numbers (for `ps.fd` and `inherit_fd`).
-    pub(super) fn start(criu: &Path, keep_fds: &[RawFd]) -> Result<Self, CriuError> {
+    /// under the same numbers (for `ps.fd`, `inherit_fd` and an entered images directory).
+    /// With `enter`, CRIU runs inside a container (`nsenter` forks it there), from the
+    /// container's mount of the pod bundle.
+    pub(super) fn start(criu: &Path, keep_fds: &[RawFd], enter: Option<&Enter>) -> Result<Self, CriuError> {
         let (ours, theirs) =
             socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
                 .map_err(|e| CriuError::Io(e.into()))?;
-        let mut cmd = Command::new(criu);
+        let (mut cmd, cgroups) = match enter {
+            None => (Command::new(criu), Vec::new()),
+            Some(enter) => {
+                let mut cmd = Command::new(NSENTER);
+                cmd.args(["--target", &enter.pid.to_string(), "--all", "--"])
+                    .arg(enter.bundle.join("ld.so"))
+                    .arg("--library-path")
+                    .arg(enter.bundle.join("lib"))
+                    .arg(enter.bundle.join("criu"));
+                (cmd, open_cgroups(&enter.cgroups)?)
+            }
+        };
         // CRIU writes its log to a file in the images directory; its stderr carries only
         // duplicates of that, or "Looks good." from a check.
         cmd.arg("swrk")
@@ -45,9 +67,10 @@ impl Session {
         let mut keep = vec![theirs.as_raw_fd()];
         keep.extend_from_slice(keep_fds);
         let peer_inode = nix::sys::stat::fstat(&theirs).map_err(|e| CriuError::Io(e.into()))?.st_ino;
-        let child = spawn(&mut cmd, ChildSetup { keep_fds: keep, ..Default::default() })
+        let cgroup_procs = cgroups.iter().map(AsRawFd::as_raw_fd).collect();
+        let child = spawn(&mut cmd, ChildSetup { keep_fds: keep, cgroup_procs, ..Default::default() })
             .map_err(|source| CriuError::Spawn { path: criu.to_path_buf(), source })?;
-        debug!(pid = child.id(), criu = %criu.display(), "criu swrk started");
+        debug!(pid = child.id(), criu = %criu.display(), ?enter, "criu swrk started");
         let pid = child.id() as i32;
         // The reaper collects the child's exit; `Child` is dropped without waiting.
         drop(child);
@@ -174,7 +197,7 @@ mod tests {
         std::fs::write(&criu, "#!/bin/sh\nsleep 600 &\necho $! > \"$(dirname \"$0\")/helper\"\nexit 0\n")
             .unwrap();
         std::fs::set_permissions(&criu, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let mut session = Session::start(&criu, &[]).unwrap();
+        let mut session = Session::start(&criu, &[], None).unwrap();
         let started = Instant::now();
         let err = session.call(&Request::default()).unwrap_err();
         assert!(matches!(err, CriuError::Exited { .. }), "{err}");

@@ -116,6 +116,12 @@ pub enum CheckpointError {
         #[source]
         source: CriuError,
     },
+    #[error("workload {workload}'s container cannot be checkpointed; nothing was touched")]
+    Container {
+        workload: String,
+        #[source]
+        source: super::pods::PodError,
+    },
     #[error("receiving the pages of workload {workload} failed; it was left running")]
     PageServer {
         workload: String,

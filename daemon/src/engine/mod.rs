@@ -20,6 +20,7 @@ mod idle;
 mod ids;
 mod inspect;
 mod periodic;
+pub mod pods;
 mod query;
 mod restore;
 #[cfg(test)]

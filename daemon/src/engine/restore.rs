@@ -137,7 +137,7 @@ impl Engine {
         joined.map_err(|e| RestoreError::Local { what: "job", source: std::io::Error::other(e) })?
     }
 
-    async fn find_manifest(&self, target: &RestoreTarget) -> Result<Manifest, RestoreError> {
+    pub(super) async fn find_manifest(&self, target: &RestoreTarget) -> Result<Manifest, RestoreError> {
         match target {
             RestoreTarget::Checkpoint(id) if !valid_checkpoint_id(id) => Err(RestoreError::BadId(id.clone())),
             RestoreTarget::Checkpoint(id) => Ok(self.store.manifest(id).await?),
@@ -280,14 +280,16 @@ impl Engine {
     /// Checks, before anything is restored, that this node can take the checkpoint: its pids
     /// free (unless it brings a pid namespace of its own), its sockets' ports and addresses,
     /// its GPUs.
-    async fn preflight(
+    pub(super) async fn preflight(
         &self,
         manifest: &Manifest,
         gpu_map: &[(GpuUuid, GpuUuid)],
         tcp_close: bool,
     ) -> Result<Preflight, RestoreError> {
         let id = manifest.id.clone();
-        let busy = match manifest.own_pid_namespace {
+        // A tree with a pid namespace of its own, or restored into a container's, takes no pid
+        // of this host's.
+        let busy = match manifest.own_pid_namespace || manifest.pod.is_some() {
             true => Vec::new(),
             false => self.reaper.wait_gone(&manifest.pids, PIDS_FREE_WAIT).await,
         };
@@ -355,6 +357,7 @@ impl Engine {
             lazy_pages: session.is_some(),
             tcp_close,
             cgroup: home.cgroup_in_hierarchy().filter(|_| !manifest.cgroup.is_empty()),
+            enter: None,
         };
         session.iter().for_each(LazySession::arm);
         let faults = session.as_ref().map(LazySession::fault_guard);
@@ -532,7 +535,7 @@ fn initial_roots(manifest: &Manifest) -> Roots {
 }
 
 /// What [`Engine::preflight`] found.
-struct Preflight {
+pub(super) struct Preflight {
     /// What the restored tree will notice (see `sockets::check_restore`).
     warnings: Vec<String>,
     /// Where its GPU state goes: (checkpoint GPU, this node's GPU).

@@ -63,7 +63,7 @@ impl Engine {
         let mut cmd = command_for(&params, [stdout, log], init.as_ref()).map_err(setup_err("its init"))?;
         let setup = ChildSetup {
             new_session: true,
-            cgroup_procs: procs.as_ref().map(|f| f.as_raw_fd()),
+            cgroup_procs: procs.iter().map(|f| f.as_raw_fd()).collect(),
             keep_fds: init.iter().map(|i| i.write.as_raw_fd()).collect(),
             new_pid_ns: params.own_pids,
         };

@@ -45,6 +45,9 @@ pub struct Workload {
     /// What the last evacuation did with it.
     #[serde(default)]
     pub evacuation: Option<super::Evacuation>,
+    /// The Kubernetes container it runs in (see `engine/pods/`).
+    #[serde(default)]
+    pub container: Option<super::pods::ContainerRef>,
 }
 
 /// Persistent map of workload name to [`Workload`].

@@ -7,6 +7,7 @@ use stasis_proto::stasis::v1 as pb;
 use tonic::{Code, Status};
 
 use crate::cuda::{GpuUuid, parse_uuid};
+use crate::engine::pods::PodError;
 use crate::engine::{
     Caller, CheckpointError, CheckpointOutcome, CheckpointParams, CheckpointSummary, Evacuation, IdleState,
     PolicyError, ProgressUpdate, QueryError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget,
@@ -52,7 +53,8 @@ impl From<CheckpointError> for Status {
             CheckpointError::NotYours { .. } => Code::PermissionDenied,
             CheckpointError::NotRunning { .. }
             | CheckpointError::Sockets { .. }
-            | CheckpointError::Untouchable { .. } => Code::FailedPrecondition,
+            | CheckpointError::Untouchable { .. }
+            | CheckpointError::Container { .. } => Code::FailedPrecondition,
             CheckpointError::Dump { .. }
             | CheckpointError::Lost { .. }
             | CheckpointError::PageServer { .. } => Code::Aborted,
@@ -62,6 +64,18 @@ impl From<CheckpointError> for Status {
             CheckpointError::Inspect { .. }
             | CheckpointError::Local { .. }
             | CheckpointError::Rollback { .. } => Code::Internal,
+        };
+        status(code, &e)
+    }
+}
+
+impl From<PodError> for Status {
+    fn from(e: PodError) -> Self {
+        let code = match &e {
+            PodError::BadIdentity(_) => Code::InvalidArgument,
+            PodError::NoInit(_) | PodError::UnknownCaller => Code::NotFound,
+            PodError::NotOneTree { .. } | PodError::SharedPids(_) => Code::FailedPrecondition,
+            PodError::Registry { .. } => Code::Internal,
         };
         status(code, &e)
     }

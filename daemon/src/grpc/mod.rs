@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status};
 
+use crate::engine::pods::{ContainerRef, Identity, Registration};
 use crate::engine::{Caller, Engine, EvacuateParams, PolicyError, ProgressFn, ProgressUpdate};
 use caller::caller_of;
 
@@ -216,6 +217,39 @@ impl Stasis for StasisService {
         let req = req.into_inner();
         self.engine.set_spot(&req.workload, req.on, caller)?;
         Ok(Response::new(pb::SetSpotResponse {}))
+    }
+
+    async fn register_container(
+        &self,
+        req: Request<pb::RegisterContainerRequest>,
+    ) -> Result<Response<pb::RegisterContainerResponse>, Status> {
+        if caller_of(&req)? != Caller::Root {
+            return Err(PolicyError::RootOnly("register containers").into());
+        }
+        let r = req.into_inner();
+        let registration = Registration {
+            container: ContainerRef { id: r.id, init_pid: r.init_pid, image: r.image, evicting: false },
+            identity: Identity {
+                namespace: r.namespace,
+                owner_kind: r.owner_kind,
+                owner_name: r.owner_name,
+                ordinal: r.ordinal,
+                container: r.container,
+            },
+        };
+        let workload = self.engine.register_container(registration)?;
+        Ok(Response::new(pb::RegisterContainerResponse { workload }))
+    }
+
+    async fn forget_container(
+        &self,
+        req: Request<pb::ForgetContainerRequest>,
+    ) -> Result<Response<pb::ForgetContainerResponse>, Status> {
+        if caller_of(&req)? != Caller::Root {
+            return Err(PolicyError::RootOnly("forget containers").into());
+        }
+        self.engine.forget_container(&req.into_inner().id);
+        Ok(Response::new(pb::ForgetContainerResponse {}))
     }
 
     async fn evacuate(

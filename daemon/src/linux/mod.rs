@@ -3,6 +3,7 @@
 //! All unsafe code of this area lives in [`sys`].
 
 pub mod cgroup;
+pub mod container;
 pub mod init_program;
 pub mod iptables;
 pub mod net;

@@ -129,7 +129,8 @@ fn field_of<'a>(status: &'a str, key: &str) -> Option<&'a str> {
     status.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(':')).map(str::trim)
 }
 
-fn children(pid: i32) -> io::Result<Vec<i32>> {
+/// The children of every thread of `pid`.
+pub fn children(pid: i32) -> io::Result<Vec<i32>> {
     let mut out = Vec::new();
     let tasks = match fs::read_dir(format!("/proc/{pid}/task")) {
         Ok(t) => t,

@@ -15,8 +15,8 @@ use std::process::{Child, Command};
 pub struct ChildSetup {
     /// Start a new session (the child becomes session and process-group leader).
     pub new_session: bool,
-    /// An open `cgroup.procs` file the child writes itself into.
-    pub cgroup_procs: Option<RawFd>,
+    /// Open `cgroup.procs` files the child writes itself into (one per hierarchy).
+    pub cgroup_procs: Vec<RawFd>,
     /// Descriptors the child keeps across `exec` (their close-on-exec flag is cleared).
     pub keep_fds: Vec<RawFd>,
     /// Unshare a new pid namespace: the child's own children are numbered in it, the first
@@ -41,7 +41,7 @@ pub fn spawn(cmd: &mut Command, setup: ChildSetup) -> io::Result<Child> {
             if new_pid_ns && libc::unshare(libc::CLONE_NEWPID) < 0 {
                 return Err(io::Error::last_os_error());
             }
-            if let Some(fd) = cgroup_procs {
+            for &fd in &cgroup_procs {
                 // "0" names the writing process itself.
                 if libc::write(fd, b"0".as_ptr().cast(), 1) < 0 {
                     return Err(io::Error::last_os_error());

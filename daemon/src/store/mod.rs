@@ -45,7 +45,7 @@ pub use gc::{GcReport, Retention};
 pub use lazy_memory::LazyMemory;
 pub use prefetch::{FetchSettings, LazyFetch, LazyFetchError, LazyReader};
 pub use staging::{Staged, Staging, StagingBudget};
-pub use stasis_proto::stasis::v1::Manifest;
+pub use stasis_proto::stasis::v1::{Manifest, PodInfo};
 pub use upload::StoredDump;
 
 use index::ChunkIndex;

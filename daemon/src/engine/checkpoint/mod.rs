@@ -182,6 +182,12 @@ impl Engine {
             Target::Workload(name) => {
                 let w =
                     self.registry.get(name).ok_or_else(|| CheckpointError::UnknownWorkload(name.clone()))?;
+                if let Some(c) = &w.container {
+                    let root = self
+                        .container_tree_root(&w, c)
+                        .map_err(|source| CheckpointError::Container { workload: w.name.clone(), source })?;
+                    return Ok((w.name, root));
+                }
                 if !self.host.is_running(w.pid) {
                     return Err(CheckpointError::NotRunning { workload: w.name, pid: w.pid });
                 }
@@ -309,13 +315,23 @@ impl Engine {
             }
             None => None,
         };
+        let (pid, enter) = match self.registry.get(&job.workload).and_then(|w| w.container) {
+            None => (job.pid, None),
+            Some(c) => {
+                let inner = crate::linux::proc::pid_inside(job.pid, c.init_pid).unwrap_or(job.pid);
+                let enter = super::pods::enter(&c, false)
+                    .map_err(|source| CheckpointError::Local { what: "entering the container", source })?;
+                (inner, Some(enter))
+            }
+        };
         let spec = DumpSpec {
-            pid: job.pid,
+            pid,
             images_dir: images.to_path_buf(),
             tree: tree.options.clone(),
             leave_running: job.leave_running,
             leave_stopped: !job.leave_running,
             page_server_fd: None,
+            enter,
         };
         let (criu, version, staging) = (self.criu.clone(), self.criu_version, self.staging.clone());
         let dumped = tokio::task::spawn_blocking(move || dump::dump(criu.as_ref(), version, spec, staging))

@@ -1,0 +1,194 @@
+//! Kubernetes containers.
+//!
+//! An opted-in container runs its command under `stasis-pod`, its init (pid 1 of its pid
+//! namespace). stasisd learns of the container from the NRI plugin (or `stasis container
+//! register`): its id, its init's pid, its image and its stable identity, which names its
+//! workload, so that every pod that takes the place of an evicted one finds its checkpoints.
+//!
+//! The container's tree is its init's one child and that child's descendants. A preStop hook
+//! asks, through the pod endpoint (`endpoint.rs`), for an eviction checkpoint of it; CRIU
+//! dumps it from inside the container's namespaces. When a new container of the same identity
+//! and image starts, its init asks whether a checkpoint waits, and the tree is restored into
+//! the container as the init's child (`restore.rs`).
+
+mod endpoint;
+mod identity;
+mod restore;
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use tracing::info;
+
+pub use endpoint::serve as serve_endpoint;
+pub use identity::Identity;
+
+use super::{
+    Caller, CheckpointError, CheckpointOutcome, CheckpointParams, Engine, ProgressFn, Target, Workload,
+};
+use crate::criu::Enter;
+use crate::linux::{container, proc};
+use crate::store::PodInfo;
+
+/// Where an opted-in container mounts the pod bundle (`scripts/pod-bundle.sh`): CRIU and
+/// stasis-pod, runnable whatever the image holds.
+pub const BUNDLE_MOUNT: &str = "/.stasis";
+
+/// The container a workload runs in.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerRef {
+    /// The runtime's container id.
+    pub id: String,
+    /// The container's init (stasis-pod), a pid of this host.
+    pub init_pid: i32,
+    /// The image it runs (its digest, or its reference where no digest is known).
+    pub image: String,
+    /// Its preStop hook asked for an eviction: the pod is going away.
+    #[serde(default)]
+    pub evicting: bool,
+}
+
+/// What the NRI plugin reports of a container that opted in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registration {
+    pub container: ContainerRef,
+    pub identity: Identity,
+}
+
+/// Why a pod request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PodError {
+    #[error("{0}")]
+    BadIdentity(String),
+    #[error("process {0} (the container's init) is not running")]
+    NoInit(i32),
+    #[error(
+        "container {0} shares its pod's process namespace (shareProcessNamespace): stasis needs \
+         each opted-in container to have its own"
+    )]
+    SharedPids(String),
+    #[error("the calling process belongs to no registered container (is the pod opted in?)")]
+    UnknownCaller,
+    #[error(
+        "container {container}'s init has {children} children: its tree must be one command (the init's only child)"
+    )]
+    NotOneTree { container: String, children: usize },
+    #[error("cannot record container {id}")]
+    Registry {
+        id: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Engine {
+    /// Records a container (again): its workload, named by its identity, now runs there.
+    /// Returns the workload's name.
+    pub fn register_container(&self, r: Registration) -> Result<String, PodError> {
+        let name = r.identity.workload_name().map_err(PodError::BadIdentity)?;
+        if !self.host.is_running(r.container.init_pid) {
+            return Err(PodError::NoInit(r.container.init_pid));
+        }
+        // A restored tree is handed to its pid namespace's init, which must be stasis-pod.
+        if !proc::is_namespace_init(r.container.init_pid) {
+            return Err(PodError::SharedPids(r.container.id));
+        }
+        let id = r.container.id.clone();
+        let registered = match self.registry.get(&name) {
+            Some(_) => self.registry.update(&name, |w| {
+                w.container = Some(r.container.clone());
+                w.pid = 0;
+            }),
+            None => self.registry.put(Workload {
+                name: name.clone(),
+                command: vec![format!("container {}", r.identity)],
+                container: Some(r.container),
+                ..Default::default()
+            }),
+        };
+        registered.map_err(|source| PodError::Registry { id: id.clone(), source })?;
+        info!(container = %id, workload = %name, "container registered");
+        Ok(name)
+    }
+
+    /// Forgets container `id` (removed): its workload keeps its checkpoints.
+    pub fn forget_container(&self, id: &str) {
+        for w in self.registry.all().into_iter().filter(|w| w.container.as_ref().is_some_and(|c| c.id == id))
+        {
+            if let Err(e) = self.registry.update(&w.name, |w| w.container = None) {
+                tracing::warn!(container = %id, error = %e, "cannot forget the container");
+            }
+        }
+    }
+
+    /// The workload of the registered container that process `pid` runs in (the same pid
+    /// namespace as the container's init).
+    fn container_of(&self, pid: i32) -> Option<Workload> {
+        let ns = container::pid_namespace(pid).ok()?;
+        let ours = container::pid_namespace(std::process::id() as i32).ok()?;
+        if ns == ours {
+            return None;
+        }
+        self.registry.all().into_iter().find(|w| {
+            w.container.as_ref().is_some_and(|c| container::pid_namespace(c.init_pid).ok() == Some(ns))
+        })
+    }
+
+    /// The root of container workload `w`'s tree: its init's only child.
+    pub(super) fn container_tree_root(&self, w: &Workload, c: &ContainerRef) -> Result<i32, PodError> {
+        if !self.host.is_running(c.init_pid) {
+            return Err(PodError::NoInit(c.init_pid));
+        }
+        match proc::children(c.init_pid).unwrap_or_default()[..] {
+            [root] => Ok(root),
+            ref other => Err(PodError::NotOneTree {
+                container: format!("{} ({})", c.id, w.name),
+                children: other.len(),
+            }),
+        }
+    }
+
+    /// Evicts the tree of the container `caller` runs in: checkpoints it, and kills it once
+    /// the checkpoint is durable; on failure the tree runs on.
+    async fn evict_container(
+        self: &Arc<Self>,
+        w: Workload,
+        progress: ProgressFn,
+    ) -> Result<CheckpointOutcome, CheckpointError> {
+        let marked =
+            self.registry.update(&w.name, |w| w.container.iter_mut().for_each(|c| c.evicting = true));
+        if let Err(e) = marked {
+            tracing::warn!(workload = %w.name, error = %e, "cannot record the eviction request");
+        }
+        let params = CheckpointParams {
+            target: Target::Workload(w.name),
+            leave_running: false,
+            on_resumed: None,
+            reclaim: None,
+            caller: Caller::Root,
+        };
+        self.checkpoint(params, progress).await
+    }
+}
+
+/// How CRIU enters container `c` to dump or restore its tree.
+pub(super) fn enter(c: &ContainerRef, join_cgroups: bool) -> std::io::Result<Enter> {
+    container::ensure_tmp(c.init_pid)?;
+    let cgroups = match join_cgroups {
+        true => container::cgroup_procs_files(c.init_pid)?,
+        false => Vec::new(),
+    };
+    Ok(Enter { pid: c.init_pid, bundle: BUNDLE_MOUNT.into(), cgroups })
+}
+
+/// What a checkpoint of container workload `name` (in `c`) records for a restore into
+/// another container: the identity, the image, the root's stdio and the pids inside.
+pub(super) fn pod_info(name: &str, c: &ContainerRef, tree: &super::inspect::TreeInfo) -> PodInfo {
+    let root = tree.pids[0];
+    PodInfo {
+        identity: name.to_owned(),
+        image: c.image.clone(),
+        stdio: (0..3).map(|fd| container::fd_target(root, fd).unwrap_or_default()).collect(),
+        inner_pids: tree.pids.iter().map(|&p| proc::pid_inside(p, c.init_pid).unwrap_or(0)).collect(),
+    }
+}

@@ -1,0 +1,115 @@
+//! A container as the host sees it: its init's namespaces and cgroups, and the few things a
+//! CRIU that runs inside it needs there (a writable /tmp, free pids).
+
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+/// The `cgroup.procs` file, in every hierarchy mounted here, of the cgroups `pid` is in: what
+/// a process writes itself into to join them all (one file on a pure v2 host, one per
+/// hierarchy on a hybrid one).
+pub fn cgroup_procs_files(pid: i32) -> io::Result<Vec<PathBuf>> {
+    let memberships = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo")?;
+    let files = memberships
+        .lines()
+        .filter_map(|line| {
+            let mut parts = line.splitn(3, ':');
+            let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+            let mount = hierarchy_mount(&mounts, controllers)?;
+            Some(mount.join(path.trim_start_matches('/')).join("cgroup.procs"))
+        })
+        .collect();
+    Ok(files)
+}
+
+/// Where the hierarchy of `controllers` (as /proc/PID/cgroup names them: "" for v2,
+/// "cpu,cpuacct", "name=systemd") is mounted, from mountinfo `text`.
+fn hierarchy_mount(text: &str, controllers: &str) -> Option<PathBuf> {
+    text.lines().find_map(|line| {
+        let (left, right) = line.split_once(" - ")?;
+        let mut right = right.split_whitespace();
+        let (fstype, _source, options) = (right.next()?, right.next()?, right.next()?);
+        let point = left.split_whitespace().nth(4)?;
+        let matches = match controllers {
+            "" => fstype == "cgroup2",
+            wanted => fstype == "cgroup" && wanted.split(',').all(|c| options.split(',').any(|o| o == c)),
+        };
+        matches.then(|| PathBuf::from(point))
+    })
+}
+
+/// Makes `/tmp` in the root of `pid`'s mount namespace if it has none (CRIU probes the kernel
+/// there; small images such as busybox have no /tmp).
+pub fn ensure_tmp(pid: i32) -> io::Result<()> {
+    let tmp = PathBuf::from(format!("/proc/{pid}/root/tmp"));
+    if tmp.is_dir() {
+        return Ok(());
+    }
+    std::fs::DirBuilder::new().mode(0o1777).create(&tmp)?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777))
+}
+
+/// Has the pid namespace whose init is `init` hand out pids above `highest` from now on, so
+/// that neither CRIU (which runs in it) nor anything started meanwhile takes a pid a restored
+/// process needs. The kernel's `ns_last_pid` applies to the writer's pid namespace, so a
+/// process forked into it writes it (through this host's /proc, where it is writable).
+pub fn reserve_pids(init: i32, highest: i32) -> io::Result<()> {
+    let status = Command::new("nsenter")
+        .args(["--target", &init.to_string(), "--pid", "--", "/bin/sh", "-c"])
+        .arg(format!("echo {highest} > /proc/sys/kernel/ns_last_pid"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()?;
+    match status.success() {
+        true => Ok(()),
+        false => Err(io::Error::other(format!(
+            "setting the next pid in process {init}'s namespace failed ({status})"
+        ))),
+    }
+}
+
+/// The inode of `pid`'s pid namespace: equal for two processes of one container.
+pub fn pid_namespace(pid: i32) -> io::Result<u64> {
+    Ok(std::fs::metadata(format!("/proc/{pid}/ns/pid"))?.ino())
+}
+
+/// What descriptor `fd` of `pid` is (`pipe:[123]`, `/dev/null`), as CRIU names it for
+/// `inherit_fd`.
+pub fn fd_target(pid: i32, fd: i32) -> io::Result<String> {
+    Ok(std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))?.display().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HYBRID: &str = "\
+35 25 0:30 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw,nsdelegate
+36 25 0:31 / /sys/fs/cgroup/systemd rw,nosuid - cgroup cgroup rw,xattr,name=systemd
+40 25 0:35 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid - cgroup cgroup rw,cpu,cpuacct
+41 25 0:36 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory";
+
+    #[test]
+    fn each_hierarchy_is_found_by_its_controllers() {
+        let at = |c| hierarchy_mount(HYBRID, c).map(|p| p.display().to_string());
+        assert_eq!(at("").as_deref(), Some("/sys/fs/cgroup/unified"));
+        assert_eq!(at("name=systemd").as_deref(), Some("/sys/fs/cgroup/systemd"));
+        assert_eq!(at("cpu,cpuacct").as_deref(), Some("/sys/fs/cgroup/cpu,cpuacct"));
+        assert_eq!(at("memory").as_deref(), Some("/sys/fs/cgroup/memory"));
+        assert_eq!(at("pids"), None);
+    }
+
+    #[test]
+    fn this_process_joins_its_own_cgroups() {
+        let files = cgroup_procs_files(std::process::id() as i32).unwrap();
+        assert!(!files.is_empty());
+        for file in files {
+            let members = std::fs::read_to_string(&file).unwrap();
+            let me = std::process::id().to_string();
+            assert!(members.lines().any(|l| l == me), "{} lacks this process", file.display());
+        }
+    }
+}

@@ -1,0 +1,132 @@
+//! stasis-pod: the first process of a Kubernetes container that opted in to stasis, and its
+//! preStop hook.
+//!
+//! `stasis-pod run -- COMMAND...` is the container's command (the webhook wraps the original
+//! one). It asks stasisd, through the pod endpoint mounted into the container, whether a
+//! checkpoint of this container's identity waits. If none does, it starts the command as its
+//! child, in a session of its own; if one does, stasisd restores the checkpointed tree into
+//! the container as its child. Either way it then passes on the signals meant for the
+//! workload, reaps orphans, and exits as the workload did.
+//!
+//! When the workload was evicted, the init waits for the kubelet's SIGTERM and exits 0.
+//!
+//! `stasis-pod prestop` is the container's preStop hook: it asks stasisd to checkpoint the
+//! container's tree for eviction and returns once the checkpoint is durable (the tree is gone
+//! then) or has failed (the tree runs on, and is stopped as usual).
+#![deny(unsafe_code)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+use nix::unistd::Pid;
+use serde_json::Value;
+use stasis_init::supervise::{handle_signals, supervise};
+use stasis_init::sys::own_session;
+
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// The pod endpoint's socket, as mounted into the container.
+    #[arg(long, env = "STASIS_POD_SOCKET", default_value = "/.stasis-run/pod.sock")]
+    socket: PathBuf,
+    #[command(subcommand)]
+    command: Mode,
+}
+
+#[derive(Debug, Subcommand)]
+enum Mode {
+    /// Be the container's init: restore its checkpointed workload, or start COMMAND.
+    Run {
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
+    /// Checkpoint this container's workload for eviction (the preStop hook).
+    Prestop,
+}
+
+/// How long a starting container waits for stasisd's endpoint to answer at all.
+const ENDPOINT_WAIT: Duration = Duration::from_secs(30);
+
+fn main() -> anyhow::Result<ExitCode> {
+    let args = Args::parse();
+    match args.command {
+        Mode::Run { command } => run(&args.socket, &command),
+        Mode::Prestop => prestop(&args.socket),
+    }
+}
+
+fn run(socket: &Path, command: &[String]) -> anyhow::Result<ExitCode> {
+    let mut signals = handle_signals()?;
+    let answer = match socket.exists() {
+        // Not opted in here (no endpoint mounted): just the command.
+        false => {
+            eprintln!("stasis-pod: no stasis endpoint at {}; running without checkpoints", socket.display());
+            serde_json::json!({ "action": "fresh" })
+        }
+        true => ask(socket, "start", ENDPOINT_WAIT)?,
+    };
+    let workload = match answer["action"].as_str() {
+        Some("restored") => {
+            let pid = answer["pid"].as_i64().context("a restore answer without a pid")?;
+            eprintln!("stasis-pod: restored from checkpoint {}", answer["checkpoint"]);
+            Pid::from_raw(pid as i32)
+        }
+        Some("fresh") => {
+            let mut cmd = Command::new(&command[0]);
+            cmd.args(&command[1..]);
+            own_session(&mut cmd);
+            let child = cmd.spawn().with_context(|| format!("starting {}", command[0]))?;
+            Pid::from_raw(child.id() as i32)
+        }
+        _ => bail!("stasisd could not start this container: {}", answer["error"]),
+    };
+    let status = supervise(workload, &mut signals);
+    // An evicted workload is gone before the kubelet stops the container: the init stays
+    // until then, so that the preStop hook (a process of this container) gets its answer.
+    if socket.exists() && ask(socket, "ended", Duration::ZERO).is_ok_and(|a| a["evicted"] == true) {
+        eprintln!("stasis-pod: the workload was evicted; waiting to be stopped");
+        let stop = [nix::sys::signal::Signal::SIGTERM as i32, nix::sys::signal::Signal::SIGINT as i32];
+        signals.wait().find(|s| stop.contains(s));
+        return Ok(ExitCode::SUCCESS);
+    }
+    Ok(status)
+}
+
+fn prestop(socket: &Path) -> anyhow::Result<ExitCode> {
+    let answer = ask(socket, "evict", Duration::ZERO)?;
+    match answer["checkpoint"].as_str() {
+        Some(id) => {
+            println!("stasis-pod: checkpoint {id} is durable");
+            Ok(ExitCode::SUCCESS)
+        }
+        None => {
+            eprintln!("stasis-pod: no checkpoint: {}", answer["error"]);
+            Ok(ExitCode::FAILURE)
+        }
+    }
+}
+
+/// Sends request `op` to the pod endpoint and returns its answer; retries connecting for up
+/// to `wait` (stasisd restarting).
+fn ask(socket: &Path, op: &str, wait: Duration) -> anyhow::Result<Value> {
+    let deadline = Instant::now() + wait;
+    let mut stream = loop {
+        match UnixStream::connect(socket) {
+            Ok(stream) => break stream,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("stasis-pod: waiting for stasisd ({e})");
+                std::thread::sleep(Duration::from_secs(1));
+            }
+            Err(e) => return Err(e).with_context(|| format!("connecting to {}", socket.display())),
+        }
+    };
+    writeln!(stream, "{}", serde_json::json!({ "op": op })).context("sending the request")?;
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line).context("reading the answer")?;
+    serde_json::from_str(&line).with_context(|| format!("a malformed answer: {line:?}"))
+}

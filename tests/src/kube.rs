@@ -1,0 +1,193 @@
+//! A kubelet's part, for the Kubernetes tests: pods on containerd's CRI (tests/src/containerd.rs)
+//! as a kubelet would run them, and containers opted in to stasis (the pod bundle and the pod
+//! endpoint mounted, the command wrapped by stasis-pod), as stasis' webhook makes them.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use stasis_proto::cri::runtime_service_client::RuntimeServiceClient;
+use stasis_proto::cri::{
+    ContainerConfig, ContainerMetadata, ContainerStatusRequest, CreateContainerRequest, ExecSyncRequest,
+    ImageSpec, LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
+    LinuxSandboxSecurityContext, Mount, NamespaceMode, NamespaceOption, PodSandboxConfig, PodSandboxMetadata,
+    RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest, StopContainerRequest,
+    StopPodSandboxRequest,
+};
+use stasis_proto::tonic::transport::Channel;
+
+use crate::containerd::Containerd;
+
+/// Where an opted-in container has the pod bundle (CRIU, stasis-pod) and the pod endpoint.
+pub const BUNDLE: &str = "/.stasis";
+pub const ENDPOINT_DIR: &str = "/.stasis-run";
+
+/// The namespaces of a pod on the host's network (no CNI here) whose containers have a pid
+/// namespace each, the kubelet's default (no shareProcessNamespace); the kubelet gives them
+/// to the pod and to each container.
+fn namespaces() -> NamespaceOption {
+    NamespaceOption {
+        network: NamespaceMode::Node as i32,
+        pid: NamespaceMode::Container as i32,
+        ..Default::default()
+    }
+}
+
+/// A pod on the host's network, logging under `logs`.
+pub fn pod(name: &str, logs: &Path) -> PodSandboxConfig {
+    let host = namespaces();
+    PodSandboxConfig {
+        metadata: Some(PodSandboxMetadata {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            namespace: "test".into(),
+            attempt: 0,
+        }),
+        log_directory: logs.display().to_string(),
+        linux: Some(LinuxPodSandboxConfig {
+            security_context: Some(LinuxSandboxSecurityContext { namespace_options: Some(host) }),
+            ..Default::default()
+        }),
+        labels: HashMap::from([("stasis.dev/test".into(), name.into())]),
+        ..Default::default()
+    }
+}
+
+/// A container running `command` with `image`, logging to `<name>.log`.
+pub fn container(name: &str, image: &str, command: &[&str]) -> ContainerConfig {
+    ContainerConfig {
+        metadata: Some(ContainerMetadata { name: name.into(), attempt: 0 }),
+        image: Some(ImageSpec { image: image.into(), ..Default::default() }),
+        command: command.iter().map(|s| s.to_string()).collect(),
+        log_path: format!("{name}.log"),
+        linux: Some(LinuxContainerConfig {
+            security_context: Some(LinuxContainerSecurityContext { namespace_options: Some(namespaces()) }),
+        }),
+        ..Default::default()
+    }
+}
+
+/// `config` opted in: its command run by stasis-pod, the bundle at `bundle` and the pod
+/// endpoint's directory `endpoint` mounted read-only.
+pub fn opted_in(mut config: ContainerConfig, bundle: &Path, endpoint: &Path) -> ContainerConfig {
+    let mut command = stasis_pod(&["run", "--"]);
+    command.append(&mut config.command);
+    config.command = command;
+    config.mounts = [(bundle, BUNDLE), (endpoint, ENDPOINT_DIR)]
+        .map(|(host, inside)| Mount {
+            container_path: inside.into(),
+            host_path: host.display().to_string(),
+            readonly: true,
+        })
+        .to_vec();
+    config
+}
+
+/// The command line that runs stasis-pod with `args` inside an opted-in container.
+pub fn stasis_pod(args: &[&str]) -> Vec<String> {
+    let program = [
+        format!("{BUNDLE}/ld.so"),
+        "--library-path".into(),
+        format!("{BUNDLE}/lib"),
+        format!("{BUNDLE}/stasis-pod"),
+    ];
+    program.into_iter().chain(args.iter().map(|a| a.to_string())).collect()
+}
+
+/// The pod bundle in `dir`: scripts/pod-bundle.sh's (CRIU and its libraries) and this build's
+/// stasis-pod.
+pub fn bundle(dir: &Path) -> PathBuf {
+    let made = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.stasis/pod-bundle");
+    let out = std::process::Command::new("cp").arg("-a").arg(&made).arg(dir).output().expect("cp");
+    assert!(
+        out.status.success(),
+        "copying {} (scripts/pod-bundle.sh): {}",
+        made.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bundle = dir.join("pod-bundle");
+    std::fs::copy(crate::bin("stasis-pod"), bundle.join("stasis-pod")).expect("stasis-pod into the bundle");
+    bundle
+}
+
+/// A kubelet: a CRI client of `containerd`.
+pub struct Kubelet<'a> {
+    pub containerd: &'a Containerd,
+    pub cri: RuntimeServiceClient<Channel>,
+    pub logs: PathBuf,
+}
+
+/// A running pod and its one container.
+pub struct RunningPod {
+    pub sandbox: String,
+    pub container: String,
+    /// The container's log (the CRI's format: `<time> stdout F <text>`).
+    pub log: PathBuf,
+}
+
+impl<'a> Kubelet<'a> {
+    pub async fn new(containerd: &'a Containerd) -> Kubelet<'a> {
+        let logs = containerd.dir().join("pods");
+        std::fs::create_dir_all(&logs).expect("pod logs");
+        Kubelet { cri: containerd.cri().await, containerd, logs }
+    }
+
+    /// Runs pod `name` with `container` in it, started.
+    pub async fn run(&mut self, name: &str, container: ContainerConfig) -> RunningPod {
+        let config = pod(name, &self.logs.join(name));
+        std::fs::create_dir_all(self.logs.join(name)).expect("pod log directory");
+        let request = RunPodSandboxRequest { config: Some(config.clone()), runtime_handler: String::new() };
+        let sandbox = self.cri.run_pod_sandbox(request).await;
+        let sandbox =
+            sandbox.unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", self.containerd.log_tail()));
+        let sandbox = sandbox.into_inner().pod_sandbox_id;
+        let log = self.logs.join(name).join(&container.log_path);
+        let request = CreateContainerRequest {
+            pod_sandbox_id: sandbox.clone(),
+            config: Some(container),
+            sandbox_config: Some(config),
+        };
+        let created = self.cri.create_container(request).await;
+        let id = created.unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", self.containerd.log_tail()));
+        let id = id.into_inner().container_id;
+        self.cri
+            .start_container(StartContainerRequest { container_id: id.clone() })
+            .await
+            .expect("StartContainer");
+        RunningPod { sandbox, container: id, log }
+    }
+
+    /// The host pid of the container's init (from containerd's verbose status).
+    pub async fn init_pid(&mut self, pod: &RunningPod) -> i32 {
+        let request = ContainerStatusRequest { container_id: pod.container.clone(), verbose: true };
+        let status = self.cri.container_status(request).await.expect("ContainerStatus").into_inner();
+        let info: serde_json::Value = serde_json::from_str(&status.info["info"]).expect("containerd's info");
+        info["pid"].as_i64().expect("the container's pid") as i32
+    }
+
+    /// Runs `cmd` in the pod's container, as a preStop hook runs: exit code, stdout, stderr.
+    pub async fn exec(&mut self, pod: &RunningPod, cmd: Vec<String>, timeout: i64) -> (i32, String, String) {
+        let request = ExecSyncRequest { container_id: pod.container.clone(), cmd, timeout };
+        let out = self.cri.exec_sync(request).await.expect("ExecSync").into_inner();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.exit_code, text(&out.stdout), text(&out.stderr))
+    }
+
+    /// Stops the container (SIGTERM, `grace` seconds, SIGKILL) and removes the pod.
+    pub async fn delete(&mut self, pod: RunningPod, grace: i64) {
+        let request = StopContainerRequest { container_id: pod.container.clone(), timeout: grace };
+        self.cri.stop_container(request).await.expect("StopContainer");
+        let sandbox = pod.sandbox;
+        self.cri
+            .stop_pod_sandbox(StopPodSandboxRequest { pod_sandbox_id: sandbox.clone() })
+            .await
+            .expect("StopPodSandbox");
+        let removed = self.cri.remove_pod_sandbox(RemovePodSandboxRequest { pod_sandbox_id: sandbox }).await;
+        removed.expect("RemovePodSandbox");
+    }
+}
+
+/// The lines the container wrote to stdout, from its CRI log.
+pub fn stdout_lines(log: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    text.lines().filter_map(|l| l.split_once(" stdout F ").map(|(_, t)| t.to_owned())).collect()
+}
