@@ -42,6 +42,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "proto/criu/rpc.proto",
             "proto/criu/pagemap.proto",
             "proto/cri/runtime.proto",
+            "proto/nri/api.proto",
+            "proto/nri/ttrpc.proto",
         ],
         &["proto"],
     )?;

@@ -3,12 +3,10 @@
 use std::error::Error as _;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context as _, anyhow};
-use hyper_util::rt::TokioIo;
+use anyhow::anyhow;
 use stasis_proto::stasis::v1::stasis_client::StasisClient;
-use stasis_proto::tonic::transport::{Channel, Endpoint};
+use stasis_proto::tonic::transport::Channel;
 use stasis_proto::tonic::{Code, Status};
-use tokio::net::UnixStream;
 
 /// Printed with every "cannot reach the daemon" error.
 const HINT: &str = "is stasisd running? set --socket or STASIS_SOCKET";
@@ -23,18 +21,9 @@ pub struct Client {
 impl Client {
     /// Connects to stasisd's socket at `socket`.
     pub async fn connect(socket: &Path) -> anyhow::Result<Self> {
-        let path = socket.to_path_buf();
-        // The URI is required by the HTTP/2 layer but unused: the connector ignores it.
-        let channel = Endpoint::try_from("http://[::]:50051")
-            .context("building the gRPC endpoint")?
-            .connect_with_connector(tower::service_fn(move |_| {
-                let path = path.clone();
-                async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
-            }))
-            .await
-            .map_err(|e| {
-                anyhow!("cannot reach stasisd at {}: {} ({HINT})", socket.display(), root_cause(&e))
-            })?;
+        let channel = stasis_proto::unix_channel(socket).await.map_err(|e| {
+            anyhow!("cannot reach stasisd at {}: {} ({HINT})", socket.display(), root_cause(&e))
+        })?;
         Ok(Self { rpc: StasisClient::new(channel), socket: socket.to_path_buf() })
     }
 

@@ -9,17 +9,18 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use hyper_util::rt::TokioIo;
 use stasis_proto::cri::runtime_service_client::RuntimeServiceClient;
-use stasis_proto::tonic::transport::{Channel, Endpoint};
+use stasis_proto::tonic::transport::Channel;
 use tempfile::TempDir;
-use tokio::net::UnixStream;
 
 use crate::podman::{IMAGE, Podman};
 use crate::{TIMEOUT, expect_within};
 
 /// The sandbox ("pause") image: sleeps.
 pub const PAUSE_IMAGE: &str = "localhost/stasis-test-pause:1";
+
+/// Another image of the test image's files.
+pub const NEXT_IMAGE: &str = "localhost/stasis-test-busybox:2";
 
 pub struct Containerd {
     dir: TempDir,
@@ -61,7 +62,10 @@ impl Containerd {
             &podman.rootfs(),
             PAUSE_IMAGE,
         ]);
-        for image in [PAUSE_IMAGE, IMAGE] {
+        // The test image again, another image to the runtime (its configuration differs): what
+        // a rollout brings.
+        podman.ok(&["import", "--change", "LABEL stasis.test=next", &podman.rootfs(), NEXT_IMAGE]);
+        for image in [PAUSE_IMAGE, IMAGE, NEXT_IMAGE] {
             let archive = podman.path("image.tar");
             let _ = std::fs::remove_file(&archive);
             podman.ok(&["save", "--format", "oci-archive", "-o", &archive.display().to_string(), image]);
@@ -99,15 +103,8 @@ impl Containerd {
 
     /// A CRI client, as a kubelet has.
     pub async fn cri(&self) -> RuntimeServiceClient<Channel> {
-        let socket = self.socket();
-        let channel = Endpoint::try_from("http://[::]:50051")
-            .expect("endpoint")
-            .connect_with_connector(tower::service_fn(move |_| {
-                let socket = socket.clone();
-                async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(socket).await?)) }
-            }))
-            .await
-            .expect("connecting to containerd's CRI");
+        let channel =
+            stasis_proto::unix_channel(&self.socket()).await.expect("connecting to containerd's CRI");
         RuntimeServiceClient::new(channel)
     }
 

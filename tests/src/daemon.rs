@@ -122,6 +122,11 @@ impl Daemon {
         self.dir.path()
     }
 
+    /// stasisd's API socket.
+    pub fn socket(&self) -> PathBuf {
+        self.dir().join("stasisd.sock")
+    }
+
     /// The file store's directory.
     pub fn store_dir(&self) -> PathBuf {
         self.dir.path().join("store")

@@ -9,7 +9,7 @@ use stasis_proto::cri::runtime_service_client::RuntimeServiceClient;
 use stasis_proto::cri::{
     ContainerConfig, ContainerMetadata, ContainerStatusRequest, CreateContainerRequest, ExecSyncRequest,
     ImageSpec, LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
-    LinuxSandboxSecurityContext, Mount, NamespaceMode, NamespaceOption, PodSandboxConfig, PodSandboxMetadata,
+    LinuxSandboxSecurityContext, NamespaceMode, NamespaceOption, PodSandboxConfig, PodSandboxMetadata,
     RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest, StopContainerRequest,
     StopPodSandboxRequest,
 };
@@ -17,9 +17,8 @@ use stasis_proto::tonic::transport::Channel;
 
 use crate::containerd::Containerd;
 
-/// Where an opted-in container has the pod bundle (CRIU, stasis-pod) and the pod endpoint.
+/// Where an opted-in container has the pod bundle (CRIU, stasis-pod).
 pub const BUNDLE: &str = "/.stasis";
-pub const ENDPOINT_DIR: &str = "/.stasis-run";
 
 /// The namespaces of a pod on the host's network (no CNI here) whose containers have a pid
 /// namespace each, the kubelet's default (no shareProcessNamespace); the kubelet gives them
@@ -66,20 +65,27 @@ pub fn container(name: &str, image: &str, command: &[&str]) -> ContainerConfig {
     }
 }
 
-/// `config` opted in: its command run by stasis-pod, the bundle at `bundle` and the pod
-/// endpoint's directory `endpoint` mounted read-only.
-pub fn opted_in(mut config: ContainerConfig, bundle: &Path, endpoint: &Path) -> ContainerConfig {
+/// `config` wrapped as stasis' webhook wraps an opted-in container: its command run by
+/// stasis-pod (the NRI plugin mounts the bundle it runs from).
+pub fn wrapped(mut config: ContainerConfig) -> ContainerConfig {
     let mut command = stasis_pod(&["run", "--"]);
     command.append(&mut config.command);
     config.command = command;
-    config.mounts = [(bundle, BUNDLE), (endpoint, ENDPOINT_DIR)]
-        .map(|(host, inside)| Mount {
-            container_path: inside.into(),
-            host_path: host.display().to_string(),
-            readonly: true,
-        })
-        .to_vec();
     config
+}
+
+/// `pod` opted in, its owner recorded, as stasis' webhook makes it.
+pub fn opted_in(
+    mut pod: PodSandboxConfig,
+    owner_kind: &str,
+    owner_name: &str,
+    ordinal: &str,
+) -> PodSandboxConfig {
+    pod.labels.insert("stasis.dev/checkpoint".into(), "true".into());
+    for (key, value) in [("owner-kind", owner_kind), ("owner-name", owner_name), ("ordinal", ordinal)] {
+        pod.annotations.insert(format!("stasis.dev/{key}"), value.into());
+    }
+    pod
 }
 
 /// The command line that runs stasis-pod with `args` inside an opted-in container.
@@ -131,16 +137,22 @@ impl<'a> Kubelet<'a> {
         Kubelet { cri: containerd.cri().await, containerd, logs }
     }
 
-    /// Runs pod `name` with `container` in it, started.
-    pub async fn run(&mut self, name: &str, container: ContainerConfig) -> RunningPod {
-        let config = pod(name, &self.logs.join(name));
-        std::fs::create_dir_all(self.logs.join(name)).expect("pod log directory");
+    /// Pod `name`'s configuration, logging under this kubelet's directory.
+    pub fn pod(&self, name: &str) -> PodSandboxConfig {
+        let logs = self.logs.join(name);
+        std::fs::create_dir_all(&logs).expect("pod log directory");
+        pod(name, &logs)
+    }
+
+    /// Runs pod `config` with `container` in it, started.
+    pub async fn run(&mut self, config: PodSandboxConfig, container: ContainerConfig) -> RunningPod {
+        let name = config.metadata.as_ref().map(|m| m.name.clone()).unwrap_or_default();
+        let log = PathBuf::from(&config.log_directory).join(&container.log_path);
         let request = RunPodSandboxRequest { config: Some(config.clone()), runtime_handler: String::new() };
         let sandbox = self.cri.run_pod_sandbox(request).await;
         let sandbox =
-            sandbox.unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", self.containerd.log_tail()));
+            sandbox.unwrap_or_else(|e| panic!("RunPodSandbox {name}: {e}\n{}", self.containerd.log_tail()));
         let sandbox = sandbox.into_inner().pod_sandbox_id;
-        let log = self.logs.join(name).join(&container.log_path);
         let request = CreateContainerRequest {
             pod_sandbox_id: sandbox.clone(),
             config: Some(container),
@@ -190,4 +202,52 @@ impl<'a> Kubelet<'a> {
 pub fn stdout_lines(log: &Path) -> Vec<String> {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     text.lines().filter_map(|l| l.split_once(" stdout F ").map(|(_, t)| t.to_owned())).collect()
+}
+
+/// stasis-nri, registered with `containerd`'s NRI and telling stasisd at `stasis_socket`.
+pub struct NriPlugin {
+    child: std::process::Child,
+    pub log: PathBuf,
+}
+
+impl NriPlugin {
+    pub fn start(
+        containerd: &Containerd,
+        stasis_socket: &Path,
+        bundle: &Path,
+        endpoint_dir: &Path,
+    ) -> NriPlugin {
+        let log = containerd.dir().join("stasis-nri.log");
+        let file = std::fs::File::create(&log).expect("plugin log");
+        let child = std::process::Command::new(crate::bin("stasis-nri"))
+            .arg("--nri-socket")
+            .arg(containerd.nri_socket())
+            .arg("--stasis-socket")
+            .arg(stasis_socket)
+            .arg("--bundle")
+            .arg(bundle)
+            .arg("--endpoint-dir")
+            .arg(endpoint_dir)
+            .env("NO_COLOR", "1")
+            .stdout(file.try_clone().expect("log"))
+            .stderr(file)
+            .spawn()
+            .expect("starting stasis-nri");
+        let plugin = NriPlugin { child, log };
+        crate::expect_within(crate::TIMEOUT, "stasis-nri to register with containerd", || {
+            plugin.log_text().contains("registered with the runtime").then_some(())
+        });
+        plugin
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for NriPlugin {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

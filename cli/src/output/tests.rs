@@ -212,6 +212,7 @@ fn status_response_lists_workloads() {
             evacuation: None,
             fitted_every_ms: 0,
             log_path: "/var/lib/stasis/logs/train.log".into(),
+            container: String::new(),
         }],
     };
     assert_eq!(

@@ -339,6 +339,7 @@ impl From<StatusReport> for pb::StatusResponse {
                         fitted_every_ms: fitted_every.map_or(0, |d| d.as_millis() as u64),
                         evacuation: w.evacuation.map(Into::into),
                         log_path: w.log_path.map(|p| p.display().to_string()).unwrap_or_default(),
+                        container: w.container.map(|c| c.id).unwrap_or_default(),
                     }
                 })
                 .collect(),

@@ -86,12 +86,13 @@ fn run(socket: &Path, command: &[String]) -> anyhow::Result<ExitCode> {
         _ => bail!("stasisd could not start this container: {}", answer["error"]),
     };
     let status = supervise(workload, &mut signals);
+    eprintln!("stasis-pod: the workload ended ({status:?})");
     // An evicted workload is gone before the kubelet stops the container: the init stays
     // until then, so that the preStop hook (a process of this container) gets its answer.
     if socket.exists() && ask(socket, "ended", Duration::ZERO).is_ok_and(|a| a["evicted"] == true) {
         eprintln!("stasis-pod: the workload was evicted; waiting to be stopped");
         let stop = [nix::sys::signal::Signal::SIGTERM as i32, nix::sys::signal::Signal::SIGINT as i32];
-        signals.wait().find(|s| stop.contains(s));
+        signals.forever().find(|s| stop.contains(s));
         return Ok(ExitCode::SUCCESS);
     }
     Ok(status)
