@@ -28,8 +28,8 @@ export STASIS_MOTO=$root/.stasis/venv/bin/moto_server
 # The interpreter of tests/tests/jupyter_kernel.rs: runs the kernel (ipykernel) and the
 # client that drives it (jupyter_client).
 export STASIS_VENV_PYTHON=$root/.stasis/venv/bin/python
-# Debian packages the end-to-end tests use: redis-server (a real server to checkpoint) and
-# iptables (CRIU's other network lock). redis-server's package starts a redis service where it
+# Debian packages the end-to-end tests use: redis-server (a real server to checkpoint),
+# iptables (CRIU's other network lock), and those named below. redis-server's package starts a redis service where it
 # can (systemd, or sysvinit without a policy-rc.d); the test runs its own on a free port, so
 # that one is stopped and disabled.
 missing=()
@@ -38,6 +38,9 @@ command -v iptables >/dev/null || missing+=(iptables)
 command -v podman >/dev/null || missing+=(podman)
 command -v runc >/dev/null || missing+=(runc)
 [ -x /bin/busybox ] || missing+=(busybox-static)
+# The webhook's TLS test: a certificate (openssl) and a client that checks it (curl).
+command -v openssl >/dev/null || missing+=(openssl)
+command -v curl >/dev/null || missing+=(curl)
 if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,6 +1,7 @@
-//! A kubelet's part, for the Kubernetes tests: pods on containerd's CRI (tests/src/containerd.rs)
-//! as a kubelet would run them, and containers opted in to stasis (the pod bundle and the pod
-//! endpoint mounted, the command wrapped by stasis-pod), as stasis' webhook makes them.
+//! A kubelet's part, for the Kubernetes tests: Pod objects admitted by stasis' webhook (its
+//! JSONPatch applied), translated for the runtime and run through containerd's CRI
+//! (tests/src/containerd.rs) as a kubelet runs them; and stasis-nri registered with the
+//! runtime's NRI.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -16,9 +17,6 @@ use stasis_proto::cri::{
 use stasis_proto::tonic::transport::Channel;
 
 use crate::containerd::Containerd;
-
-/// Where an opted-in container has the pod bundle (CRIU, stasis-pod).
-pub const BUNDLE: &str = "/.stasis";
 
 /// The namespaces of a pod on the host's network (no CNI here) whose containers have a pid
 /// namespace each, the kubelet's default (no shareProcessNamespace); the kubelet gives them
@@ -65,38 +63,87 @@ pub fn container(name: &str, image: &str, command: &[&str]) -> ContainerConfig {
     }
 }
 
-/// `config` wrapped as stasis' webhook wraps an opted-in container: its command run by
-/// stasis-pod (the NRI plugin mounts the bundle it runs from).
-pub fn wrapped(mut config: ContainerConfig) -> ContainerConfig {
-    let mut command = stasis_pod(&["run", "--"]);
-    command.append(&mut config.command);
-    config.command = command;
-    config
+/// A Pod object: `containers` (name, image, command) in pod `name` of namespace `test`,
+/// owned by StatefulSet `owner` as its pod `ordinal`, opted in to stasis.
+pub fn stateful_pod(
+    name: &str,
+    owner: &str,
+    ordinal: &str,
+    containers: &[(&str, &str, &[&str])],
+) -> serde_json::Value {
+    let containers: Vec<serde_json::Value> = containers
+        .iter()
+        .map(|(name, image, command)| serde_json::json!({ "name": name, "image": image, "command": command }))
+        .collect();
+    serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": "test",
+            "labels": { "stasis.dev/checkpoint": "true", "apps.kubernetes.io/pod-index": ordinal },
+            "ownerReferences": [{ "apiVersion": "apps/v1", "kind": "StatefulSet", "name": owner, "uid": "u", "controller": true }],
+        },
+        "spec": { "containers": containers },
+    })
 }
 
-/// `pod` opted in, its owner recorded, as stasis' webhook makes it.
-pub fn opted_in(
-    mut pod: PodSandboxConfig,
-    owner_kind: &str,
-    owner_name: &str,
-    ordinal: &str,
-) -> PodSandboxConfig {
-    pod.labels.insert("stasis.dev/checkpoint".into(), "true".into());
-    for (key, value) in [("owner-kind", owner_kind), ("owner-name", owner_name), ("ordinal", ordinal)] {
-        pod.annotations.insert(format!("stasis.dev/{key}"), value.into());
+/// A pod as the kubelet gets it from the API server: admitted by stasis' webhook (its
+/// AdmissionReview answered and the answer's JSONPatch applied).
+pub fn admitted(pod: &serde_json::Value) -> serde_json::Value {
+    use base64::Engine as _;
+    let review = serde_json::json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": { "uid": "test", "kind": { "kind": "Pod" }, "operation": "CREATE", "object": pod },
+    });
+    let sizing = stasis_webhook::mutate::Sizing {
+        store_bytes_per_sec: 200_000_000,
+        gpu_memory_bytes: 80 << 30,
+        margin_secs: 30,
+    };
+    let answer =
+        stasis_webhook::review::answer(review.to_string().as_bytes(), &sizing).expect("the webhook's answer");
+    let response = &answer["response"];
+    assert_eq!(response["allowed"], true, "the webhook refused: {response}");
+    let mut pod = pod.clone();
+    if let Some(patch) = response["patch"].as_str() {
+        let patch = base64::engine::general_purpose::STANDARD.decode(patch).expect("base64");
+        let patch: json_patch::Patch = serde_json::from_slice(&patch).expect("a JSONPatch");
+        json_patch::patch(&mut pod, &patch).expect("the patch applies");
     }
     pod
 }
 
-/// The command line that runs stasis-pod with `args` inside an opted-in container.
-pub fn stasis_pod(args: &[&str]) -> Vec<String> {
-    let program = [
-        format!("{BUNDLE}/ld.so"),
-        "--library-path".into(),
-        format!("{BUNDLE}/lib"),
-        format!("{BUNDLE}/stasis-pod"),
-    ];
-    program.into_iter().chain(args.iter().map(|a| a.to_string())).collect()
+/// What the kubelet makes of admitted pod `pod` for the runtime: the sandbox's configuration
+/// (labels and annotations from the pod's) and its first container's.
+pub fn translate(kubelet: &Kubelet<'_>, pod: &serde_json::Value) -> (PodSandboxConfig, ContainerConfig) {
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
+    let map = |v: &serde_json::Value| -> HashMap<String, String> {
+        v.as_object().into_iter().flatten().map(|(k, v)| (k.clone(), text(v))).collect()
+    };
+    let mut sandbox = kubelet.pod(&text(&pod["metadata"]["name"]));
+    sandbox.labels.extend(map(&pod["metadata"]["labels"]));
+    sandbox.annotations.extend(map(&pod["metadata"]["annotations"]));
+    let c = &pod["spec"]["containers"][0];
+    let command: Vec<String> = c["command"].as_array().into_iter().flatten().map(text).collect();
+    let command: Vec<&str> = command.iter().map(String::as_str).collect();
+    (sandbox, container(&text(&c["name"]), &text(&c["image"]), &command))
+}
+
+/// The preStop hook of admitted pod `pod`'s first container.
+pub fn pre_stop(pod: &serde_json::Value) -> Vec<String> {
+    let hook = &pod["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"];
+    hook.as_array()
+        .expect("a preStop hook")
+        .iter()
+        .map(|s| s.as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+/// The grace period of admitted pod `pod`.
+pub fn grace(pod: &serde_json::Value) -> i64 {
+    pod["spec"]["terminationGracePeriodSeconds"].as_i64().unwrap_or(30)
 }
 
 /// The pod bundle in `dir`: scripts/pod-bundle.sh's (CRIU and its libraries) and this build's

@@ -1,8 +1,9 @@
-//! Kubernetes: an opted-in pod (labelled, its owner annotated and its container's command run
-//! by stasis-pod, as the webhook makes it) is evicted through its preStop hook, and the pod of
-//! the same identity that replaces it continues its job. Driven through containerd's CRI as a
-//! kubelet drives it (tests/src/kube.rs), with stasis-nri registered with containerd's NRI:
-//! it injects the pod bundle and the endpoint and tells stasisd of the container.
+//! Kubernetes: a StatefulSet's opted-in pod, admitted by stasis' webhook (owner annotated,
+//! command run by stasis-pod, preStop hook, grace period), is evicted through its preStop hook,
+//! and the pod of the same identity that replaces it continues its job. Driven through
+//! containerd's CRI as a kubelet drives it (tests/src/kube.rs), with stasis-nri registered
+//! with containerd's NRI: it injects the pod bundle and the endpoint and tells stasisd of the
+//! container.
 
 #![forbid(unsafe_code)]
 
@@ -10,7 +11,7 @@ use std::path::Path;
 
 use stasis_tests::containerd::{Containerd, NEXT_IMAGE};
 use stasis_tests::kube::{
-    Kubelet, NriPlugin, RunningPod, bundle, container, opted_in, stasis_pod, stdout_lines, wrapped,
+    Kubelet, NriPlugin, RunningPod, admitted, bundle, grace, pre_stop, stateful_pod, stdout_lines, translate,
 };
 use stasis_tests::podman::{IMAGE, Podman};
 use stasis_tests::{Daemon, DaemonOptions, TIMEOUT, expect_within, skip_unless_ready, wait_for};
@@ -47,28 +48,33 @@ async fn an_evicted_pod_continues_its_job_in_the_pod_that_replaces_it() {
     let d = daemon(endpoint.path());
     let nri = NriPlugin::start(&containerd, &d.socket(), &bundle(d.dir()), endpoint.path());
     let mut kubelet = Kubelet::new(&containerd).await;
-    let trainer = |kubelet: &Kubelet, name: &str| opted_in(kubelet.pod(name), "StatefulSet", "trainer", "0");
-    let main = |image: &str| wrapped(container("main", image, &COUNTER));
+    // The pods StatefulSet `trainer` makes for its ordinal 0, one after another.
+    let trainer =
+        |name: &str, image: &str| admitted(&stateful_pod(name, "trainer", "0", &[("main", image, &COUNTER)]));
 
     // The first pod starts afresh (no checkpoint yet) and counts.
-    let first = kubelet.run(trainer(&kubelet, "trainer-0"), main(IMAGE)).await;
+    let pod = trainer("trainer-0", IMAGE);
+    let (sandbox, main) = translate(&kubelet, &pod);
+    let first = kubelet.run(sandbox, main).await;
     let workload = registered(&d, &nri, &first)["name"].as_str().unwrap().to_owned();
     assert_eq!(workload, "k8s.test.statefulset.trainer.0.main");
     expect_within(TIMEOUT, "the first pod to count to 10", || (counted(&first).len() >= 10).then_some(()));
     assert_eq!(counted(&first)[..3], [1, 2, 3], "a fresh start");
 
     // Eviction: the kubelet runs the preStop hook, then stops the container.
-    let (code, out, err) = kubelet.exec(&first, stasis_pod(&["prestop"]), 120).await;
+    let (code, out, err) = kubelet.exec(&first, pre_stop(&pod), grace(&pod)).await;
     let logged = std::fs::read_to_string(&first.log).unwrap_or_default();
     assert_eq!(code, 0, "preStop: {out}{err}\n{}\n{logged}", d.log_tail(40));
     assert!(out.contains("is durable"), "{out}");
     let last = *counted(&first).last().unwrap();
     std::thread::sleep(std::time::Duration::from_millis(500));
     assert_eq!(counted(&first).last(), Some(&last), "the evicted job stopped");
-    kubelet.delete(first, 10).await;
+    kubelet.delete(first, grace(&pod)).await;
 
     // Its replacement, same identity and image: the job goes on from where it stopped.
-    let second = kubelet.run(trainer(&kubelet, "trainer-0-b"), main(IMAGE)).await;
+    let pod = trainer("trainer-0", IMAGE);
+    let (sandbox, main) = translate(&kubelet, &pod);
+    let second = kubelet.run(sandbox, main).await;
     expect_within(TIMEOUT, "the second pod to count on", || (counted(&second).len() >= 5).then_some(()));
     let went_on = counted(&second);
     assert_eq!(went_on[0], last + 1, "continued from {last}: {went_on:?}\n{}", d.log_tail(40));
@@ -77,12 +83,14 @@ async fn an_evicted_pod_continues_its_job_in_the_pod_that_replaces_it() {
     assert_eq!(listed["checkpoints"].as_array().map(Vec::len), Some(1), "{listed}");
 
     // A rollout to another image starts afresh, its checkpoint left alone.
-    let (code, out, err) = kubelet.exec(&second, stasis_pod(&["prestop"]), 120).await;
+    let (code, out, err) = kubelet.exec(&second, pre_stop(&pod), grace(&pod)).await;
     assert_eq!(code, 0, "preStop: {out}{err}");
-    kubelet.delete(second, 10).await;
-    let third = kubelet.run(trainer(&kubelet, "trainer-0-c"), main(NEXT_IMAGE)).await;
+    kubelet.delete(second, grace(&pod)).await;
+    let pod = trainer("trainer-0", NEXT_IMAGE);
+    let (sandbox, main) = translate(&kubelet, &pod);
+    let third = kubelet.run(sandbox, main).await;
     expect_within(TIMEOUT, "the third pod to count", || (counted(&third).len() >= 3).then_some(()));
     assert_eq!(counted(&third)[..3], [1, 2, 3], "a new image starts afresh\n{}", nri.log_text());
-    kubelet.delete(third, 10).await;
+    kubelet.delete(third, grace(&pod)).await;
     assert!(nri.log_text().contains("injecting stasis"), "{}", nri.log_text());
 }

@@ -230,7 +230,7 @@ fn status_response_lists_workloads() {
             "state_dir": "/var/lib/stasis",
             "workloads": [
                 {
-                    "name": "train", "pid": 4242, "running": false, "command": ["sleep", "100"],
+                    "name": "train", "pid": 4242, "running": false, "command": ["sleep", "100"], "container": "",
                     "last_error": "the store did not deliver memory", "state": "reclaimed", "idle_ms": 0,
                     "idle_after_ms": 30_000, "reclaimed_checkpoint": "20261123-120000-abcdef",
                     "checkpoint_every_ms": 0, "last_checkpoint": "20261123-120000-abcdef",
