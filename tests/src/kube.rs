@@ -167,6 +167,8 @@ pub struct Kubelet<'a> {
     pub containerd: &'a Containerd,
     pub cri: RuntimeServiceClient<Channel>,
     pub logs: PathBuf,
+    /// Pods made so far.
+    made: std::sync::atomic::AtomicU32,
 }
 
 /// A running pod and its one container.
@@ -181,14 +183,19 @@ impl<'a> Kubelet<'a> {
     pub async fn new(containerd: &'a Containerd) -> Kubelet<'a> {
         let logs = containerd.dir().join("pods");
         std::fs::create_dir_all(&logs).expect("pod logs");
-        Kubelet { cri: containerd.cri().await, containerd, logs }
+        Kubelet { cri: containerd.cri().await, containerd, logs, made: Default::default() }
     }
 
     /// Pod `name`'s configuration, logging under this kubelet's directory.
+    /// Each pod made gets a UID of its own, as the API server gives it, and the kubelet's log
+    /// directory of that UID (a pod made again under its name has a new one).
     pub fn pod(&self, name: &str) -> PodSandboxConfig {
-        let logs = self.logs.join(name);
+        let uid = format!("{name}-{}", self.made.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let logs = self.logs.join(&uid);
         std::fs::create_dir_all(&logs).expect("pod log directory");
-        pod(name, &logs)
+        let mut config = pod(name, &logs);
+        config.metadata.iter_mut().for_each(|m| m.uid = uid.clone());
+        config
     }
 
     /// Runs pod `config` with `container` in it, started.
@@ -231,10 +238,13 @@ impl<'a> Kubelet<'a> {
         (out.exit_code, text(&out.stdout), text(&out.stderr))
     }
 
-    /// Stops the container (SIGTERM, `grace` seconds, SIGKILL) and removes the pod.
-    pub async fn delete(&mut self, pod: RunningPod, grace: i64) {
+    /// Stops the container (SIGTERM, `grace` seconds, SIGKILL) and removes the pod; returns the
+    /// container's exit code.
+    pub async fn delete(&mut self, pod: RunningPod, grace: i64) -> i32 {
         let request = StopContainerRequest { container_id: pod.container.clone(), timeout: grace };
         self.cri.stop_container(request).await.expect("StopContainer");
+        let request = ContainerStatusRequest { container_id: pod.container.clone(), verbose: false };
+        let status = self.cri.container_status(request).await.expect("ContainerStatus").into_inner();
         let sandbox = pod.sandbox;
         self.cri
             .stop_pod_sandbox(StopPodSandboxRequest { pod_sandbox_id: sandbox.clone() })
@@ -242,6 +252,7 @@ impl<'a> Kubelet<'a> {
             .expect("StopPodSandbox");
         let removed = self.cri.remove_pod_sandbox(RemovePodSandboxRequest { pod_sandbox_id: sandbox }).await;
         removed.expect("RemovePodSandbox");
+        status.status.map(|s| s.exit_code).unwrap_or(-1)
     }
 }
 

@@ -3,13 +3,16 @@
 //! and the pod of the same identity that replaces it continues its job. Driven through
 //! containerd's CRI as a kubelet drives it (tests/src/kube.rs), with stasis-nri registered
 //! with containerd's NRI: it injects the pod bundle and the endpoint and tells stasisd of the
-//! container.
+//! container. Containers reach only themselves through the pod endpoint; an eviction whose
+//! store fails leaves the job to stop as it would have without stasis.
 
 #![forbid(unsafe_code)]
 
+use std::io::{BufRead, Write};
 use std::path::Path;
 
 use stasis_tests::containerd::{Containerd, NEXT_IMAGE};
+use stasis_tests::disk::SmallDisk;
 use stasis_tests::kube::{
     Kubelet, NriPlugin, RunningPod, admitted, bundle, grace, pre_stop, stateful_pod, stdout_lines, translate,
 };
@@ -93,4 +96,69 @@ async fn an_evicted_pod_continues_its_job_in_the_pod_that_replaces_it() {
     assert_eq!(counted(&third)[..3], [1, 2, 3], "a new image starts afresh\n{}", nri.log_text());
     kubelet.delete(third, grace(&pod)).await;
     assert!(nri.log_text().contains("injecting stasis"), "{}", nri.log_text());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn containers_reach_only_themselves_and_a_failed_eviction_stops_the_job_as_usual() {
+    skip_unless_ready!();
+    let Some(podman) = Podman::start() else { return };
+    let Some(containerd) = Containerd::start(&podman) else { return };
+    let endpoint = tempfile::tempdir().expect("endpoint directory");
+    let disk_dir = tempfile::tempdir().expect("store directory");
+    let disk = SmallDisk::mount(&disk_dir.path().join("store"), 64);
+    let socket = endpoint.path().join("pod.sock").display().to_string();
+    let store = format!("file://{}", disk_dir.path().join("store").display());
+    let d = Daemon::start_with(&DaemonOptions {
+        args: vec!["--pod-socket".into(), socket.clone()],
+        store: Some(store),
+        ..Default::default()
+    });
+    let nri = NriPlugin::start(&containerd, &d.socket(), &bundle(d.dir()), endpoint.path());
+    let mut kubelet = Kubelet::new(&containerd).await;
+    let trainer = admitted(&stateful_pod("trainer-0", "trainer", "0", &[("main", IMAGE, &COUNTER)]));
+    let other = admitted(&stateful_pod("other-0", "other", "0", &[("main", IMAGE, &COUNTER)]));
+    let (sandbox, main) = translate(&kubelet, &trainer);
+    let a = kubelet.run(sandbox, main).await;
+    let (sandbox, main) = translate(&kubelet, &other);
+    let b = kubelet.run(sandbox, main).await;
+    registered(&d, &nri, &a);
+    registered(&d, &nri, &b);
+    expect_within(TIMEOUT, "both pods to count", || {
+        (counted(&a).len() >= 3 && counted(&b).len() >= 3).then_some(())
+    });
+
+    // A container sees the pod endpoint, not stasisd's API; its preStop hook evicts itself alone.
+    let (code, out, _) =
+        kubelet.exec(&b, vec!["/bin/sh".into(), "-c".into(), "echo /.stasis-run/*".into()], 10).await;
+    assert_eq!((code, out.trim()), (0, "/.stasis-run/pod.sock"));
+    let (code, out, err) = kubelet.exec(&b, pre_stop(&other), grace(&other)).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let (a_then, b_then) = (counted(&a).len(), counted(&b).len());
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(counted(&a).len() > a_then, "the other pod's eviction left this one running");
+    assert_eq!(counted(&b).len(), b_then, "the evicted pod stopped");
+    // A process in no container gets nothing.
+    let mut stream = std::os::unix::net::UnixStream::connect(&socket).expect("the pod endpoint");
+    writeln!(stream, r#"{{"op":"evict"}}"#).unwrap();
+    let mut answer = String::new();
+    std::io::BufReader::new(stream).read_line(&mut answer).unwrap();
+    assert!(answer.contains("belongs to no registered container"), "{answer}");
+
+    // The store fails: the preStop hook says so, the job runs on, and stops as it would have.
+    disk.read_only();
+    let (code, out, err) = kubelet.exec(&a, pre_stop(&trainer), grace(&trainer)).await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(err.contains("no checkpoint") && err.contains("left running"), "{err}");
+    let counting = counted(&a).len();
+    expect_within(TIMEOUT, "the job to run on", || (counted(&a).len() > counting + 2).then_some(()));
+    let started = std::time::Instant::now();
+    let exit = kubelet.delete(a, grace(&trainer)).await;
+    assert_eq!(exit, 128 + 15, "SIGTERM reached the job");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "stopped at once, not at the grace period's end"
+    );
+    let listed = d.json(&["list", "--workload", "k8s.test.statefulset.trainer.0.main", "--json"]);
+    assert_eq!(listed["checkpoints"].as_array().map(Vec::len), Some(0), "{listed}");
+    kubelet.delete(b, grace(&other)).await;
 }

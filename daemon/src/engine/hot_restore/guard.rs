@@ -185,12 +185,16 @@ impl FaultGuard {
 
     /// Copies of the daemon's userfaultfds.
     fn copy_uffds(&self, tasks: usize) -> Result<Vec<OwnedFd>, GuardError> {
-        let copies = self
-            .daemon_uffds(tasks)?
-            .into_iter()
-            .map(|fd| copy_fd_of(self.daemon, fd))
-            .collect::<Result<Vec<OwnedFd>, _>>()
-            .map_err(GuardError::CopyFds)?;
+        let mut copies = Vec::new();
+        for fd in self.daemon_uffds(tasks)? {
+            match copy_fd_of(self.daemon, fd) {
+                Ok(copy) => copies.push(copy),
+                // Closed since it was listed: the daemon is done with that task (all its
+                // memory is in), so there is nothing of it left to guard.
+                Err(e) if e.raw_os_error() == Some(libc::EBADF) => {}
+                Err(e) => return Err(GuardError::CopyFds(e)),
+            }
+        }
         if copies.is_empty() {
             return Err(GuardError::NoUserfaultfd);
         }

@@ -9,7 +9,7 @@
 //! - `{"op":"evict"}` (from the preStop hook): `{"checkpoint":..}` once it is durable and the
 //!   tree is gone;
 //! - `{"op":"ended"}` (from stasis-pod once its workload is gone): `{"evicted":..}`, whether
-//!   the container's eviction was asked for;
+//!   it was evicted (the pod is going away), once an eviction under way has ended;
 //! - any failure: `{"error":..}`; an eviction that fails leaves the tree running.
 
 use std::os::unix::fs::PermissionsExt;
@@ -92,7 +92,7 @@ async fn answer(engine: &Arc<Engine>, op: &str, caller: i32) -> Value {
             Ok(outcome) => json!({ "checkpoint": outcome.id, "durable": outcome.durable }),
             Err(e) => json!({ "error": error_chain(&e) }),
         },
-        "ended" => json!({ "evicted": c.evicting }),
+        "ended" => json!({ "evicted": evicted(engine, &w.name).await }),
         other => json!({ "error": format!("unknown request {other:?} (start, evict, ended)") }),
     }
 }
@@ -109,5 +109,17 @@ async fn registered(engine: &Engine, caller: i32, wait: Duration) -> Option<supe
             return None;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Whether container workload `name` was evicted, once an eviction under way is over (its
+/// tree is killed just before the eviction's end).
+async fn evicted(engine: &Engine, name: &str) -> bool {
+    loop {
+        match engine.registry.get(name).and_then(|w| w.container) {
+            Some(c) if c.evicting => tokio::time::sleep(Duration::from_millis(50)).await,
+            Some(c) => return c.evicted,
+            None => return false,
+        }
     }
 }

@@ -43,9 +43,12 @@ pub struct ContainerRef {
     pub init_pid: i32,
     /// The image it runs (its digest, or its reference where no digest is known).
     pub image: String,
-    /// Its preStop hook asked for an eviction: the pod is going away.
+    /// Its preStop hook's eviction is under way.
     #[serde(default)]
     pub evicting: bool,
+    /// Its tree was evicted (checkpointed, then stopped): the pod is going away.
+    #[serde(default)]
+    pub evicted: bool,
 }
 
 /// What the NRI plugin reports of a container that opted in.
@@ -155,19 +158,26 @@ impl Engine {
         w: Workload,
         progress: ProgressFn,
     ) -> Result<CheckpointOutcome, CheckpointError> {
-        let marked =
-            self.registry.update(&w.name, |w| w.container.iter_mut().for_each(|c| c.evicting = true));
-        if let Err(e) = marked {
-            tracing::warn!(workload = %w.name, error = %e, "cannot record the eviction request");
-        }
+        self.mark_eviction(&w.name, true, false);
         let params = CheckpointParams {
-            target: Target::Workload(w.name),
+            target: Target::Workload(w.name.clone()),
             leave_running: false,
             on_resumed: None,
             reclaim: None,
             caller: Caller::Root,
         };
-        self.checkpoint(params, progress).await
+        let evicted = self.checkpoint(params, progress).await;
+        self.mark_eviction(&w.name, false, evicted.is_ok());
+        evicted
+    }
+
+    fn mark_eviction(&self, name: &str, evicting: bool, evicted: bool) {
+        let marked = self.registry.update(name, |w| {
+            w.container.iter_mut().for_each(|c| (c.evicting, c.evicted) = (evicting, evicted));
+        });
+        if let Err(e) = marked {
+            tracing::warn!(workload = %name, error = %e, "cannot record the eviction");
+        }
     }
 }
 
