@@ -102,6 +102,9 @@ pub struct RegisterArgs {
     /// The container's name in the pod.
     #[arg(long)]
     pub container: String,
+    /// A checkpoint this often, left running: 10m, 1h (a bare number is seconds).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub checkpoint_every: Option<std::time::Duration>,
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -333,7 +336,6 @@ pub struct StatusArgs {
     pub json: bool,
 }
 
-/// Accepts `KEY=VALUE` with a non-empty key.
 /// A duration written as a number with an optional unit: ms, s (the default), m or h.
 fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
@@ -353,6 +355,7 @@ fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     Ok(std::time::Duration::from_secs_f64(seconds))
 }
 
+/// Accepts `KEY=VALUE` with a non-empty key.
 fn parse_env_var(s: &str) -> Result<String, String> {
     match s.split_once('=') {
         Some((key, _)) if !key.is_empty() => Ok(s.to_owned()),

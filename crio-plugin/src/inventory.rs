@@ -14,6 +14,9 @@ pub const OPT_IN: &str = "stasis.dev/checkpoint";
 pub const OWNER_KIND: &str = "stasis.dev/owner-kind";
 pub const OWNER_NAME: &str = "stasis.dev/owner-name";
 pub const ORDINAL: &str = "stasis.dev/ordinal";
+/// A checkpoint this often, left running, so that an eviction has little left to upload: a
+/// duration as Kubernetes writes them ("10m", "1h30m", "90s").
+pub const CHECKPOINT_EVERY: &str = "stasis.dev/checkpoint-every";
 
 /// The image a container runs, as containerd and CRI-O annotate it.
 const IMAGE_ANNOTATIONS: [&str; 2] = ["io.kubernetes.cri.image-name", "io.kubernetes.cri-o.ImageName"];
@@ -52,7 +55,33 @@ pub fn registration(pod: &PodSandbox, container: &Container) -> RegisterContaine
         owner_name,
         ordinal: annotation(ORDINAL),
         container: container.name.clone(),
+        checkpoint_every_ms: pod.annotations.get(CHECKPOINT_EVERY).and_then(|d| millis(d)).unwrap_or(0),
     }
+}
+
+/// Milliseconds of a duration as Kubernetes writes them: numbers each with a unit among h,
+/// m, s, ms, run together ("1h30m"); `None` for anything else.
+fn millis(text: &str) -> Option<u64> {
+    let (mut total, mut rest) = (0u64, text.trim());
+    if rest.is_empty() {
+        return None;
+    }
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
+        let value: u64 = rest[..digits].parse().ok()?;
+        rest = &rest[digits..];
+        let (unit, len) =
+            [("ms", 2), ("h", 1), ("m", 1), ("s", 1)].into_iter().find(|(u, _)| rest.starts_with(u))?;
+        let scale = match unit {
+            "ms" => 1,
+            "s" => 1_000,
+            "m" => 60_000,
+            _ => 3_600_000,
+        };
+        total = total.checked_add(value.checked_mul(scale)?)?;
+        rest = &rest[len..];
+    }
+    Some(total)
 }
 
 /// What an opted-in container is given as it is created: the bundle and the endpoint, and
@@ -122,6 +151,17 @@ mod tests {
             (r.owner_kind.as_str(), r.owner_name.as_str(), r.ordinal.as_str()),
             ("Pod", "trainer-2", "")
         );
+    }
+
+    #[test]
+    fn the_periodic_checkpoint_annotation_is_a_kubernetes_duration() {
+        let every =
+            |d: &str| registration(&pod(&[], &[(CHECKPOINT_EVERY, d)]), &container()).checkpoint_every_ms;
+        assert_eq!(every("10m"), 600_000);
+        assert_eq!(every("1h30m"), 5_400_000);
+        assert_eq!(every("1500ms"), 1_500);
+        assert_eq!(every("often"), 0, "not a duration: none");
+        assert_eq!(every("10"), 0, "a unit is needed");
     }
 
     #[test]

@@ -40,19 +40,8 @@ impl Containerd {
         }
         let dir =
             tempfile::Builder::new().prefix("stasis-containerd-").tempdir().expect("containerd directory");
-        let config = dir.path().join("config.toml");
-        std::fs::write(&config, config_for(dir.path())).expect("containerd config");
-        let log = std::fs::File::create(dir.path().join("containerd.log")).expect("containerd log");
-        let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
-        let child = Command::new(bin.join("containerd"))
-            .arg("--config")
-            .arg(&config)
-            .env("PATH", path)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("starting containerd");
+        std::fs::write(dir.path().join("config.toml"), config_for(dir.path())).expect("containerd config");
+        let child = spawn(&bin, dir.path());
         let containerd = Containerd { dir, child, bin };
         expect_within(TIMEOUT, "containerd's socket", || containerd.socket().exists().then_some(()));
         podman.ok(&[
@@ -72,6 +61,16 @@ impl Containerd {
             containerd.ctr(&["images", "import", &archive.display().to_string()]);
         }
         Some(containerd)
+    }
+
+    /// Kills containerd (SIGKILL; its containers run on under their shims) and starts it again
+    /// on the same state, as a node's containerd restarts.
+    pub fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(self.socket());
+        self.child = spawn(&self.bin, self.dir.path());
+        expect_within(TIMEOUT, "containerd's socket again", || self.socket().exists().then_some(()));
     }
 
     pub fn socket(&self) -> PathBuf {
@@ -165,6 +164,25 @@ impl Containerd {
         out.map(|o| String::from_utf8_lossy(&o.stdout).lines().map(str::to_owned).collect())
             .unwrap_or_default()
     }
+}
+
+/// Starts containerd on the configuration in `dir`, logging there (appending).
+fn spawn(bin: &Path, dir: &Path) -> Child {
+    let log = std::fs::File::options()
+        .create(true)
+        .append(true)
+        .open(dir.join("containerd.log"))
+        .expect("containerd log");
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    Command::new(bin.join("containerd"))
+        .arg("--config")
+        .arg(dir.join("config.toml"))
+        .env("PATH", path)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().expect("log"))
+        .stderr(log)
+        .spawn()
+        .expect("starting containerd")
 }
 
 /// containerd's configuration, everything under `dir`.

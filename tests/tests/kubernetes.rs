@@ -82,6 +82,11 @@ async fn an_evicted_pod_continues_its_job_in_the_pod_that_replaces_it() {
     let went_on = counted(&second);
     assert_eq!(went_on[0], last + 1, "continued from {last}: {went_on:?}\n{}", d.log_tail(40));
     assert!(went_on.windows(2).all(|w| w[1] == w[0] + 1), "{went_on:?}");
+    let log = d.log_tail(400);
+    assert!(
+        log.contains("lazily restored tree runs"),
+        "a hot restore, the tree running before its memory is in:\n{log}"
+    );
     let listed = d.json(&["list", "--workload", &workload, "--json"]);
     assert_eq!(listed["checkpoints"].as_array().map(Vec::len), Some(1), "{listed}");
 
@@ -116,7 +121,10 @@ async fn containers_reach_only_themselves_and_a_failed_eviction_stops_the_job_as
     let nri = NriPlugin::start(&containerd, &d.socket(), &bundle(d.dir()), endpoint.path());
     let mut kubelet = Kubelet::new(&containerd).await;
     let trainer = admitted(&stateful_pod("trainer-0", "trainer", "0", &[("main", IMAGE, &COUNTER)]));
-    let other = admitted(&stateful_pod("other-0", "other", "0", &[("main", IMAGE, &COUNTER)]));
+    // The other pod asks for a checkpoint every second, so its eviction has little to upload.
+    let mut other = stateful_pod("other-0", "other", "0", &[("main", IMAGE, &COUNTER)]);
+    other["metadata"]["annotations"] = serde_json::json!({ "stasis.dev/checkpoint-every": "1s" });
+    let other = admitted(&other);
     let (sandbox, main) = translate(&kubelet, &trainer);
     let a = kubelet.run(sandbox, main).await;
     let (sandbox, main) = translate(&kubelet, &other);
@@ -125,6 +133,12 @@ async fn containers_reach_only_themselves_and_a_failed_eviction_stops_the_job_as
     registered(&d, &nri, &b);
     expect_within(TIMEOUT, "both pods to count", || {
         (counted(&a).len() >= 3 && counted(&b).len() >= 3).then_some(())
+    });
+
+    let periodic =
+        |d: &Daemon| d.json(&["list", "--workload", "k8s.test.statefulset.other.0.main", "--json"]);
+    expect_within(TIMEOUT, "a periodic checkpoint of the other pod", || {
+        periodic(&d)["checkpoints"].as_array().is_some_and(|c| !c.is_empty()).then_some(())
     });
 
     // A container sees the pod endpoint, not stasisd's API; its preStop hook evicts itself alone.
@@ -137,6 +151,12 @@ async fn containers_reach_only_themselves_and_a_failed_eviction_stops_the_job_as
     std::thread::sleep(std::time::Duration::from_millis(500));
     assert!(counted(&a).len() > a_then, "the other pod's eviction left this one running");
     assert_eq!(counted(&b).len(), b_then, "the evicted pod stopped");
+    let checkpoints = periodic(&d)["checkpoints"].as_array().unwrap().clone();
+    let eviction = checkpoints.last().unwrap();
+    let (uploaded, total) =
+        (eviction["stats"]["bytes_uploaded"].as_u64(), eviction["stats"]["bytes_total"].as_u64());
+    assert!(checkpoints.len() >= 2, "periodic checkpoints, then the eviction: {checkpoints:?}");
+    assert!(uploaded.unwrap() * 2 < total.unwrap(), "the eviction uploads what changed since: {eviction}");
     // A process in no container gets nothing.
     let mut stream = std::os::unix::net::UnixStream::connect(&socket).expect("the pod endpoint");
     writeln!(stream, r#"{{"op":"evict"}}"#).unwrap();
@@ -161,4 +181,38 @@ async fn containers_reach_only_themselves_and_a_failed_eviction_stops_the_job_as
     let listed = d.json(&["list", "--workload", "k8s.test.statefulset.trainer.0.main", "--json"]);
     assert_eq!(listed["checkpoints"].as_array().map(Vec::len), Some(0), "{listed}");
     kubelet.delete(b, grace(&other)).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_nri_plugin_survives_a_containerd_restart_and_synchronizes_again() {
+    skip_unless_ready!();
+    let Some(podman) = Podman::start() else { return };
+    let Some(mut containerd) = Containerd::start(&podman) else { return };
+    let endpoint = tempfile::tempdir().expect("endpoint directory");
+    let d = daemon(endpoint.path());
+    let nri = NriPlugin::start(&containerd, &d.socket(), &bundle(d.dir()), endpoint.path());
+    let first = admitted(&stateful_pod("trainer-0", "trainer", "0", &[("main", IMAGE, &COUNTER)]));
+    let a = {
+        let mut kubelet = Kubelet::new(&containerd).await;
+        let (sandbox, main) = translate(&kubelet, &first);
+        kubelet.run(sandbox, main).await
+    };
+    registered(&d, &nri, &a);
+    expect_within(TIMEOUT, "the pod to count", || (counted(&a).len() >= 3).then_some(()));
+
+    // stasisd forgets the container; containerd restarts (its containers run on).
+    d.ok(&["container", "forget", &a.container]);
+    let registrations = |nri: &NriPlugin| nri.log_text().matches("registered with the runtime").count();
+    containerd.restart();
+    expect_within(TIMEOUT, "stasis-nri to register again", || (registrations(&nri) >= 2).then_some(()));
+    // Synchronization tells stasisd of the running container again; a new pod is prepared.
+    registered(&d, &nri, &a);
+    let mut kubelet = Kubelet::new(&containerd).await;
+    let second = admitted(&stateful_pod("other-0", "other", "0", &[("main", IMAGE, &COUNTER)]));
+    let (sandbox, main) = translate(&kubelet, &second);
+    let b = kubelet.run(sandbox, main).await;
+    registered(&d, &nri, &b);
+    expect_within(TIMEOUT, "the new pod to count", || (counted(&b).len() >= 3).then_some(()));
+    kubelet.delete(a, grace(&first)).await;
+    kubelet.delete(b, grace(&second)).await;
 }

@@ -47,7 +47,7 @@ impl Engine {
         let now = Instant::now();
         let spot = workloads.iter().filter(|w| w.spot).count();
         for w in workloads {
-            let due = w.checkpoint_every_ms.filter(|_| w.reclaimed.is_none() && self.host.is_running(w.pid));
+            let due = w.checkpoint_every_ms.filter(|_| w.reclaimed.is_none() && self.tree_runs(w));
             let Some(every_ms) = due else {
                 lock(&self.schedule.last).remove(&w.name);
                 lock(&self.schedule.fitted).remove(&w.name);

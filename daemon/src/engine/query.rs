@@ -234,7 +234,7 @@ impl Engine {
                 .into_iter()
                 .filter(|w| caller.owns(w.owner_uid))
                 .map(|w| WorkloadReport {
-                    running: w.reclaimed.is_none() && self.host.is_running(w.pid),
+                    running: w.reclaimed.is_none() && self.tree_runs(&w),
                     idle: self.idle_state(&w),
                     fitted_every: super::lock(&self.schedule.fitted).get(&w.name).copied(),
                     workload: w,

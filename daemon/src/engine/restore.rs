@@ -23,6 +23,7 @@ use super::gpu_map;
 use super::home::{Home, init_dir_again};
 use super::hot_restore::{FaultGuard, KillTree, LazyError, LazySession, Roots, tree_killer};
 use super::ids::{ms, valid_checkpoint_id};
+use super::pods::{self, ContainerRef};
 use super::sockets::{self, needs_network_support};
 use super::workloads::{Workload, valid_name};
 use super::{Caller, Engine, ProgressFn, ProgressUpdate, RestoreError, lock};
@@ -54,6 +55,8 @@ pub struct RestoreParams {
     /// Restore as a workload of this name (a second copy of one running, from a checkpoint of
     /// a tree with its own pid namespace), not under the checkpoint's own.
     pub as_workload: Option<String>,
+    /// Restore into this Kubernetes container, as its init's child (see `pods/`).
+    pub into: Option<ContainerRef>,
 }
 
 impl std::fmt::Debug for RestoreParams {
@@ -65,6 +68,7 @@ impl std::fmt::Debug for RestoreParams {
             .field("tcp_close", &self.tcp_close)
             .field("on_running", &self.on_running.is_some())
             .field("as_workload", &self.as_workload)
+            .field("into", &self.into)
             .field("caller", &self.caller)
             .finish()
     }
@@ -168,8 +172,13 @@ impl Engine {
             return self.restore_container(&manifest, &name).await;
         }
         let _guard = self.lock_workload(&name).await;
-        self.check_name(&manifest, &name, params.caller)?;
-        let home = self.restored_home(&manifest, &name, params.caller)?;
+        let placement = match params.into.clone() {
+            Some(container) => Placement::Container(container),
+            None => {
+                self.check_name(&manifest, &name, params.caller)?;
+                Placement::Home(self.restored_home(&manifest, &name, params.caller)?)
+            }
+        };
         let preflight = self.preflight(&manifest, &params.gpu_map, params.tcp_close).await?;
         let lazy = params.lazy;
         let bytes = manifest.stats.map(|s| s.bytes_total).unwrap_or_default();
@@ -191,17 +200,24 @@ impl Engine {
             ),
         };
         let (pid, session) =
-            self.run_criu(&manifest, &home, work.path(), params.tcp_close, session, &progress).await?;
-        if manifest.own_pid_namespace {
+            self.run_criu(&manifest, &placement, work.path(), params.tcp_close, session, &progress).await?;
+        let mut restored = Restored { kill: tree_killer(self.host.clone(), roots.clone()), armed: true };
+        let pid = match &placement {
+            // CRIU named the root as the container sees it.
+            Placement::Container(c) => {
+                pods::adopted(c, pid).await.map_err(RestoreError::local("finding the restored tree"))?
+            }
+            Placement::Home(_) => pid,
+        };
+        if manifest.own_pid_namespace || manifest.pod.is_some() {
             *lock(&roots) = vec![pid];
         }
-        let mut restored = Restored { kill: tree_killer(self.host.clone(), roots), armed: true };
         let watch = session.map(|s| s.watch(self.reaper.clone(), progress.clone()));
         let gpu_pids = self.restored_pids(&manifest, pid, &manifest.gpu_pids);
         let gpu_restore_ms = self.reattach_gpu(&manifest, gpu_pids, preflight.gpu_pairs, &progress).await?;
         restored.armed = false;
         let stats = RestoreStats::running(started, fetched, bytes_fetched, gpu_restore_ms, lazy);
-        self.remember_restore(&manifest, &home, &name, pid);
+        self.remember_restore(&manifest, &placement, &name, pid);
         let outcome = RestoreOutcome {
             id: manifest.id.clone(),
             workload: name,
@@ -310,6 +326,10 @@ impl Engine {
         if let Some(reason) = compat::mismatch(manifest, &self.host.cpu_flags(), self.criu_version) {
             return Err(RestoreError::Incompatible { id, reason });
         }
+        if manifest.pod.is_some() && !manifest.gpu_pids.is_empty() {
+            let reason = "restoring GPU state into a container is not supported yet".to_owned();
+            return Err(RestoreError::Incompatible { id, reason });
+        }
         let gpu_pairs = self.place_gpus(manifest, gpu_map)?;
         Ok(Preflight { warnings, gpu_pairs })
     }
@@ -340,7 +360,7 @@ impl Engine {
     async fn run_criu(
         &self,
         manifest: &Manifest,
-        home: &Home,
+        placement: &Placement,
         dir: &Path,
         tcp_close: bool,
         session: Option<LazySession>,
@@ -348,7 +368,17 @@ impl Engine {
     ) -> Result<(i32, Option<LazySession>), RestoreError> {
         let id = manifest.id.clone();
         let tree = tree_options(&manifest.options.clone().unwrap_or_default());
-        let inherit_fds = replacement_files(manifest, home, &tree.external)?;
+        let (inherit_fds, cgroup, enter) = match placement {
+            Placement::Home(home) => {
+                let files = replacement_files(manifest, home, &tree.external)?;
+                (files, home.cgroup_in_hierarchy().filter(|_| !manifest.cgroup.is_empty()), None)
+            }
+            Placement::Container(c) => {
+                let prepared = pods::prepare_restore(manifest, c);
+                let (files, enter) = prepared.map_err(RestoreError::local("entering the container"))?;
+                (files, None, Some(enter))
+            }
+        };
         progress(ProgressUpdate { phase: "restore", done: 0, total: 0 });
         let spec = RestoreSpec {
             images_dir: dir.to_path_buf(),
@@ -356,8 +386,8 @@ impl Engine {
             inherit_fds,
             lazy_pages: session.is_some(),
             tcp_close,
-            cgroup: home.cgroup_in_hierarchy().filter(|_| !manifest.cgroup.is_empty()),
-            enter: None,
+            cgroup,
+            enter,
         };
         session.iter().for_each(LazySession::arm);
         let faults = session.as_ref().map(LazySession::fault_guard);
@@ -475,8 +505,16 @@ impl Engine {
 
     /// Records the restored tree in the workload registry. A failure is logged, not
     /// returned: the tree runs, and the registry is bookkeeping.
-    fn remember_restore(&self, manifest: &Manifest, home: &Home, name: &str, pid: i32) {
-        if let Err(e) = self.record_restore(manifest, home, name, pid) {
+    fn remember_restore(&self, manifest: &Manifest, placement: &Placement, name: &str, pid: i32) {
+        let recorded = match placement {
+            Placement::Home(home) => self.record_restore(manifest, home, name, pid),
+            Placement::Container(_) => self.registry.update(name, |w| {
+                w.pid = pid;
+                w.last_checkpoint = Some(manifest.id.clone());
+                w.last_error = None;
+            }),
+        };
+        if let Err(e) = recorded {
             warn!(workload = %name, error = %e, "cannot record the restore in the workload registry");
         }
     }
@@ -505,6 +543,14 @@ impl Engine {
     }
 }
 
+/// Where a restored tree goes.
+enum Placement {
+    /// This node's home of the workload it becomes (its log, cgroup, init's directory).
+    Home(Home),
+    /// A Kubernetes container, as its init's child (see `pods/`).
+    Container(ContainerRef),
+}
+
 /// What the restored tree gets in place of what it held outside itself: the workload's log
 /// on this node for the log file it wrote to, and a new terminal, logged there too, for each
 /// terminal it had.
@@ -528,9 +574,11 @@ fn replacement_files(
 }
 
 /// The restored tree's roots as known before CRIU runs: the recorded pids, or none yet for a
-/// tree with its own pid namespace (its root is known once CRIU created it).
+/// tree with its own pid namespace or restored into a container (its root is known once CRIU
+/// created it).
 fn initial_roots(manifest: &Manifest) -> Roots {
-    let known = if manifest.own_pid_namespace { Vec::new() } else { manifest.pids.clone() };
+    let renumbered = manifest.own_pid_namespace || manifest.pod.is_some();
+    let known = if renumbered { Vec::new() } else { manifest.pids.clone() };
     Arc::new(std::sync::Mutex::new(known))
 }
 

@@ -127,6 +127,7 @@ impl Rig {
             on_running: None,
             caller: Caller::Root,
             as_workload: None,
+            into: None,
         };
         self.engine.restore(params, quiet()).await
     }
@@ -339,6 +340,7 @@ async fn another_users_tree_and_checkpoints_are_refused_before_anything_is_touch
         on_running: None,
         caller: user,
         as_workload: None,
+        into: None,
     };
     let err = r.engine.restore(params, quiet()).await.unwrap_err();
     assert!(matches!(err, RestoreError::NotYours(_)), "{err}");

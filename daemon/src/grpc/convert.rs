@@ -211,6 +211,7 @@ impl TryFrom<pb::RestoreRequest> for RestoreParams {
             on_running: None,
             caller: Caller::Root,
             as_workload: Some(r.as_workload).filter(|w| !w.is_empty()),
+            into: None,
         })
     }
 }

@@ -236,6 +236,8 @@ impl Stasis for StasisService {
                 ordinal: r.ordinal,
                 container: r.container,
             },
+            checkpoint_every: (r.checkpoint_every_ms > 0)
+                .then(|| Duration::from_millis(r.checkpoint_every_ms)),
         };
         let workload = self.engine.register_container(registration)?;
         Ok(Response::new(pb::RegisterContainerResponse { workload }))

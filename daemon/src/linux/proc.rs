@@ -101,6 +101,15 @@ pub fn restoring_namespace_root(criu: i32) -> Option<i32> {
     candidates.into_iter().find(|&pid| is_namespace_init(pid) && tracer(pid) == Some(criu))
 }
 
+/// The root of the tree a CRIU started by `launcher` (which forked it into a container's
+/// namespaces) is restoring: the process CRIU traces whose parent it does not.
+pub fn restored_root_under(launcher: i32) -> Option<i32> {
+    let criu: Vec<i32> = std::iter::once(launcher).chain(children(launcher).unwrap_or_default()).collect();
+    let traced = |pid: i32| tracer(pid).is_some_and(|t| criu.contains(&t));
+    let parent = |pid: i32| ProcStat::read(pid).ok().map(|s| s.ppid);
+    process_tree(launcher).ok()?.into_iter().find(|&p| traced(p) && !parent(p).is_some_and(traced))
+}
+
 /// Whether `pid` is the init of a pid namespace below this one.
 pub fn is_namespace_init(pid: i32) -> bool {
     ns_pids(pid).is_ok_and(|ns| ns.len() > 1 && ns.last() == Some(&1))

@@ -31,7 +31,7 @@ pub enum GuardError {
     DaemonEnded(ExitKind),
     #[error("CRIU did not announce pre-resume")]
     NoPreResume,
-    #[error("at pre-resume, CRIU (pid {0}) holds no tree in a new pid namespace")]
+    #[error("at pre-resume, CRIU (pid {0}) holds no restored tree")]
     NoNamespaceRoot(i32),
     #[error("cannot start {exe}")]
     Spawn {
@@ -66,6 +66,9 @@ pub(in crate::engine) enum TreePids {
     /// A tree with its own pid namespace, numbered anew outside it: found at pre-resume as
     /// the namespace CRIU created, whose root then goes into these roots (for killing).
     InNamespace(super::Roots),
+    /// A tree restored into a container (by a CRIU that entered it): found at pre-resume as
+    /// the process CRIU created and holds, whose root then goes into these roots.
+    InContainer(super::Roots),
 }
 
 /// How long the restore's userfaultfds may take to reach the lazy-pages daemon.
@@ -109,6 +112,11 @@ impl FaultGuard {
             TreePids::Recorded(pids) => Ok(pids.clone()),
             TreePids::InNamespace(roots) => {
                 let root = proc::restoring_namespace_root(criu).ok_or(GuardError::NoNamespaceRoot(criu))?;
+                *lock(roots) = vec![root];
+                proc::process_tree(root).map_err(GuardError::ListFds)
+            }
+            TreePids::InContainer(roots) => {
+                let root = proc::restored_root_under(criu).ok_or(GuardError::NoNamespaceRoot(criu))?;
                 *lock(roots) = vec![root];
                 proc::process_tree(root).map_err(GuardError::ListFds)
             }

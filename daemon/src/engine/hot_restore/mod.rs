@@ -179,9 +179,10 @@ impl Engine {
             Ok(daemon) => {
                 // The daemon is ready, so alive: an exit recorded for its pid is an earlier one's.
                 self.reaper.forget_earlier_exit(daemon.pid);
-                let tree = match manifest.own_pid_namespace {
-                    true => TreePids::InNamespace(roots),
-                    false => {
+                let tree = match (manifest.pod.is_some(), manifest.own_pid_namespace) {
+                    (true, _) => TreePids::InContainer(roots),
+                    (false, true) => TreePids::InNamespace(roots),
+                    (false, false) => {
                         let mut pids = vec![manifest.root_pid];
                         pids.extend(manifest.pids.iter().filter(|p| **p != manifest.root_pid));
                         TreePids::Recorded(pids)

@@ -97,6 +97,7 @@ impl Engine {
             })),
             caller: Caller::Root,
             as_workload: None,
+            into: None,
         };
         let engine = self.clone();
         let mut job = tokio::spawn(async move { engine.restore(params, Arc::new(|_| {})).await });

@@ -81,7 +81,7 @@ async fn answer(engine: &Arc<Engine>, op: &str, caller: i32) -> Value {
     let quiet: ProgressFn = Arc::new(|_| {});
     info!(workload = %w.name, container = %c.id, caller, op, "pod request");
     match op {
-        "start" => match engine.start_container(&w.name, &c, &quiet).await {
+        "start" => match engine.start_container(&w.name, &c, quiet).await {
             Ok(PodStart::Fresh { why }) => json!({ "action": "fresh", "why": why }),
             Ok(PodStart::Restored { checkpoint, pid }) => {
                 json!({ "action": "restored", "checkpoint": checkpoint, "pid": pid })

@@ -22,6 +22,7 @@ use tracing::info;
 
 pub use endpoint::serve as serve_endpoint;
 pub use identity::Identity;
+pub(super) use restore::{adopted, prepare_restore};
 
 use super::{
     Caller, CheckpointError, CheckpointOutcome, CheckpointParams, Engine, ProgressFn, Target, Workload,
@@ -56,6 +57,9 @@ pub struct ContainerRef {
 pub struct Registration {
     pub container: ContainerRef,
     pub identity: Identity,
+    /// A checkpoint this often, left running (the pod's annotation), so that an eviction has
+    /// little left to upload.
+    pub checkpoint_every: Option<std::time::Duration>,
 }
 
 /// Why a pod request failed.
@@ -97,18 +101,22 @@ impl Engine {
             return Err(PodError::SharedPids(r.container.id));
         }
         let id = r.container.id.clone();
+        let every_ms = r.checkpoint_every.map(|d| d.as_millis() as u64);
         let registered = match self.registry.get(&name) {
             Some(_) => self.registry.update(&name, |w| {
                 w.container = Some(r.container.clone());
                 w.pid = 0;
+                w.checkpoint_every_ms = every_ms;
             }),
             None => self.registry.put(Workload {
                 name: name.clone(),
                 command: vec![format!("container {}", r.identity)],
                 container: Some(r.container),
+                checkpoint_every_ms: every_ms,
                 ..Default::default()
             }),
         };
+
         registered.map_err(|source| PodError::Registry { id: id.clone(), source })?;
         info!(container = %id, workload = %name, "container registered");
         Ok(name)
@@ -135,6 +143,14 @@ impl Engine {
         self.registry.all().into_iter().find(|w| {
             w.container.as_ref().is_some_and(|c| container::pid_namespace(c.init_pid).ok() == Some(ns))
         })
+    }
+
+    /// Whether workload `w`'s tree runs: its root, or for a container its init's one child.
+    pub(super) fn tree_runs(&self, w: &Workload) -> bool {
+        match &w.container {
+            Some(c) => self.container_tree_root(w, c).is_ok(),
+            None => self.host.is_running(w.pid),
+        }
     }
 
     /// The root of container workload `w`'s tree: its init's only child.
