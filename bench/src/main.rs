@@ -10,12 +10,15 @@
 //!     [--dirty 0.1] [--dirty-block-kib 1024] [--churn] [--rounds 3] [--staging-mib M]
 //!     [--store-dir /var/tmp/stasis-bench] [--no-settle] [--keep]
 //! target/release/stasis-bench lazy [--s3] [the same options]
+//! target/release/stasis-bench kube [the same options]
 //! ```
 //!
-//! `lazy` measures issue 5's lazy restore against the eager one instead (see `lazy.rs`).
+//! `lazy` measures issue 5's lazy restore against the eager one instead (see `lazy.rs`);
+//! `kube` measures a Kubernetes pod's eviction and restart (see `kube.rs`).
 #![forbid(unsafe_code)]
 
 mod daemon;
+mod kube;
 mod lazy;
 mod peer;
 mod report;
@@ -47,6 +50,12 @@ enum Mode {
         /// stasisd's `--lazy-prefetch` (address or fresh-first), to compare orders.
         #[arg(long, default_value = "address")]
         prefetch: String,
+        #[command(flatten)]
+        args: Args,
+    },
+    /// A Kubernetes pod's eviction (preStop until durable) against a cold full checkpoint,
+    /// and its replacement's restart until the job runs (containerd via the CRI).
+    Kube {
         #[command(flatten)]
         args: Args,
     },
@@ -109,6 +118,15 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let (args, lazy) = match cli.mode {
         Some(Mode::Lazy { s3, prefetch, args }) => (args, Some((s3, prefetch))),
+        Some(Mode::Kube { args }) => {
+            ensure!(
+                nix::unistd::geteuid().is_root(),
+                "stasis-bench runs stasisd and containerd: run it as root"
+            );
+            let results = tokio::runtime::Runtime::new()?.block_on(kube::run(&args))?;
+            println!("{}", results.table(&args));
+            return Ok(());
+        }
         None => (cli.args, None),
     };
     ensure!(args.random + args.compressible + args.zero() <= 1.0 + 1e-9, "fractions add up to more than 1");

@@ -55,12 +55,38 @@ impl Containerd {
         // a rollout brings.
         podman.ok(&["import", "--change", "LABEL stasis.test=next", &podman.rootfs(), NEXT_IMAGE]);
         for image in [PAUSE_IMAGE, IMAGE, NEXT_IMAGE] {
-            let archive = podman.path("image.tar");
-            let _ = std::fs::remove_file(&archive);
-            podman.ok(&["save", "--format", "oci-archive", "-o", &archive.display().to_string(), image]);
-            containerd.ctr(&["images", "import", &archive.display().to_string()]);
+            containerd.take_image(podman, image);
         }
         Some(containerd)
+    }
+
+    /// Copies image `name` from Podman's store into this containerd's.
+    fn take_image(&self, podman: &Podman, name: &str) {
+        let archive = podman.path("image.tar");
+        let _ = std::fs::remove_file(&archive);
+        podman.ok(&["save", "--format", "oci-archive", "-o", &archive.display().to_string(), name]);
+        self.ctr(&["images", "import", &archive.display().to_string()]);
+    }
+
+    /// Makes image `name`: the test image's files and `files` (host file, absolute path in the
+    /// image), for a workload the test image lacks.
+    pub fn add_image(&self, podman: &Podman, name: &str, files: &[(&Path, &str)]) {
+        let extra = self.dir.path().join("extra-rootfs");
+        let _ = std::fs::remove_dir_all(&extra);
+        for (host, inside) in files {
+            let at = extra.join(inside.trim_start_matches('/'));
+            std::fs::create_dir_all(at.parent().expect("a directory")).expect("image directory");
+            std::fs::copy(host, &at).unwrap_or_else(|e| panic!("{} into the image: {e}", host.display()));
+        }
+        let tar = self.dir.path().join("extra-rootfs.tar");
+        let _ = std::fs::remove_file(&tar);
+        std::fs::copy(podman.rootfs(), &tar).expect("the test image's files");
+        // Their top directories by name: a second `.` entry would be a duplicate path.
+        let tops = std::fs::read_dir(&extra).expect("image files").flatten().map(|e| e.file_name());
+        let added = Command::new("tar").arg("-rf").arg(&tar).arg("-C").arg(&extra).args(tops).status();
+        assert!(added.is_ok_and(|s| s.success()), "adding files to the image");
+        podman.ok(&["import", &tar.display().to_string(), name]);
+        self.take_image(podman, name);
     }
 
     /// Kills containerd (SIGKILL; its containers run on under their shims) and starts it again
