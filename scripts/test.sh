@@ -3,10 +3,10 @@
 # against real CRIU, real processes and a real S3-compatible server on loopback (those need
 # root). Installs what it needs itself: CRIU 4.2 under .stasis/criu when the system has no
 # usable one (and Debian 13's CRIU 4.1 under .stasis/criu-4.1, for the test of a CRIU too old
-# for this kernel's sockets), moto's S3 server and a Jupyter kernel with its client (ipykernel,
-# jupyter_client; PyPI) in a virtual environment under .stasis/venv, Debian's redis-server
-# and iptables, Podman with runc and busybox-static (the interop tests' container engine and
-# image), Debian unstable's checkpointctl under .stasis/checkpointctl, and Debian 13's
+# for this kernel's sockets), moto's S3 server, a Jupyter kernel with its client (ipykernel,
+# jupyter_client) and numpy (PyPI) in a virtual environment under .stasis/venv, Debian's
+# redis-server and iptables, Podman with runc and busybox-static (the interop tests' container
+# engine and image), Debian unstable's checkpointctl under .stasis/checkpointctl, and Debian 13's
 # containerd 1.7 (CRI and NRI; the Kubernetes tests' runtime) under .stasis/containerd, with
 # the pod bundle (CRIU as opted-in containers run it) under .stasis/pod-bundle.
 set -euo pipefail
@@ -19,10 +19,11 @@ STASIS_CHECKPOINTCTL=$(scripts/setup-checkpointctl.sh | tail -n 1)
 STASIS_CONTAINERD=$(scripts/setup-containerd.sh | tail -n 1)
 scripts/pod-bundle.sh "$root/.stasis/pod-bundle" >/dev/null
 export STASIS_CHECKPOINTCTL STASIS_CONTAINERD
-# ipykernel brings bin/ipython: its absence means a venv from before the Jupyter test.
-if [ ! -x .stasis/venv/bin/moto_server ] || [ ! -x .stasis/venv/bin/ipython ]; then
+# ipykernel brings bin/ipython, numpy bin/f2py: their absence means a venv from before the
+# Jupyter test, or the Kubernetes test's training loop.
+if [ ! -x .stasis/venv/bin/moto_server ] || [ ! -x .stasis/venv/bin/ipython ] || [ ! -x .stasis/venv/bin/f2py ]; then
   [ -x .stasis/venv/bin/python ] || python3 -m venv .stasis/venv
-  .stasis/venv/bin/pip install --quiet --disable-pip-version-check 'moto[server]' ipykernel jupyter_client
+  .stasis/venv/bin/pip install --quiet --disable-pip-version-check 'moto[server]' ipykernel jupyter_client numpy
 fi
 export STASIS_MOTO=$root/.stasis/venv/bin/moto_server
 # The interpreter of tests/tests/jupyter_kernel.rs: runs the kernel (ipykernel) and the

@@ -10,7 +10,7 @@ use stasis_proto::cri::runtime_service_client::RuntimeServiceClient;
 use stasis_proto::cri::{
     ContainerConfig, ContainerMetadata, ContainerStatusRequest, CreateContainerRequest, ExecSyncRequest,
     ImageSpec, LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
-    LinuxSandboxSecurityContext, NamespaceMode, NamespaceOption, PodSandboxConfig, PodSandboxMetadata,
+    LinuxSandboxSecurityContext, Mount, NamespaceMode, NamespaceOption, PodSandboxConfig, PodSandboxMetadata,
     RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest, StopContainerRequest,
     StopPodSandboxRequest,
 };
@@ -88,6 +88,26 @@ pub fn stateful_pod(
     })
 }
 
+/// `pod` with host directories mounted read-only into its first container (hostPath
+/// volumes): (host path, path inside).
+pub fn with_host_paths(mut pod: serde_json::Value, paths: &[(&str, &str)]) -> serde_json::Value {
+    let volumes: Vec<serde_json::Value> = paths
+        .iter()
+        .enumerate()
+        .map(
+            |(i, (host, _))| serde_json::json!({ "name": format!("host-{i}"), "hostPath": { "path": host } }),
+        )
+        .collect();
+    let mounts: Vec<serde_json::Value> = paths
+        .iter()
+        .enumerate()
+        .map(|(i, (_, inside))| serde_json::json!({ "name": format!("host-{i}"), "mountPath": inside, "readOnly": true }))
+        .collect();
+    pod["spec"]["volumes"] = serde_json::Value::Array(volumes);
+    pod["spec"]["containers"][0]["volumeMounts"] = serde_json::Value::Array(mounts);
+    pod
+}
+
 /// A pod as the kubelet gets it from the API server: admitted by stasis' webhook (its
 /// AdmissionReview answered and the answer's JSONPatch applied).
 pub fn admitted(pod: &serde_json::Value) -> serde_json::Value {
@@ -128,7 +148,18 @@ pub fn translate(kubelet: &Kubelet<'_>, pod: &serde_json::Value) -> (PodSandboxC
     let c = &pod["spec"]["containers"][0];
     let command: Vec<String> = c["command"].as_array().into_iter().flatten().map(text).collect();
     let command: Vec<&str> = command.iter().map(String::as_str).collect();
-    (sandbox, container(&text(&c["name"]), &text(&c["image"]), &command))
+    let mut config = container(&text(&c["name"]), &text(&c["image"]), &command);
+    // hostPath volumes, as the kubelet mounts them.
+    let volumes = pod["spec"]["volumes"].as_array().cloned().unwrap_or_default();
+    for mount in c["volumeMounts"].as_array().into_iter().flatten() {
+        let volume = volumes.iter().find(|v| v["name"] == mount["name"]).expect("a volume of that name");
+        config.mounts.push(Mount {
+            container_path: text(&mount["mountPath"]),
+            host_path: text(&volume["hostPath"]["path"]),
+            readonly: mount["readOnly"] == true,
+        });
+    }
+    (sandbox, config)
 }
 
 /// The preStop hook of admitted pod `pod`'s first container.

@@ -148,6 +148,21 @@ pub fn python_workload(script: &str, args: &[&str]) -> Vec<String> {
     argv
 }
 
+/// The virtual environment's Python (`STASIS_VENV_PYTHON`, else `.stasis/venv/bin/python`, as
+/// scripts/test.sh sets it up), checked to import `modules` (comma-separated); fails the test,
+/// saying what to do, when it does not.
+pub fn venv_python(modules: &str) -> String {
+    let python = std::env::var("STASIS_VENV_PYTHON")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../.stasis/venv/bin/python").to_owned());
+    let imports = std::process::Command::new(&python).args(["-c", &format!("import {modules}")]).output();
+    assert!(
+        imports.as_ref().is_ok_and(|out| out.status.success()),
+        "{python} cannot import {modules}: run scripts/test.sh, which installs them in .stasis/venv (or \
+         set STASIS_VENV_PYTHON to a Python that has them): {imports:?}"
+    );
+    python
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -23,20 +23,6 @@ use stasis_tests::{Daemon, TIMEOUT, expect_within, free_port, procfs, skip_unles
 const STATE: &str = "try:\n    import numpy\nexcept ImportError:\n    pass\n\
     x = list(range(1_000_000)); import hashlib; h = hashlib.sha256(str(x).encode()).hexdigest(); counter = 41";
 
-/// The Python that has ipykernel and jupyter_client; fails the test, saying what to do, when
-/// there is none.
-fn venv_python() -> String {
-    let python = std::env::var("STASIS_VENV_PYTHON")
-        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../.stasis/venv/bin/python").to_owned());
-    let imports = Command::new(&python).args(["-c", "import ipykernel, jupyter_client"]).output();
-    assert!(
-        imports.as_ref().is_ok_and(|out| out.status.success()),
-        "{python} cannot import ipykernel and jupyter_client: run scripts/test.sh, which installs them \
-         in .stasis/venv (or set STASIS_VENV_PYTHON to a Python that has them): {imports:?}"
-    );
-    python
-}
-
 /// Writes a kernel connection file on five free loopback ports; returns its path and the ports.
 fn connection_file(d: &Daemon) -> (PathBuf, Vec<u16>) {
     let ports: Vec<u16> = (0..5).map(|_| free_port()).collect();
@@ -131,7 +117,7 @@ fn start_kernel(d: &Daemon, python: &str) -> (stasis_tests::Workload, PathBuf, V
 #[test]
 fn ipykernel_keeps_its_state_across_eviction_and_answers_through_leave_running() {
     skip_unless_ready!();
-    let python = venv_python();
+    let python = stasis_tests::venv_python("ipykernel, jupyter_client");
     let d = Daemon::start();
     let (mut w, connection, ports) = start_kernel(&d, &python);
 
@@ -190,7 +176,7 @@ fn ipykernel_keeps_its_state_across_eviction_and_answers_through_leave_running()
 #[test]
 fn an_idle_kernel_is_reclaimed_and_its_client_wakes_it_by_running_a_cell() {
     skip_unless_ready!();
-    let python = venv_python();
+    let python = stasis_tests::venv_python("ipykernel, jupyter_client");
     let d = Daemon::start();
     let (w, connection, _) = start_kernel(&d, &python);
     let mut tab = Client::connect(&python, &connection);

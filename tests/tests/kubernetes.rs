@@ -15,6 +15,7 @@ use stasis_tests::containerd::{Containerd, NEXT_IMAGE};
 use stasis_tests::disk::SmallDisk;
 use stasis_tests::kube::{
     Kubelet, NriPlugin, RunningPod, admitted, bundle, grace, pre_stop, stateful_pod, stdout_lines, translate,
+    with_host_paths,
 };
 use stasis_tests::podman::{IMAGE, Podman};
 use stasis_tests::{Daemon, DaemonOptions, TIMEOUT, expect_within, skip_unless_ready, wait_for};
@@ -215,4 +216,88 @@ async fn the_nri_plugin_survives_a_containerd_restart_and_synchronizes_again() {
     expect_within(TIMEOUT, "the new pod to count", || (counted(&b).len() >= 3).then_some(()));
     kubelet.delete(a, grace(&first)).await;
     kubelet.delete(b, grace(&second)).await;
+}
+
+/// The host directories a container needs to run the virtual environment's Python: /usr (also
+/// as /lib and /lib64, the loader's paths), the Python installation the environment was made
+/// from, the environment, and the test workloads.
+fn python_paths(python: &str) -> Vec<(String, String)> {
+    let venv = Path::new(python).parent().and_then(Path::parent).expect("a venv's python").to_path_buf();
+    let config = std::fs::read_to_string(venv.join("pyvenv.cfg")).unwrap_or_default();
+    let home =
+        config.lines().find_map(|l| l.strip_prefix("home = ")).map(|h| Path::new(h.trim()).to_path_buf());
+    let prefix = home.and_then(|h| h.parent().map(Path::to_path_buf)).expect("the venv's base Python");
+    let workloads = Path::new(env!("CARGO_MANIFEST_DIR")).join("workloads").canonicalize().unwrap();
+    let mut paths = vec![
+        ("/usr".to_owned(), "/usr".to_owned()),
+        ("/usr/lib".to_owned(), "/lib".to_owned()),
+        ("/usr/lib64".to_owned(), "/lib64".to_owned()),
+    ];
+    for dir in [prefix, venv, workloads] {
+        if !dir.starts_with("/usr") {
+            paths.push((dir.display().to_string(), dir.display().to_string()));
+        }
+    }
+    paths
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_evicted_numpy_training_loop_goes_on_with_the_losses_of_an_uninterrupted_run() {
+    skip_unless_ready!();
+    let Some(podman) = Podman::start() else { return };
+    let Some(containerd) = Containerd::start(&podman) else { return };
+    let python = stasis_tests::venv_python("numpy");
+    let script = stasis_tests::workload_script("train_numpy.py");
+    let reference = std::process::Command::new(&python)
+        .args([&script, "--steps", "120", "--pause", "0"])
+        .output()
+        .unwrap();
+    let reference: Vec<String> =
+        String::from_utf8_lossy(&reference.stdout).lines().map(str::to_owned).collect();
+    assert_eq!(reference.len(), 120);
+    let endpoint = tempfile::tempdir().expect("endpoint directory");
+    let d = daemon(endpoint.path());
+    let nri = NriPlugin::start(&containerd, &d.socket(), &bundle(d.dir()), endpoint.path());
+    let mut kubelet = Kubelet::new(&containerd).await;
+    let paths = python_paths(&python);
+    let paths: Vec<(&str, &str)> = paths.iter().map(|(h, i)| (h.as_str(), i.as_str())).collect();
+    let train = [python.as_str(), script.as_str()];
+    let spec = admitted(&with_host_paths(
+        stateful_pod("trainer-0", "trainer", "0", &[("main", IMAGE, &train)]),
+        &paths,
+    ));
+    let steps = |pod: &RunningPod| -> Vec<String> {
+        stdout_lines(&pod.log).into_iter().filter(|l| l.starts_with("step ")).collect()
+    };
+
+    let (sandbox, main) = translate(&kubelet, &spec);
+    let first = kubelet.run(sandbox, main).await;
+    registered(&d, &nri, &first);
+    expect_within(TIMEOUT, "the loop to take 30 steps", || (steps(&first).len() >= 30).then_some(()));
+    let (code, out, err) = kubelet.exec(&first, pre_stop(&spec), grace(&spec)).await;
+    assert_eq!(code, 0, "preStop: {out}{err}\n{}", d.log_tail(40));
+    let before = steps(&first);
+    kubelet.delete(first, grace(&spec)).await;
+
+    let (sandbox, main) = translate(&kubelet, &spec);
+    let second = kubelet.run(sandbox, main).await;
+    let went_on = wait_for(TIMEOUT, || (steps(&second).len() >= 30).then_some(()));
+    let logged = std::fs::read_to_string(&second.log).unwrap_or_default();
+    assert!(went_on.is_some(), "the restored loop took no 30 steps:\n{logged}\n{}", d.log_tail(40));
+    let after = steps(&second);
+    let all: Vec<String> = before.iter().chain(&after).cloned().collect();
+    let n = all.len().min(reference.len());
+    assert_eq!(
+        all[..n],
+        reference[..n],
+        "the losses of the evicted and restored loop, step by step\n{}",
+        d.log_tail(30)
+    );
+    assert!(
+        after[0].starts_with(&format!("step {} ", before.len() + 1)),
+        "{} then {}",
+        before.len(),
+        after[0]
+    );
+    kubelet.delete(second, grace(&spec)).await;
 }

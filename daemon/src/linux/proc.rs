@@ -138,6 +138,12 @@ fn field_of<'a>(status: &'a str, key: &str) -> Option<&'a str> {
     status.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(':')).map(str::trim)
 }
 
+/// The thread ids of `pid` (its own among them); none once it is gone.
+pub fn threads(pid: i32) -> Vec<i32> {
+    let tasks = fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten();
+    tasks.filter_map(|t| t.file_name().to_str()?.parse().ok()).collect()
+}
+
 /// The children of every thread of `pid`.
 pub fn children(pid: i32) -> io::Result<Vec<i32>> {
     let mut out = Vec::new();

@@ -216,5 +216,12 @@ pub(super) fn pod_info(name: &str, c: &ContainerRef, tree: &super::inspect::Tree
         image: c.image.clone(),
         stdio: (0..3).map(|fd| container::fd_target(root, fd).unwrap_or_default()).collect(),
         inner_pids: tree.pids.iter().map(|&p| proc::pid_inside(p, c.init_pid).unwrap_or(0)).collect(),
+        highest_inner_tid: tree
+            .pids
+            .iter()
+            .flat_map(|&p| proc::threads(p))
+            .filter_map(|t| proc::pid_inside(t, c.init_pid))
+            .max()
+            .unwrap_or(0),
     }
 }

@@ -93,14 +93,14 @@ impl Engine {
 }
 
 /// What a restore into container `c` hands CRIU: the container's stdout and stderr for the
-/// pipes the tree wrote to, and how to enter it; and the container's next pids, set above
-/// the tree's.
+/// pipes the tree wrote to, and how to enter it; and the container's next ids, set above the
+/// tree's processes and threads.
 pub(in crate::engine) fn prepare_restore(
     manifest: &Manifest,
     c: &ContainerRef,
 ) -> std::io::Result<(Vec<(String, OwnedFd)>, Enter)> {
     let pod = manifest.pod.clone().unwrap_or_default();
-    let highest = pod.inner_pids.iter().copied().max().unwrap_or(1);
+    let highest = pod.inner_pids.iter().copied().chain([pod.highest_inner_tid, 1]).max().unwrap_or(1);
     container::reserve_pids(c.init_pid, highest)?;
     Ok((stdio_of(c.init_pid, &pod.stdio)?, enter(c, true)?))
 }
