@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use stasis_proto::cri::runtime_service_client::RuntimeServiceClient;
 use stasis_proto::cri::{
     ContainerConfig, ContainerMetadata, ContainerStatusRequest, CreateContainerRequest, ExecSyncRequest,
-    ImageSpec, LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
+    ImageSpec, KeyValue, LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
     LinuxSandboxSecurityContext, Mount, NamespaceMode, NamespaceOption, PodSandboxConfig, PodSandboxMetadata,
     RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest, StopContainerRequest,
     StopPodSandboxRequest,
@@ -149,6 +149,12 @@ pub fn translate(kubelet: &Kubelet<'_>, pod: &serde_json::Value) -> (PodSandboxC
     let command: Vec<String> = c["command"].as_array().into_iter().flatten().map(text).collect();
     let command: Vec<&str> = command.iter().map(String::as_str).collect();
     let mut config = container(&text(&c["name"]), &text(&c["image"]), &command);
+    config.envs = c["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| KeyValue { key: text(&e["name"]), value: text(&e["value"]) })
+        .collect();
     // hostPath volumes, as the kubelet mounts them.
     let volumes = pod["spec"]["volumes"].as_array().cloned().unwrap_or_default();
     for mount in c["volumeMounts"].as_array().into_iter().flatten() {
@@ -167,6 +173,17 @@ pub fn pre_stop(pod: &serde_json::Value) -> Vec<String> {
     let hook = &pod["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"];
     hook.as_array()
         .expect("a preStop hook")
+        .iter()
+        .map(|s| s.as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+/// The startup probe of admitted pod `pod`'s first container.
+pub fn startup_probe(pod: &serde_json::Value) -> Vec<String> {
+    let probe = &pod["spec"]["containers"][0]["startupProbe"]["exec"]["command"];
+    probe
+        .as_array()
+        .expect("a startup probe")
         .iter()
         .map(|s| s.as_str().unwrap_or_default().to_owned())
         .collect()

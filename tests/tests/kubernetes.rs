@@ -14,8 +14,8 @@ use std::path::Path;
 use stasis_tests::containerd::{Containerd, NEXT_IMAGE};
 use stasis_tests::disk::SmallDisk;
 use stasis_tests::kube::{
-    Kubelet, NriPlugin, RunningPod, admitted, bundle, grace, pre_stop, stateful_pod, stdout_lines, translate,
-    with_host_paths,
+    Kubelet, NriPlugin, RunningPod, admitted, bundle, grace, pre_stop, startup_probe, stateful_pod,
+    stdout_lines, translate, with_host_paths,
 };
 use stasis_tests::podman::{IMAGE, Podman};
 use stasis_tests::{Daemon, DaemonOptions, TIMEOUT, expect_within, skip_unless_ready, wait_for};
@@ -88,6 +88,8 @@ async fn an_evicted_pod_continues_its_job_in_the_pod_that_replaces_it() {
         log.contains("lazily restored tree runs"),
         "a hot restore, the tree running before its memory is in:\n{log}"
     );
+    let probe = startup_probe(&pod);
+    assert_eq!(kubelet.exec(&second, probe, 10).await.0, 0, "the startup probe passes once the job runs");
     let listed = d.json(&["list", "--workload", &workload, "--json"]);
     assert_eq!(listed["checkpoints"].as_array().map(Vec::len), Some(1), "{listed}");
 
@@ -164,6 +166,15 @@ async fn containers_reach_only_themselves_and_a_failed_eviction_stops_the_job_as
     let mut answer = String::new();
     std::io::BufReader::new(stream).read_line(&mut answer).unwrap();
     assert!(answer.contains("belongs to no registered container"), "{answer}");
+
+    // Too little time left for the checkpoint: not tried, the job untouched.
+    let mut hurried = pre_stop(&trainer);
+    hurried.extend(["--grace-seconds".to_owned(), "5".to_owned()]);
+    let (code, out, err) = kubelet.exec(&a, hurried, 10).await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(err.contains("cannot be made durable in the time left"), "{err}");
+    let counting = counted(&a).len();
+    expect_within(TIMEOUT, "the job to run on", || (counted(&a).len() > counting + 2).then_some(()));
 
     // The store fails: the preStop hook says so, the job runs on, and stops as it would have.
     disk.read_only();

@@ -1,6 +1,7 @@
 //! What an opted-in pod needs, as JSONPatch operations: its owner recorded, each container's
-//! command run by stasis-pod and its preStop hook asking for the eviction checkpoint, and a
-//! grace period long enough for that checkpoint to be made durable.
+//! command run by stasis-pod, its preStop hook asking for the eviction checkpoint (and told
+//! the grace period), a startup probe that passes once the job runs (restored or afresh), and
+//! a grace period long enough for the checkpoint to be made durable.
 
 use serde_json::{Value, json};
 
@@ -15,6 +16,8 @@ pub const PREPARED: &str = "stasis.dev/prepared";
 const BUNDLE: &str = "/.stasis";
 /// The grace period the kubelet gives a pod that asks for none.
 const DEFAULT_GRACE_SECS: u64 = 30;
+/// Startup probes (one a second) a restore may take before the kubelet gives up on it.
+const STARTUP_PROBES: u64 = 600;
 
 /// What the grace period is sized by.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,6 +58,8 @@ pub fn decide(pod: &Value, sizing: &Sizing) -> Decision {
     let Some(containers) = spec["containers"].as_array().filter(|c| !c.is_empty()) else {
         return Decision::Refuse("the pod has no containers".into());
     };
+    let current = spec["terminationGracePeriodSeconds"].as_u64().unwrap_or(DEFAULT_GRACE_SECS);
+    let grace = current.max(grace_secs(containers, sizing));
     let mut ops = Vec::new();
     for (i, container) in containers.iter().enumerate() {
         let name = container["name"].as_str().unwrap_or("?");
@@ -74,6 +79,21 @@ pub fn decide(pod: &Value, sizing: &Sizing) -> Decision {
             true => ops.push(add(&format!("/spec/containers/{i}/lifecycle/preStop"), hook)),
             false => ops.push(add(&format!("/spec/containers/{i}/lifecycle"), json!({ "preStop": hook }))),
         }
+        // The hook knows its time: an eviction that cannot be durable in it is not tried.
+        let env = json!({ "name": "STASIS_GRACE_SECONDS", "value": grace.to_string() });
+        match container["env"].is_array() {
+            true => ops.push(add(&format!("/spec/containers/{i}/env/-"), env)),
+            false => ops.push(add(&format!("/spec/containers/{i}/env"), json!([env]))),
+        }
+        // Not started (so not ready) until the job runs, restored or afresh.
+        if container["startupProbe"].is_null() {
+            let probe = json!({
+                "exec": { "command": stasis_pod(&["ready"], &[]) },
+                "periodSeconds": 1,
+                "failureThreshold": STARTUP_PROBES,
+            });
+            ops.push(add(&format!("/spec/containers/{i}/startupProbe"), probe));
+        }
     }
     let owner = owner::of(metadata);
     let annotations = [
@@ -92,10 +112,8 @@ pub fn decide(pod: &Value, sizing: &Sizing) -> Decision {
             ops.push(add("/metadata/annotations", Value::Object(all)));
         }
     }
-    let current = spec["terminationGracePeriodSeconds"].as_u64().unwrap_or(DEFAULT_GRACE_SECS);
-    let needed = grace_secs(containers, sizing);
-    if needed > current {
-        ops.push(add("/spec/terminationGracePeriodSeconds", json!(needed)));
+    if grace > current {
+        ops.push(add("/spec/terminationGracePeriodSeconds", json!(grace)));
     }
     Decision::Patch { ops, warnings: owner.warning.into_iter().collect() }
 }

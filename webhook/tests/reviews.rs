@@ -58,6 +58,9 @@ fn a_statefulset_pod_is_wrapped_hooked_annotated_and_given_time() {
     );
     assert_eq!(strings(&main["args"]), ["--epochs", "90"], "args follow the command, untouched");
     assert_eq!(strings(&main["lifecycle"]["preStop"]["exec"]["command"]), PRESTOP);
+    let probe = &main["startupProbe"];
+    assert_eq!(strings(&probe["exec"]["command"]).last(), Some(&"ready"), "{probe}");
+    assert_eq!((probe["periodSeconds"].as_u64(), probe["failureThreshold"].as_u64()), (Some(1), Some(600)));
     let annotations = &pod["metadata"]["annotations"];
     assert_eq!(annotations["stasis.dev/owner-kind"], "StatefulSet");
     assert_eq!(annotations["stasis.dev/owner-name"], "trainer");
@@ -65,7 +68,12 @@ fn a_statefulset_pod_is_wrapped_hooked_annotated_and_given_time() {
     assert_eq!(annotations["stasis.dev/prepared"], "true");
     // 8 GiB of memory and one GPU's 80 GiB at 200 MB/s, plus 30 s.
     let bytes: u64 = (8 << 30) + (80 << 30);
-    assert_eq!(pod["spec"]["terminationGracePeriodSeconds"], bytes.div_ceil(200_000_000) + 30);
+    let grace = bytes.div_ceil(200_000_000) + 30;
+    assert_eq!(pod["spec"]["terminationGracePeriodSeconds"], grace);
+    assert_eq!(
+        main["env"],
+        serde_json::json!([{ "name": "STASIS_GRACE_SECONDS", "value": grace.to_string() }])
+    );
     assert_eq!(pod["spec"]["containers"][0]["image"], "registry.example/train:3.1");
 }
 
@@ -83,6 +91,9 @@ fn an_indexed_job_pod_keeps_its_annotations_hooks_and_longer_grace() {
         (&"Job".into(), &"3".into())
     );
     assert_eq!(pod["spec"]["terminationGracePeriodSeconds"], 600, "a longer grace period stays");
+    let env = worker["env"].as_array().unwrap();
+    assert_eq!(env.last().unwrap()["value"], "600", "the hook is told the grace period: {env:?}");
+    assert_eq!(env[0]["name"], "MODE", "the container's own environment stays first");
 }
 
 #[test]

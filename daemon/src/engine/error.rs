@@ -116,6 +116,11 @@ pub enum CheckpointError {
         #[source]
         source: CriuError,
     },
+    #[error(
+        "workload {workload} cannot be made durable in the time left (about {needs:?} needed, \
+         {left:?} left); it was left running untouched"
+    )]
+    NoTime { workload: String, needs: std::time::Duration, left: std::time::Duration },
     #[error("workload {workload}'s container cannot be checkpointed; nothing was touched")]
     Container {
         workload: String,

@@ -54,7 +54,8 @@ impl From<CheckpointError> for Status {
             CheckpointError::NotRunning { .. }
             | CheckpointError::Sockets { .. }
             | CheckpointError::Untouchable { .. }
-            | CheckpointError::Container { .. } => Code::FailedPrecondition,
+            | CheckpointError::Container { .. }
+            | CheckpointError::NoTime { .. } => Code::FailedPrecondition,
             CheckpointError::Dump { .. }
             | CheckpointError::Lost { .. }
             | CheckpointError::PageServer { .. } => Code::Aborted,

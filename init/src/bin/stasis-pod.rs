@@ -12,7 +12,8 @@
 //!
 //! `stasis-pod prestop` is the container's preStop hook: it asks stasisd to checkpoint the
 //! container's tree for eviction and returns once the checkpoint is durable (the tree is gone
-//! then) or has failed (the tree runs on, and is stopped as usual).
+//! then) or has failed (the tree runs on, and is stopped as usual). `stasis-pod ready` is its
+//! startup probe: it succeeds once the workload runs.
 #![deny(unsafe_code)]
 
 use std::io::{BufRead, BufReader, Write};
@@ -45,8 +46,15 @@ enum Mode {
         #[arg(last = true, required = true)]
         command: Vec<String>,
     },
-    /// Checkpoint this container's workload for eviction (the preStop hook).
-    Prestop,
+    /// Checkpoint this container's workload for eviction (the preStop hook). With the grace
+    /// period (STASIS_GRACE_SECONDS, which the webhook sets), an eviction that would not be
+    /// durable in time is not tried.
+    Prestop {
+        #[arg(long, env = "STASIS_GRACE_SECONDS")]
+        grace_seconds: Option<u64>,
+    },
+    /// Exit 0 once the workload runs (the startup probe): started, or restored.
+    Ready,
 }
 
 /// How long a starting container waits for stasisd's endpoint to answer at all.
@@ -56,7 +64,11 @@ fn main() -> anyhow::Result<ExitCode> {
     let args = Args::parse();
     match args.command {
         Mode::Run { command } => run(&args.socket, &command),
-        Mode::Prestop => prestop(&args.socket),
+        Mode::Prestop { grace_seconds } => prestop(&args.socket, grace_seconds),
+        Mode::Ready => {
+            let answer = ask(&args.socket, serde_json::json!({ "op": "ready" }), Duration::ZERO)?;
+            Ok(if answer["ready"] == true { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
     }
 }
 
@@ -68,7 +80,7 @@ fn run(socket: &Path, command: &[String]) -> anyhow::Result<ExitCode> {
             eprintln!("stasis-pod: no stasis endpoint at {}; running without checkpoints", socket.display());
             serde_json::json!({ "action": "fresh" })
         }
-        true => ask(socket, "start", ENDPOINT_WAIT)?,
+        true => ask(socket, serde_json::json!({ "op": "start" }), ENDPOINT_WAIT)?,
     };
     let workload = match answer["action"].as_str() {
         Some("restored") => {
@@ -89,7 +101,8 @@ fn run(socket: &Path, command: &[String]) -> anyhow::Result<ExitCode> {
     eprintln!("stasis-pod: the workload ended ({status:?})");
     // An evicted workload is gone before the kubelet stops the container: the init stays
     // until then, so that the preStop hook (a process of this container) gets its answer.
-    if socket.exists() && ask(socket, "ended", Duration::ZERO).is_ok_and(|a| a["evicted"] == true) {
+    let ended = serde_json::json!({ "op": "ended" });
+    if socket.exists() && ask(socket, ended, Duration::ZERO).is_ok_and(|a| a["evicted"] == true) {
         eprintln!("stasis-pod: the workload was evicted; waiting to be stopped");
         let stop = [nix::sys::signal::Signal::SIGTERM as i32, nix::sys::signal::Signal::SIGINT as i32];
         signals.forever().find(|s| stop.contains(s));
@@ -98,8 +111,15 @@ fn run(socket: &Path, command: &[String]) -> anyhow::Result<ExitCode> {
     Ok(status)
 }
 
-fn prestop(socket: &Path) -> anyhow::Result<ExitCode> {
-    let answer = ask(socket, "evict", Duration::ZERO)?;
+/// Seconds of the grace period the eviction leaves to the kubelet's SIGTERM and the rest.
+const STOP_MARGIN_SECS: u64 = 5;
+
+fn prestop(socket: &Path, grace_seconds: Option<u64>) -> anyhow::Result<ExitCode> {
+    let mut request = serde_json::json!({ "op": "evict" });
+    if let Some(grace) = grace_seconds {
+        request["within_ms"] = (grace.saturating_sub(STOP_MARGIN_SECS) * 1000).into();
+    }
+    let answer = ask(socket, request, Duration::ZERO)?;
     match answer["checkpoint"].as_str() {
         Some(id) => {
             println!("stasis-pod: checkpoint {id} is durable");
@@ -112,9 +132,9 @@ fn prestop(socket: &Path) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Sends request `op` to the pod endpoint and returns its answer; retries connecting for up
-/// to `wait` (stasisd restarting).
-fn ask(socket: &Path, op: &str, wait: Duration) -> anyhow::Result<Value> {
+/// Sends `request` to the pod endpoint and returns its answer; retries connecting for up to
+/// `wait` (stasisd restarting).
+fn ask(socket: &Path, request: Value, wait: Duration) -> anyhow::Result<Value> {
     let deadline = Instant::now() + wait;
     let mut stream = loop {
         match UnixStream::connect(socket) {
@@ -126,7 +146,7 @@ fn ask(socket: &Path, op: &str, wait: Duration) -> anyhow::Result<Value> {
             Err(e) => return Err(e).with_context(|| format!("connecting to {}", socket.display())),
         }
     };
-    writeln!(stream, "{}", serde_json::json!({ "op": op })).context("sending the request")?;
+    writeln!(stream, "{request}").context("sending the request")?;
     let mut line = String::new();
     BufReader::new(stream).read_line(&mut line).context("reading the answer")?;
     serde_json::from_str(&line).with_context(|| format!("a malformed answer: {line:?}"))

@@ -6,10 +6,13 @@
 //! One request per connection, one JSON line each way:
 //! - `{"op":"start"}` (from stasis-pod as the container starts): `{"action":"fresh","why":..}`
 //!   or `{"action":"restored","checkpoint":..,"pid":..}` once the tree runs;
-//! - `{"op":"evict"}` (from the preStop hook): `{"checkpoint":..}` once it is durable and the
-//!   tree is gone;
+//! - `{"op":"evict","within_ms":..}` (from the preStop hook, with the time left before the
+//!   kubelet stops the container): `{"checkpoint":..}` once it is durable and the tree is gone;
+//!   refused at once when the checkpoint is not expected to be durable in that time;
 //! - `{"op":"ended"}` (from stasis-pod once its workload is gone): `{"evicted":..}`, whether
 //!   it was evicted (the pod is going away), once an eviction under way has ended;
+//! - `{"op":"ready"}` (from the container's startup probe): `{"ready":..}`, whether its tree
+//!   runs (started afresh, or restored and handed to the init);
 //! - any failure: `{"error":..}`; an eviction that fails leaves the tree running.
 
 use std::os::unix::fs::PermissionsExt;
@@ -36,6 +39,8 @@ const MAX_REQUEST: u64 = 4096;
 #[derive(Debug, Deserialize)]
 struct Request {
     op: String,
+    /// For an eviction: the time left before the kubelet stops the container, ms.
+    within_ms: Option<u64>,
 }
 
 /// Serves the pod endpoint at `path` until the task is dropped.
@@ -67,12 +72,13 @@ async fn handle(engine: Arc<Engine>, stream: UnixStream) -> std::io::Result<()> 
     let answer = match (serde_json::from_str::<Request>(&line), caller) {
         (Err(e), _) => json!({ "error": format!("malformed request: {e}") }),
         (Ok(_), None) => json!({ "error": "the caller's process is not visible to stasisd" }),
-        (Ok(request), Some(pid)) => answer(&engine, &request.op, pid).await,
+        (Ok(request), Some(pid)) => answer(&engine, &request, pid).await,
     };
     write.write_all(format!("{answer}\n").as_bytes()).await
 }
 
-async fn answer(engine: &Arc<Engine>, op: &str, caller: i32) -> Value {
+async fn answer(engine: &Arc<Engine>, request: &Request, caller: i32) -> Value {
+    let op = request.op.as_str();
     let wait = if op == "start" { REGISTRATION_WAIT } else { Duration::ZERO };
     let Some(w) = registered(engine, caller, wait).await else {
         return json!({ "error": super::PodError::UnknownCaller.to_string() });
@@ -88,12 +94,14 @@ async fn answer(engine: &Arc<Engine>, op: &str, caller: i32) -> Value {
             }
             Err(e) => json!({ "error": error_chain(&e) }),
         },
-        "evict" => match engine.evict_container(w, quiet).await {
+        "evict" => match engine.evict_container(w, request.within_ms.map(Duration::from_millis), quiet).await
+        {
             Ok(outcome) => json!({ "checkpoint": outcome.id, "durable": outcome.durable }),
             Err(e) => json!({ "error": error_chain(&e) }),
         },
         "ended" => json!({ "evicted": evicted(engine, &w.name).await }),
-        other => json!({ "error": format!("unknown request {other:?} (start, evict, ended)") }),
+        "ready" => json!({ "ready": engine.tree_runs(&w) }),
+        other => json!({ "error": format!("unknown request {other:?} (start, evict, ended, ready)") }),
     }
 }
 

@@ -24,6 +24,7 @@ pub use endpoint::serve as serve_endpoint;
 pub use identity::Identity;
 pub(super) use restore::{adopted, prepare_restore};
 
+use super::evacuate::plan::{Candidate, estimate};
 use super::{
     Caller, CheckpointError, CheckpointOutcome, CheckpointParams, Engine, ProgressFn, Target, Workload,
 };
@@ -167,13 +168,29 @@ impl Engine {
         }
     }
 
-    /// Evicts the tree of the container `caller` runs in: checkpoints it, and kills it once
-    /// the checkpoint is durable; on failure the tree runs on.
+    /// Evicts the tree of container workload `w`: checkpoints it, and kills it once the
+    /// checkpoint is durable; on failure the tree runs on.
+    ///
+    /// With `within` (the time before the kubelet stops the container), an eviction not
+    /// expected to be durable in time is refused before anything is touched: the job is then
+    /// stopped as it would be without stasis, and its last checkpoint stays the newest.
     async fn evict_container(
         self: &Arc<Self>,
         w: Workload,
+        within: Option<std::time::Duration>,
         progress: ProgressFn,
     ) -> Result<CheckpointOutcome, CheckpointError> {
+        if let (Some(left), Some(c)) = (within, &w.container) {
+            let root = self
+                .container_tree_root(&w, c)
+                .map_err(|source| CheckpointError::Container { workload: w.name.clone(), source })?;
+            let resident = self.host.resident_bytes(&self.host.trees(&[root]));
+            let candidate = Candidate { name: w.name.clone(), resident, last: w.last_cost };
+            let needs = estimate(&candidate, super::now_unix_ms());
+            if needs > left {
+                return Err(CheckpointError::NoTime { workload: w.name, needs, left });
+            }
+        }
         self.mark_eviction(&w.name, true, false);
         let params = CheckpointParams {
             target: Target::Workload(w.name.clone()),
