@@ -26,6 +26,10 @@ struct Args {
     /// stasisd's API socket.
     #[arg(long, default_value = "/run/stasis/stasisd.sock")]
     stasis_socket: PathBuf,
+    /// The runtime's CRI socket (containerd's /run/containerd/containerd.sock, CRI-O's
+    /// /var/run/crio/crio.sock): containers' images are then known by digest, not name.
+    #[arg(long)]
+    cri_socket: Option<PathBuf>,
     /// The pod bundle (scripts/pod-bundle.sh and stasis-pod), on this host.
     #[arg(long, default_value = "/var/lib/stasis/pod-bundle")]
     bundle: PathBuf,
@@ -52,7 +56,7 @@ async fn main() {
         index: args.index,
         injection: Injection { bundle: args.bundle, endpoint_dir: args.endpoint_dir },
     };
-    let stasisd = Arc::new(Api { socket: args.stasis_socket });
+    let stasisd = Arc::new(Api { socket: args.stasis_socket, cri_socket: args.cri_socket });
     loop {
         if let Err(e) = plugin::run(&settings, stasisd.clone()).await {
             warn!(error = format!("{:#}", anyhow::Error::from(e)), "NRI session ended; connecting again");

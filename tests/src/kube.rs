@@ -334,6 +334,8 @@ impl NriPlugin {
             .arg(bundle)
             .arg("--endpoint-dir")
             .arg(endpoint_dir)
+            .arg("--cri-socket")
+            .arg(containerd.socket())
             .env("NO_COLOR", "1")
             .stdout(file.try_clone().expect("log"))
             .stderr(file)

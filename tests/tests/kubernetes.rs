@@ -104,6 +104,7 @@ async fn an_evicted_pod_continues_its_job_in_the_pod_that_replaces_it() {
     assert_eq!(counted(&third)[..3], [1, 2, 3], "a new image starts afresh\n{}", nri.log_text());
     kubelet.delete(third, grace(&pod)).await;
     assert!(nri.log_text().contains("injecting stasis"), "{}", nri.log_text());
+    assert!(nri.log_text().contains("image=sha256:"), "images are known by digest: {}", nri.log_text());
 }
 
 #[tokio::test(flavor = "multi_thread")]
