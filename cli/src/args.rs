@@ -105,6 +105,9 @@ pub struct RegisterArgs {
     /// A checkpoint this often, left running: 10m, 1h (a bare number is seconds).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub checkpoint_every: Option<std::time::Duration>,
+    /// Restore a checkpoint into it whatever image the checkpoint's container ran.
+    #[arg(long)]
+    pub any_image: bool,
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,

@@ -17,6 +17,9 @@ pub const ORDINAL: &str = "stasis.dev/ordinal";
 /// A checkpoint this often, left running, so that an eviction has little left to upload: a
 /// duration as Kubernetes writes them ("10m", "1h30m", "90s").
 pub const CHECKPOINT_EVERY: &str = "stasis.dev/checkpoint-every";
+/// "true": a checkpoint is restored into the pod whatever image its container ran (a new
+/// build of the same program, say); by default only into a container of the same image.
+pub const ANY_IMAGE: &str = "stasis.dev/any-image";
 
 /// The image a container runs, as containerd and CRI-O annotate it.
 const IMAGE_ANNOTATIONS: [&str; 2] = ["io.kubernetes.cri.image-name", "io.kubernetes.cri-o.ImageName"];
@@ -56,6 +59,7 @@ pub fn registration(pod: &PodSandbox, container: &Container) -> RegisterContaine
         ordinal: annotation(ORDINAL),
         container: container.name.clone(),
         checkpoint_every_ms: pod.annotations.get(CHECKPOINT_EVERY).and_then(|d| millis(d)).unwrap_or(0),
+        any_image: annotation(ANY_IMAGE) == "true",
     }
 }
 
@@ -142,6 +146,8 @@ mod tests {
             ("ml", "StatefulSet", "trainer", "2")
         );
         assert_eq!((r.container.as_str(), r.init_pid, r.image.as_str()), ("main", 4242, "example/train:1"));
+        assert!(!r.any_image, "the same image only, unless the pod says otherwise");
+        assert!(registration(&pod(&[], &[(ANY_IMAGE, "true")]), &container()).any_image);
     }
 
     #[test]

@@ -102,7 +102,19 @@ async fn an_evicted_pod_continues_its_job_in_the_pod_that_replaces_it() {
     let third = kubelet.run(sandbox, main).await;
     expect_within(TIMEOUT, "the third pod to count", || (counted(&third).len() >= 3).then_some(()));
     assert_eq!(counted(&third)[..3], [1, 2, 3], "a new image starts afresh\n{}", nri.log_text());
+    // Unless the pod says any image will do: the checkpoint of the image before goes on.
+    let (code, out, err) = kubelet.exec(&third, pre_stop(&pod), grace(&pod)).await;
+    assert_eq!(code, 0, "preStop: {out}{err}");
+    let last = *counted(&third).last().unwrap();
     kubelet.delete(third, grace(&pod)).await;
+    let mut any = stateful_pod("trainer-0", "trainer", "0", &[("main", IMAGE, &COUNTER)]);
+    any["metadata"]["annotations"] = serde_json::json!({ "stasis.dev/any-image": "true" });
+    let pod = admitted(&any);
+    let (sandbox, main) = translate(&kubelet, &pod);
+    let fourth = kubelet.run(sandbox, main).await;
+    expect_within(TIMEOUT, "the fourth pod to count", || (!counted(&fourth).is_empty()).then_some(()));
+    assert_eq!(counted(&fourth)[0], last + 1, "restored across images");
+    kubelet.delete(fourth, grace(&pod)).await;
     assert!(nri.log_text().contains("injecting stasis"), "{}", nri.log_text());
     assert!(nri.log_text().contains("image=sha256:"), "images are known by digest: {}", nri.log_text());
 }

@@ -228,7 +228,13 @@ impl Stasis for StasisService {
         }
         let r = req.into_inner();
         let registration = Registration {
-            container: ContainerRef { id: r.id, init_pid: r.init_pid, image: r.image, ..Default::default() },
+            container: ContainerRef {
+                id: r.id,
+                init_pid: r.init_pid,
+                image: r.image,
+                any_image: r.any_image,
+                ..Default::default()
+            },
             identity: Identity {
                 namespace: r.namespace,
                 owner_kind: r.owner_kind,

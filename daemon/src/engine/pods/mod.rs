@@ -51,6 +51,9 @@ pub struct ContainerRef {
     /// Its tree was evicted (checkpointed, then stopped): the pod is going away.
     #[serde(default)]
     pub evicted: bool,
+    /// A checkpoint of another image may be restored into it (the pod says so).
+    #[serde(default)]
+    pub any_image: bool,
 }
 
 /// What the NRI plugin reports of a container that opted in.

@@ -54,7 +54,7 @@ impl Engine {
             Err(e) => return Err(e),
         };
         let image = manifest.pod.as_ref().map(|p| p.image.as_str()).unwrap_or_default();
-        if image != c.image {
+        if image != c.image && !c.any_image {
             let why = format!(
                 "checkpoint {} is of image {image:?}, this container runs {:?}",
                 manifest.id, c.image
