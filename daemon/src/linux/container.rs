@@ -2,7 +2,7 @@
 //! CRIU that runs inside it needs there (a writable /tmp, free pids).
 
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
@@ -40,15 +40,16 @@ fn hierarchy_mount(text: &str, controllers: &str) -> Option<PathBuf> {
     })
 }
 
-/// Makes `/tmp` in the root of `pid`'s mount namespace if it has none (CRIU probes the kernel
-/// there; small images such as busybox have no /tmp).
+/// Makes `/tmp` in the root of `pid`'s mount namespace if it has none (CRIU, which runs there
+/// as root, probes the kernel in it; small images such as busybox have none). Nothing is done
+/// to what is there already: the container owns it, and a path it controls is not followed
+/// any further than `mkdir` does (which never follows the last component).
 pub fn ensure_tmp(pid: i32) -> io::Result<()> {
     let tmp = PathBuf::from(format!("/proc/{pid}/root/tmp"));
-    if tmp.is_dir() {
-        return Ok(());
+    match std::fs::DirBuilder::new().mode(0o1777).create(&tmp) {
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        made => made,
     }
-    std::fs::DirBuilder::new().mode(0o1777).create(&tmp)?;
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777))
 }
 
 /// Has the pid namespace whose init is `init` hand out pids above `highest` from now on, so
