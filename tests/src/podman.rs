@@ -29,7 +29,14 @@ impl Podman {
         }
         let dir = tempfile::Builder::new().prefix("stasis-podman-").tempdir().expect("podman directory");
         let conf = dir.path().join("containers.conf");
-        std::fs::write(&conf, "[engine]\nruntime = \"runc\"\n").expect("containers.conf");
+        // Its runtime files and network settings its own too: another test's Podman, resetting
+        // itself, would otherwise remove them (the default /run/libpod) from under this one.
+        let engine = format!(
+            "[engine]\nruntime = \"runc\"\ntmp_dir = \"{}\"\n[network]\nnetwork_config_dir = \"{}\"\n",
+            dir.path().join("tmp").display(),
+            dir.path().join("networks").display()
+        );
+        std::fs::write(&conf, engine).expect("containers.conf");
         let storage = dir.path().join("storage.conf");
         let store = format!(
             "[storage]\ndriver = \"overlay\"\ngraphroot = \"{}\"\nrunroot = \"{}\"\n",
