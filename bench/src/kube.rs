@@ -37,6 +37,10 @@ pub struct Round {
     /// The eviction's checkpoint: durable time and bytes uploaded, as stasisd reports them.
     pub durable_ms: u64,
     pub uploaded: u64,
+    /// Of `durable_ms`: the tree frozen, CRIU's dump, and storing after it.
+    pub frozen_ms: u64,
+    pub dump_ms: u64,
+    pub store_ms: u64,
     /// StartContainer of the new pod until its init said the tree runs.
     pub restart_ms: u64,
 }
@@ -153,6 +157,9 @@ pub async fn run(args: &Args) -> anyhow::Result<KubeResults> {
             eviction_ms,
             durable_ms: stat(&evicted, "durable_ms"),
             uploaded: stat(&evicted, "bytes_uploaded"),
+            frozen_ms: stat(&evicted, "frozen_ms"),
+            dump_ms: stat(&evicted, "dump_ms"),
+            store_ms: stat(&evicted, "store_ms"),
             restart_ms,
         });
     }
@@ -194,10 +201,14 @@ impl KubeResults {
         ));
         for (i, r) in self.rounds.iter().enumerate() {
             out.push_str(&format!(
-                "\n- round {}: eviction {} ms (stasisd's durable_ms {}, {} MiB uploaded), restart {} ms",
+                "\n- round {}: eviction {} ms (stasisd's durable_ms {}: frozen {}, dump {}, store {}; {} MiB \
+                 uploaded), restart {} ms",
                 i + 1,
                 r.eviction_ms,
                 r.durable_ms,
+                r.frozen_ms,
+                r.dump_ms,
+                r.store_ms,
                 r.uploaded >> 20,
                 r.restart_ms
             ));

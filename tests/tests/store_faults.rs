@@ -78,9 +78,10 @@ fn s3_faults_at_each_phase_leave_the_job_running_or_its_checkpoint_durable() {
 }
 
 #[test]
-fn a_full_spill_disk_and_a_read_only_store_fail_the_eviction_and_keep_the_job() {
+fn a_full_spill_disk_fails_a_checkpoint_and_a_read_only_store_an_eviction_and_both_keep_the_job() {
     skip_unless_ready!();
-    // 1 MiB of staging in memory, and the scratch space of the spill file on a 16 MiB disk.
+    // 1 MiB of staging in memory, and the scratch space of the spill file on a 16 MiB disk:
+    // a checkpoint that leaves the job running stages its pages while the job is frozen.
     let d = Daemon::start_with(&DaemonOptions {
         args: vec!["--staging-mib".into(), "1".into()],
         ..Default::default()
@@ -90,9 +91,12 @@ fn a_full_spill_disk_and_a_read_only_store_fail_the_eviction_and_keep_the_job() 
     expect_within(Duration::from_secs(60), "the workload to be ready", || {
         big.lines().iter().any(|l| l == "ready").then_some(())
     });
-    let err = d.cli_err(&["checkpoint", "--workload", &big.name]);
+    let err = d.cli_err(&["checkpoint", "--workload", &big.name, "--leave-running"]);
     assert!(err.to_lowercase().contains("space"), "the error should say the disk is full: {err}");
     assert_eq!(procfs::proc_state(big.pid).map(|s| s != 'T'), Some(true), "the workload runs on: {err}");
+    // An eviction stores its pages as CRIU sends them: it needs no spill space.
+    let evicted = d.json(&["checkpoint", "--workload", &big.name, "--json"]);
+    assert_eq!(evicted["durable"], true, "{evicted}");
     drop(spill);
 
     let store = SmallDisk::mount(&d.store_dir(), 64);

@@ -1,6 +1,6 @@
 //! Running a CRIU dump with stasisd's in-process page server: CRIU gets one end of a stream
-//! socketpair as its page-server connection, a thread on the other end stages every page
-//! (memory up to a bound, then a spill file), so no page data becomes an image file.
+//! socketpair as its page-server connection, a thread on the other end hands every page to a
+//! sink (staging, or the store itself), so no page data becomes an image file.
 
 use std::os::fd::AsRawFd;
 
@@ -9,9 +9,8 @@ use std::os::unix::net::UnixStream;
 use std::time::Instant;
 
 use super::CheckpointError;
-use crate::criu::pageserver::{self, HeaderLayout, PageServerError};
+use crate::criu::pageserver::{self, HeaderLayout, PageServerError, PageSink};
 use crate::criu::{CriuError, CriuOps, CriuVersion, DumpSpec};
-use crate::store::{Staged, Staging, StagingBudget};
 
 /// Send and receive buffer of the page-server socketpair.
 const SOCKET_BUFFER: usize = 8 << 20;
@@ -38,30 +37,24 @@ impl DumpFailure {
     }
 }
 
-/// A finished dump: when CRIU froze the tree (its "pre-dump" notification), and the pages.
-pub(super) struct Dump {
-    pub frozen_at: Option<Instant>,
-    pub staged: Staged,
-}
-
-/// Dumps `spec` (its images directory gets the non-page images) and stages its pages, at most
-/// what `staging` (the daemon-wide budget) allows in memory. Blocking.
-pub(super) fn dump(
+/// Dumps `spec` (its images directory gets the non-page images) and passes its pages to
+/// `sink` as CRIU sends them. Returns when CRIU froze the tree (its "pre-dump" notification)
+/// and the sink, for the caller to finish. Blocking.
+pub(super) fn dump<S: PageSink + Send + 'static>(
     criu: &dyn CriuOps,
     version: CriuVersion,
     mut spec: DumpSpec,
-    staging: StagingBudget,
-) -> Result<Dump, DumpFailure> {
+    mut sink: S,
+) -> Result<(Option<Instant>, S), DumpFailure> {
     let layout = HeaderLayout::for_version(version.major, version.minor);
     let (mut ours, theirs) = UnixStream::pair().map_err(|e| DumpFailure::Local("page-server socket", e))?;
     // Large buffers let CRIU stream pages without waiting on our thread at every few hundred
     // KiB (the default); the forced variants need CAP_NET_ADMIN, so failure only costs speed.
     let _ = setsockopt(&ours, sockopt::RcvBufForce, &SOCKET_BUFFER);
     let _ = setsockopt(&theirs, sockopt::SndBufForce, &SOCKET_BUFFER);
-    let mut staging = Staging::new(&staging, &spec.images_dir.join(SPILL_FILE));
     let server = std::thread::Builder::new()
         .name("stasis-pageserver".into())
-        .spawn(move || pageserver::serve(&mut ours, layout, &mut staging).map(|_| staging))
+        .spawn(move || pageserver::serve(&mut ours, layout, &mut sink).map(|_| sink))
         .map_err(|e| DumpFailure::Local("page-server thread", e))?;
     spec.page_server_fd = Some(theirs.as_raw_fd());
     let mut frozen_at = None;
@@ -76,15 +69,14 @@ pub(super) fn dump(
     let served = server
         .join()
         .map_err(|_| DumpFailure::Local("page-server thread", std::io::Error::other("panicked")))?;
-    let staging = match (dumped, served) {
-        (Ok(()), Ok(staging)) => staging,
-        // Staging the pages failed (a full spill disk, say): CRIU failed because of it.
-        (_, Err(e @ PageServerError::Sink(_))) => return Err(DumpFailure::PageServer(e)),
-        (Err(e), _) => return Err(DumpFailure::Criu(e)),
-        (Ok(()), Err(e)) => return Err(DumpFailure::PageServer(e)),
-    };
-    let staged = staging.finish().map_err(|e| DumpFailure::Local("page staging", e))?;
-    Ok(Dump { frozen_at, staged })
+    match (dumped, served) {
+        (Ok(()), Ok(sink)) => Ok((frozen_at, sink)),
+        // Taking the pages failed (a full spill disk, a stopped store): CRIU failed because
+        // of it.
+        (_, Err(e @ PageServerError::Sink(_))) => Err(DumpFailure::PageServer(e)),
+        (Err(e), _) => Err(DumpFailure::Criu(e)),
+        (Ok(()), Err(e)) => Err(DumpFailure::PageServer(e)),
+    }
 }
 
 /// A default bound for staged pages: a quarter of this machine's memory.

@@ -29,7 +29,7 @@ pub(super) fn store_code(e: &StoreError) -> Code {
         | StoreError::MissingPack { .. }
         | StoreError::Unreadable { .. } => Code::DataLoss,
         StoreError::Backend { .. } | StoreError::Busy(_) => Code::Unavailable,
-        StoreError::Local { .. } => Code::Internal,
+        StoreError::Local { .. } | StoreError::DumpUnfinished => Code::Internal,
     }
 }
 

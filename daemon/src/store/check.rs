@@ -216,7 +216,12 @@ mod tests {
         let run = PageRun { dst_id: (1 << 8) | 1, vaddr: 0x10000, nr_pages: pages as u64, flags: PE_PRESENT };
         staging.run(run, &mut bytes.as_slice()).unwrap();
         let dump = store
-            .store_dump(Arc::new(staging.finish().unwrap()), &work.join("images"), &[], Arc::new(|_, _| {}))
+            .store_dump(
+                crate::store::DumpPages::Staged(Arc::new(staging.finish().unwrap())),
+                &work.join("images"),
+                &[],
+                Arc::new(|_, _| {}),
+            )
             .await
             .unwrap();
         let manifest =

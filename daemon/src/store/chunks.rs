@@ -55,32 +55,55 @@ pub struct FinishedPack {
 /// cover, wherever the pieces themselves end. A window within one piece is borrowed; one that
 /// spans pieces is copied.
 pub fn aligned_windows<'a>(start: u64, pieces: &[&'a [u8]]) -> Vec<Cow<'a, [u8]>> {
-    let total: usize = pieces.iter().map(|p| p.len()).sum();
-    let mut windows = Vec::with_capacity(total / CHUNK + 2);
-    let (mut addr, mut spanning): (u64, Vec<u8>) = (start, Vec::new());
-    for &piece in pieces {
+    let mut cutter = WindowCutter::new(start);
+    let mut windows: Vec<Cow<'a, [u8]>> = pieces.iter().flat_map(|piece| cutter.cut(piece)).collect();
+    windows.extend(cutter.finish().map(Cow::Owned));
+    windows
+}
+
+/// [`aligned_windows`] a piece at a time, for bytes that arrive while earlier ones are being
+/// stored: the part of a window that the pieces so far cover is kept until the next piece
+/// completes it, or [`WindowCutter::finish`] ends the stretch.
+#[derive(Debug)]
+pub struct WindowCutter {
+    /// Address (or offset) of the next byte.
+    addr: u64,
+    /// The covered part of a window that the next piece may complete.
+    partial: Vec<u8>,
+}
+
+impl WindowCutter {
+    pub fn new(start: u64) -> Self {
+        Self { addr: start, partial: Vec::new() }
+    }
+
+    /// The windows `piece` completes, in order.
+    pub fn cut<'a>(&mut self, piece: &'a [u8]) -> Vec<Cow<'a, [u8]>> {
+        let mut windows = Vec::with_capacity(piece.len() / CHUNK + 2);
         let mut pos = 0usize;
         while pos < piece.len() {
-            let to_boundary = (CHUNK as u64 - addr % CHUNK as u64) as usize;
+            let to_boundary = (CHUNK as u64 - self.addr % CHUNK as u64) as usize;
             let end = (pos + to_boundary).min(piece.len());
             let part = &piece[pos..end];
             let window_done = end - pos == to_boundary;
-            match (spanning.is_empty(), window_done) {
+            match (self.partial.is_empty(), window_done) {
                 (true, true) => windows.push(Cow::Borrowed(part)),
-                (_, false) => spanning.extend_from_slice(part),
+                (_, false) => self.partial.extend_from_slice(part),
                 (false, true) => {
-                    spanning.extend_from_slice(part);
-                    windows.push(Cow::Owned(std::mem::take(&mut spanning)));
+                    self.partial.extend_from_slice(part);
+                    windows.push(Cow::Owned(std::mem::take(&mut self.partial)));
                 }
             }
-            addr += part.len() as u64;
+            self.addr += part.len() as u64;
             pos = end;
         }
+        windows
     }
-    if !spanning.is_empty() {
-        windows.push(Cow::Owned(spanning));
+
+    /// The last window's covered part, if the stretch ended inside a window.
+    pub fn finish(self) -> Option<Vec<u8>> {
+        (!self.partial.is_empty()).then_some(self.partial)
     }
-    windows
 }
 
 fn is_zero(data: &[u8]) -> bool {

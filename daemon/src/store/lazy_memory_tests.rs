@@ -43,7 +43,10 @@ async fn stored(dir: &std::path::Path) -> (Store, Manifest, [Vec<u8>; 3]) {
         staging.run(run, &mut bytes.as_slice()).unwrap();
     }
     let staged = Arc::new(staging.finish().unwrap());
-    let dump = store.store_dump(staged, &images, &[], Arc::new(|_, _| {})).await.unwrap();
+    let dump = store
+        .store_dump(crate::store::DumpPages::Staged(staged), &images, &[], Arc::new(|_, _| {}))
+        .await
+        .unwrap();
     let manifest = Manifest {
         id: "20261122-000000-abcdef".into(),
         files: dump.files,

@@ -25,8 +25,10 @@ mod lazy_memory;
 #[cfg(test)]
 mod lazy_memory_tests;
 mod lease;
+mod memory;
 mod prefetch;
 mod staging;
+mod stream;
 mod upload;
 
 use std::sync::Arc;
@@ -46,7 +48,8 @@ pub use lazy_memory::LazyMemory;
 pub use prefetch::{FetchSettings, LazyFetch, LazyFetchError, LazyReader};
 pub use staging::{Staged, Staging, StagingBudget};
 pub use stasis_proto::stasis::v1::{Manifest, PodInfo};
-pub use upload::StoredDump;
+pub use stream::{StreamSink, StreamSource, stream};
+pub use upload::{DumpPages, StoredDump};
 
 use index::ChunkIndex;
 
@@ -87,6 +90,9 @@ pub enum StoreError {
     Unreadable { id: String, reason: String, more: usize },
     #[error("the store is busy: {0}; try again later")]
     Busy(String),
+    /// A dump stored while CRIU sent it ended before all its pages came (the dump failed).
+    #[error("the dump ended before all its pages arrived")]
+    DumpUnfinished,
     #[error("local file {path} could not be read or written")]
     Local {
         path: String,

@@ -1,19 +1,20 @@
 //! Storing a dump: chunking on a blocking thread, pack uploads in parallel (bounded), pack
 //! index objects after their packs, and the chunk index updated as packs land.
 
-use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use object_store::path::Path as ObjPath;
 use object_store::{PutPayload, WriteMultipart};
-use stasis_proto::stasis::v1::{ChunkRef, FileImage, MemoryImage, PageRun as StoredRun};
+use stasis_proto::stasis::v1::{ChunkRef, FileImage, MemoryImage};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 
 use super::chunks::{CHUNK, ChunkStats, ChunkWriter, FinishedPack, UploaderGone, aligned_windows};
-use super::staging::{Staged, StagedRun};
+use super::memory::{StreamFailure, staged_images, streamed_images};
+use super::staging::Staged;
+use super::stream::StreamSource;
 use super::{Progress, Store, StoreError, envelope};
 
 /// Packs uploaded at the same time.
@@ -22,6 +23,14 @@ const UPLOADS_IN_FLIGHT: usize = 4;
 const PACKS_QUEUED: usize = 2;
 /// Part size of multipart pack uploads.
 const PART: usize = 8 << 20;
+
+/// A dump's pages, as [`Store::store_dump`] takes them.
+pub enum DumpPages {
+    /// Received whole before storing began.
+    Staged(Arc<Staged>),
+    /// Arriving while they are stored.
+    Streamed(StreamSource),
+}
 
 /// What a stored dump consists of, for its manifest.
 #[derive(Debug, Clone, Default)]
@@ -44,30 +53,46 @@ impl Store {
         self.key(&format!("packs/{pack}.idx"))
     }
 
-    /// Stores the staged pages and the image files of `images_dir` (except `skip`) as chunks.
-    /// Nothing references them until a manifest is committed.
+    /// Stores a dump's pages and the image files of `images_dir` (except `skip`) as chunks;
+    /// the files are listed once the pages are stored (a streamed dump's CRIU has written them
+    /// by then). Nothing references the chunks until a manifest is committed.
     pub async fn store_dump(
         &self,
-        staged: Arc<Staged>,
+        pages: DumpPages,
         images_dir: &Path,
         skip: &[&str],
         progress: Progress,
     ) -> Result<StoredDump, StoreError> {
-        let files = list_images(images_dir, skip).await?;
-        let total = staged.len() + files.iter().map(|(_, _, size)| size).sum::<u64>();
         let stopped = uploader_stopped(images_dir);
         let (tx, mut rx) = mpsc::channel::<FinishedPack>(PACKS_QUEUED);
         let index = self.index.clone();
         let tag = self.node_tag.clone();
         let (cipher, slots) = (self.cipher.clone(), self.pack_slots.clone());
+        let dir = images_dir.to_path_buf();
+        let skip: Vec<String> = skip.iter().map(|s| s.to_string()).collect();
         let producer = tokio::task::spawn_blocking(move || {
             let mut writer = ChunkWriter::new(&index, tx, &tag, cipher.as_deref(), slots);
+            let known = match &pages {
+                DumpPages::Staged(staged) => staged.len(),
+                DumpPages::Streamed(_) => 0,
+            };
             let mut done = 0u64;
-            let memory = memory_images(&staged, &mut writer, &mut |n| {
+            let mut advance = |n| {
                 done += n;
-                progress(done, total);
-            })
-            .map_err(|UploaderGone| stopped())?;
+                progress(done, known.max(done));
+            };
+            let memory = match pages {
+                DumpPages::Staged(staged) => {
+                    staged_images(&staged, &mut writer, &mut advance).map_err(|UploaderGone| stopped())?
+                }
+                DumpPages::Streamed(source) => {
+                    streamed_images(source, &mut writer, &mut advance).map_err(|failure| match failure {
+                        StreamFailure::Uploader(UploaderGone) => stopped(),
+                        StreamFailure::Unfinished(_) => StoreError::DumpUnfinished,
+                    })?
+                }
+            };
+            let files = list_images(&dir, &skip)?;
             let mut images = Vec::with_capacity(files.len());
             for (name, path, size) in files {
                 let chunks = chunk_file(&mut writer, &path, size).map_err(|e| e.unwrap_or_else(&stopped))?;
@@ -151,59 +176,14 @@ fn record(
     }
 }
 
-/// Groups staged runs by destination (keeping CRIU's order), joins the runs of each that
-/// continue one another, and chunks their bytes.
-///
-/// CRIU cuts its transfers where its page-pipe buffers fill up, and those places move as soon
-/// as an earlier mapping gains or loses a page. Joined, a stored run is a stretch of present
-/// pages of the task's memory, and each chunk the part of an aligned window that stretch
-/// covers: the same memory gives the same chunks wherever CRIU cut it.
-fn memory_images(
-    staged: &Staged,
-    writer: &mut ChunkWriter<'_>,
-    advance: &mut dyn FnMut(u64),
-) -> Result<Vec<MemoryImage>, UploaderGone> {
-    let mut order: Vec<u64> = Vec::new();
-    let mut groups: HashMap<u64, Vec<&StagedRun>> = HashMap::new();
-    for r in staged.runs() {
-        groups.entry(r.run.dst_id).or_insert_with(|| {
-            order.push(r.run.dst_id);
-            Vec::new()
-        });
-        groups.get_mut(&r.run.dst_id).expect("group just made").push(r);
-    }
-    let mut images = Vec::with_capacity(order.len());
-    for dst_id in order {
-        let mut image = MemoryImage { dst_id, ..Default::default() };
-        for joined in continuations(&groups[&dst_id]) {
-            let first = joined[0].run;
-            let nr_pages = joined.iter().map(|r| r.run.nr_pages).sum();
-            image.runs.push(StoredRun { vaddr: first.vaddr, nr_pages, flags: first.flags });
-            let pieces: Vec<&[u8]> = joined.iter().map(|r| staged.bytes(r)).collect();
-            let windows = aligned_windows(first.vaddr, &pieces);
-            image.chunks.extend(writer.write(&windows.iter().map(|w| w.as_ref()).collect::<Vec<_>>())?);
-            joined.iter().for_each(|r| staged.release(r));
-            advance(pieces.iter().map(|p| p.len() as u64).sum());
-        }
-        images.push(image);
-    }
-    Ok(images)
-}
-
-/// `runs` split where a run does not continue the one before it (same flags, starting where
-/// it ends).
-fn continuations<'a, 'r>(runs: &'a [&'r StagedRun]) -> impl Iterator<Item = &'a [&'r StagedRun]> {
-    runs.chunk_by(|a, b| a.run.flags == b.run.flags && a.run.vaddr + a.run.byte_len() == b.run.vaddr)
-}
-
 /// The regular files of `dir` except `skip`, with their paths and sizes, sorted by name.
-async fn list_images(dir: &Path, skip: &[&str]) -> Result<Vec<(String, PathBuf, u64)>, StoreError> {
+fn list_images(dir: &Path, skip: &[String]) -> Result<Vec<(String, PathBuf, u64)>, StoreError> {
     let mut out = Vec::new();
-    let mut entries = tokio::fs::read_dir(dir).await.map_err(StoreError::local(dir))?;
-    while let Some(entry) = entries.next_entry().await.map_err(StoreError::local(dir))? {
+    for entry in std::fs::read_dir(dir).map_err(StoreError::local(dir))? {
+        let entry = entry.map_err(StoreError::local(dir))?;
         let name = entry.file_name().to_string_lossy().into_owned();
-        let meta = entry.metadata().await.map_err(StoreError::local(&entry.path()))?;
-        if meta.is_file() && !skip.contains(&name.as_str()) {
+        let meta = entry.metadata().map_err(StoreError::local(&entry.path()))?;
+        if meta.is_file() && !skip.contains(&name) {
             out.push((name, entry.path(), meta.len()));
         }
     }
@@ -288,7 +268,12 @@ mod tests {
         let images = dir.join("images");
         std::fs::create_dir_all(&images).unwrap();
         store
-            .store_dump(Arc::new(staging.finish().unwrap()), &images, &[], Arc::new(|_, _| {}))
+            .store_dump(
+                DumpPages::Staged(Arc::new(staging.finish().unwrap())),
+                &images,
+                &[],
+                Arc::new(|_, _| {}),
+            )
             .await
             .unwrap()
     }
@@ -321,6 +306,53 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread")]
+    async fn a_dump_streamed_while_criu_sends_it_gives_the_images_of_a_staged_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let staged =
+            store_cut(&Store::in_dir(&dir.path().join("a")), &dir.path().join("sa"), &[&[20], &[]]).await;
+        let store = Store::in_dir(&dir.path().join("b"));
+        let images = dir.path().join("images");
+        std::fs::create_dir_all(&images).unwrap();
+        std::fs::write(images.join("core-42.img"), b"written by CRIU during the dump").unwrap();
+        let (mut sink, source) = crate::store::stream();
+        let sender = std::thread::spawn(move || {
+            // Another destination's run between task 42's, as CRIU never sends but might.
+            let other = PageRun { dst_id: (43 << 8) | 1, vaddr: 0x1000, nr_pages: 1, flags: PE_PRESENT };
+            for (i, (vaddr, bytes)) in memory().iter().enumerate() {
+                for (from, to) in [(0, 3), (3, bytes.len() / PAGE)] {
+                    let run = PageRun {
+                        dst_id: (42 << 8) | 1,
+                        vaddr: vaddr + (from * PAGE) as u64,
+                        nr_pages: (to - from) as u64,
+                        flags: PE_PRESENT,
+                    };
+                    sink.run(run, &mut &bytes[from * PAGE..to * PAGE]).unwrap();
+                    if i == 0 && from == 0 {
+                        sink.run(other, &mut &[9u8; PAGE][..]).unwrap();
+                    }
+                }
+            }
+            sink.finish().unwrap();
+        });
+        let streamed =
+            store.store_dump(DumpPages::Streamed(source), &images, &[], Arc::new(|_, _| {})).await.unwrap();
+        sender.join().unwrap();
+        let task = streamed.memory.iter().find(|m| m.dst_id == (42 << 8) | 1).unwrap();
+        assert_eq!(task.runs, staged.memory[0].runs);
+        assert_eq!(task.chunks, staged.memory[0].chunks);
+        assert_eq!(streamed.memory.len(), 2, "the other destination has its own image");
+        assert_eq!(streamed.files.len(), 1, "the image files are stored after the pages");
+
+        // A stream that ends without its end (the dump failed) stores nothing.
+        let (mut sink, source) = crate::store::stream();
+        let run = PageRun { dst_id: 1, vaddr: 0, nr_pages: 1, flags: PE_PRESENT };
+        sink.run(run, &mut &[1u8; PAGE][..]).unwrap();
+        drop(sink);
+        let failed = store.store_dump(DumpPages::Streamed(source), &images, &[], Arc::new(|_, _| {})).await;
+        assert!(matches!(failed, Err(StoreError::DumpUnfinished)), "{failed:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
     async fn a_file_larger_than_a_block_is_chunked_as_a_whole_and_restores_byte_for_byte() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::in_dir(&dir.path().join("store"));
@@ -331,7 +363,8 @@ mod tests {
         std::fs::write(images.join("empty"), b"").unwrap();
         let staging = Staging::new(&crate::store::StagingBudget::new(1 << 20), &dir.path().join("spill"));
         let staged = Arc::new(staging.finish().unwrap());
-        let stored = store.store_dump(staged, &images, &[], Arc::new(|_, _| {})).await.unwrap();
+        let stored =
+            store.store_dump(DumpPages::Staged(staged), &images, &[], Arc::new(|_, _| {})).await.unwrap();
         let file = stored.files.iter().find(|f| f.name == "rootfs-diff.tar").unwrap();
         assert_eq!(file.size, data.len() as u64);
         assert_eq!(file.chunks.len(), data.len().div_ceil(CHUNK), "one chunk per window across blocks");

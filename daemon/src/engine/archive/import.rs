@@ -23,7 +23,7 @@ use crate::criu::pageserver::{PE_PARENT, PageSink};
 use crate::engine::ids::{checkpoint_id, now_unix_ms};
 use crate::engine::workloads::valid_name;
 use crate::engine::{Caller, Engine};
-use crate::store::{Manifest, Staged, Staging};
+use crate::store::{DumpPages, Manifest, Staged, Staging};
 
 /// What was unpacked: the archive's paths outside `checkpoint/` (files and directories) and
 /// what its JSON files say.
@@ -100,7 +100,7 @@ impl Engine {
         let kept = keep_files(dir, &unpacked)?;
         let guard = self.store.begin_commit().await?;
         let quiet: crate::store::Progress = Arc::new(|_, _| {});
-        let stored = self.store.store_dump(Arc::new(staged), &images, &[], quiet).await?;
+        let stored = self.store.store_dump(DumpPages::Staged(Arc::new(staged)), &images, &[], quiet).await?;
         let mut manifest = match unpacked.stasis {
             Some(own) => own,
             None => Manifest {

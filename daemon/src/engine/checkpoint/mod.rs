@@ -21,12 +21,14 @@ use nix::sys::signal::Signal;
 use tracing::{info, instrument, warn};
 
 use super::access::{Caller, owner_of};
-use super::dump::{self, Dump};
+use super::dump::{self, SPILL_FILE};
 use super::ids::{checkpoint_id, ms, now_unix_ms};
 use super::inspect::TreeInfo;
 use super::workloads::{Workload, derived_name};
 use super::{CheckpointCost, CheckpointError, Engine, ProgressFn, ProgressUpdate};
+use crate::criu::pageserver::PageSink;
 use crate::criu::{DumpSpec, NetworkLock};
+use crate::store::{DumpPages, Staging};
 use hold::Hold;
 use store::{DumpTiming, Dumped};
 pub(in crate::engine) use store::{stats_of, tree_options};
@@ -279,31 +281,67 @@ impl Engine {
         images: &Path,
         progress: &ProgressFn,
     ) -> Result<CheckpointStats, CheckpointError> {
-        let (Dump { frozen_at, staged }, dump_done) = self.dump_tree(job, tree, images, progress).await?;
-        let gpu_restore_ms = if job.leave_running { hold.runs_again().await? } else { 0 };
-        progress(ProgressUpdate { phase: "resumed", done: 0, total: 0 });
-        let frozen_ms = frozen_at.map(|t| ms(dump_done - t));
-        if let Some(notify) = on_resumed {
-            let dump_ms = ms(dump_done - job.started);
-            let stats =
-                CheckpointStats { frozen_ms: frozen_ms.unwrap_or_default(), dump_ms, ..Default::default() };
-            notify(job.outcome(false, stats));
+        if !job.leave_running {
+            return self.dump_while_storing(job, on_resumed, hold, tree, images, progress).await;
         }
-        let frozen_ms = frozen_ms.unwrap_or_else(|| ms(dump_done - job.started));
-        let timing = DumpTiming { started: job.started, dump_done, frozen_ms };
-        let (id, workload, created_unix_ms) = (&job.id, &job.workload, job.created_unix_ms);
-        let dumped = Dumped { id, workload, tree, created_unix_ms, timing, gpu: hold.gpu(), gpu_restore_ms };
-        self.store_checkpoint(dumped, staged, images, progress).await
+        // A tree that runs on is frozen only while CRIU copies its pages into staging; they
+        // are stored once it runs again.
+        let staging = Staging::new(&self.staging, &images.join(SPILL_FILE));
+        let (timing, staging) = self.dump_tree(job, tree, images, progress, staging).await?;
+        let staged =
+            staging.finish().map_err(|source| CheckpointError::Local { what: "page staging", source })?;
+        let gpu_restore_ms = hold.runs_again().await?;
+        job.resumed(&timing, on_resumed, progress);
+        let dumped = job.dumped(tree, timing, hold, gpu_restore_ms);
+        self.store_checkpoint(dumped, DumpPages::Staged(Arc::new(staged)), images, progress).await
     }
 
-    /// Runs CRIU's dump with stasisd's page server; returns the dump and when it ended.
-    async fn dump_tree(
+    /// A tree that will not run on (an eviction, a migration): its pages are stored as CRIU
+    /// sends them, so the checkpoint is durable sooner; it stays stopped meanwhile.
+    async fn dump_while_storing(
+        &self,
+        job: &Job,
+        on_resumed: OnResumed,
+        hold: &mut Hold<'_>,
+        tree: &TreeInfo,
+        images: &Path,
+        progress: &ProgressFn,
+    ) -> Result<CheckpointStats, CheckpointError> {
+        let (sink, source) = crate::store::stream();
+        self.begin_storing(&job.id, tree, images)?;
+        let dumping = async {
+            let (timing, sink) = self.dump_tree(job, tree, images, progress, sink).await?;
+            sink.finish().map_err(|source| CheckpointError::Local { what: "page stream", source })?;
+            job.resumed(&timing, on_resumed, progress);
+            Ok::<_, CheckpointError>(timing)
+        };
+        let storing = self.store_pages(DumpPages::Streamed(source), images, progress);
+        let (dumped, stored) = tokio::join!(dumping, storing);
+        let store_err = |source| CheckpointError::Store { id: job.id.clone(), source: Box::new(source) };
+        let committed = match (dumped, stored) {
+            (Ok(timing), Ok((guard, stored))) => {
+                let dumped = job.dumped(tree, timing, hold, 0);
+                self.commit_checkpoint(dumped, &guard, stored).await.map_err(store_err)
+            }
+            // The dump failed first; the store only saw its pages stop.
+            (Err(e), Err(crate::store::StoreError::DumpUnfinished) | Ok(_)) => Err(e),
+            // The store failed (and the dump with it, if it was not over).
+            (_, Err(e)) => Err(store_err(e)),
+        };
+        self.settle_store(&job.id, committed.is_ok());
+        committed
+    }
+
+    /// Runs CRIU's dump with stasisd's page server feeding `sink`; returns the dump's timing
+    /// and the sink.
+    async fn dump_tree<S: PageSink + Send + 'static>(
         &self,
         job: &Job,
         tree: &TreeInfo,
         images: &Path,
         progress: &ProgressFn,
-    ) -> Result<(Dump, Instant), CheckpointError> {
+        sink: S,
+    ) -> Result<(DumpTiming, S), CheckpointError> {
         progress(ProgressUpdate { phase: "dump", done: 0, total: 0 });
         let _init_dir = match &tree.init_dir {
             Some(dir) => {
@@ -333,12 +371,15 @@ impl Engine {
             page_server_fd: None,
             enter,
         };
-        let (criu, version, staging) = (self.criu.clone(), self.criu_version, self.staging.clone());
-        let dumped = tokio::task::spawn_blocking(move || dump::dump(criu.as_ref(), version, spec, staging))
+        let (criu, version) = (self.criu.clone(), self.criu_version);
+        let dumped = tokio::task::spawn_blocking(move || dump::dump(criu.as_ref(), version, spec, sink))
             .await
             .map_err(|e| CheckpointError::Local { what: "dump thread", source: std::io::Error::other(e) })?;
-        let dump = dumped.map_err(|failure| failure.into_error(job.workload.clone()))?;
-        Ok((dump, Instant::now()))
+        let (frozen_at, sink) = dumped.map_err(|failure| failure.into_error(job.workload.clone()))?;
+        let dump_done = Instant::now();
+        // Unknown only from a CRIU that ran no action scripts: then the whole job counts.
+        let frozen_ms = ms(dump_done - frozen_at.unwrap_or(job.started));
+        Ok((DumpTiming { started: job.started, dump_done, frozen_ms }, sink))
     }
 
     /// The checkpoint is stored: an evicted tree is killed, the registry updated, retention
@@ -436,6 +477,28 @@ impl Job {
     /// An idle reclaim whose workload was used meanwhile (checked before an eviction stops it).
     fn used_during_reclaim(&self) -> bool {
         !self.leave_running && self.reclaim.as_ref().is_some_and(|used| used.load(Ordering::SeqCst))
+    }
+
+    /// Tells `on_resumed` and `progress` that the tree runs again (or is held stopped).
+    fn resumed(&self, timing: &DumpTiming, on_resumed: OnResumed, progress: &ProgressFn) {
+        progress(ProgressUpdate { phase: "resumed", done: 0, total: 0 });
+        if let Some(notify) = on_resumed {
+            let dump_ms = ms(timing.dump_done - timing.started);
+            let stats = CheckpointStats { frozen_ms: timing.frozen_ms, dump_ms, ..Default::default() };
+            notify(self.outcome(false, stats));
+        }
+    }
+
+    /// What the store records of the dump.
+    fn dumped<'a>(
+        &'a self,
+        tree: &'a TreeInfo,
+        timing: DumpTiming,
+        hold: &'a Hold<'_>,
+        gpu_restore_ms: u64,
+    ) -> Dumped<'a> {
+        let (id, workload, created_unix_ms) = (&self.id, &self.workload, self.created_unix_ms);
+        Dumped { id, workload, tree, created_unix_ms, timing, gpu: hold.gpu(), gpu_restore_ms }
     }
 
     fn outcome(&self, durable: bool, stats: CheckpointStats) -> CheckpointOutcome {

@@ -17,7 +17,7 @@ use super::{CheckpointStats, convert_stats};
 use crate::criu::{LOG_FILE, NetworkLock, TreeOptions};
 use crate::engine::access::owner_of;
 use crate::linux::{cgroup, init_program};
-use crate::store::{Manifest, Staged, StoredDump};
+use crate::store::{CommitGuard, DumpPages, Manifest, StoreError, StoredDump};
 
 /// A tree CRIU has dumped, about to be stored as checkpoint `id`.
 pub(super) struct Dumped<'a> {
@@ -39,47 +39,85 @@ pub(super) struct DumpTiming {
 }
 
 impl Engine {
-    /// Stores the dump's pages (`staged`) and images and commits the manifest. What a failed
+    /// Stores a finished dump's pages and images and commits the manifest. What a failed
     /// attempt uploaded is removed in the background (see `remove_orphans`).
     pub(super) async fn store_checkpoint(
         &self,
         dumped: Dumped<'_>,
-        staged: Staged,
+        pages: DumpPages,
         images: &Path,
         progress: &ProgressFn,
     ) -> Result<CheckpointStats, CheckpointError> {
         let id = dumped.id;
-        let store_err = |source| CheckpointError::Store { id: id.into(), source: Box::new(source) };
+        self.begin_storing(id, dumped.tree, images)?;
+        let committed = async {
+            let (guard, stored) = self.store_pages(pages, images, progress).await?;
+            self.commit_checkpoint(dumped, &guard, stored).await
+        }
+        .await;
+        self.settle_store(id, committed.is_ok());
+        committed.map_err(|source| CheckpointError::Store { id: id.into(), source: Box::new(source) })
+    }
+
+    /// Marks checkpoint `id` in flight (its packs are not orphans while it is) and puts the
+    /// tree's stasis-init among its images. Every call is followed by [`Self::settle_store`].
+    pub(super) fn begin_storing(
+        &self,
+        id: &str,
+        tree: &TreeInfo,
+        images: &Path,
+    ) -> Result<(), CheckpointError> {
         self.state
             .mark_inflight(id)
             .map_err(|source| CheckpointError::Local { what: "in-flight marker", source })?;
+        // The tree's stasis-init travels with it (see `linux::init_program`).
+        if let Some((exe, name)) =
+            tree.init_program.as_ref().and_then(|e| Some((e, init_program::name_of(e)?)))
+        {
+            std::fs::copy(exe, images.join(name)).map_err(|source| {
+                self.settle_store(id, false);
+                CheckpointError::Local { what: "copy of the tree's stasis-init", source }
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Stores the pages, then the image files (CRIU's, without its log and the spill file),
+    /// under a commit guard.
+    pub(super) async fn store_pages(
+        &self,
+        pages: DumpPages,
+        images: &Path,
+        progress: &ProgressFn,
+    ) -> Result<(CommitGuard, StoredDump), StoreError> {
         let report: crate::store::Progress = {
             let progress = progress.clone();
             Arc::new(move |done, total| progress(ProgressUpdate { phase: "upload", done, total }))
         };
-        // The tree's stasis-init travels with it (see `linux::init_program`).
-        if let Some((exe, name)) =
-            dumped.tree.init_program.as_ref().and_then(|e| Some((e, init_program::name_of(e)?)))
-        {
-            std::fs::copy(exe, images.join(name)).map_err(|source| CheckpointError::Local {
-                what: "copy of the tree's stasis-init",
-                source,
-            })?;
-        }
-        let skip = [LOG_FILE, SPILL_FILE];
-        let committed = async {
-            let guard = self.store.begin_commit().await?;
-            let stored = self.store.store_dump(Arc::new(staged), images, &skip, report).await?;
-            let stats = stats(&dumped, &stored);
-            self.store.commit(&self.manifest(&dumped, stored, stats), &guard).await?;
-            Ok(stats)
-        }
-        .await;
+        let guard = self.store.begin_commit().await?;
+        let stored = self.store.store_dump(pages, images, &[LOG_FILE, SPILL_FILE], report).await?;
+        Ok((guard, stored))
+    }
+
+    /// Commits the manifest of a stored dump.
+    pub(super) async fn commit_checkpoint(
+        &self,
+        dumped: Dumped<'_>,
+        guard: &CommitGuard,
+        stored: StoredDump,
+    ) -> Result<CheckpointStats, StoreError> {
+        let stats = stats(&dumped, &stored);
+        self.store.commit(&self.manifest(&dumped, stored, stats), guard).await?;
+        Ok(stats)
+    }
+
+    /// Ends what [`Self::begin_storing`] began: the marker goes, and after a failure so does
+    /// what the attempt uploaded.
+    pub(super) fn settle_store(&self, id: &str, committed: bool) {
         match committed {
-            Ok(_) => self.state.clear_inflight(id),
-            Err(_) => self.remove_orphans(id),
+            true => self.state.clear_inflight(id),
+            false => self.remove_orphans(id),
         }
-        committed.map_err(store_err)
     }
 
     /// Removes what a failed upload left in the store (this node's unreferenced packs), so
