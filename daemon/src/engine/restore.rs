@@ -374,7 +374,7 @@ impl Engine {
                 (files, home.cgroup_in_hierarchy().filter(|_| !manifest.cgroup.is_empty()), None)
             }
             Placement::Container(c) => {
-                let prepared = pods::prepare_restore(manifest, c);
+                let prepared = pods::prepare_restore(manifest, c, &self.reaper).await;
                 let (files, enter) = prepared.map_err(RestoreError::local("entering the container"))?;
                 (files, None, Some(enter))
             }

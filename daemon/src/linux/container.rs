@@ -4,7 +4,9 @@
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
+
+use super::reaper::{ExitKind, Reaper};
 
 /// The `cgroup.procs` file, in every hierarchy mounted here, of the cgroups `pid` is in: what
 /// a process writes itself into to join them all (one file on a pure v2 host, one per
@@ -55,19 +57,17 @@ pub fn ensure_tmp(pid: i32) -> io::Result<()> {
 /// Has the pid namespace whose init is `init` hand out pids above `highest` from now on, so
 /// that neither CRIU (which runs in it) nor anything started meanwhile takes a pid a restored
 /// process needs. The kernel's `ns_last_pid` applies to the writer's pid namespace, so a
-/// process forked into it writes it (through this host's /proc, where it is writable).
-pub fn reserve_pids(init: i32, highest: i32) -> io::Result<()> {
-    let status = Command::new("nsenter")
-        .args(["--target", &init.to_string(), "--pid", "--", "/bin/sh", "-c"])
-        .arg(format!("echo {highest} > /proc/sys/kernel/ns_last_pid"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()?;
-    match status.success() {
-        true => Ok(()),
-        false => Err(io::Error::other(format!(
-            "setting the next pid in process {init}'s namespace failed ({status})"
+/// process forked into it writes it (through this host's /proc, where it is writable). Run
+/// through stasisd's `reaper`, which alone waits for children.
+pub async fn reserve_pids(reaper: &Reaper, init: i32, highest: i32) -> io::Result<()> {
+    let mut cmd = Command::new("nsenter");
+    cmd.args(["--target", &init.to_string(), "--pid", "--", "/bin/sh", "-c"])
+        .arg(format!("echo {highest} > /proc/sys/kernel/ns_last_pid"));
+    match reaper.run(cmd).await? {
+        (ExitKind::Exited(0), _) => Ok(()),
+        (how, stderr) => Err(io::Error::other(format!(
+            "setting the next pid in process {init}'s namespace failed ({how}): {}",
+            stderr.trim()
         ))),
     }
 }

@@ -21,6 +21,7 @@ use tracing::info;
 use super::super::{Caller, Engine, ProgressFn, RestoreError, RestoreParams, RestoreTarget};
 use super::{ContainerRef, enter};
 use crate::criu::Enter;
+use crate::linux::reaper::Reaper;
 use crate::linux::{container, proc, sys};
 use crate::store::Manifest;
 
@@ -95,13 +96,14 @@ impl Engine {
 /// What a restore into container `c` hands CRIU: the container's stdout and stderr for the
 /// pipes the tree wrote to, and how to enter it; and the container's next ids, set above the
 /// tree's processes and threads.
-pub(in crate::engine) fn prepare_restore(
+pub(in crate::engine) async fn prepare_restore(
     manifest: &Manifest,
     c: &ContainerRef,
+    reaper: &Reaper,
 ) -> std::io::Result<(Vec<(String, OwnedFd)>, Enter)> {
     let pod = manifest.pod.clone().unwrap_or_default();
     let highest = pod.inner_pids.iter().copied().chain([pod.highest_inner_tid, 1]).max().unwrap_or(1);
-    container::reserve_pids(c.init_pid, highest)?;
+    container::reserve_pids(reaper, c.init_pid, highest).await?;
     Ok((stdio_of(c.init_pid, &pod.stdio)?, enter(c, true)?))
 }
 
