@@ -37,7 +37,7 @@ use std::sync::Arc;
 
 pub use access::Caller;
 pub(crate) use checkpoint::convert_stats;
-pub use checkpoint::{CheckpointOutcome, CheckpointParams, CheckpointStats, Target};
+pub use checkpoint::{AnswerWhen, CheckpointOutcome, CheckpointParams, CheckpointStats, EarlyAnswer, Target};
 pub use error::{CheckpointError, PolicyError, QueryError, RestoreError, RunError, StartError};
 pub use evacuate::plan::CheckpointCost;
 pub use evacuate::{EvacuateParams, Evacuation};

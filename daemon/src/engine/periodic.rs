@@ -64,7 +64,7 @@ impl Engine {
                 let params = CheckpointParams {
                     target: Target::Workload(name.clone()),
                     leave_running: true,
-                    on_resumed: None,
+                    answer_early: None,
                     reclaim: None,
                     caller: Caller::Root,
                 };

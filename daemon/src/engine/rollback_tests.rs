@@ -111,7 +111,7 @@ impl Rig {
         let params = CheckpointParams {
             target: Target::Pid(ROOT),
             leave_running,
-            on_resumed: None,
+            answer_early: None,
             reclaim: None,
             caller: Caller::Root,
         };
@@ -279,7 +279,7 @@ async fn reclaim(r: &Rig, used: bool) -> CheckpointOutcome {
     let params = CheckpointParams {
         target: Target::Pid(ROOT),
         leave_running: false,
-        on_resumed: None,
+        answer_early: None,
         reclaim: used,
         caller: Caller::Root,
     };
@@ -315,7 +315,7 @@ async fn another_users_tree_and_checkpoints_are_refused_before_anything_is_touch
     let params = CheckpointParams {
         target: Target::Pid(ROOT),
         leave_running: true,
-        on_resumed: None,
+        answer_early: None,
         reclaim: None,
         caller: user,
     };

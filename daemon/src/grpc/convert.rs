@@ -185,7 +185,7 @@ impl TryFrom<pb::CheckpointRequest> for CheckpointParams {
         Ok(Self {
             target,
             leave_running: r.leave_running,
-            on_resumed: None,
+            answer_early: None,
             reclaim: None,
             caller: Caller::Root,
         })

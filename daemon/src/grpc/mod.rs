@@ -86,9 +86,11 @@ impl Stasis for StasisService {
         if no_wait {
             // The early answer is the stream's result; the job goes on after it.
             let early = tx.clone();
-            params.on_resumed = Some(Box::new(move |o| {
+            let send = Box::new(move |o: crate::engine::CheckpointOutcome| {
                 let _ = early.send(Ok(pb::CheckpointEvent { event: Some(Event::Done(o.into())) }));
-            }));
+            });
+            params.answer_early =
+                Some(crate::engine::EarlyAnswer { when: crate::engine::AnswerWhen::Resumed, send });
         }
         let progress =
             progress_sender(tx.clone(), |p| pb::CheckpointEvent { event: Some(Event::Progress(p)) });

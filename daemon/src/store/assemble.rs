@@ -348,14 +348,29 @@ pub(super) fn decode_chunk(
     };
     let data = match loc.codec {
         Codec::Raw => stored.to_vec(),
-        Codec::Zstd => {
-            zstd::bulk::decompress(stored, loc.len as usize).map_err(|_| "it does not decompress")?
-        }
+        Codec::Zstd => decompress(stored, loc.len as usize).map_err(|_| "it does not decompress")?,
     };
     if data.len() != loc.len as usize || &chunk_id(cipher, &data) != hash {
         return Err("its content does not match its hash");
     }
     Ok(data)
+}
+
+thread_local! {
+    /// Each thread's decompression context, kept rather than made for every chunk.
+    static DECOMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// `stored` decompressed, at most `len` bytes.
+fn decompress(stored: &[u8], len: usize) -> std::io::Result<Vec<u8>> {
+    DECOMPRESSOR.with_borrow_mut(|decompressor| {
+        let decompressor = match decompressor {
+            Some(d) => d,
+            None => decompressor.insert(zstd::bulk::Decompressor::new()?),
+        };
+        decompressor.decompress(stored, len)
+    })
 }
 
 /// How many of the first `chunks` hold exactly `len` bytes; `None` if they do not cut there.

@@ -106,6 +106,24 @@ impl WindowCutter {
     }
 }
 
+thread_local! {
+    /// Each thread's compression context: making one per chunk allocated and freed a large
+    /// buffer every 64 KiB, page faults included.
+    static COMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Compressor<'static>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// `raw` compressed with zstd at [`ZSTD_LEVEL`].
+fn compress(raw: &[u8]) -> std::io::Result<Vec<u8>> {
+    COMPRESSOR.with_borrow_mut(|compressor| {
+        let compressor = match compressor {
+            Some(c) => c,
+            None => compressor.insert(zstd::bulk::Compressor::new(ZSTD_LEVEL)?),
+        };
+        compressor.compress(raw)
+    })
+}
+
 fn is_zero(data: &[u8]) -> bool {
     let words = data.chunks_exact(8);
     let rest = words.remainder();
@@ -172,7 +190,7 @@ impl<'a> ChunkWriter<'a> {
                 .par_iter()
                 .map(|&i| {
                     let raw = batch[i];
-                    let (codec, stored) = match zstd::bulk::compress(raw, ZSTD_LEVEL) {
+                    let (codec, stored) = match compress(raw) {
                         // Keep the compressed form only where it saves at least 1/32.
                         Ok(z) if z.len() < raw.len() - raw.len() / 32 => (Codec::Zstd, z),
                         _ => (Codec::Raw, raw.to_vec()),

@@ -44,9 +44,8 @@ pub struct CheckpointParams {
     pub target: Target,
     /// Keep the tree running afterwards; otherwise it is stopped once the checkpoint is stored.
     pub leave_running: bool,
-    /// Called once the tree is resumed (or stopped, for eviction) and before the checkpoint
-    /// is stored, with what is known then; for callers that do not wait until durable.
-    pub on_resumed: Option<Box<dyn FnOnce(CheckpointOutcome) + Send>>,
+    /// An answer before the job ends, for callers that do not wait for all of it.
+    pub answer_early: Option<EarlyAnswer>,
     /// An idle reclaim (see `engine/idle/`): set once the workload is used during it, in
     /// which case the stored tree is given back rather than stopped. Its network lock is kept
     /// for the waker, not swept.
@@ -55,12 +54,29 @@ pub struct CheckpointParams {
     pub caller: Caller,
 }
 
+/// A checkpoint's outcome, told before its job ends.
+pub struct EarlyAnswer {
+    pub when: AnswerWhen,
+    pub send: Box<dyn FnOnce(CheckpointOutcome) + Send>,
+}
+
+/// When an [`EarlyAnswer`] is given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnswerWhen {
+    /// Once the tree runs again (or is held stopped), before the checkpoint is stored, with
+    /// what is known then.
+    Resumed,
+    /// Once the checkpoint is durable, before an evicted tree is killed, the registry updated
+    /// and retention applied (a restore of the workload waits for those).
+    Durable,
+}
+
 impl std::fmt::Debug for CheckpointParams {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CheckpointParams")
             .field("target", &self.target)
             .field("leave_running", &self.leave_running)
-            .field("on_resumed", &self.on_resumed.is_some())
+            .field("answer_early", &self.answer_early.as_ref().map(|a| a.when))
             .field("reclaim", &self.reclaim)
             .field("caller", &self.caller)
             .finish()
@@ -127,7 +143,7 @@ pub struct CheckpointOutcome {
     pub workload: String,
     pub pid: i32,
     pub left_running: bool,
-    /// Whether the checkpoint is stored (false only in an early answer, see `on_resumed`).
+    /// Whether the checkpoint is stored (false only in an early answer once resumed).
     pub durable: bool,
     pub stats: CheckpointStats,
 }
@@ -222,8 +238,15 @@ impl Engine {
             Ok(suspended) => hold.suspended_gpu(suspended),
             Err(e) => return Err(hold.give_back(e).await),
         }
-        let stored =
-            self.dump_and_store(&job, params.on_resumed, &mut hold, &tree, work.path(), &progress).await;
+        let (on_resumed, on_durable) = match params.answer_early {
+            Some(EarlyAnswer { when: AnswerWhen::Resumed, send }) => (Some(send), None),
+            Some(EarlyAnswer { when: AnswerWhen::Durable, send }) => (None, Some(send)),
+            None => (None, None),
+        };
+        let stored = self.dump_and_store(&job, on_resumed, &mut hold, &tree, work.path(), &progress).await;
+        if let (Ok(stats), Some(send)) = (&stored, on_durable) {
+            send(job.outcome(true, *stats));
+        }
         match stored {
             Ok(stats) if job.used_during_reclaim() => {
                 // What could not be undone is logged; the checkpoint itself is good.

@@ -157,7 +157,7 @@ impl Engine {
         let params = CheckpointParams {
             target: Target::Workload(name.to_owned()),
             leave_running,
-            on_resumed: None,
+            answer_early: None,
             reclaim: None,
             caller: Caller::Root,
         };

@@ -32,7 +32,7 @@ impl Engine {
         let params = CheckpointParams {
             target: Target::Workload(name.into()),
             leave_running: false,
-            on_resumed: None,
+            answer_early: None,
             reclaim: Some(used.clone()),
             caller: Caller::Root,
         };

@@ -26,7 +26,8 @@ pub(super) use restore::{adopted, prepare_restore};
 
 use super::evacuate::plan::{Candidate, estimate};
 use super::{
-    Caller, CheckpointError, CheckpointOutcome, CheckpointParams, Engine, ProgressFn, Target, Workload,
+    AnswerWhen, Caller, CheckpointError, CheckpointOutcome, CheckpointParams, EarlyAnswer, Engine,
+    ProgressFn, Target, Workload,
 };
 use crate::criu::Enter;
 use crate::linux::{container, proc};
@@ -195,16 +196,36 @@ impl Engine {
             }
         }
         self.mark_eviction(&w.name, true, false);
+        // The hook returns once the checkpoint is durable; killing the stopped tree and the
+        // rest of the job go on meanwhile (a restore of the workload waits for them).
+        let (durable, answer) = tokio::sync::oneshot::channel();
+        let engine = self.clone();
+        let send = Box::new(move |outcome: CheckpointOutcome| {
+            engine.mark_eviction(&outcome.workload, false, true);
+            let _ = durable.send(outcome);
+        });
         let params = CheckpointParams {
             target: Target::Workload(w.name.clone()),
             leave_running: false,
-            on_resumed: None,
+            answer_early: Some(EarlyAnswer { when: AnswerWhen::Durable, send }),
             reclaim: None,
             caller: Caller::Root,
         };
-        let evicted = self.checkpoint(params, progress).await;
-        self.mark_eviction(&w.name, false, evicted.is_ok());
-        evicted
+        let engine = self.clone();
+        let job = tokio::spawn(async move {
+            let evicted = engine.checkpoint(params, progress).await;
+            if evicted.is_err() {
+                engine.mark_eviction(&w.name, false, false);
+            }
+            evicted
+        });
+        match answer.await {
+            Ok(outcome) => Ok(outcome),
+            // The job ended before its checkpoint was durable: its error says why.
+            Err(_) => job
+                .await
+                .map_err(|e| CheckpointError::Local { what: "eviction", source: std::io::Error::other(e) })?,
+        }
     }
 
     fn mark_eviction(&self, name: &str, evicting: bool, evicted: bool) {
