@@ -78,7 +78,10 @@ impl Drop for Held {
 #[derive(Debug)]
 pub struct Staging {
     held: Held,
+    /// Segments receiving pages, then those made ahead by [`Staging::reserve`] and not used
+    /// yet; `current` is the one being filled.
     segments: Vec<Segment>,
+    current: usize,
     spill_path: PathBuf,
     spill: Option<File>,
     spilled: u64,
@@ -91,6 +94,7 @@ impl Staging {
         Self {
             held: Held { budget: budget.clone(), bytes: 0 },
             segments: Vec::new(),
+            current: 0,
             spill_path: spill_path.to_path_buf(),
             spill: None,
             spilled: 0,
@@ -98,8 +102,27 @@ impl Staging {
         }
     }
 
+    /// Makes and faults in segments for about `bytes` of pages (as far as the budget has room
+    /// now), before the dump: then the tree, once frozen, does not wait while every page
+    /// received is faulted in and zeroed. Only an optimization: failures are ignored.
+    pub fn reserve(&mut self, bytes: u64) {
+        let room = self.held.budget.limit.saturating_sub(self.held.budget.used());
+        let segments = bytes.min(room).div_ceil(SEGMENT as u64) as usize;
+        for _ in 0..segments {
+            match Segment::new(SEGMENT) {
+                Ok(segment) => {
+                    let _ = segment.map.advise(Advice::PopulateWrite);
+                    self.segments.push(segment);
+                }
+                Err(_) => return,
+            }
+        }
+    }
+
     /// Ends reception; the spill file, if any, is mapped for reading.
-    pub fn finish(self) -> io::Result<Staged> {
+    pub fn finish(mut self) -> io::Result<Staged> {
+        // Reserved segments left unused are given back now.
+        self.segments.truncate(self.segments.iter().rposition(|s| s.used > 0).map_or(0, |i| i + 1));
         let spill = match self.spill {
             Some(mut file) => {
                 file.flush()?;
@@ -117,11 +140,21 @@ impl Staging {
     }
 
     fn stage_in_memory(&mut self, len: usize, data: &mut dyn Read) -> io::Result<Loc> {
-        let fits = self.segments.last().is_some_and(|s| s.map.len() - s.used >= len);
-        if !fits {
-            self.segments.push(Segment::new(SEGMENT.max(len))?);
+        let room = |s: &Segment| s.map.len() - s.used >= len;
+        if !self.segments.get(self.current).is_some_and(room) {
+            // The current segment is full (or unused: the first run): the next reserved one,
+            // or a new one in its place.
+            let next = if self.segments.get(self.current).is_some_and(|s| s.used > 0) {
+                self.current + 1
+            } else {
+                self.current
+            };
+            if !self.segments.get(next).is_some_and(room) {
+                self.segments.insert(next, Segment::new(SEGMENT.max(len))?);
+            }
+            self.current = next;
         }
-        let segment = self.segments.len() - 1;
+        let segment = self.current;
         let seg = &mut self.segments[segment];
         let offset = seg.used;
         data.read_exact(&mut seg.map[offset..offset + len])?;
@@ -270,5 +303,28 @@ mod tests {
         drop(staged);
         assert_eq!(budget.used(), 0, "given back with the staged pages");
         assert!(!spill.exists(), "spill file removed with the staged pages");
+    }
+
+    #[test]
+    fn reserved_segments_are_filled_in_order_and_the_unused_ones_given_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let budget = StagingBudget::new(4 * SEGMENT as u64);
+        let mut staging = Staging::new(&budget, &dir.path().join("spill"));
+        staging.reserve(3 * SEGMENT as u64 - 1);
+        assert_eq!(staging.segments.len(), 3);
+        let page = PAGE_SIZE as usize;
+        let run = |vaddr, nr_pages| PageRun { dst_id: 257, vaddr, nr_pages, flags: PE_PRESENT };
+        let one: Vec<u8> = vec![1; page];
+        let whole: Vec<u8> = (0..SEGMENT).map(|i| (i / page) as u8).collect();
+        let more: Vec<u8> = (0..SEGMENT + page).map(|i| (i / page) as u8 ^ 0x55).collect();
+        staging.run(run(0x1000, 1), &mut &one[..]).unwrap();
+        staging.run(run(0x10_0000, (SEGMENT / page) as u64), &mut &whole[..]).unwrap();
+        staging.run(run(0x1000_0000, (SEGMENT / page + 1) as u64), &mut &more[..]).unwrap();
+        staging.run(run(0x2000_0000, 1), &mut &one[..]).unwrap();
+        let staged = staging.finish().unwrap();
+        assert_eq!(staged.segments.len(), 4, "three reserved, one larger made between them");
+        let bytes: Vec<&[u8]> = staged.runs().iter().map(|r| staged.bytes(r)).collect();
+        assert_eq!(bytes, [&one[..], &whole[..], &more[..], &one[..]]);
+        assert!(!dir.path().join("spill").exists(), "all in memory");
     }
 }

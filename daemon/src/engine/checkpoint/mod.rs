@@ -307,9 +307,10 @@ impl Engine {
         if !job.leave_running {
             return self.dump_while_storing(job, on_resumed, hold, tree, images, progress).await;
         }
-        // A tree that runs on is frozen only while CRIU copies its pages into staging; they
-        // are stored once it runs again.
-        let staging = Staging::new(&self.staging, &images.join(SPILL_FILE));
+        // A tree that runs on is frozen only while CRIU copies its pages into staging (made
+        // ready before it is frozen); they are stored once it runs again.
+        let mut staging = Staging::new(&self.staging, &images.join(SPILL_FILE));
+        staging.reserve(self.host.resident_bytes(&tree.pids));
         let (timing, staging) = self.dump_tree(job, tree, images, progress, staging).await?;
         let staged =
             staging.finish().map_err(|source| CheckpointError::Local { what: "page staging", source })?;
