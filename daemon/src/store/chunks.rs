@@ -106,6 +106,22 @@ impl WindowCutter {
     }
 }
 
+/// A chunk's id (none when all zero) and, when the store lacks it, its stored form.
+type Prepared = (Option<ChunkHash>, Option<(Codec, Vec<u8>)>);
+
+/// How chunk `raw` (id `hash`) is kept in a pack: zstd where that saves at least 1/32,
+/// sealed in an encrypted store.
+fn stored_form(cipher: Option<&Cipher>, hash: &ChunkHash, raw: &[u8]) -> (Codec, Vec<u8>) {
+    let (codec, stored) = match compress(raw) {
+        Ok(z) if z.len() < raw.len() - raw.len() / 32 => (Codec::Zstd, z),
+        _ => (Codec::Raw, raw.to_vec()),
+    };
+    match cipher {
+        Some(c) => (codec, c.seal(hash, &stored)),
+        None => (codec, stored),
+    }
+}
+
 thread_local! {
     /// Each thread's compression context: making one per chunk allocated and freed a large
     /// buffer every 64 KiB, page faults included.
@@ -164,50 +180,36 @@ impl<'a> ChunkWriter<'a> {
     pub fn write(&mut self, pieces: &[&[u8]]) -> Result<Vec<ChunkRef>, UploaderGone> {
         let mut refs = Vec::with_capacity(pieces.len());
         for batch in pieces.chunks(BATCH) {
-            let hashes: Vec<Option<ChunkHash>> =
-                batch.par_iter().map(|p| (!is_zero(p)).then(|| chunk_id(self.cipher, p))).collect();
-            let mut fresh = Vec::new();
-            for (i, hash) in hashes.iter().enumerate() {
-                self.stats.chunks_total += 1;
-                self.stats.bytes_total += batch[i].len() as u64;
-                let new_to_store = hash.is_some_and(|h| !self.index.contains(&h));
-                match hash {
-                    None => self.stats.chunks_zero += 1,
-                    Some(h) if self.index.contains(h) || self.packed.contains(h) => {}
-                    Some(h) => {
-                        self.packed.insert(*h);
-                        fresh.push(i);
-                    }
-                }
-                refs.push(ChunkRef {
-                    hash: hash.map(|h| h.to_vec()).unwrap_or_default(),
-                    len: batch[i].len() as u32,
-                    fresh: new_to_store,
-                });
-            }
-            let cipher = self.cipher;
-            let compressed: Vec<(usize, Codec, Vec<u8>)> = fresh
+            // Hashing, and compressing what the store lacks, in one parallel pass.
+            let (cipher, index) = (self.cipher, self.index);
+            let prepared: Vec<Prepared> = batch
                 .par_iter()
-                .map(|&i| {
-                    let raw = batch[i];
-                    let (codec, stored) = match compress(raw) {
-                        // Keep the compressed form only where it saves at least 1/32.
-                        Ok(z) if z.len() < raw.len() - raw.len() / 32 => (Codec::Zstd, z),
-                        _ => (Codec::Raw, raw.to_vec()),
-                    };
-                    let hash = hashes[i].expect("fresh chunks are not zero");
-                    let stored = match cipher {
-                        Some(c) => c.seal(&hash, &stored),
-                        None => stored,
-                    };
-                    (i, codec, stored)
+                .map(|raw| {
+                    if is_zero(raw) {
+                        return (None, None);
+                    }
+                    let hash = chunk_id(cipher, raw);
+                    (Some(hash), (!index.contains(&hash)).then(|| stored_form(cipher, &hash, raw)))
                 })
                 .collect();
-            for (i, codec, stored) in compressed {
-                self.stats.chunks_new += 1;
-                self.stats.bytes_new += batch[i].len() as u64;
-                let hash = hashes[i].expect("fresh chunks are not zero");
-                self.append(hash, batch[i].len(), codec, &stored)?;
+            for (raw, (hash, stored)) in batch.iter().zip(prepared) {
+                self.stats.chunks_total += 1;
+                self.stats.bytes_total += raw.len() as u64;
+                refs.push(ChunkRef {
+                    hash: hash.map(|h| h.to_vec()).unwrap_or_default(),
+                    len: raw.len() as u32,
+                    fresh: stored.is_some(),
+                });
+                match (hash, stored) {
+                    (None, _) => self.stats.chunks_zero += 1,
+                    // Packed once per checkpoint, however often the same bytes recur in it.
+                    (Some(hash), Some((codec, stored))) if self.packed.insert(hash) => {
+                        self.stats.chunks_new += 1;
+                        self.stats.bytes_new += raw.len() as u64;
+                        self.append(hash, raw.len(), codec, &stored)?;
+                    }
+                    (Some(_), _) => {}
+                }
             }
         }
         Ok(refs)
