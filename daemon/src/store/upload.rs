@@ -248,6 +248,16 @@ mod tests {
         vec![(0x7f00_0000_3000, fill(37, 1)), (0x7f00_0010_0000, fill(5, 2))]
     }
 
+    /// Task 42's pages `from..to` of the region at `vaddr`, as CRIU sends them.
+    fn task_run(vaddr: u64, from: usize, to: usize) -> PageRun {
+        PageRun {
+            dst_id: (42 << 8) | 1,
+            vaddr: vaddr + (from * PAGE) as u64,
+            nr_pages: (to - from) as u64,
+            flags: PE_PRESENT,
+        }
+    }
+
     /// Stores `memory()` as CRIU would send it with its transfers cut after the page counts in
     /// `cuts` (per region, in order).
     async fn store_cut(store: &Store, dir: &Path, cuts: &[&[usize]]) -> StoredDump {
@@ -255,13 +265,7 @@ mod tests {
         for ((vaddr, bytes), cuts) in memory().iter().zip(cuts) {
             let mut from = 0;
             for &to in cuts.iter().chain([&(bytes.len() / PAGE)]) {
-                let run = PageRun {
-                    dst_id: (42 << 8) | 1,
-                    vaddr: vaddr + (from * PAGE) as u64,
-                    nr_pages: (to - from) as u64,
-                    flags: PE_PRESENT,
-                };
-                staging.run(run, &mut &bytes[from * PAGE..to * PAGE]).unwrap();
+                staging.run(task_run(*vaddr, from, to), &mut &bytes[from * PAGE..to * PAGE]).unwrap();
                 from = to;
             }
         }
@@ -320,13 +324,7 @@ mod tests {
             let other = PageRun { dst_id: (43 << 8) | 1, vaddr: 0x1000, nr_pages: 1, flags: PE_PRESENT };
             for (i, (vaddr, bytes)) in memory().iter().enumerate() {
                 for (from, to) in [(0, 3), (3, bytes.len() / PAGE)] {
-                    let run = PageRun {
-                        dst_id: (42 << 8) | 1,
-                        vaddr: vaddr + (from * PAGE) as u64,
-                        nr_pages: (to - from) as u64,
-                        flags: PE_PRESENT,
-                    };
-                    sink.run(run, &mut &bytes[from * PAGE..to * PAGE]).unwrap();
+                    sink.run(task_run(*vaddr, from, to), &mut &bytes[from * PAGE..to * PAGE]).unwrap();
                     if i == 0 && from == 0 {
                         sink.run(other, &mut &[9u8; PAGE][..]).unwrap();
                     }
