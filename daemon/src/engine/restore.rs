@@ -368,15 +368,21 @@ impl Engine {
     ) -> Result<(i32, Option<LazySession>), RestoreError> {
         let id = manifest.id.clone();
         let tree = tree_options(&manifest.options.clone().unwrap_or_default());
-        let (inherit_fds, cgroup, enter) = match placement {
-            Placement::Home(home) => {
-                let files = replacement_files(manifest, home, &tree.external)?;
+        let placed = match placement {
+            Placement::Home(home) => replacement_files(manifest, home, &tree.external).map(|files| {
                 (files, home.cgroup_in_hierarchy().filter(|_| !manifest.cgroup.is_empty()), None)
-            }
-            Placement::Container(c) => {
-                let prepared = pods::prepare_restore(manifest, c, &self.reaper).await;
-                let (files, enter) = prepared.map_err(RestoreError::local("entering the container"))?;
-                (files, None, Some(enter))
+            }),
+            Placement::Container(c) => pods::prepare_restore(manifest, c, &self.reaper)
+                .await
+                .map(|(files, enter)| (files, None, Some(enter)))
+                .map_err(RestoreError::local("entering the container")),
+        };
+        let (inherit_fds, cgroup, enter) = match placed {
+            Ok(placed) => placed,
+            Err(e) => {
+                // Nothing was restored: the lazy-pages daemon started for it goes too.
+                session.into_iter().for_each(LazySession::abort);
+                return Err(e);
             }
         };
         progress(ProgressUpdate { phase: "restore", done: 0, total: 0 });
