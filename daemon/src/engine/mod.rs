@@ -120,6 +120,8 @@ pub struct Engine {
     jobs: TaskTracker,
     /// Staged page bytes all dumps together may hold in memory.
     staging: crate::store::StagingBudget,
+    /// The buffers of evictions' pages on their way to the store (see `store/stream.rs`).
+    blocks: crate::store::BlockPool,
     keep_last: Option<usize>,
     gc_grace: std::time::Duration,
     lazy: crate::store::FetchSettings,

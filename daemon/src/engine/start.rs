@@ -91,6 +91,7 @@ impl Engine {
             reaper,
             jobs: TaskTracker::new(),
             staging: StagingBudget::new(config.staging_limit.unwrap_or_else(dump::default_staging_limit)),
+            blocks: Default::default(),
             gpu,
             gpu_activity,
             keep_last: config.keep_last,

@@ -48,7 +48,7 @@ pub use lazy_memory::LazyMemory;
 pub use prefetch::{FetchSettings, LazyFetch, LazyFetchError, LazyReader};
 pub use staging::{Staged, Staging, StagingBudget};
 pub use stasis_proto::stasis::v1::{Manifest, PodInfo};
-pub use stream::{StreamSink, StreamSource, stream};
+pub use stream::{BlockPool, StreamSink, StreamSource, stream};
 pub use upload::{DumpPages, StoredDump};
 
 use index::ChunkIndex;

@@ -68,6 +68,14 @@ struct Held {
     bytes: u64,
 }
 
+impl Held {
+    /// Gives `bytes` of the share back before the rest.
+    fn give_back(&mut self, bytes: u64) {
+        self.bytes -= bytes;
+        self.budget.used.fetch_sub(bytes, Ordering::AcqRel);
+    }
+}
+
 impl Drop for Held {
     fn drop(&mut self) {
         self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
@@ -82,6 +90,8 @@ pub struct Staging {
     /// yet; `current` is the one being filled.
     segments: Vec<Segment>,
     current: usize,
+    /// Budget taken by [`Staging::reserve`] that no page has used yet.
+    prepaid: u64,
     spill_path: PathBuf,
     spill: Option<File>,
     spilled: u64,
@@ -95,6 +105,7 @@ impl Staging {
             held: Held { budget: budget.clone(), bytes: 0 },
             segments: Vec::new(),
             current: 0,
+            prepaid: 0,
             spill_path: spill_path.to_path_buf(),
             spill: None,
             spilled: 0,
@@ -107,7 +118,12 @@ impl Staging {
     /// received is faulted in and zeroed. Only an optimization: failures are ignored.
     pub fn reserve(&mut self, bytes: u64) {
         let room = self.held.budget.limit.saturating_sub(self.held.budget.used());
-        let segments = bytes.min(room).div_ceil(SEGMENT as u64) as usize;
+        let segments = bytes.div_ceil(SEGMENT as u64).min(room / SEGMENT as u64);
+        if segments == 0 || !self.held.budget.take(segments * SEGMENT as u64) {
+            return;
+        }
+        self.held.bytes += segments * SEGMENT as u64;
+        self.prepaid += segments * SEGMENT as u64;
         for _ in 0..segments {
             match Segment::new(SEGMENT) {
                 Ok(segment) => {
@@ -121,7 +137,8 @@ impl Staging {
 
     /// Ends reception; the spill file, if any, is mapped for reading.
     pub fn finish(mut self) -> io::Result<Staged> {
-        // Reserved segments left unused are given back now.
+        // Reserved segments left unused are given back now, with their share of the budget.
+        self.held.give_back(std::mem::take(&mut self.prepaid));
         self.segments.truncate(self.segments.iter().rposition(|s| s.used > 0).map_or(0, |i| i + 1));
         let spill = match self.spill {
             Some(mut file) => {
@@ -184,6 +201,9 @@ impl PageSink for Staging {
     fn run(&mut self, run: PageRun, data: &mut dyn Read) -> io::Result<()> {
         let loc = if !run.has_data() {
             Loc::None
+        } else if self.prepaid >= run.byte_len() {
+            self.prepaid -= run.byte_len();
+            self.stage_in_memory(run.byte_len() as usize, data)?
         } else if self.held.budget.take(run.byte_len()) {
             self.held.bytes += run.byte_len();
             self.stage_in_memory(run.byte_len() as usize, data)?
@@ -326,5 +346,17 @@ mod tests {
         let bytes: Vec<&[u8]> = staged.runs().iter().map(|r| staged.bytes(r)).collect();
         assert_eq!(bytes, [&one[..], &whole[..], &more[..], &one[..]]);
         assert!(!dir.path().join("spill").exists(), "all in memory");
+        assert_eq!(budget.used(), 2 * SEGMENT as u64 + 3 * page as u64, "what the pages use, no more");
+        drop(staged);
+        assert_eq!(budget.used(), 0);
+        // Reserving takes from the budget: another dump meanwhile finds less room.
+        let mut first = Staging::new(&budget, &dir.path().join("spill1"));
+        first.reserve(10 * SEGMENT as u64);
+        assert_eq!(budget.used(), 4 * SEGMENT as u64, "no more than the bound");
+        let mut second = Staging::new(&budget, &dir.path().join("spill2"));
+        second.reserve(SEGMENT as u64);
+        assert!(second.segments.is_empty(), "nothing left to reserve");
+        drop(first.finish().unwrap());
+        assert_eq!(budget.used(), 0, "unused reservations are given back");
     }
 }

@@ -318,7 +318,7 @@ mod tests {
         let images = dir.path().join("images");
         std::fs::create_dir_all(&images).unwrap();
         std::fs::write(images.join("core-42.img"), b"written by CRIU during the dump").unwrap();
-        let (mut sink, source) = crate::store::stream();
+        let (mut sink, source) = crate::store::stream(&crate::store::BlockPool::default());
         let sender = std::thread::spawn(move || {
             // Another destination's run between task 42's, as CRIU never sends but might.
             let other = PageRun { dst_id: (43 << 8) | 1, vaddr: 0x1000, nr_pages: 1, flags: PE_PRESENT };
@@ -342,7 +342,7 @@ mod tests {
         assert_eq!(streamed.files.len(), 1, "the image files are stored after the pages");
 
         // A stream that ends without its end (the dump failed) stores nothing.
-        let (mut sink, source) = crate::store::stream();
+        let (mut sink, source) = crate::store::stream(&crate::store::BlockPool::default());
         let run = PageRun { dst_id: 1, vaddr: 0, nr_pages: 1, flags: PE_PRESENT };
         sink.run(run, &mut &[1u8; PAGE][..]).unwrap();
         drop(sink);

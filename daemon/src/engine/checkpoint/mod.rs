@@ -331,7 +331,7 @@ impl Engine {
         images: &Path,
         progress: &ProgressFn,
     ) -> Result<CheckpointStats, CheckpointError> {
-        let (sink, source) = crate::store::stream();
+        let (sink, source) = crate::store::stream(&self.blocks);
         self.begin_storing(&job.id, tree, images)?;
         let dumping = async {
             let (timing, sink) = self.dump_tree(job, tree, images, progress, sink).await?;
