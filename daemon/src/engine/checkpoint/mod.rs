@@ -331,8 +331,19 @@ impl Engine {
         images: &Path,
         progress: &ProgressFn,
     ) -> Result<CheckpointStats, CheckpointError> {
-        let (sink, source) = crate::store::stream(&self.blocks);
+        let store_err = |source| CheckpointError::Store { id: job.id.clone(), source: Box::new(source) };
         self.begin_storing(&job.id, tree, images)?;
+        // The commit guard comes first: once CRIU sends, the chunker must be taking blocks.
+        // Blocks come from the daemon's shared pool, and a chunker waiting for a guard (behind
+        // a garbage collection that waits for a dump's guard) would hold them from that dump.
+        let guard = match self.store.begin_commit().await {
+            Ok(guard) => guard,
+            Err(e) => {
+                self.settle_store(&job.id, false);
+                return Err(store_err(e));
+            }
+        };
+        let (sink, source) = crate::store::stream(&self.blocks);
         let dumping = async {
             let (timing, sink) = self.dump_tree(job, tree, images, progress, sink).await?;
             sink.finish().map_err(|source| CheckpointError::Local { what: "page stream", source })?;
@@ -341,9 +352,8 @@ impl Engine {
         };
         let storing = self.store_pages(DumpPages::Streamed(source), images, progress);
         let (dumped, stored) = tokio::join!(dumping, storing);
-        let store_err = |source| CheckpointError::Store { id: job.id.clone(), source: Box::new(source) };
         let committed = match (dumped, stored) {
-            (Ok(timing), Ok((guard, stored))) => {
+            (Ok(timing), Ok(stored)) => {
                 let dumped = job.dumped(tree, timing, hold, 0);
                 self.commit_checkpoint(dumped, &guard, stored).await.map_err(store_err)
             }

@@ -51,7 +51,8 @@ impl Engine {
         let id = dumped.id;
         self.begin_storing(id, dumped.tree, images)?;
         let committed = async {
-            let (guard, stored) = self.store_pages(pages, images, progress).await?;
+            let guard = self.store.begin_commit().await?;
+            let stored = self.store_pages(pages, images, progress).await?;
             self.commit_checkpoint(dumped, &guard, stored).await
         }
         .await;
@@ -82,21 +83,19 @@ impl Engine {
         Ok(())
     }
 
-    /// Stores the pages, then the image files (CRIU's, without its log and the spill file),
-    /// under a commit guard.
+    /// Stores the pages, then the image files (CRIU's, without its log and the spill file);
+    /// under a commit guard the caller holds.
     pub(super) async fn store_pages(
         &self,
         pages: DumpPages,
         images: &Path,
         progress: &ProgressFn,
-    ) -> Result<(CommitGuard, StoredDump), StoreError> {
+    ) -> Result<StoredDump, StoreError> {
         let report: crate::store::Progress = {
             let progress = progress.clone();
             Arc::new(move |done, total| progress(ProgressUpdate { phase: "upload", done, total }))
         };
-        let guard = self.store.begin_commit().await?;
-        let stored = self.store.store_dump(pages, images, &[LOG_FILE, SPILL_FILE], report).await?;
-        Ok((guard, stored))
+        self.store.store_dump(pages, images, &[LOG_FILE, SPILL_FILE], report).await
     }
 
     /// Commits the manifest of a stored dump.
