@@ -108,6 +108,24 @@ fn stasisd_killed_at_any_point_loses_neither_the_job_nor_its_checkpoint() {
     // Every checkpoint left listed is whole.
     let checked = d.json(&["check", "--read-data", "--json"]);
     assert_eq!(checked["problems"].as_array().map(Vec::len), Some(0), "{checked}");
+    // No lazy-pages daemon of a killed stasisd is left waiting for its restore.
+    let left = lazy_pages_without_images();
+    assert!(left.is_empty(), "lazy-pages daemons left serving removed directories: {left:?}");
+}
+
+/// `criu lazy-pages` processes whose images directory (`-D`) is gone.
+fn lazy_pages_without_images() -> Vec<(i32, String)> {
+    let pids = std::fs::read_dir("/proc").into_iter().flatten().flatten();
+    pids.filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter_map(|pid| {
+            let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let args: Vec<String> =
+                raw.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+            let dir = args.iter().position(|a| a == "-D").and_then(|i| args.get(i + 1))?;
+            (args.iter().any(|a| a == "lazy-pages") && !std::path::Path::new(dir).exists())
+                .then(|| (pid, dir.clone()))
+        })
+        .collect()
 }
 
 /// The pids of stasisd's `criu swrk` children.

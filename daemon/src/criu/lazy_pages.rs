@@ -105,6 +105,20 @@ pub fn serve_requests<C: Read + Write>(
     }
 }
 
+/// The pids of `criu lazy-pages` daemons serving the images of any of `dirs`: those a stasisd
+/// killed during a lazy restore left behind, waiting for a restore that will never come.
+pub fn serving(dirs: &[PathBuf]) -> Vec<i32> {
+    let pids = std::fs::read_dir("/proc").into_iter().flatten().flatten();
+    pids.filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| {
+            let args = crate::linux::proc::cmdline(pid).unwrap_or_default();
+            let dir = args.iter().position(|a| a == "-D").and_then(|i| args.get(i + 1));
+            args.iter().any(|a| a == "lazy-pages")
+                && dir.is_some_and(|d| dirs.iter().any(|ours| Path::new(d) == ours))
+        })
+        .collect()
+}
+
 /// A started `criu lazy-pages` daemon, ready for the restore. stasisd's reaper collects its
 /// exit status.
 #[derive(Debug)]
@@ -219,5 +233,23 @@ mod tests {
         let mut wire = Wire { input: io::Cursor::new(header(IOV_GET, 1, 0x3001, 42)), output: Vec::new() };
         let err = serve_requests(&mut wire, HeaderLayout::Wide, &mut Numbered).unwrap_err();
         assert!(matches!(err, PageServerError::BadRun { .. }), "{err}");
+    }
+
+    #[test]
+    fn daemons_left_serving_a_directory_are_found_by_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let images = dir.path().join("restore-1");
+        // A stand-in whose command line reads as a lazy-pages daemon's (the `; true` keeps
+        // the shell from replacing itself with sleep).
+        let mut child = Command::new("sh")
+            .args(["-c", "sleep 30; true", "lazy-pages", "-D"])
+            .arg(&images)
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        assert_eq!(serving(std::slice::from_ref(&images)), [pid]);
+        assert!(serving(&[dir.path().join("restore-2")]).is_empty(), "another directory's");
+        child.kill().unwrap();
+        child.wait().unwrap();
     }
 }
