@@ -108,8 +108,8 @@ pub fn serve_requests<C: Read + Write>(
 /// The pids of `criu lazy-pages` daemons serving the images of any of `dirs`: those a stasisd
 /// killed during a lazy restore left behind, waiting for a restore that will never come.
 pub fn serving(dirs: &[PathBuf]) -> Vec<i32> {
-    let pids = std::fs::read_dir("/proc").into_iter().flatten().flatten();
-    pids.filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+    crate::linux::proc::all_pids()
+        .into_iter()
         .filter(|&pid| {
             let args = crate::linux::proc::cmdline(pid).unwrap_or_default();
             let dir = args.iter().position(|a| a == "-D").and_then(|i| args.get(i + 1));
@@ -247,6 +247,12 @@ mod tests {
             .spawn()
             .unwrap();
         let pid = child.id() as i32;
+        // Until it has executed sh, the child's command line is still this test's.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !crate::linux::proc::cmdline(pid).unwrap_or_default().iter().any(|a| a == "lazy-pages") {
+            assert!(std::time::Instant::now() < deadline, "the stand-in never ran");
+            std::thread::sleep(Duration::from_millis(5));
+        }
         assert_eq!(serving(std::slice::from_ref(&images)), [pid]);
         assert!(serving(&[dir.path().join("restore-2")]).is_empty(), "another directory's");
         child.kill().unwrap();
