@@ -106,6 +106,11 @@ impl PageRun {
     pub fn byte_len(&self) -> u64 {
         self.nr_pages * PAGE_SIZE
     }
+
+    /// Whether `next` goes on where this run ends: same destination and flags, the next page.
+    pub fn continued_by(&self, next: &PageRun) -> bool {
+        self.dst_id == next.dst_id && self.flags == next.flags && self.vaddr + self.byte_len() == next.vaddr
+    }
 }
 
 /// Where received pages go.

@@ -256,9 +256,8 @@ pub fn leave_repair(pid: i32, fd: i32, reuse_addr: bool) -> io::Result<Option<(S
 /// The processes (pid, command name) holding socket `inode` open, found by scanning /proc.
 pub fn socket_holders(inode: u64) -> Vec<(i32, String)> {
     let wanted = format!("socket:[{inode}]");
-    let Ok(procs) = fs::read_dir("/proc") else { return Vec::new() };
-    procs
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+    super::proc::all_pids()
+        .into_iter()
         .filter(|pid| {
             super::proc::fd_targets(*pid)
                 .is_ok_and(|fds| fds.iter().any(|(_, t)| t.as_os_str() == wanted.as_str()))

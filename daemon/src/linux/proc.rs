@@ -194,6 +194,12 @@ pub fn cwd(pid: i32) -> io::Result<PathBuf> {
     fs::read_link(format!("/proc/{pid}/cwd"))
 }
 
+/// The pids of all processes now visible in /proc.
+pub fn all_pids() -> Vec<i32> {
+    let Ok(entries) = fs::read_dir("/proc") else { return Vec::new() };
+    entries.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok()).collect()
+}
+
 /// The command line of `pid`, split at NULs.
 pub fn cmdline(pid: i32) -> io::Result<Vec<String>> {
     let raw = fs::read(format!("/proc/{pid}/cmdline"))?;

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use stasis_proto::stasis::v1::{MemoryImage, PageRun as StoredRun};
 
 use super::chunks::{ChunkWriter, UploaderGone, WindowCutter};
-use super::staging::{Staged, StagedRun};
+use super::staging::Staged;
 use super::stream::{StreamSource, Unfinished};
 use crate::criu::pageserver::PageRun;
 
@@ -57,11 +57,7 @@ impl MemoryChunker {
             self.order.push(run.dst_id);
             Building { image: MemoryImage { dst_id: run.dst_id, ..Default::default() }, open: None }
         });
-        let continues = building
-            .open
-            .as_ref()
-            .is_some_and(|(open, _)| open.flags == run.flags && open.vaddr + open.byte_len() == run.vaddr);
-        if !continues {
+        if !building.open.as_ref().is_some_and(|(open, _)| open.continued_by(&run)) {
             building.close(writer)?;
             building.open = Some((PageRun { nr_pages: 0, ..run }, WindowCutter::new(run.vaddr)));
         }
@@ -83,39 +79,22 @@ impl MemoryChunker {
     }
 }
 
-/// The memory images of a staged dump. Runs are taken a joined stretch at a time, so that a
-/// stretch's windows are hashed and compressed as one parallel batch.
+/// The memory images of a staged dump. Runs that continue one another are taken together,
+/// so that a stretch's windows are hashed and compressed as one parallel batch.
 pub(super) fn staged_images(
     staged: &Staged,
     writer: &mut ChunkWriter<'_>,
     advance: &mut dyn FnMut(u64),
 ) -> Result<Vec<MemoryImage>, UploaderGone> {
-    let mut order: Vec<u64> = Vec::new();
-    let mut groups: HashMap<u64, Vec<&StagedRun>> = HashMap::new();
-    for r in staged.runs() {
-        groups.entry(r.run.dst_id).or_insert_with(|| {
-            order.push(r.run.dst_id);
-            Vec::new()
-        });
-        groups.get_mut(&r.run.dst_id).expect("group just made").push(r);
-    }
     let mut chunker = MemoryChunker::default();
-    for dst_id in order {
-        for joined in continuations(&groups[&dst_id]) {
-            let run = PageRun { nr_pages: joined.iter().map(|r| r.run.nr_pages).sum(), ..joined[0].run };
-            let pieces: Vec<&[u8]> = joined.iter().map(|r| staged.bytes(r)).collect();
-            chunker.feed(writer, run, &pieces)?;
-            joined.iter().for_each(|r| staged.release(r));
-            advance(pieces.iter().map(|p| p.len() as u64).sum());
-        }
+    for joined in staged.runs().chunk_by(|a, b| a.run.continued_by(&b.run)) {
+        let run = PageRun { nr_pages: joined.iter().map(|r| r.run.nr_pages).sum(), ..joined[0].run };
+        let pieces: Vec<&[u8]> = joined.iter().map(|r| staged.bytes(r)).collect();
+        chunker.feed(writer, run, &pieces)?;
+        joined.iter().for_each(|r| staged.release(r));
+        advance(pieces.iter().map(|p| p.len() as u64).sum());
     }
     chunker.finish(writer)
-}
-
-/// `runs` split where a run does not continue the one before it (same flags, starting where
-/// it ends).
-fn continuations<'a, 'r>(runs: &'a [&'r StagedRun]) -> impl Iterator<Item = &'a [&'r StagedRun]> {
-    runs.chunk_by(|a, b| a.run.flags == b.run.flags && a.run.vaddr + a.run.byte_len() == b.run.vaddr)
 }
 
 /// Why a streamed dump's memory images could not be made.

@@ -161,15 +161,12 @@ impl Staging {
         if !self.segments.get(self.current).is_some_and(room) {
             // The current segment is full (or unused: the first run): the next reserved one,
             // or a new one in its place.
-            let next = if self.segments.get(self.current).is_some_and(|s| s.used > 0) {
-                self.current + 1
-            } else {
-                self.current
-            };
-            if !self.segments.get(next).is_some_and(room) {
-                self.segments.insert(next, Segment::new(SEGMENT.max(len))?);
+            if self.segments.get(self.current).is_some_and(|s| s.used > 0) {
+                self.current += 1;
             }
-            self.current = next;
+            if !self.segments.get(self.current).is_some_and(room) {
+                self.segments.insert(self.current, Segment::new(SEGMENT.max(len))?);
+            }
         }
         let segment = self.current;
         let seg = &mut self.segments[segment];

@@ -157,11 +157,7 @@ impl StreamSink {
     }
 
     fn continues(&self, run: &PageRun) -> bool {
-        self.current.as_ref().is_some_and(|b| {
-            b.run.dst_id == run.dst_id
-                && b.run.flags == run.flags
-                && b.run.vaddr + b.run.byte_len() == run.vaddr
-        })
+        self.current.as_ref().is_some_and(|b| b.run.continued_by(run))
     }
 }
 
