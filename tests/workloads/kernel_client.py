@@ -55,7 +55,11 @@ def answer(kc, request):
 def main():
     kc = BlockingKernelClient(connection_file=sys.argv[1])
     kc.load_connection_file()
-    kc.start_channels()
+    # As Jupyter Server connects a browser's kernel websocket: shell, iopub, stdin and control,
+    # no heartbeat channel. (jupyter_client's heartbeat pings the kernel every second, which
+    # is a request like any other to stasisd: a kernel pinged so is woken as soon as it is
+    # reclaimed, and its reclaim backs off whenever a ping lands in the dump.)
+    kc.start_channels(hb=False)
     try:
         kc.wait_for_ready(timeout=TIMEOUT)
         print(json.dumps({"ready": True}), flush=True)

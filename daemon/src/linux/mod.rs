@@ -7,11 +7,13 @@ pub mod container;
 pub mod init_program;
 pub mod iptables;
 pub mod net;
+pub mod netlink;
 pub mod nft;
 pub mod port_watch;
 pub mod proc;
 pub mod pty;
 pub mod reaper;
+pub mod sock_diag;
 pub mod sys;
 
 /// A program installed next to this one (stasisd's helpers: `stasis-lazy-guard`,

@@ -20,12 +20,11 @@ use nix::sys::socket::{
 };
 use nix::sys::time::TimeVal;
 
+use super::netlink::{self, NLM_F_ACK, NLM_F_REQUEST, message, pad};
+
 /// How long the kernel may take to answer; it answers at once, so this only bounds a surprise.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(2);
 
-const NLMSG_ERROR: u16 = 2;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_ACK: u16 = 0x4;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
 const NFNL_MSG_BATCH_END: u16 = 0x11;
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
@@ -110,40 +109,13 @@ fn nfgenmsg(family: u8, res_id: u16) -> [u8; 4] {
     [family, 0, id[0], id[1]]
 }
 
-/// Appends one netlink message (`struct nlmsghdr` + body), padded to 4 bytes.
-fn message(out: &mut Vec<u8>, kind: u16, flags: u16, seq: u32, body: &[u8]) {
-    let len = (16 + body.len()) as u32;
-    out.extend_from_slice(&len.to_ne_bytes());
-    out.extend_from_slice(&kind.to_ne_bytes());
-    out.extend_from_slice(&flags.to_ne_bytes());
-    out.extend_from_slice(&seq.to_ne_bytes());
-    out.extend_from_slice(&0u32.to_ne_bytes());
-    out.extend_from_slice(body);
-    pad(out);
-}
-
-fn pad(buf: &mut Vec<u8>) {
-    buf.resize(buf.len().next_multiple_of(4), 0);
-}
-
 /// The NLMSG_ERROR messages in `buf`: the sequence each answers, and its errno (0: success).
 fn errors(buf: &[u8]) -> io::Result<Vec<(u32, i32)>> {
-    let malformed = || io::Error::new(io::ErrorKind::InvalidData, "malformed netlink answer");
     let mut out = Vec::new();
-    let mut at = 0;
-    while at + 16 <= buf.len() {
-        let field =
-            |off: usize| u32::from_ne_bytes(buf[at + off..at + off + 4].try_into().unwrap_or_default());
-        let len = field(0) as usize;
-        let kind = u16::from_ne_bytes([buf[at + 4], buf[at + 5]]);
-        if len < 16 || at + len > buf.len() {
-            return Err(malformed());
+    for m in netlink::messages(buf)? {
+        if let Some(errno) = m.errno()? {
+            out.push((m.seq, errno));
         }
-        if kind == NLMSG_ERROR {
-            let error = buf.get(at + 16..at + 20).ok_or_else(malformed)?;
-            out.push((field(8), -i32::from_ne_bytes(error.try_into().unwrap_or_default())));
-        }
-        at += len.next_multiple_of(4);
     }
     Ok(out)
 }
@@ -171,7 +143,7 @@ mod tests {
         let mut out = Vec::new();
         let mut body = (-errno).to_ne_bytes().to_vec();
         body.extend_from_slice(&[0; 16]);
-        message(&mut out, NLMSG_ERROR, 0, seq, &body);
+        message(&mut out, netlink::NLMSG_ERROR, 0, seq, &body);
         out
     }
 

@@ -2,7 +2,8 @@
 //! workload, whose connections CRIU's lock drops and whose listeners are gone.
 //!
 //! A packet socket sees every packet the node receives before netfilter (and so CRIU's lock)
-//! drops it. A classic BPF filter keeps only TCP segments to the watched ports, so the
+//! drops it. (Not those a process of this network namespace sends: the lock drops them in
+//! the output hook, before they reach the loopback interface.) A classic BPF filter keeps only TCP segments to the watched ports, so the
 //! rest of the node's traffic never reaches stasisd; what it lets through is parsed here, and
 //! only segments that carry data, open a connection or close one count: a peer's bare ACKs
 //! and keepalive probes of an idle connection do not.

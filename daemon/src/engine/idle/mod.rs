@@ -12,6 +12,7 @@
 
 mod activity;
 mod reclaim;
+mod uses;
 mod wake;
 
 use std::collections::{HashMap, HashSet};
@@ -26,7 +27,6 @@ use activity::IdleClock;
 pub use activity::{GpuActivity, Thresholds};
 
 use super::{Caller, Engine, PolicyError, Workload, lock};
-use crate::linux::port_watch::PortWatch;
 
 /// A reclaimed workload: what waking it needs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -39,6 +39,10 @@ pub struct Reclaimed {
     /// Local ports of its sockets (listeners and connections): a segment to one of them that
     /// carries data, opens or closes a connection wakes it.
     pub ports: Vec<u16>,
+    /// Its established TCP connections, `(local, remote)`: a peer on this node that writes to
+    /// one of them, or closes it, wakes it.
+    #[serde(default)]
+    pub connections: Vec<(SocketAddr, SocketAddr)>,
 }
 
 /// How idleness is measured.
@@ -76,17 +80,6 @@ pub(super) struct IdleBook {
     wakers: Mutex<HashMap<String, wake::Waker>>,
     /// When GPU activity was last asked for (microseconds since the epoch).
     gpu_asked_us: Mutex<Option<u64>>,
-}
-
-/// A watch on the `ports` of workload `name`: none without ports, or (logged, naming `while_`)
-/// when no packet socket can be had.
-fn watch_ports(name: &str, ports: &[u16], while_: &str) -> Option<PortWatch> {
-    if ports.is_empty() {
-        return None;
-    }
-    PortWatch::open(ports)
-        .inspect_err(|e| warn!(workload = name, error = %e, "cannot watch the workload's ports {while_}"))
-        .ok()
 }
 
 impl IdleBook {

@@ -14,6 +14,7 @@ use stasis_proto::stasis::v1::SocketRecord;
 use tracing::{info, warn};
 
 use super::Reclaimed;
+use super::uses::UseWatch;
 use crate::engine::ids::now_unix_ms;
 use crate::engine::sockets;
 use crate::engine::{Caller, CheckpointError, CheckpointParams, Engine, Target};
@@ -26,9 +27,9 @@ impl Engine {
     pub(super) async fn reclaim(self: &Arc<Self>, name: &str) -> Result<Option<Reclaimed>, CheckpointError> {
         let w = self.registry.get(name).ok_or_else(|| CheckpointError::UnknownWorkload(name.into()))?;
         let surveyed = sockets::survey(&self.host.trees(&[w.pid]));
-        let (listeners, ports) = wake_points(&surveyed.records);
+        let WakePoints { listeners, ports, connections } = wake_points(&surveyed.records);
         let used = Arc::new(AtomicBool::new(false));
-        let watching = watch_ports(name, &ports, used.clone());
+        let watching = watch_uses(name, &ports, &connections, used.clone());
         let params = CheckpointParams {
             target: Target::Workload(name.into()),
             leave_running: false,
@@ -37,16 +38,19 @@ impl Engine {
             caller: Caller::Root,
         };
         let checkpointed = self.checkpoint(params, Arc::new(|_| {})).await;
-        if let Some(task) = watching {
-            task.abort();
-        }
+        watching.abort();
         let outcome = checkpointed?;
         if outcome.left_running {
             info!(workload = name, checkpoint = %outcome.id, "the workload was used during its reclaim; it runs on");
             return Ok(None);
         }
-        let reclaimed =
-            Reclaimed { checkpoint: outcome.id.clone(), since_unix_ms: now_unix_ms(), listeners, ports };
+        let reclaimed = Reclaimed {
+            checkpoint: outcome.id.clone(),
+            since_unix_ms: now_unix_ms(),
+            listeners,
+            ports,
+            connections,
+        };
         if let Err(e) = self.registry.update(name, |w| w.reclaimed = Some(reclaimed.clone())) {
             warn!(workload = name, error = %e, "cannot record the reclaim in the registry; a restart forgets it");
         }
@@ -56,34 +60,54 @@ impl Engine {
     }
 }
 
-/// Watches `ports` until a segment that matters arrives, then sets `used`. Without a watch
-/// (no ports, or no packet socket) a reclaim cannot notice a request arriving meanwhile: the
-/// request then waits for the wake.
-fn watch_ports(name: &str, ports: &[u16], used: Arc<AtomicBool>) -> Option<tokio::task::JoinHandle<()>> {
-    let watch = super::watch_ports(name, ports, "during its reclaim")?;
-    Some(tokio::spawn(async move {
-        if watch.next().await.is_ok() {
-            used.store(true, Ordering::SeqCst);
-        }
-    }))
+/// Watches the uses of workload `name` (see [`UseWatch`]) until the first, then sets `used`.
+/// Without a watch (no ports, no packet socket, no peers on this node) a reclaim cannot notice
+/// a request arriving meanwhile: the request then waits for the wake.
+fn watch_uses(
+    name: &str,
+    ports: &[u16],
+    connections: &[(SocketAddr, SocketAddr)],
+    used: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<()> {
+    let mut watch = UseWatch::open(name, ports, connections, "during its reclaim");
+    let name = name.to_owned();
+    tokio::spawn(async move {
+        let port = watch.next().await;
+        info!(workload = %name, port, "the workload was used during its reclaim");
+        used.store(true, Ordering::SeqCst);
+    })
 }
 
-/// The listening addresses (TCP, in this node's network namespace) of `records`, and the local
-/// ports of all their TCP sockets, at most [`MAX_PORTS`].
-fn wake_points(records: &[SocketRecord]) -> (Vec<SocketAddr>, Vec<u16>) {
+/// Where a reclaimed workload is woken.
+#[derive(Debug, Default, PartialEq)]
+struct WakePoints {
+    /// The listening addresses (TCP, in this node's network namespace).
+    listeners: Vec<SocketAddr>,
+    /// The local ports of all its TCP sockets, at most [`MAX_PORTS`].
+    ports: Vec<u16>,
+    /// Its established connections to peers outside the tree, `(local, remote)`.
+    connections: Vec<(SocketAddr, SocketAddr)>,
+}
+
+/// The wake points of a tree with sockets `records`.
+fn wake_points(records: &[SocketRecord]) -> WakePoints {
     let tcp = records.iter().filter(|r| r.kind == SocketKind::Tcp.name() && !r.foreign_netns);
-    let mut listeners: Vec<SocketAddr> = Vec::new();
-    let mut ports: Vec<u16> = Vec::new();
+    let mut points = WakePoints::default();
     for r in tcp {
         let Ok(local) = r.local.parse::<SocketAddr>() else { continue };
-        if r.state == "listen" && !listeners.contains(&local) {
-            listeners.push(local);
+        if r.state == "listen" && !points.listeners.contains(&local) {
+            points.listeners.push(local);
         }
-        if !ports.contains(&local.port()) && ports.len() < MAX_PORTS {
-            ports.push(local.port());
+        if !points.ports.contains(&local.port()) && points.ports.len() < MAX_PORTS {
+            points.ports.push(local.port());
+        }
+        if let (Ok(remote), "established", false) =
+            (r.remote.parse::<SocketAddr>(), r.state.as_str(), r.peer_in_tree)
+        {
+            points.connections.push((local, remote));
         }
     }
-    (listeners, ports)
+    points
 }
 
 #[cfg(test)]
@@ -103,8 +127,16 @@ mod tests {
             record("unix", "listen", "/run/x", ""),
             other_ns,
         ];
-        let (listeners, ports) = wake_points(&records);
-        assert_eq!(listeners, vec!["127.0.0.1:8888".parse::<SocketAddr>().unwrap()]);
-        assert_eq!(ports, vec![8888, 41000]);
+        let points = wake_points(&records);
+        assert_eq!(points.listeners, vec!["127.0.0.1:8888".parse::<SocketAddr>().unwrap()]);
+        assert_eq!(points.ports, vec![8888, 41000]);
+        let addr = |a: &str| a.parse::<SocketAddr>().unwrap();
+        assert_eq!(
+            points.connections,
+            vec![
+                (addr("127.0.0.1:8888"), addr("127.0.0.1:50000")),
+                (addr("10.0.0.5:41000"), addr("10.0.0.9:5432"))
+            ]
+        );
     }
 }

@@ -1,8 +1,8 @@
 //! Waking a reclaimed workload on its next use.
 //!
 //! While a workload is reclaimed, its waker listens on the workload's listening addresses
-//! and watches the ports of its connections (which CRIU's lock keeps alive for the peers:
-//! their segments are dropped and retransmitted, not refused). The first connection, the
+//! and watches its connections (which CRIU's lock keeps alive for the peers: their segments
+//! are dropped and retransmitted, not refused; see uses.rs for how they are seen). The first connection, the
 //! first segment with data on a locked connection, or `stasis wake`, starts a lazy restore.
 //! Connections the waker accepted are relayed to the restored listeners; the locked
 //! connections resume as they were, their peers' retransmissions answered by the restored
@@ -17,11 +17,11 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
 use super::Reclaimed;
+use super::uses::UseWatch;
 use crate::engine::lock;
 use crate::engine::{
     Caller, Engine, PolicyError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget,
 };
-use crate::linux::port_watch::PortWatch;
 
 /// Why a wake failed, for every caller that waited for it.
 type WakeFailure = Arc<RestoreError>;
@@ -184,12 +184,12 @@ async fn wait_for_use(
     asked: &mut mpsc::UnboundedReceiver<WakeReply>,
 ) -> Option<Wanted> {
     let listeners = listen_on(name, &reclaimed.listeners);
-    let watch = super::watch_ports(name, &reclaimed.ports, "while it is reclaimed");
+    let mut uses = UseWatch::open(name, &reclaimed.ports, &reclaimed.connections, "while it is reclaimed");
     let trigger = tokio::select! {
         // A connection first: a segment seen may be its SYN.
         biased;
         (stream, addr) = accept_any(&listeners) => Trigger::Connection(stream, addr),
-        port = next_segment(watch.as_ref()) => Trigger::Segment(port),
+        port = uses.next() => Trigger::Segment(port),
         reply = asked.recv() => Trigger::Asked(reply?),
     };
     let mut wanted = Wanted { accepted: Vec::new(), replies: Vec::new() };
@@ -260,18 +260,6 @@ async fn accept_any(listeners: &[(TcpListener, SocketAddr)]) -> (TcpStream, Sock
                 debug!(error = %e, "accept failed");
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
-        }
-    }
-}
-
-/// The port of the next segment that matters (never, without a watch).
-async fn next_segment(watch: Option<&PortWatch>) -> u16 {
-    let Some(watch) = watch else { return std::future::pending().await };
-    match watch.next().await {
-        Ok(port) => port,
-        Err(e) => {
-            warn!(error = %e, "watching a reclaimed workload's ports failed");
-            std::future::pending().await
         }
     }
 }
