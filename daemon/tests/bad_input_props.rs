@@ -1,6 +1,7 @@
 //! Bad input never panics the daemon, and damage is detected: property tests over what
 //! stasisd reads from outside itself. The store's envelopes (manifests, pack indexes), CRIU's
-//! page-server stream and inventory image, and whole manifests handed to a restore's assembly,
+//! page-server stream, its lazy-pages socket and inventory image, and whole manifests handed
+//! to a restore's assembly,
 //! from a random generator (100,000 cases per decoder; fewer for the assembly, which writes
 //! files). proptest shrinks a failure to a minimal input.
 
@@ -9,7 +10,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use stasis_daemon::criu::images::dump_run_id;
-use stasis_daemon::criu::lazy_pages::{PageSource, serve_requests};
+use stasis_daemon::criu::lazy_socket::{LazyListener, SOCKET_NAME};
 use stasis_daemon::criu::pageserver::{HeaderLayout, serve};
 use stasis_daemon::store::crypto::{Cipher, StoreKey};
 use stasis_daemon::store::envelope::{self, MANIFEST, PACK_INDEX};
@@ -127,35 +128,6 @@ proptest! {
     }
 
     #[test]
-    fn any_lazy_pages_request_stream_is_answered_or_refused_never_panics(
-        requests in proptest::collection::vec(
-            (
-                prop_oneof![Just(7u32), Just(0x1023), Just(0x1024), any::<u32>()],
-                prop_oneof![0u64..64, any::<u64>()],
-                prop_oneof![(0u64..1 << 20).prop_map(|p| p << 12), any::<u64>()],
-                any::<u64>(),
-            ),
-            0..6,
-        ),
-        answer_pages in prop_oneof![Just(None), (0u64..80).prop_map(Some)],
-    ) {
-        let mut stream = Vec::new();
-        for (cmd, nr_pages, vaddr, dst_id) in requests {
-            stream.extend(cmd.to_ne_bytes());
-            stream.extend([0u8; 4]);
-            stream.extend(nr_pages.to_ne_bytes());
-            stream.extend(vaddr.to_ne_bytes());
-            stream.extend(dst_id.to_ne_bytes());
-        }
-        let mut conn = Wire { input: std::io::Cursor::new(stream), output: Vec::new() };
-        let mut source = Pages { answer_pages };
-        if let Ok(stats) = serve_requests(&mut conn, HeaderLayout::Wide, &mut source) {
-            // Every answer: a 32-byte header and whole pages, and a 4-byte goodbye.
-            prop_assert_eq!(conn.output.len() as u64, stats.requests * 32 + stats.bytes + 4);
-        }
-    }
-
-    #[test]
     fn any_inventory_image_gives_a_run_id_or_an_error(data in proptest::collection::vec(any::<u8>(), 0..200)) {
         let dir = scratch().join("inventory");
         std::fs::create_dir_all(&dir).unwrap();
@@ -164,23 +136,43 @@ proptest! {
     }
 }
 
-/// A page source that answers with `answer_pages` pages (as asked when `None`), however
-/// many were asked for: a misbehaving one must be caught, not relayed.
-struct Pages {
-    answer_pages: Option<u64>,
-}
+proptest! {
+    // A socket per case: fewer cases.
+    #![proptest_config(ProptestConfig { cases: 5_000, failure_persistence: None, ..ProptestConfig::default() })]
 
-impl PageSource for Pages {
-    fn read(
-        &mut self,
-        _pid: u64,
-        _vaddr: u64,
-        max_bytes: u64,
-        out: &mut Vec<u8>,
-    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        let bytes = self.answer_pages.map_or(max_bytes.min(64 << 12), |p| p << 12);
-        out.resize(out.len() + bytes as usize, 0x5a);
-        Ok(())
+    #[test]
+    fn any_lazy_pages_socket_stream_is_read_or_refused_never_panics(
+        words in proptest::collection::vec(
+            prop_oneof![Just(0x5253_5446u32), (0u32..50), any::<u32>()],
+            0..8,
+        ),
+        processes in 0usize..4,
+    ) {
+        // What a restore sends: pids (a live one is followed by one byte, here without the
+        // descriptor it should carry), zombies' negative pids, the end word.
+        let dir = scratch().join("lazy-socket");
+        std::fs::create_dir_all(&dir).unwrap();
+        let listener = LazyListener::bind(&dir).unwrap();
+        let mut client = std::os::unix::net::UnixStream::connect(dir.join(SOCKET_NAME)).unwrap();
+        let mut conn = listener.accept(processes).unwrap().expect("the connection");
+        let mut stream = Vec::new();
+        for w in words {
+            stream.extend(w.to_ne_bytes());
+            if (w as i32) >= 0 && w != 0x5253_5446 {
+                stream.push(0);
+            }
+        }
+        std::io::Write::write_all(&mut client, &stream).unwrap();
+        drop(client);
+        let mut announced = 0;
+        for _ in 0..3 {
+            match conn.read() {
+                Ok(said) => announced += said.len(),
+                Err(_) => break,
+            }
+        }
+        // Without descriptors, only zombies and the end can be announced.
+        prop_assert!(announced <= processes + 1);
     }
 }
 

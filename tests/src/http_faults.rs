@@ -1,6 +1,6 @@
 //! An HTTP/1.1 relay in front of the S3 test server that fails chosen requests: a store that
-//! answers 503 (as S3 does when it asks clients to slow down), drops connections, or is slow,
-//! for some requests only (uploads of packs, writes of manifests, reads of packs), so a test
+//! answers 503 (as S3 does when it asks clients to slow down), drops connections, is slow, or
+//! returns damaged data, for some requests only (uploads of packs, writes of manifests, reads of packs), so a test
 //! can break one phase of a checkpoint or a restore.
 
 use std::io::{BufReader, Write};
@@ -21,6 +21,8 @@ pub enum Fault {
     Slow(Duration),
     /// Never answered: the connection stays open until the client gives up.
     Hang,
+    /// Answered with every byte of the body flipped (bit rot, a tampered bucket).
+    Corrupt,
 }
 
 /// Requests whose method is `method` and whose path contains `path` get `fault`.
@@ -66,7 +68,8 @@ fn relay(client: TcpStream, target: u16, rules: &Mutex<Option<Rule>>) -> std::io
         let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
         let body = read_body(&mut from_client, &lines, false)?;
         let rule = rules.lock().unwrap().clone().filter(|r| r.method == method && path.contains(r.path));
-        match rule.map(|r| r.fault) {
+        let fault = rule.map(|r| r.fault);
+        match fault {
             Some(Fault::Unavailable) => {
                 let answer = "HTTP/1.1 503 Slow Down\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
                 to_client.write_all(answer.as_bytes())?;
@@ -79,12 +82,15 @@ fn relay(client: TcpStream, target: u16, rules: &Mutex<Option<Rule>>) -> std::io
                 return Ok(());
             }
             Some(Fault::Slow(delay)) => std::thread::sleep(delay),
-            None => {}
+            Some(Fault::Corrupt) | None => {}
         }
         to_server.write_all(&head)?;
         to_server.write_all(&body)?;
         let Some((head, lines)) = read_head(&mut from_server)? else { return Ok(()) };
-        let body = read_body(&mut from_server, &lines, method == "HEAD")?;
+        let mut body = read_body(&mut from_server, &lines, method == "HEAD")?;
+        if fault == Some(Fault::Corrupt) {
+            body.iter_mut().for_each(|b| *b ^= 0x5a);
+        }
         to_client.write_all(&head)?;
         to_client.write_all(&body)?;
     }

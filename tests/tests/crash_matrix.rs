@@ -108,23 +108,23 @@ fn stasisd_killed_at_any_point_loses_neither_the_job_nor_its_checkpoint() {
     // Every checkpoint left listed is whole.
     let checked = d.json(&["check", "--read-data", "--json"]);
     assert_eq!(checked["problems"].as_array().map(Vec::len), Some(0), "{checked}");
-    // No lazy-pages daemon of a killed stasisd is left waiting for its restore.
-    let left = lazy_pages_without_images();
-    assert!(left.is_empty(), "lazy-pages daemons left serving removed directories: {left:?}");
+    // No lazy-restore guard of a killed stasisd is left holding a tree's userfaultfds: each
+    // killed its tree and went.
+    expect_within(TIMEOUT, "orphaned lazy-restore guards to be gone", || {
+        orphaned_guards().is_empty().then_some(())
+    });
 }
 
-/// `criu lazy-pages` processes whose images directory (`-D`) is gone.
-fn lazy_pages_without_images() -> Vec<(i32, String)> {
+/// Running `stasis-lazy-guard` processes whose stasisd is gone.
+fn orphaned_guards() -> Vec<i32> {
+    let argv0 = |pid: i32| {
+        let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        String::from_utf8_lossy(raw.split(|b| *b == 0).next().unwrap_or_default()).into_owned()
+    };
     let pids = std::fs::read_dir("/proc").into_iter().flatten().flatten();
     pids.filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter_map(|pid| {
-            let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-            let args: Vec<String> =
-                raw.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
-            let dir = args.iter().position(|a| a == "-D").and_then(|i| args.get(i + 1))?;
-            (args.iter().any(|a| a == "lazy-pages") && !std::path::Path::new(dir).exists())
-                .then(|| (pid, dir.clone()))
-        })
+        .filter(|&pid| argv0(pid).ends_with("stasis-lazy-guard"))
+        .filter(|&pid| !procfs::ppid(pid).is_some_and(|parent| argv0(parent).ends_with("stasisd")))
         .collect()
 }
 

@@ -1,6 +1,7 @@
 //! Lazy ("hot") restore: the tree runs before its memory has arrived, its memory is correct
-//! once resident, and a store that stops answering mid-way ends with the tree killed and an
-//! error that says why, never a tree running on memory that never arrived.
+//! once resident, and a store that stops answering mid-way, or answers with damaged data,
+//! ends with the tree killed and an error that says why, never a tree running on memory that
+//! never arrived.
 
 #![forbid(unsafe_code)]
 
@@ -9,6 +10,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
+use stasis_tests::http_faults::{Fault, FaultyHttp, Rule};
 use stasis_tests::s3::S3Server;
 use stasis_tests::{Daemon, TIMEOUT, expect_within, memtest, procfs, python_workload, skip_unless_ready};
 
@@ -76,15 +78,17 @@ fn lazy_restore_without_waiting_returns_while_memory_arrives_and_ends_resident()
 }
 
 /// Starts a lazy restore of `argv` (holding over 100 MiB) evicted to a moto S3 store (slow
-/// enough that memory is still arriving), and returns once the tree runs: the daemon, the
-/// workload's pid, the running `stasis restore` and its stderr.
+/// enough that memory is still arriving), reached on `port` (its own, or a relay's), and
+/// returns once the tree runs: the daemon, the workload's pid, the running `stasis restore`
+/// and its stderr.
 fn lazy_restore_over_s3(
     s3: &S3Server,
+    port: u16,
     argv: &[String],
 ) -> (Daemon, i32, std::process::Child, BufReader<std::process::ChildStderr>) {
     // A small cache, so the prefetcher cannot have everything before the test interferes.
     let args = ["--store-retry-secs", "2", "--lazy-timeout-secs", "3", "--lazy-cache-mib", "8"];
-    let d = Daemon::start_with(&s3.daemon_options("lazy", &args));
+    let d = Daemon::start_with(&s3.daemon_options_at(port, "lazy", &args));
     let w = d.run("lazy", argv);
     w.wait_line_after(0, "the workload's `ready`", |l| l == "ready");
     d.json(&["checkpoint", "--workload", &w.name, "--json"]);
@@ -126,7 +130,8 @@ fn outcome(
 fn a_store_that_stops_answering_gets_the_lazily_restored_tree_killed_with_the_reason() {
     skip_unless_ready!();
     let Some(s3) = S3Server::start() else { return };
-    let (d, pid, restore, stderr) = lazy_restore_over_s3(&s3, &python_workload("memhog.py", &["160"]));
+    let (d, pid, restore, stderr) =
+        lazy_restore_over_s3(&s3, s3.port, &python_workload("memhog.py", &["160"]));
     // The store hangs: connections are accepted, nothing is answered.
     procfs::signal(s3.pid(), Signal::SIGSTOP);
     let stopped = Instant::now();
@@ -146,25 +151,24 @@ fn a_store_that_stops_answering_gets_the_lazily_restored_tree_killed_with_the_re
 }
 
 #[test]
-fn a_dead_lazy_pages_daemon_gets_the_tree_killed_not_run_on_missing_memory() {
+fn memory_damaged_on_its_way_from_the_store_gets_the_tree_killed_not_run_on_it() {
     skip_unless_ready!();
     let Some(s3) = S3Server::start() else { return };
-    let (d, pid, restore, stderr) = lazy_restore_over_s3(&s3, &python_workload("memhog.py", &["160"]));
+    let relay = FaultyHttp::start(s3.port);
+    let (d, pid, restore, stderr) =
+        lazy_restore_over_s3(&s3, relay.port, &python_workload("memhog.py", &["160"]));
     assert!(
         d.log_tail(400).contains("lazy-restore guard holds the tree's userfaultfds"),
-        "a guard holds the tree's userfaultfd, so its faults wait instead of reading zeros:\n{}",
+        "a guard holds the tree's userfaultfds, so its faults wait instead of reading zeros:\n{}",
         d.log_tail(40)
     );
-    let lazy_pages = procfs::children(d.pid())
-        .into_iter()
-        .find(|c| procfs::cmdline(*c).is_some_and(|argv| argv.iter().any(|a| a == "lazy-pages")))
-        .expect("criu lazy-pages is a child of stasisd");
-    procfs::kill9(lazy_pages);
+    // From now on every pack read comes back damaged.
+    relay.set(Some(Rule { method: "GET", path: "/packs/", fault: Fault::Corrupt }));
     let (success, rest) = outcome(restore, stderr);
 
     assert!(!success, "the restore must fail: {rest}");
     assert!(
-        rest.contains("was killed") && rest.contains("lazy-pages"),
+        rest.contains("was killed") && rest.contains("is corrupted"),
         "the error says what happened: {rest}"
     );
     expect_within(TIMEOUT, "the restored tree to be gone", || (!procfs::exists(pid)).then_some(()));
@@ -176,7 +180,7 @@ fn a_tree_lazily_restored_by_a_stasisd_that_crashes_is_killed_by_its_guard() {
     let Some(s3) = S3Server::start() else { return };
     // Threads that keep computing on their memory: without the guard they would run on,
     // on zeros where memory had not arrived, instead of crashing.
-    let (mut d, pid, restore, stderr) = lazy_restore_over_s3(&s3, &memtest::argv(2, 80));
+    let (mut d, pid, restore, stderr) = lazy_restore_over_s3(&s3, s3.port, &memtest::argv(2, 80));
     // stasisd dies mid-way: its page server goes with it, so the memory can no longer arrive.
     d.kill9_and_restart();
     let (success, _) = outcome(restore, stderr);

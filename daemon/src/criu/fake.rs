@@ -5,11 +5,11 @@
 use std::io::{Read, Write};
 use std::os::fd::RawFd;
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Mutex;
 
 use super::pageserver::{HeaderLayout, IOV_CLOSE};
-use super::{CriuError, CriuOps, CriuVersion, DumpSpec, LazyPagesDaemon, OnNotify, RestoreSpec};
+use super::{CriuError, CriuOps, CriuVersion, DumpSpec, OnNotify, RestoreSpec};
 
 /// What the fake does when asked to dump or restore.
 pub type Hook<T> = Box<dyn Fn(&T) + Send + Sync>;
@@ -118,9 +118,5 @@ impl CriuOps for FakeCriu {
             hook(spec);
         }
         Ok(self.restored_pid)
-    }
-
-    fn start_lazy_pages(&self, images_dir: &Path, _page_server: RawFd) -> Result<LazyPagesDaemon, CriuError> {
-        Ok(LazyPagesDaemon { pid: 0, log: PathBuf::from(images_dir).join("lazy.log") })
     }
 }

@@ -1,15 +1,15 @@
 //! Driving CRIU through its RPC interface: `criu swrk <fd>` over an AF_UNIX SOCK_SEQPACKET
 //! socketpair, one protobuf message per packet (messages defined in `proto/proto/criu`).
 //!
-//! [`CriuOps`] is the seam the engine uses: version and health checks, dump, restore and the
-//! lazy-pages daemon. [`Criu`] implements it with the real program (failures carry the
+//! [`CriuOps`] is the seam the engine uses: version and health checks, dump and restore (a
+//! lazy restore's pages are served by stasisd itself, through `lazy_socket`). [`Criu`] implements it with the real program (failures carry the
 //! relevant tail of CRIU's own log); the engine's unit tests implement it with fakes.
 
 mod error;
 #[cfg(test)]
 pub mod fake;
 pub mod images;
-pub mod lazy_pages;
+pub mod lazy_socket;
 mod log;
 mod options;
 pub mod pageserver;
@@ -21,7 +21,6 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 
 pub use error::{CriuError, log_section};
-pub use lazy_pages::LazyPagesDaemon;
 pub use log::tail_of as log_tail_of;
 pub use options::{DumpSpec, Enter, RestoreSpec, TreeOptions};
 use stasis_proto::criu::{Request, RequestType};
@@ -82,9 +81,6 @@ pub trait CriuOps: Send + Sync + std::fmt::Debug {
     fn dump(&self, spec: &DumpSpec, on_notify: OnNotify<'_>) -> Result<(), CriuError>;
     /// Restores the tree from `spec.images_dir`; returns the pid of the restored root.
     fn restore(&self, spec: &RestoreSpec, on_notify: OnNotify<'_>) -> Result<i32, CriuError>;
-    /// Starts `criu lazy-pages` on `images_dir` with `page_server` (a connected stream
-    /// socket) as its page server, and waits until it is ready.
-    fn start_lazy_pages(&self, images_dir: &Path, page_server: RawFd) -> Result<LazyPagesDaemon, CriuError>;
 }
 
 /// A CRIU executable.
@@ -106,10 +102,6 @@ impl CriuOps for Criu {
 
     fn supports_nftables(&self) -> bool {
         support::nftables_supported(&self.path)
-    }
-
-    fn start_lazy_pages(&self, images_dir: &Path, page_server: RawFd) -> Result<LazyPagesDaemon, CriuError> {
-        lazy_pages::start_lazy_pages(&self.path, images_dir, page_server)
     }
 
     fn version(&self) -> Result<CriuVersion, CriuError> {

@@ -27,10 +27,9 @@ const IOV_HOLE: u32 = 2;
 const IOV_OPEN: u32 = 3;
 const IOV_OPEN2: u32 = 4;
 const IOV_PARENT: u32 = 5;
-pub(super) const IOV_ADD_F: u32 = 6;
-pub(super) const IOV_GET: u32 = 7;
+const IOV_ADD_F: u32 = 6;
 pub(super) const IOV_CLOSE: u32 = 0x1023;
-pub(super) const IOV_FORCE_CLOSE: u32 = 0x1024;
+const IOV_FORCE_CLOSE: u32 = 0x1024;
 
 /// Pagemap entry flags.
 pub const PE_PARENT: u32 = 1;
@@ -58,7 +57,8 @@ impl HeaderLayout {
         }
     }
 
-    /// A header: command word, page count, address, destination.
+    /// A header: command word, page count, address, destination (as CRIU sends them).
+    #[cfg(test)]
     pub(super) fn encode(self, cmd: u32, nr_pages: u64, vaddr: u64, dst_id: u64) -> Vec<u8> {
         let mut h = cmd.to_ne_bytes().to_vec();
         match self {
@@ -85,7 +85,7 @@ impl HeaderLayout {
 }
 
 /// Largest run accepted in one command; CRIU sends at most a pipe's worth.
-pub(super) const MAX_RUN_PAGES: u64 = 1 << 20;
+const MAX_RUN_PAGES: u64 = 1 << 20;
 
 /// One run of pages as CRIU announced it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,10 +132,6 @@ pub enum PageServerError {
     BadRun { vaddr: u64, nr_pages: u64 },
     #[error("storing received pages failed")]
     Sink(#[source] io::Error),
-    #[error("CRIU's lazy-pages daemon closed the page-server connection without a goodbye")]
-    Hangup,
-    #[error("serving pages to CRIU failed")]
-    Source(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// Totals of one session.
@@ -188,7 +184,6 @@ pub fn serve<C: Read + Write>(
                 conn.write_all(&0i32.to_ne_bytes()).map_err(PageServerError::Io)?;
                 return Ok(stats);
             }
-            IOV_GET => return Err(PageServerError::BadCommand { cmd }),
             _ => return Err(PageServerError::BadCommand { cmd: raw }),
         }
     }

@@ -111,6 +111,8 @@ pub struct Engine {
     network_sockets: Result<(), String>,
     /// How established TCP connections are locked during dumps (`Err(why)` if no way is).
     network_lock: Result<NetworkLock, String>,
+    /// Whether stasisd can put restored memory in place itself (`Err(why)` if not).
+    served_memory: Result<(), String>,
     /// The network locks evictions left on this node.
     left_locks: sockets::LeftLocks,
     store: Store,

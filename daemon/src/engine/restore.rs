@@ -186,6 +186,10 @@ impl Engine {
             self.state.new_restore_dir(bytes).map_err(RestoreError::local("restore scratch directory"))?;
         // Packs stay out of garbage collection's reach until every page is in.
         let commit_guard = self.store.begin_commit().await?;
+        if let (true, Err(why)) = (lazy, &self.served_memory) {
+            let source = LazyError::Start(std::io::Error::other(why.clone()));
+            return Err(RestoreError::LazyStart { id: manifest.id.clone(), source });
+        }
         let (bytes_fetched, memory) = self.fetch_images(&manifest, work.path(), lazy, &progress).await?;
         init_program::install_from(work.path())
             .map_err(RestoreError::local("the checkpoint's stasis-init"))?;
@@ -194,8 +198,7 @@ impl Engine {
         let session = match memory.is_empty() {
             true => None,
             false => Some(
-                self.start_lazy(&manifest, work.path(), memory, roots.clone())
-                    .await
+                self.start_lazy(&manifest, work.path(), memory, roots.clone(), !lazy)
                     .map_err(|source| RestoreError::LazyStart { id: manifest.id.clone(), source })?,
             ),
         };
@@ -212,7 +215,7 @@ impl Engine {
         if manifest.own_pid_namespace || manifest.pod.is_some() {
             *lock(&roots) = vec![pid];
         }
-        let watch = session.map(|s| s.watch(self.reaper.clone(), progress.clone()));
+        let watch = session.map(|s| s.watch(progress.clone()));
         let gpu_pids = self.restored_pids(&manifest, pid, &manifest.gpu_pids);
         let gpu_restore_ms = self.reattach_gpu(&manifest, gpu_pids, preflight.gpu_pairs, &progress).await?;
         restored.armed = false;
@@ -226,7 +229,7 @@ impl Engine {
             warnings: preflight.warnings,
         };
         let outcome = match watch {
-            Some(watch) => self.wait_resident(outcome, watch, started, params.on_running).await?,
+            Some(watch) => self.wait_resident(outcome, watch, started, lazy, params.on_running).await?,
             None => outcome,
         };
         drop(commit_guard);
@@ -334,8 +337,10 @@ impl Engine {
         Ok(Preflight { warnings, gpu_pairs })
     }
 
-    /// Writes the checkpoint's images into `dir`; a lazy restore leaves the memory it can
-    /// serve later in the store and returns it.
+    /// Writes the checkpoint's images into `dir`, leaving the memory stasisd puts in place
+    /// itself in the store, and returns it: for a lazy restore, all CRIU can restore lazily
+    /// but the host copies of device memory (the CUDA restore reads them at once); for an
+    /// eager one all it can, where this node can serve memory (else nothing: all in images).
     async fn fetch_images(
         &self,
         manifest: &Manifest,
@@ -347,16 +352,18 @@ impl Engine {
             let progress = progress.clone();
             Arc::new(move |done, total| progress(ProgressUpdate { phase: "download", done, total }))
         };
-        let mode = match lazy {
-            true => MemoryMode::Lazy { eager: &manifest.gpu_host_memory },
-            false => MemoryMode::Eager,
+        let mode = match (lazy, &self.served_memory) {
+            (true, _) => MemoryMode::Lazy { eager: &manifest.gpu_host_memory },
+            (false, Ok(())) => MemoryMode::Lazy { eager: &[] },
+            (false, Err(_)) => MemoryMode::Eager,
         };
         Ok(self.store.materialize_as(manifest, dir, mode, report).await?)
     }
 
-    /// Lets CRIU restore the tree from `dir` (serving lazy memory through `session`); returns
-    /// the restored root's pid. A failure leaves nothing running: CRIU removes a tree it could
-    /// not restore, and one whose fault guard did not start is killed.
+    /// Lets CRIU restore the tree from `dir` (its memory put in place through `session`);
+    /// returns the restored root's pid. A failure leaves nothing running: CRIU removes a tree
+    /// it could not restore, and one whose fault guard did not start, or whose memory could
+    /// not be put in place before it ran, is killed.
     async fn run_criu(
         &self,
         manifest: &Manifest,
@@ -397,13 +404,12 @@ impl Engine {
         };
         session.iter().for_each(LazySession::arm);
         let faults = session.as_ref().map(LazySession::fault_guard);
-        let mut on_notify = {
-            let faults = faults.clone();
-            move |script: &str, criu: i32| match faults.as_ref().filter(|_| script == "pre-resume") {
-                Some(faults) => faults.start(criu).map_err(|e| crate::error_chain(e.as_ref())),
+        let pre_resume = session.as_ref().map(LazySession::pre_resume);
+        let mut on_notify =
+            move |script: &str, criu: i32| match pre_resume.as_ref().filter(|_| script == "pre-resume") {
+                Some(pre_resume) => pre_resume(criu),
                 None => Ok(()),
-            }
-        };
+            };
         let criu = self.criu.clone();
         let restored = tokio::task::spawn_blocking(move || criu.restore(&spec, &mut on_notify))
             .await
@@ -435,15 +441,19 @@ impl Engine {
         }
     }
 
-    /// Reports a lazily restored tree running, then waits until its memory is resident.
+    /// Reports a lazily restored tree running, then waits until its memory is resident (for
+    /// an eager restore, it is already).
     async fn wait_resident(
         &self,
         mut outcome: RestoreOutcome,
         watch: tokio::task::JoinHandle<Result<(u64, Instant), LazyError>>,
         started: Instant,
+        lazy: bool,
         on_running: Option<Box<dyn FnOnce(RestoreOutcome) + Send>>,
     ) -> Result<RestoreOutcome, RestoreError> {
-        info!(checkpoint = %outcome.id, pid = outcome.pid, first_run_ms = outcome.stats.first_run_ms, "lazily restored tree runs");
+        if lazy {
+            info!(checkpoint = %outcome.id, pid = outcome.pid, first_run_ms = outcome.stats.first_run_ms, "lazily restored tree runs");
+        }
         if let Some(notify) = on_running {
             notify(outcome.clone());
         }
@@ -460,7 +470,7 @@ impl Engine {
             }
         })?;
         outcome.stats.bytes_fetched += lazy_bytes;
-        outcome.stats.resident_ms = ms(resident_at - started);
+        outcome.stats.resident_ms = ms(resident_at - started).max(outcome.stats.first_run_ms);
         Ok(outcome)
     }
 

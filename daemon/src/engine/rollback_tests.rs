@@ -88,6 +88,7 @@ pub(super) fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
             version: criu.version,
             network_sockets: Ok(()),
             network_lock: Ok(NetworkLock::Nftables),
+            served_memory: Ok(()),
         },
         host: host.clone(),
         gpu: Some(gpu.clone()),

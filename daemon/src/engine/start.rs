@@ -18,6 +18,7 @@ use crate::cuda::nvml::Nvml;
 use crate::cuda::{CudaDriver, CudaError, GpuCheckpointer};
 use crate::linux::cgroup::WorkloadCgroup;
 use crate::linux::reaper::Reaper;
+use crate::linux::uffd::{self, Userfaultfd};
 use crate::store::{StagingBudget, Store};
 
 /// What CRIU can do on this node, found at start.
@@ -28,6 +29,9 @@ pub(super) struct CriuSupport {
     pub network_sockets: Result<(), String>,
     /// How it locks established TCP connections (`Err(why)` if no way is available).
     pub network_lock: Result<NetworkLock, String>,
+    /// Whether stasisd can put restored memory in place itself (userfaultfd with the events
+    /// CRIU's lazy restore needs): lazy restores need it, eager ones use it when they can.
+    pub served_memory: Result<(), String>,
 }
 
 /// Everything an engine is made of.
@@ -84,6 +88,7 @@ impl Engine {
             criu_version: support.version,
             network_sockets: support.network_sockets,
             network_lock: support.network_lock,
+            served_memory: support.served_memory,
             left_locks: LeftLocks::at(state.netlocks_dir()),
             store,
             state,
@@ -199,7 +204,13 @@ async fn probe_criu(
         (Err(why), _) => warn!(reason = %why, "trees holding network sockets will be refused"),
         (_, Err(why)) => warn!(reason = %why, "trees holding TCP connections will be refused"),
     }
-    Ok(CriuSupport { version, network_sockets, network_lock })
+    let served_memory = Userfaultfd::open(uffd::EVENT_FEATURES)
+        .map(drop)
+        .map_err(|e| format!("this kernel gives no userfaultfd with fork, remap and unmap events ({e})"));
+    if let Err(why) = &served_memory {
+        warn!(reason = %why, "lazy restores will be refused; eager ones restore from image files");
+    }
+    Ok(CriuSupport { version, network_sockets, network_lock, served_memory })
 }
 
 /// Runs `f` on CRIU in a blocking thread.

@@ -102,8 +102,7 @@ impl StateDir {
         format!("stasis-restore-{}-", hex::encode(&tag.as_bytes()[..4]))
     }
 
-    /// Removes work directories left by a previous run, and stops the CRIU lazy-pages daemons
-    /// still serving from them (a run killed during a lazy restore leaves them waiting).
+    /// Removes work directories left by a previous run.
     pub fn clear_work(&self) -> io::Result<()> {
         let mut left: Vec<PathBuf> = Vec::new();
         for entry in fs::read_dir(self.root.join("work"))? {
@@ -115,8 +114,6 @@ impl StateDir {
                 left.push(entry.path());
             }
         }
-        let daemons = crate::criu::lazy_pages::serving(&left);
-        crate::linux::proc::signal_all(&daemons, nix::sys::signal::Signal::SIGKILL);
         for dir in left {
             fs::remove_dir_all(dir)?;
         }

@@ -15,6 +15,7 @@ pub mod pty;
 pub mod reaper;
 pub mod sock_diag;
 pub mod sys;
+pub mod uffd;
 
 /// A program installed next to this one (stasisd's helpers: `stasis-lazy-guard`,
 /// `stasis-init`).

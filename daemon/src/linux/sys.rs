@@ -168,6 +168,33 @@ pub fn attach_filter(socket: BorrowedFd<'_>, program: &[libc::sock_filter]) -> i
     Ok(())
 }
 
+/// Receives up to `buf.len()` bytes from a Unix socket without waiting, with the descriptors
+/// they carry (SCM_RIGHTS, close-on-exec). `Ok(None)` when nothing is waiting; `Ok((0, _))`
+/// at the end of the stream.
+pub fn recv_with_fds(socket: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<Option<(usize, Vec<OwnedFd>)>> {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+    let mut space = nix::cmsg_space!([RawFd; 8]);
+    let mut iov = [std::io::IoSliceMut::new(buf)];
+    let flags = MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_CMSG_CLOEXEC;
+    let msg = loop {
+        match recvmsg::<()>(socket.as_raw_fd(), &mut iov, Some(&mut space), flags) {
+            Ok(msg) => break msg,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(nix::errno::Errno::EAGAIN) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let mut fds = Vec::new();
+    for cmsg in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(received) = cmsg {
+            // SAFETY: SCM_RIGHTS installed these descriptors in our table for this message;
+            // nothing else knows them, so each gets exactly one owner.
+            fds.extend(received.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+        }
+    }
+    Ok(Some((msg.bytes, fds)))
+}
+
 /// `fd` registered with tokio's reactor, to wait on it without a thread.
 pub fn async_fd(fd: OwnedFd) -> io::Result<tokio::io::unix::AsyncFd<OwnedFd>> {
     // SAFETY: the AsyncFd owns `fd`, an open descriptor that nothing else can close, and an

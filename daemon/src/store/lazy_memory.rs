@@ -29,8 +29,9 @@ struct LazyRun {
 pub struct LazyMemory {
     pub(super) id: String,
     pub(super) chunks: Vec<LazyChunk>,
-    /// Start address of each chunk.
+    /// Start address of each chunk, and the task whose memory it is.
     addrs: Vec<u64>,
+    pids: Vec<u64>,
     /// Sorted by (pid, address) once `finish` ran.
     runs: Vec<LazyRun>,
 }
@@ -46,10 +47,24 @@ impl LazyMemory {
         let mut addr = vaddr;
         for chunk in chunks {
             self.addrs.push(addr);
+            self.pids.push(pid);
             addr += u64::from(chunk.len);
             self.chunks.push(chunk);
         }
         self.runs.push(LazyRun { pid, vaddr, end: addr, chunks: first..self.chunks.len() });
+    }
+
+    /// The memory of process `pid` in runs of `(address, length)`, cut into chunks of at most
+    /// [`super::CHUNK`] (all zero), for tests of what serves it.
+    #[cfg(test)]
+    pub fn for_tests(pid: u64, runs: &[(u64, u32)]) -> LazyMemory {
+        let mut memory = LazyMemory::new("test");
+        for &(vaddr, len) in runs {
+            let sizes = (0..len).step_by(super::CHUNK).map(|at| (len - at).min(super::CHUNK as u32));
+            memory.push_run(pid, vaddr, sizes.map(|len| LazyChunk { stored: None, len, fresh: false }));
+        }
+        memory.finish();
+        memory
     }
 
     pub(super) fn finish(&mut self) {
@@ -70,9 +85,29 @@ impl LazyMemory {
         self.runs.iter().map(|r| r.pid).collect::<std::collections::BTreeSet<_>>().len()
     }
 
+    /// The chunks of task `pid`, in address order: index, start address, length.
+    pub fn task_chunks(&self, pid: u64) -> impl Iterator<Item = (usize, u64, u32)> + '_ {
+        let at = self.runs.partition_point(|r| r.pid < pid);
+        self.runs[at..]
+            .iter()
+            .take_while(move |r| r.pid == pid)
+            .flat_map(|r| r.chunks.clone())
+            .map(|i| (i, self.addrs[i], self.chunks[i].len))
+    }
+
+    /// The task whose memory chunk `i` is, its start address and length.
+    pub fn chunk_at(&self, i: usize) -> (u64, u64, u32) {
+        (self.pids[i], self.addrs[i], self.chunks[i].len)
+    }
+
+    /// The checkpoint this memory is of.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
     /// The chunk holding `vaddr` of task `pid`, the offset of `vaddr` in it, and where the
     /// run of lazily restored pages holding it ends.
-    pub(super) fn locate(&self, pid: u64, vaddr: u64) -> Option<(usize, u64, u64)> {
+    pub fn locate(&self, pid: u64, vaddr: u64) -> Option<(usize, u64, u64)> {
         let at = self.runs.partition_point(|r| (r.pid, r.vaddr) <= (pid, vaddr)).checked_sub(1)?;
         let run = &self.runs[at];
         if run.pid != pid || vaddr >= run.end {
@@ -122,6 +157,10 @@ mod tests {
         assert_eq!(m.locate(7, 0x10000), None, "another task's address");
         assert_eq!(m.locate(8, 0x30000), None);
         assert_eq!(m.bytes(), 0x24000);
+        let nine: Vec<_> = m.task_chunks(9).collect();
+        assert_eq!(nine, vec![(3, 0x8000, 0x8000), (0, 0x10000, 0x10000), (1, 0x20000, 0x4000)]);
+        assert_eq!(m.task_chunks(8).count(), 0);
+        assert_eq!(m.chunk_at(2), (7, 0x30000, 0x8000));
         assert_eq!(m.prefetch_order(true), vec![1, 3, 0], "fresh first; zero chunks never fetched");
         assert_eq!(m.prefetch_order(false), vec![0, 1, 3]);
     }

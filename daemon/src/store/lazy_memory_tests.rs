@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use stasis_proto::stasis::v1::AddressRange;
 
-use super::{FetchSettings, LazyFetchError, Manifest, MemoryMode, Staging, Store};
+use super::{ChunkData, ChunkReader, FetchSettings, LazyFetchError, Manifest, MemoryMode, Staging, Store};
 use crate::criu::pageserver::{PAGE_SIZE, PE_LAZY, PE_PRESENT, PageRun, PageSink};
 
 const PID: u64 = 42;
@@ -70,31 +70,52 @@ async fn lazy_memory_is_left_in_the_store_and_served_verified() {
     assert_eq!(std::fs::read(out.join("pages-1.img")).unwrap(), [b.as_slice(), c.as_slice()].concat());
     assert_eq!(std::fs::read(out.join("core-42.img")).unwrap(), b"core");
 
-    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS);
-    let served = tokio::task::spawn_blocking(move || {
-        // A fault in the middle, then what CRIU's background transfer asks for, in pieces.
-        let mut page = Vec::new();
-        reader.read(PID, 0x10000 + 5 * PAGE_SIZE, PAGE_SIZE, &mut page).unwrap();
-        let mut all = Vec::new();
-        while (all.len() as u64) < 40 * PAGE_SIZE {
-            let at = 0x10000 + all.len() as u64;
-            reader.read(PID, at, 40 * PAGE_SIZE - all.len() as u64, &mut all).unwrap();
+    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS).unwrap();
+    let memory = reader.memory();
+    let chunks: Vec<(usize, u64, u32)> = memory.task_chunks(PID).collect();
+    assert_eq!(chunks.iter().map(|c| u64::from(c.2)).sum::<u64>(), a.len() as u64);
+    assert_eq!(chunks[0].1, 0x10000);
+    assert_eq!(
+        memory.locate(PID, 0x10000 + 5 * PAGE_SIZE).map(|(i, offset, _)| (i, offset)),
+        Some((0, 5 * PAGE_SIZE))
+    );
+    assert_eq!(memory.locate(PID, 0x100000), None, "restored eagerly, not served");
+    // A fault's chunk first, then the rest; zero chunks need no fetch.
+    let (first, _, _) = chunks[1];
+    wait_for(&reader, first).await;
+    let mut all = vec![0u8; a.len()];
+    for (i, addr, len) in chunks {
+        let data = wait_for(&reader, i).await;
+        let at = (addr - 0x10000) as usize;
+        match data {
+            ChunkData::Zero => assert!(a[at..at + len as usize].iter().all(|b| *b == 0)),
+            ChunkData::Bytes(bytes) => all[at..at + len as usize].copy_from_slice(&bytes),
         }
-        let not_lazy = reader.read(PID, 0x100000, PAGE_SIZE, &mut Vec::new()).unwrap_err();
-        (page, all, not_lazy)
-    })
-    .await
-    .unwrap();
-    let (page, all, not_lazy) = served;
-    assert_eq!(page, &a[5 * PAGE_SIZE as usize..6 * PAGE_SIZE as usize]);
-    assert_eq!(all, a, "lazily served memory differs");
-    assert!(matches!(not_lazy, LazyFetchError::NotLazy { .. }), "{not_lazy}");
+        reader.release(i);
+        assert!(
+            reader.peek(i).is_none_or(|d| matches!(d, ChunkData::Zero)),
+            "a released chunk leaves the cache"
+        );
+    }
+    assert_eq!(all, a, "served memory differs");
     assert!(fetch.bytes_fetched() > 0);
     fetch.stop();
+    assert!(matches!(reader.get(first, true), Err(LazyFetchError::Stopped)));
+}
+
+/// Chunk `i`, once it arrived (asked for at once).
+async fn wait_for(reader: &ChunkReader, i: usize) -> ChunkData {
+    for _ in 0..1000 {
+        if let Some(data) = reader.get(i, true).unwrap() {
+            return data;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("chunk {i} never arrived");
 }
 
 /// Restores the stored checkpoint lazily, lets `damage` act on the store directory once the
-/// tree would run, and returns the error of the first page read.
+/// tree would run, and returns the error the first chunk asked for gives.
 async fn first_read_after(damage: impl FnOnce(&std::path::Path)) -> LazyFetchError {
     let dir = tempfile::tempdir().unwrap();
     let (store, manifest, _) = stored(dir.path()).await;
@@ -103,11 +124,18 @@ async fn first_read_after(damage: impl FnOnce(&std::path::Path)) -> LazyFetchErr
     let mode = MemoryMode::Lazy { eager: &[] };
     let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
     damage(&dir.path().join("store"));
-    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS);
-    let read = tokio::task::spawn_blocking(move || reader.read(PID, 0x10000, PAGE_SIZE, &mut Vec::new()));
-    let err = read.await.unwrap().unwrap_err();
+    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS).unwrap();
+    let first = reader.memory().task_chunks(PID).next().unwrap().0;
+    let mut err = None;
+    for _ in 0..1000 {
+        if let Err(e) = reader.get(first, true) {
+            err = Some(e);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     fetch.stop();
-    err
+    err.expect("the fetch fails")
 }
 
 #[tokio::test(flavor = "multi_thread")]

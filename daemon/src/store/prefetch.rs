@@ -1,24 +1,28 @@
-//! Serving lazily restored memory: a bounded cache of fetched chunks, filled by a prefetcher
-//! task in [`LazyMemory::prefetch_order`] and on demand, and read by the page server.
+//! Serving lazily restored memory: a bounded cache of fetched, verified chunks, filled by a
+//! prefetcher task in [`LazyMemory::prefetch_order`] and on demand, and taken by the fault
+//! server (`engine/hot_restore/`), which puts them into the restored processes.
 //!
 //! ```text
-//! page server (blocking thread)          prefetcher (async task)
-//!   read(pid, addr) -> chunk missing  ──urgent──▶  fetch it (and the rest of the request)
-//!   waits (at most the timeout)      ◀──ready───   decompress, verify, insert
-//!   copies, marks the pages served                 otherwise: next chunks in prefetch order
-//!   fully served chunk leaves the cache            while cache + in flight < capacity
+//! fault server (blocking thread)           prefetcher (async task)
+//!   get(chunk) -> not cached: asked for ──▶  fetch it first (a fault's go ahead of the rest)
+//!   polls the waker                    ◀──   decompress, verify, insert, write the waker
+//!   copies it into every process               otherwise: next chunks in prefetch order
+//!   release(chunk): it leaves the cache        while cache + in flight < capacity
 //! ```
-//! Every chunk is checked against its hash before it is served. A fetch that fails, or takes
+//! Every chunk is checked against its hash before it is cached. A fetch that fails, or takes
 //! longer than the timeout, fails the whole session: the caller must then kill the tree,
 //! whose memory can no longer be completed.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use std::os::fd::{AsFd, BorrowedFd};
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
+use nix::sys::eventfd::{EfdFlags, EventFd};
 use tokio::sync::Notify;
 use tracing::{debug, warn};
 
@@ -26,8 +30,7 @@ use super::assemble::decode_chunk;
 use super::lazy_memory::LazyMemory;
 use super::{Store, StoreError};
 
-/// Chunks a fault or a CRIU request waits for are fetched in batches of at most this much
-/// (about one CRIU background request)...
+/// Chunks the fault server waits for are fetched in batches of at most this much...
 const URGENT_BATCH_BYTES: u64 = 4 << 20;
 /// ...and prefetched in batches of this much: fewer, larger range reads (each is a request to
 /// the store; object_store merges adjacent ranges of a pack into one).
@@ -38,7 +41,7 @@ const BATCHES_IN_FLIGHT: usize = 4;
 /// How a lazy restore fetches memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FetchSettings {
-    /// Bytes of fetched memory not yet served that may be held.
+    /// Bytes of fetched memory not yet put in place that may be held.
     pub cache_bytes: u64,
     /// How long a read waits for the store before the session fails.
     pub timeout: Duration,
@@ -49,8 +52,6 @@ pub struct FetchSettings {
 /// Serving lazily restored memory failed.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum LazyFetchError {
-    #[error("pages at {vaddr:#x} of pid {pid} were asked for, but the checkpoint restores none there lazily")]
-    NotLazy { pid: u64, vaddr: u64 },
     #[error("the store did not deliver memory of checkpoint {id} within {secs} s")]
     Timeout { id: String, secs: u64 },
     #[error("fetching memory of checkpoint {id} failed")]
@@ -69,7 +70,7 @@ pub enum LazyFetchError {
 
 #[derive(Debug, Clone)]
 enum Slot {
-    /// Not in the cache (not fetched yet, or fully served and dropped).
+    /// Not in the cache (not fetched yet, or released).
     Absent,
     Fetching,
     Ready(Arc<Vec<u8>>),
@@ -77,9 +78,10 @@ enum Slot {
 
 struct State {
     slots: Vec<Slot>,
-    /// Pages of each chunk served since it was last fetched, a bit each (a chunk is at most
-    /// 64 KiB: 16 pages). A page asked for twice (a forked child's copy) counts once.
-    served: Vec<u16>,
+    /// Chunks no process needs any more: not prefetched again.
+    released: Vec<bool>,
+    /// Chunks cached since the fault server last looked, in the order they arrived.
+    arrived: Vec<usize>,
     /// Bytes held in `Ready` slots and in flight.
     held: u64,
     urgent: VecDeque<usize>,
@@ -90,7 +92,8 @@ struct State {
 struct Shared {
     memory: LazyMemory,
     state: Mutex<State>,
-    ready: Condvar,
+    /// Written whenever chunks arrive or the session fails: the fault server polls it.
+    arrived: EventFd,
     wake: Notify,
     fetched: AtomicU64,
 }
@@ -104,8 +107,14 @@ impl Shared {
         let mut st = self.lock();
         st.failure.get_or_insert(error);
         drop(st);
-        self.ready.notify_all();
+        self.tell_arrived();
         self.wake.notify_one();
+    }
+
+    fn tell_arrived(&self) {
+        if let Err(e) = self.arrived.write(1) {
+            warn!(error = %e, "cannot wake the fault server");
+        }
     }
 }
 
@@ -129,111 +138,128 @@ impl LazyFetch {
     }
 }
 
-/// The page server's side: reads pages, waiting for their chunks when needed.
-pub struct LazyReader {
+/// A chunk's bytes, as the fault server puts them in place.
+#[derive(Debug, Clone)]
+pub enum ChunkData {
+    /// An all-zero chunk (never stored).
+    Zero,
+    Bytes(Arc<Vec<u8>>),
+}
+
+/// The fault server's side: takes chunks, asking for those not cached.
+pub struct ChunkReader {
     shared: Arc<Shared>,
-    timeout: Duration,
 }
 
 impl Store {
     /// Starts serving `memory`: a prefetcher task that keeps at most `settings.cache_bytes`
-    /// of chunks not yet served, and a reader that waits at most `settings.timeout` for one.
-    pub fn start_lazy_fetch(&self, memory: LazyMemory, settings: FetchSettings) -> (LazyReader, LazyFetch) {
+    /// of chunks not yet released, each fetch given at most `settings.timeout`.
+    pub fn start_lazy_fetch(
+        &self,
+        memory: LazyMemory,
+        settings: FetchSettings,
+    ) -> std::io::Result<(ChunkReader, LazyFetch)> {
         let n = memory.chunks.len();
         let state = State {
             slots: vec![Slot::Absent; n],
-            served: vec![0; n],
+            released: vec![false; n],
+            arrived: Vec::new(),
             held: 0,
             urgent: VecDeque::new(),
             failure: None,
             stopped: false,
         };
+        let arrived = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?;
         let shared = Arc::new(Shared {
             memory,
             state: Mutex::new(state),
-            ready: Condvar::new(),
+            arrived,
             wake: Notify::new(),
             fetched: AtomicU64::new(0),
         });
         tokio::spawn(prefetch(self.clone(), shared.clone(), settings));
-        (LazyReader { shared: shared.clone(), timeout: settings.timeout }, LazyFetch { shared })
+        Ok((ChunkReader { shared: shared.clone() }, LazyFetch { shared }))
     }
 }
 
-impl LazyReader {
-    /// Appends the bytes of task `pid` from `vaddr` on to `out`: at most `max_bytes`, at
-    /// least the rest of the chunk holding `vaddr` (or up to `max_bytes`), more where the
-    /// following chunks are already in the cache.
-    pub fn read(
-        &self,
-        pid: u64,
-        vaddr: u64,
-        max_bytes: u64,
-        out: &mut Vec<u8>,
-    ) -> Result<(), LazyFetchError> {
-        let memory = &self.shared.memory;
-        let (first, offset, run_end) =
-            memory.locate(pid, vaddr).ok_or(LazyFetchError::NotLazy { pid, vaddr })?;
-        let want = max_bytes.min(run_end - vaddr);
-        let deadline = Instant::now().checked_add(self.timeout).unwrap_or_else(far_future);
+impl ChunkReader {
+    pub fn memory(&self) -> &LazyMemory {
+        &self.shared.memory
+    }
+
+    /// Chunk `i`'s bytes if they are cached (or it is a zero chunk); otherwise asks for it,
+    /// `urgent` ones (a process waits on them) before any other, and returns `None`: the
+    /// waker says when more chunks arrived. An error once the session failed.
+    pub fn get(&self, i: usize, urgent: bool) -> Result<Option<ChunkData>, LazyFetchError> {
         let mut st = self.shared.lock();
-        // Ask for every chunk of the request that is missing; the first one goes ahead of
-        // everything asked for before (a duplicate entry is skipped when its turn comes).
-        let (mut i, mut span) = (first, 0u64);
-        while span < want + offset && i < memory.chunks.len() {
-            if memory.chunks[i].stored.is_some() && matches!(st.slots[i], Slot::Absent) {
-                if i == first {
-                    st.urgent.push_front(i);
-                } else {
-                    st.urgent.push_back(i);
-                }
-            }
-            span += u64::from(memory.chunks[i].len);
-            i += 1;
+        if let Some(e) = &st.failure {
+            return Err(e.clone());
         }
-        self.shared.wake.notify_one();
-        loop {
-            if let Some(e) = &st.failure {
-                return Err(e.clone());
-            }
-            let stored = memory.chunks[first].stored.is_some();
-            if !stored || matches!(st.slots[first], Slot::Ready(_)) {
-                break;
-            }
-            if matches!(st.slots[first], Slot::Absent) && !st.urgent.contains(&first) {
-                st.urgent.push_front(first);
+        if self.shared.memory.chunks[i].stored.is_none() {
+            return Ok(Some(ChunkData::Zero));
+        }
+        match &st.slots[i] {
+            Slot::Ready(data) => return Ok(Some(ChunkData::Bytes(data.clone()))),
+            Slot::Fetching => {}
+            Slot::Absent if urgent => {
+                // A duplicate entry is skipped when its turn comes.
+                st.urgent.push_front(i);
                 self.shared.wake.notify_one();
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                let secs = self.timeout.as_secs();
-                let error = LazyFetchError::Timeout { id: memory.id.clone(), secs };
-                drop(st);
-                self.shared.fail(error.clone());
-                return Err(error);
-            }
-            st = self.shared.ready.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
-        }
-        let (mut i, mut offset, start) = (first, offset, out.len());
-        while ((out.len() - start) as u64) < want && i < memory.chunks.len() {
-            let len = u64::from(memory.chunks[i].len);
-            let take = (len - offset).min(want - (out.len() - start) as u64);
-            match (&memory.chunks[i].stored, &st.slots[i]) {
-                (None, _) => out.resize(out.len() + take as usize, 0),
-                (Some(_), Slot::Ready(data)) => {
-                    out.extend_from_slice(&data[offset as usize..(offset + take) as usize])
-                }
-                _ => break,
-            }
-            st.served[i] |= page_bits(offset, take);
-            if st.served[i] == page_bits(0, len) && matches!(st.slots[i], Slot::Ready(_)) {
-                st.slots[i] = Slot::Absent;
-                st.held -= len;
+            Slot::Absent if !st.urgent.contains(&i) => {
+                st.urgent.push_back(i);
                 self.shared.wake.notify_one();
             }
-            (i, offset) = (i + 1, 0);
+            Slot::Absent => {}
         }
-        Ok(())
+        Ok(None)
+    }
+
+    /// Chunk `i`'s bytes if they are cached (or it is a zero chunk), without asking for it.
+    pub fn peek(&self, i: usize) -> Option<ChunkData> {
+        if self.shared.memory.chunks[i].stored.is_none() {
+            return Some(ChunkData::Zero);
+        }
+        match &self.shared.lock().slots[i] {
+            Slot::Ready(data) => Some(ChunkData::Bytes(data.clone())),
+            _ => None,
+        }
+    }
+
+    /// The chunks cached since the last call, in the order they arrived.
+    pub fn take_arrived(&self) -> Vec<usize> {
+        std::mem::take(&mut self.shared.lock().arrived)
+    }
+
+    /// No process needs chunk `i` any more: it leaves the cache.
+    pub fn release(&self, i: usize) {
+        let mut st = self.shared.lock();
+        st.released[i] = true;
+        if matches!(st.slots[i], Slot::Ready(_)) {
+            st.slots[i] = Slot::Absent;
+            st.held -= u64::from(self.shared.memory.chunks[i].len);
+            self.shared.wake.notify_one();
+        }
+    }
+
+    /// Why the session failed, if it did.
+    pub fn failure(&self) -> Option<LazyFetchError> {
+        self.shared.lock().failure.clone()
+    }
+
+    /// Fails the session (a chunk waited on too long, say): the prefetcher stops.
+    pub fn fail(&self, error: LazyFetchError) {
+        self.shared.fail(error);
+    }
+
+    /// Readable when chunks arrived (or the session failed) since the last [`Self::drain`].
+    pub fn waker(&self) -> BorrowedFd<'_> {
+        self.shared.arrived.as_fd()
+    }
+
+    /// Resets the waker.
+    pub fn drain(&self) {
+        let _ = self.shared.arrived.read();
     }
 }
 
@@ -299,7 +325,7 @@ fn next_batch(shared: &Shared, order: &[usize], cursor: &mut usize, capacity: u6
     while bytes < limit && *cursor < order.len() && st.held + bytes < capacity {
         let i = order[*cursor];
         *cursor += 1;
-        if matches!(st.slots[i], Slot::Absent) && st.served[i] == 0 {
+        if matches!(st.slots[i], Slot::Absent) && !st.released[i] {
             st.slots[i] = Slot::Fetching;
             bytes += u64::from(chunks[i].len);
             batch.push(i);
@@ -368,39 +394,11 @@ async fn fetch_batch(
     .map_err(|e| LazyFetchError::Task { id: shared.memory.id.clone(), reason: e.to_string() })??;
     let mut st = shared.lock();
     for (i, data) in decoded {
-        st.served[i] = 0;
         st.slots[i] = Slot::Ready(data);
+        st.arrived.push(i);
     }
     drop(st);
     debug!(chunks = batch.len(), "lazy restore: chunks cached");
-    shared.ready.notify_all();
+    shared.tell_arrived();
     Ok(())
-}
-
-/// A deadline that never comes, for timeouts too large to add to now.
-fn far_future() -> Instant {
-    Instant::now() + Duration::from_secs(100 * 365 * 86_400)
-}
-
-// A chunk's pages fit the bits of `State::served`.
-const _: () = assert!(super::CHUNK as u64 / crate::criu::pageserver::PAGE_SIZE <= 16);
-
-/// The bits of the pages in `[offset, offset + len)` of a chunk.
-fn page_bits(offset: u64, len: u64) -> u16 {
-    let page = crate::criu::pageserver::PAGE_SIZE;
-    let (first, end) = (offset / page, (offset + len).div_ceil(page).min(16));
-    (first..end).fold(0, |bits, p| bits | (1 << p))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::page_bits;
-
-    #[test]
-    fn page_bits_cover_the_pages_touched() {
-        assert_eq!(page_bits(0, 65536), u16::MAX);
-        assert_eq!(page_bits(4096, 8192), 0b110);
-        assert_eq!(page_bits(0, 4096) | page_bits(4096, 61440), u16::MAX);
-        assert_eq!(page_bits(0, 12288), 0b111, "a short chunk of three pages");
-    }
 }

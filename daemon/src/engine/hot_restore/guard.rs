@@ -1,19 +1,19 @@
 //! The lazy-restore guard: from CRIU's "pre-resume" notification until the tree's memory is in,
 //! a `stasis-lazy-guard` process holds copies of the tree's userfaultfds, so that a fault waits
-//! rather than reads zeros if CRIU's lazy-pages daemon dies, and kills the tree if stasisd dies.
+//! rather than reads zeros if stasisd (which serves them) dies, and kills the tree then.
 
 use std::io::Write;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tracing::{info, warn};
 
+use super::server::Control;
 use crate::engine::lock;
 use crate::linux::proc;
-use crate::linux::reaper::{ExitKind, Reaper};
-use crate::linux::sys::{ChildSetup, copy_fd_of, spawn};
+use crate::linux::sys::{ChildSetup, spawn};
 
 /// The guard's executable, next to stasisd's.
 const GUARD_BIN: &str = "stasis-lazy-guard";
@@ -21,14 +21,12 @@ const GUARD_BIN: &str = "stasis-lazy-guard";
 /// Why the lazy-restore guard could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {
-    #[error("cannot list the lazy-pages daemon's descriptors")]
-    ListFds(#[source] std::io::Error),
-    #[error("cannot copy the lazy-pages daemon's userfaultfds")]
+    #[error("cannot list the restored tree's processes")]
+    ListPids(#[source] std::io::Error),
+    #[error("cannot copy the tree's userfaultfds")]
     CopyFds(#[source] std::io::Error),
-    #[error("the lazy-pages daemon holds no userfaultfd at pre-resume")]
+    #[error("CRIU had not handed over every userfaultfd of the tree at pre-resume")]
     NoUserfaultfd,
-    #[error("the lazy-pages daemon ended ({0}) before the tree ran")]
-    DaemonEnded(ExitKind),
     #[error("CRIU did not announce pre-resume")]
     NoPreResume,
     #[error("at pre-resume, CRIU (pid {0}) holds no restored tree")]
@@ -41,19 +39,17 @@ pub enum GuardError {
     },
 }
 
-/// Started at CRIU's "pre-resume" notification (every task's userfaultfd is with the
-/// lazy-pages daemon and the tree does not run yet): a `stasis-lazy-guard` process holding
-/// copies of those userfaultfds, so that a fault waits rather than reads zeros if the daemon
-/// dies, and that kills the tree if stasisd dies before the memory is in.
+/// Started at CRIU's "pre-resume" notification (every task's userfaultfd is with the fault
+/// server and the tree does not run yet): a `stasis-lazy-guard` process holding copies of
+/// those userfaultfds, so that a fault waits rather than reads zeros if stasisd dies, and
+/// that kills the tree then.
 #[derive(Clone)]
 pub(in crate::engine) struct FaultGuard {
-    daemon: i32,
-    reaper: Reaper,
+    control: Arc<Control>,
     tree: TreePids,
-    /// How many of the tree's tasks have memory restored lazily: CRIU gives each of those,
-    /// and only those, a userfaultfd.
-    lazy_tasks: usize,
     started: Arc<std::sync::Mutex<Option<GuardProcess>>>,
+    /// Whether it ever started (an eager restore lets it go before the tree runs).
+    ran: Arc<std::sync::atomic::AtomicBool>,
     /// Why the guard could not start (CRIU only logs a failed notification and goes on).
     failure: Arc<std::sync::Mutex<Option<Arc<GuardError>>>>,
 }
@@ -71,10 +67,8 @@ pub(in crate::engine) enum TreePids {
     InContainer(super::Roots),
 }
 
-/// How long the restore's userfaultfds may take to reach the lazy-pages daemon.
+/// How long the fault server may take to have read every userfaultfd CRIU sent.
 const UFFDS_WAIT: Duration = Duration::from_secs(5);
-/// How long an unchanged, non-zero count of them is waited on before it is taken as all.
-const UFFDS_SETTLED: Duration = Duration::from_millis(200);
 
 /// A running `stasis-lazy-guard`; writing a byte to `control` (or dropping it after stasisd
 /// died) ends it.
@@ -93,15 +87,14 @@ impl GuardProcess {
 }
 
 impl FaultGuard {
-    /// A guard, not started yet, for the tree `pids` (root first) that the lazy-pages daemon
-    /// `daemon` serves, `lazy_tasks` of whose tasks have memory restored lazily.
-    pub(super) fn new(daemon: i32, reaper: Reaper, tree: TreePids, lazy_tasks: usize) -> FaultGuard {
+    /// A guard, not started yet, for the tree `tree` whose userfaultfds the fault server that
+    /// `control` shows receives.
+    pub(super) fn new(control: Arc<Control>, tree: TreePids) -> FaultGuard {
         FaultGuard {
-            daemon,
-            reaper,
+            control,
             tree,
-            lazy_tasks,
             started: Default::default(),
+            ran: Default::default(),
             failure: Default::default(),
         }
     }
@@ -113,12 +106,12 @@ impl FaultGuard {
             TreePids::InNamespace(roots) => {
                 let root = proc::restoring_namespace_root(criu).ok_or(GuardError::NoNamespaceRoot(criu))?;
                 *lock(roots) = vec![root];
-                proc::process_tree(root).map_err(GuardError::ListFds)
+                proc::process_tree(root).map_err(GuardError::ListPids)
             }
             TreePids::InContainer(roots) => {
                 let root = proc::restored_root_under(criu).ok_or(GuardError::NoNamespaceRoot(criu))?;
                 *lock(roots) = vec![root];
-                proc::process_tree(root).map_err(GuardError::ListFds)
+                proc::process_tree(root).map_err(GuardError::ListPids)
             }
         }
     }
@@ -135,87 +128,15 @@ impl FaultGuard {
 
     /// Why the guard is not running, if it is not and should be.
     pub(in crate::engine) fn not_started(&self) -> Option<Arc<GuardError>> {
-        if lock(&self.started).is_some() {
+        if self.ran.load(std::sync::atomic::Ordering::SeqCst) {
             return None;
         }
-        if let Some(failure) = lock(&self.failure).clone() {
-            return Some(failure);
-        }
-        // Not needed when the daemon finished before the tree ran.
-        match self.reaper.peek_exit(self.daemon) {
-            Some(ExitKind::Exited(0)) => None,
-            _ => Some(Arc::new(GuardError::NoPreResume)),
-        }
-    }
-
-    /// The daemon's userfaultfds: one per live task with lazy memory, some possibly still in
-    /// transit from the restore, so it waits a little for all of them. The daemon closes the
-    /// one of a task all of whose memory is in (a small task's, often before the others
-    /// arrive), so a count that has held still for a moment is taken as complete too.
-    fn daemon_uffds(&self, tasks: usize) -> Result<Vec<i32>, GuardError> {
-        let deadline = Instant::now() + UFFDS_WAIT;
-        let mut seen = (usize::MAX, Instant::now());
-        loop {
-            let fds = proc::fd_targets(self.daemon).map_err(GuardError::ListFds)?;
-            let uffds: Vec<i32> = fds
-                .into_iter()
-                .filter(|(_, target)| target.as_os_str() == "anon_inode:[userfaultfd]")
-                .map(|(fd, _)| fd)
-                .collect();
-            if uffds.len() != seen.0 {
-                seen = (uffds.len(), Instant::now());
-            }
-            let settled = !uffds.is_empty() && seen.1.elapsed() >= UFFDS_SETTLED;
-            if uffds.len() >= tasks || settled || Instant::now() >= deadline {
-                if uffds.len() < tasks {
-                    // Zombies of the tree get none; a missing one is a task left unguarded.
-                    warn!(found = uffds.len(), tasks, "fewer userfaultfds than tasks");
-                }
-                return Ok(uffds);
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    /// Whether the daemon has already exited with success (within a short wait for its exit to
-    /// be collected); an error when it ended otherwise.
-    fn daemon_done(&self) -> Result<bool, GuardError> {
-        let deadline = Instant::now() + Duration::from_secs(1);
-        loop {
-            match self.reaper.peek_exit(self.daemon) {
-                Some(ExitKind::Exited(0)) => return Ok(true),
-                Some(exit) => return Err(GuardError::DaemonEnded(exit)),
-                None if Instant::now() >= deadline => return Ok(false),
-                None => std::thread::sleep(Duration::from_millis(10)),
-            }
-        }
-    }
-
-    /// Copies of the daemon's userfaultfds.
-    fn copy_uffds(&self, tasks: usize) -> Result<Vec<OwnedFd>, GuardError> {
-        let mut copies = Vec::new();
-        for fd in self.daemon_uffds(tasks)? {
-            match copy_fd_of(self.daemon, fd) {
-                Ok(copy) => copies.push(copy),
-                // Closed since it was listed: the daemon is done with that task (all its
-                // memory is in), so there is nothing of it left to guard.
-                Err(e) if e.raw_os_error() == Some(libc::EBADF) => {}
-                Err(e) => return Err(GuardError::CopyFds(e)),
-            }
-        }
-        if copies.is_empty() {
-            return Err(GuardError::NoUserfaultfd);
-        }
-        Ok(copies)
+        Some(lock(&self.failure).clone().unwrap_or_else(|| Arc::new(GuardError::NoPreResume)))
     }
 
     fn try_start(&self, tree: &[i32]) -> Result<(), GuardError> {
-        let copies = match self.copy_uffds(self.lazy_tasks.min(tree.len())) {
-            Ok(copies) => copies,
-            // The daemon may have brought every page in and exited before the tree runs (its
-            // background transfer starts once CRIU says the restore is done): nothing to guard.
-            Err(reason) => return if self.daemon_done()? { Ok(()) } else { Err(reason) },
-        };
+        let copies = self.control.uffd_copies(UFFDS_WAIT).map_err(GuardError::CopyFds)?;
+        let copies = copies.filter(|c| !c.is_empty()).ok_or(GuardError::NoUserfaultfd)?;
         let spawn_err = |exe: &std::path::Path| {
             let exe = exe.to_path_buf();
             move |source| GuardError::Spawn { exe, source }
@@ -242,6 +163,7 @@ impl FaultGuard {
         );
         let guard = GuardProcess { pid: child.id() as i32, control: std::fs::File::from(control_w) };
         *lock(&self.started) = Some(guard);
+        self.ran.store(true, std::sync::atomic::Ordering::SeqCst);
         Ok(())
     }
 
