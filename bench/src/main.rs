@@ -9,11 +9,11 @@
 //! target/release/stasis-bench [--rss-mib 2048] [--random 0.5] [--compressible 0.5] [--zero F]
 //!     [--dirty 0.1] [--dirty-block-kib 1024] [--churn] [--rounds 3] [--staging-mib M]
 //!     [--store-dir /var/tmp/stasis-bench] [--no-settle] [--keep]
-//! target/release/stasis-bench lazy [--s3] [the same options]
+//! target/release/stasis-bench lazy [--s3] [--prefetch fresh-first] [--eager-restore served] [the same options]
 //! target/release/stasis-bench kube [the same options]
 //! ```
 //!
-//! `lazy` measures issue 5's lazy restore against the eager one instead (see `lazy.rs`);
+//! `lazy` measures the lazy restore against the eager one instead (see `lazy.rs`);
 //! `kube` measures a Kubernetes pod's eviction and restart (see `kube.rs`).
 #![forbid(unsafe_code)]
 
@@ -48,8 +48,11 @@ enum Mode {
         #[arg(long)]
         s3: bool,
         /// stasisd's `--lazy-prefetch` (address or fresh-first), to compare orders.
-        #[arg(long, default_value = "address")]
+        #[arg(long, default_value = "fresh-first")]
         prefetch: String,
+        /// stasisd's `--eager-restore` (served or files): the eager restore compared against.
+        #[arg(long, default_value = "served")]
+        eager_restore: String,
         #[command(flatten)]
         args: Args,
     },
@@ -117,7 +120,7 @@ impl Args {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let (args, lazy) = match cli.mode {
-        Some(Mode::Lazy { s3, prefetch, args }) => (args, Some((s3, prefetch))),
+        Some(Mode::Lazy { s3, prefetch, eager_restore, args }) => (args, Some((s3, prefetch, eager_restore))),
         Some(Mode::Kube { args }) => {
             ensure!(
                 nix::unistd::geteuid().is_root(),
@@ -135,7 +138,7 @@ fn main() -> anyhow::Result<()> {
     daemon::SETTLE.store(!args.no_settle, std::sync::atomic::Ordering::Relaxed);
     daemon::undo_on_signals()?;
     match lazy {
-        Some((s3, prefetch)) => println!("{}", lazy::run(&args, s3, &prefetch)?.table(&args)),
+        Some((s3, prefetch, eager)) => println!("{}", lazy::run(&args, s3, &prefetch, &eager)?.table(&args)),
         None => println!("{}", run::run(&args)?.table(&args)),
     }
     Ok(())

@@ -87,7 +87,7 @@ impl Results {
                 "restore time, ms: `stasis restore` vs unpack to tmpfs + `criu restore`",
                 rs(&|r| ms(r.wall)),
                 rs(&|r| ms(r.peer.total)),
-                Some(1.0),
+                Some(0.5),
             ),
             row(
                 "stasisd peak RSS (checkpoints) vs staging bound + 256 MiB, MiB",

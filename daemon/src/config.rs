@@ -15,7 +15,8 @@
 //! store_retry_secs = 30                     # retries of a failing remote store request
 //! lazy_cache_mib = 1024                     # fetched memory a lazy restore holds ahead
 //! lazy_timeout_secs = 60                    # a lazy restore's wait for the store, then kill
-//! lazy_prefetch = "address"                 # or "fresh-first"
+//! lazy_prefetch = "fresh-first"             # or "address"
+//! eager_restore = "served"                  # or "files": how an eager restore puts memory
 //! network_lock = "auto"                     # or "nftables", "iptables"
 //! network_lock_keep_secs = 1800             # an eviction's lock kept for a restore here
 //! metrics_listen = "127.0.0.1:9464"        # Prometheus metrics on /metrics (off by default)
@@ -121,10 +122,15 @@ pub struct Args {
     /// tree is killed, since its memory cannot be completed (default 60).
     #[arg(long)]
     pub lazy_timeout_secs: Option<u64>,
-    /// What a lazy restore prefetches first: plain address order (the default), or memory
-    /// written since the previous checkpoint (fresh-first).
+    /// What a restore fetches first: memory written since the previous checkpoint, the job's
+    /// working set (fresh-first, the default), or plain address order (address).
     #[arg(long)]
     pub lazy_prefetch: Option<LazyPrefetch>,
+    /// How an eager restore puts memory in place: served (stasisd copies it into the restored
+    /// processes, which run once it is all there; the default where the kernel allows) or
+    /// files (written into image files for CRIU to read, as where it does not).
+    #[arg(long)]
+    pub eager_restore: Option<EagerRestore>,
     /// How CRIU locks established TCP connections while it dumps them: auto (nftables when
     /// CRIU and the kernel have it, else iptables when installed), nftables or iptables.
     #[arg(long)]
@@ -214,11 +220,23 @@ impl NetworkLockSetting {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum LazyPrefetch {
-    /// Address order, as CRIU's background transfer asks (measured better; bench/RESULTS.md).
-    #[default]
+    /// Address order.
     Address,
-    /// Chunks new in the checkpoint (written since the previous one), then address order.
+    /// Chunks new in the checkpoint (written since the previous one), then address order: a
+    /// lazily restored job finds its working set there soonest (bench/RESULTS.md).
+    #[default]
     FreshFirst,
+}
+
+/// How an eager restore puts memory in place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum EagerRestore {
+    /// stasisd copies it into the restored processes (userfaultfd) before they run.
+    #[default]
+    Served,
+    /// Written into image files that CRIU reads.
+    Files,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize, clap::ValueEnum)]
@@ -248,6 +266,7 @@ pub struct DaemonConfig {
     pub lazy_cache_mib: u64,
     pub lazy_timeout_secs: u64,
     pub lazy_prefetch: LazyPrefetch,
+    pub eager_restore: EagerRestore,
     pub network_lock: NetworkLockSetting,
     pub network_lock_keep_secs: u64,
     pub idle: IdleSettings,
@@ -312,6 +331,7 @@ impl DaemonConfig {
             lazy_cache_mib: s.lazy_cache_mib.unwrap_or(DEFAULT_LAZY_CACHE_MIB),
             lazy_timeout_secs: s.lazy_timeout_secs.unwrap_or(DEFAULT_LAZY_TIMEOUT_SECS),
             lazy_prefetch: s.lazy_prefetch.unwrap_or_default(),
+            eager_restore: s.eager_restore.unwrap_or_default(),
             network_lock: s.network_lock.unwrap_or_default(),
             network_lock_keep_secs: s.network_lock_keep_secs.unwrap_or(DEFAULT_NETWORK_LOCK_KEEP_SECS),
             idle,
@@ -397,7 +417,7 @@ mod tests {
         let file = dir.path().join("c.toml");
         std::fs::write(
             &file,
-            "store = \"s3://b/p\"\nsocket = \"/tmp/file.sock\"\nlog_format = \"json\"\nlazy_prefetch = \"fresh-first\"\nnetwork_lock = \"iptables\"\n",
+            "store = \"s3://b/p\"\nsocket = \"/tmp/file.sock\"\nlog_format = \"json\"\nlazy_prefetch = \"address\"\neager_restore = \"files\"\nnetwork_lock = \"iptables\"\n",
         )
         .unwrap();
         let args =
@@ -408,8 +428,13 @@ mod tests {
         assert_eq!(c.state_dir, PathBuf::from(DEFAULT_STATE_DIR));
         assert_eq!(c.log_format, LogFormat::Json);
         assert_eq!(
-            (c.lazy_prefetch, c.lazy_timeout_secs),
-            (LazyPrefetch::FreshFirst, DEFAULT_LAZY_TIMEOUT_SECS)
+            (c.lazy_prefetch, c.eager_restore, c.lazy_timeout_secs),
+            (LazyPrefetch::Address, EagerRestore::Files, DEFAULT_LAZY_TIMEOUT_SECS)
+        );
+        let defaults = DaemonConfig::resolve(Args::default()).unwrap();
+        assert_eq!(
+            (defaults.lazy_prefetch, defaults.eager_restore),
+            (LazyPrefetch::FreshFirst, EagerRestore::Served)
         );
         assert_eq!(c.network_lock.forced(), Some(NetworkLock::Iptables));
         assert_eq!(DaemonConfig::resolve(Args::default()).unwrap().network_lock.forced(), None);

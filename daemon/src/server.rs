@@ -13,7 +13,7 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tracing::info;
 
 use crate::config::DaemonConfig;
-use crate::config::LazyPrefetch;
+use crate::config::{EagerRestore, LazyPrefetch};
 use crate::engine::{Engine, EngineConfig, StartError};
 use crate::grpc::{StasisServer, StasisService};
 use crate::store::FetchSettings;
@@ -59,6 +59,7 @@ pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
             timeout: std::time::Duration::from_secs(config.lazy_timeout_secs),
             fresh_first: config.lazy_prefetch == LazyPrefetch::FreshFirst,
         },
+        eager_from_files: config.eager_restore == EagerRestore::Files,
         network_lock: config.network_lock.forced(),
         network_lock_keep: std::time::Duration::from_secs(config.network_lock_keep_secs),
         idle: config.idle,

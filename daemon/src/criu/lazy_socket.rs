@@ -15,7 +15,7 @@
 
 use std::collections::VecDeque;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 
@@ -60,14 +60,17 @@ pub struct LazyListener {
 }
 
 impl LazyListener {
-    /// Listens on [`SOCKET_NAME`] in `work_dir` (non-blocking).
+    /// Listens on [`SOCKET_NAME`] in `work_dir` (non-blocking). The directory is reached
+    /// through a descriptor of it, so that its path may be longer than a socket address holds.
     pub fn bind(work_dir: &Path) -> io::Result<LazyListener> {
         let path = work_dir.join(SOCKET_NAME);
         match std::fs::remove_file(&path) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
             _ => {}
         }
-        let listener = UnixListener::bind(&path)?;
+        let dir = std::fs::File::open(work_dir)?;
+        let short = format!("/proc/self/fd/{}/{SOCKET_NAME}", dir.as_raw_fd());
+        let listener = UnixListener::bind(short)?;
         listener.set_nonblocking(true)?;
         Ok(LazyListener { listener, path })
     }
@@ -198,7 +201,6 @@ mod tests {
     use super::*;
     use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
     use std::io::{IoSlice, Write};
-    use std::os::fd::AsRawFd;
 
     /// Sends what CRIU's restore sends for a live task.
     fn announce(client: &mut UnixStream, pid: i32, fd: BorrowedFd<'_>) {
@@ -212,6 +214,13 @@ mod tests {
             None,
         )
         .unwrap();
+    }
+
+    /// Connects to the socket in `dir` as CRIU does, by its name relative to the directory
+    /// (through a descriptor of it: the test cannot change its working directory).
+    fn connect_in(dir: &Path) -> UnixStream {
+        let dir = std::fs::File::open(dir).unwrap();
+        UnixStream::connect(format!("/proc/self/fd/{}/{SOCKET_NAME}", dir.as_raw_fd())).unwrap()
     }
 
     /// Reads from `conn` until `count` announcements came.
@@ -229,10 +238,15 @@ mod tests {
 
     #[test]
     fn tasks_zombies_and_the_end_of_the_restore() {
-        let dir = tempfile::tempdir().unwrap();
+        // A work directory whose path is longer than a socket address holds.
+        let top = tempfile::tempdir().unwrap();
+        let dir = top.path().join("a-rather-long-directory-name-".repeat(4));
+        std::fs::create_dir(&dir).unwrap();
+        let dir = tempfile::TempDir::new_in(&dir).unwrap();
+        assert!(dir.path().join(SOCKET_NAME).as_os_str().len() > 108);
         let listener = LazyListener::bind(dir.path()).unwrap();
         assert!(listener.accept(3).unwrap().is_none(), "nobody connected yet");
-        let mut client = UnixStream::connect(dir.path().join(SOCKET_NAME)).unwrap();
+        let mut client = connect_in(dir.path());
         let mut conn = listener.accept(3).unwrap().expect("the restore's connection");
         let (a, b) = (std::fs::File::open("/dev/null").unwrap(), std::fs::File::open("/dev/zero").unwrap());
         announce(&mut client, 7, a.as_fd());

@@ -76,6 +76,9 @@ pub struct EngineConfig {
     pub store_retry: std::time::Duration,
     /// How lazy restores fetch memory.
     pub lazy: crate::store::FetchSettings,
+    /// Eager restores write memory into image files for CRIU, even where stasisd could put it
+    /// in place itself.
+    pub eager_from_files: bool,
     /// The network lock to use; `None` picks one (see [`crate::criu::support::choose_network_lock`]).
     pub network_lock: Option<NetworkLock>,
     /// How long the network lock of an eviction is kept for a restore on this node.
@@ -113,6 +116,8 @@ pub struct Engine {
     network_lock: Result<NetworkLock, String>,
     /// Whether stasisd can put restored memory in place itself (`Err(why)` if not).
     served_memory: Result<(), String>,
+    /// Whether eager restores have stasisd put memory in place (else CRIU reads image files).
+    eager_served: bool,
     /// The network locks evictions left on this node.
     left_locks: sockets::LeftLocks,
     store: Store,

@@ -340,7 +340,8 @@ impl Engine {
     /// Writes the checkpoint's images into `dir`, leaving the memory stasisd puts in place
     /// itself in the store, and returns it: for a lazy restore, all CRIU can restore lazily
     /// but the host copies of device memory (the CUDA restore reads them at once); for an
-    /// eager one all it can, where this node can serve memory (else nothing: all in images).
+    /// eager one all it can, unless eager restores use image files (`--eager-restore files`,
+    /// or a kernel without the userfaultfd it needs).
     async fn fetch_images(
         &self,
         manifest: &Manifest,
@@ -352,10 +353,10 @@ impl Engine {
             let progress = progress.clone();
             Arc::new(move |done, total| progress(ProgressUpdate { phase: "download", done, total }))
         };
-        let mode = match (lazy, &self.served_memory) {
+        let mode = match (lazy, self.eager_served) {
             (true, _) => MemoryMode::Lazy { eager: &manifest.gpu_host_memory },
-            (false, Ok(())) => MemoryMode::Lazy { eager: &[] },
-            (false, Err(_)) => MemoryMode::Eager,
+            (false, true) => MemoryMode::Lazy { eager: &[] },
+            (false, false) => MemoryMode::Eager,
         };
         Ok(self.store.materialize_as(manifest, dir, mode, report).await?)
     }

@@ -74,6 +74,7 @@ pub(super) fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
         gc_grace: Duration::from_secs(3600),
         store_retry: Duration::ZERO,
         lazy: FetchSettings { cache_bytes: 64 << 20, timeout: Duration::from_secs(5), fresh_first: false },
+        eager_from_files: false,
         network_lock: None,
         network_lock_keep: Duration::from_secs(1800),
         idle: Default::default(),

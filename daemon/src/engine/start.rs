@@ -88,6 +88,7 @@ impl Engine {
             criu_version: support.version,
             network_sockets: support.network_sockets,
             network_lock: support.network_lock,
+            eager_served: support.served_memory.is_ok() && !config.eager_from_files,
             served_memory: support.served_memory,
             left_locks: LeftLocks::at(state.netlocks_dir()),
             store,

@@ -70,7 +70,7 @@ async fn lazy_memory_is_left_in_the_store_and_served_verified() {
     assert_eq!(std::fs::read(out.join("pages-1.img")).unwrap(), [b.as_slice(), c.as_slice()].concat());
     assert_eq!(std::fs::read(out.join("core-42.img")).unwrap(), b"core");
 
-    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS).unwrap();
+    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS, true).unwrap();
     let memory = reader.memory();
     let chunks: Vec<(usize, u64, u32)> = memory.task_chunks(PID).collect();
     assert_eq!(chunks.iter().map(|c| u64::from(c.2)).sum::<u64>(), a.len() as u64);
@@ -124,7 +124,7 @@ async fn first_read_after(damage: impl FnOnce(&std::path::Path)) -> LazyFetchErr
     let mode = MemoryMode::Lazy { eager: &[] };
     let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
     damage(&dir.path().join("store"));
-    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS).unwrap();
+    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS, false).unwrap();
     let first = reader.memory().task_chunks(PID).next().unwrap().0;
     let mut err = None;
     for _ in 0..1000 {

@@ -87,6 +87,8 @@ struct State {
     urgent: VecDeque<usize>,
     failure: Option<LazyFetchError>,
     stopped: bool,
+    /// Only chunks asked for are fetched until the prefetch is started.
+    prefetching: bool,
 }
 
 struct Shared {
@@ -153,11 +155,13 @@ pub struct ChunkReader {
 
 impl Store {
     /// Starts serving `memory`: a prefetcher task that keeps at most `settings.cache_bytes`
-    /// of chunks not yet released, each fetch given at most `settings.timeout`.
+    /// of chunks not yet released, each fetch given at most `settings.timeout`. Unless
+    /// `prefetch_now`, it fetches only chunks asked for until [`ChunkReader::start_prefetch`].
     pub fn start_lazy_fetch(
         &self,
         memory: LazyMemory,
         settings: FetchSettings,
+        prefetch_now: bool,
     ) -> std::io::Result<(ChunkReader, LazyFetch)> {
         let n = memory.chunks.len();
         let state = State {
@@ -168,6 +172,7 @@ impl Store {
             urgent: VecDeque::new(),
             failure: None,
             stopped: false,
+            prefetching: prefetch_now,
         };
         let arrived = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?;
         let shared = Arc::new(Shared {
@@ -242,6 +247,12 @@ impl ChunkReader {
         }
     }
 
+    /// Fetches every chunk from now on, not only those asked for.
+    pub fn start_prefetch(&self) {
+        self.shared.lock().prefetching = true;
+        self.shared.wake.notify_one();
+    }
+
     /// Why the session failed, if it did.
     pub fn failure(&self) -> Option<LazyFetchError> {
         self.shared.lock().failure.clone()
@@ -269,19 +280,28 @@ async fn prefetch(store: Store, shared: Arc<Shared>, settings: FetchSettings) {
     let order = shared.memory.prefetch_order(fresh_first);
     let mut cursor = 0usize;
     let mut in_flight = FuturesUnordered::new();
+    // Batches in flight that something waits for.
+    let mut urgent_in_flight = 0usize;
     loop {
         loop {
             // Chunks something waits for get a batch of their own even when prefetches fill
-            // every slot.
-            let urgent = !shared.lock().urgent.is_empty();
+            // every slot, and no prefetch starts while one is under way: on a small machine
+            // the prefetches' decompression would slow the waited-for one down.
+            let (urgent, prefetching) = {
+                let st = shared.lock();
+                (!st.urgent.is_empty(), st.prefetching)
+            };
             if in_flight.len() >= BATCHES_IN_FLIGHT + usize::from(urgent) {
                 break;
             }
-            let batch = next_batch(&shared, &order, &mut cursor, capacity);
+            let prefetch = prefetching && urgent_in_flight == 0;
+            let (batch, is_urgent) = next_batch(&shared, &order, &mut cursor, capacity, prefetch);
             if batch.is_empty() {
                 break;
             }
-            in_flight.push(fetch_batch(store.clone(), shared.clone(), batch, timeout));
+            urgent_in_flight += usize::from(is_urgent);
+            let fetch = fetch_batch(store.clone(), shared.clone(), batch, timeout);
+            in_flight.push(async move { (is_urgent, fetch.await) });
         }
         let (done, stopped) = {
             let st = shared.lock();
@@ -296,7 +316,8 @@ async fn prefetch(store: Store, shared: Arc<Shared>, settings: FetchSettings) {
             continue;
         }
         tokio::select! {
-            Some(result) = in_flight.next() => {
+            Some((was_urgent, result)) = in_flight.next() => {
+                urgent_in_flight -= usize::from(was_urgent);
                 if let Err(e) = result {
                     warn!(error = %e, "lazy restore: fetching memory failed");
                     shared.fail(e);
@@ -307,8 +328,15 @@ async fn prefetch(store: Store, shared: Arc<Shared>, settings: FetchSettings) {
     }
 }
 
-/// Picks the next chunks to fetch and marks them `Fetching`.
-fn next_batch(shared: &Shared, order: &[usize], cursor: &mut usize, capacity: u64) -> Vec<usize> {
+/// Picks the next chunks to fetch and marks them `Fetching`: those something waits for, or
+/// else (when `prefetch`) the next ones in prefetch order. Says whether they are waited for.
+fn next_batch(
+    shared: &Shared,
+    order: &[usize],
+    cursor: &mut usize,
+    capacity: u64,
+    prefetch: bool,
+) -> (Vec<usize>, bool) {
     let chunks = &shared.memory.chunks;
     let mut st = shared.lock();
     let (mut batch, mut bytes) = (Vec::new(), 0u64);
@@ -321,7 +349,11 @@ fn next_batch(shared: &Shared, order: &[usize], cursor: &mut usize, capacity: u6
         }
     }
     // Urgent chunks go alone, so that they arrive as soon as possible.
-    let limit = if batch.is_empty() { PREFETCH_BATCH_BYTES } else { 0 };
+    if !batch.is_empty() {
+        st.held += bytes;
+        return (batch, true);
+    }
+    let limit = if prefetch { PREFETCH_BATCH_BYTES } else { 0 };
     while bytes < limit && *cursor < order.len() && st.held + bytes < capacity {
         let i = order[*cursor];
         *cursor += 1;
@@ -332,7 +364,7 @@ fn next_batch(shared: &Shared, order: &[usize], cursor: &mut usize, capacity: u6
         }
     }
     st.held += bytes;
-    batch
+    (batch, false)
 }
 
 /// Fetches `batch` (grouped by pack, ranges read in one request per pack), verifies each

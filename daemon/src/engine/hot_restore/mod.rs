@@ -42,12 +42,14 @@ use super::host::Host;
 use super::{Engine, ProgressFn, ProgressUpdate, lock};
 use crate::criu::images::read_pstree;
 use crate::criu::lazy_socket::LazyListener;
-use crate::store::{LazyFetch, LazyMemory, Manifest};
+use crate::store::{FetchSettings, LazyFetch, LazyMemory, Manifest};
 
 /// How long a failed restore waits to learn whether serving its memory failed first.
 const SERVE_END_WAIT: Duration = Duration::from_secs(1);
 /// Progress of the lazy phase is reported this often.
 const PROGRESS_EVERY: Duration = Duration::from_millis(250);
+/// Fetched memory an eager restore holds before it is in place, at most.
+const EAGER_CACHE_BYTES: u64 = 256 << 20;
 
 /// Serving a restore's memory failed.
 #[derive(Debug, thiserror::Error)]
@@ -110,7 +112,16 @@ impl Engine {
         let listener = LazyListener::bind(dir).map_err(LazyError::Start)?;
         let control = Arc::new(Control::new().map_err(LazyError::Start)?);
         let total = memory.bytes();
-        let (chunks, fetch) = self.store.start_lazy_fetch(memory, self.lazy).map_err(LazyError::Start)?;
+        // An eager restore puts chunks in place as fast as they arrive: a little cache keeps
+        // the store busy; a lazy one holds more, ahead of the tree's faults.
+        let settings = match hold {
+            true => FetchSettings { cache_bytes: self.lazy.cache_bytes.min(EAGER_CACHE_BYTES), ..self.lazy },
+            false => self.lazy,
+        };
+        // A lazy restore fetches only what faults ask for until CRIU is done: the tree's first
+        // run comes first.
+        let (chunks, fetch) =
+            self.store.start_lazy_fetch(memory, settings, hold).map_err(LazyError::Start)?;
         let armed = Arc::new(AtomicBool::new(false));
         let server = FaultServer::new(listener, processes, chunks, self.lazy.timeout, control.clone());
         let server = {

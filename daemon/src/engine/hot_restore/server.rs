@@ -37,7 +37,7 @@ use crate::store::{ChunkData, ChunkReader, LazyFetchError};
 /// Chunks after a faulted one that are asked for at once.
 const READ_AHEAD: usize = 15;
 /// Bytes put in place in the background between two looks for faults.
-const BACKGROUND_BUDGET: u64 = 2 << 20;
+const BACKGROUND_BUDGET: u64 = 512 << 10;
 /// Longest wait in poll: deadlines are checked this often.
 const IDLE_WAIT: Duration = Duration::from_millis(250);
 
@@ -346,6 +346,7 @@ impl FaultServer {
         if self.finished && self.conn.is_some() {
             // CRIU says nothing more.
             self.conn = None;
+            self.chunks.start_prefetch();
             self.control.update(|p| p.finished = true);
         }
         Ok(())
