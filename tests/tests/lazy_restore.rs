@@ -127,6 +127,46 @@ fn outcome(
 }
 
 #[test]
+fn memory_a_lazily_restored_process_forks_moves_or_drops_meanwhile_is_right() {
+    skip_unless_ready!();
+    let Some(s3) = S3Server::start() else { return };
+    let argv = python_workload("fork_churn.py", &["120", "40"]);
+    let d = Daemon::start_with(&s3.daemon_options("churn", &["--lazy-cache-mib", "8"]));
+    let mut w = d.run("churn", &argv);
+    w.wait_line_after(0, "the workload's `ready`", |l| l == "ready");
+    procfs::signal(w.pid, Signal::SIGUSR2);
+    let (_, sums) = w.wait_line_after(0, "`sums ...`", |l| l.starts_with("sums "));
+    let sums: Vec<&str> = sums.split_whitespace().skip(1).collect();
+    d.json(&["checkpoint", "--workload", &w.name, "--json"]);
+    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+
+    // Restored lazily from a slow store with a small cache: memory is still arriving when
+    // the process forks, grows a buffer (mremap) and frees one (munmap).
+    let r = d.json(&["restore", "--workload", &w.name, "--lazy", "--no-wait", "--json"]);
+    w.restored(&r);
+    let seen = w.lines().len();
+    procfs::signal(w.pid, Signal::SIGUSR1);
+    let (_, child) = w.wait_line_after(seen, "the child's `child ...`", |l| l.starts_with("child "));
+    let (_, parent) = w.wait_line_after(seen, "the parent's `parent ...`", |l| l.starts_with("parent "));
+    assert_eq!(child, format!("child {}", sums[0]), "the forked child's copy of the memory");
+    assert_eq!(parent, format!("parent {} {}", sums[0], sums[1]), "the parent's memory, moved by mremap");
+    assert!(
+        d.log_tail(400).contains("a restored process forked while its memory was arriving"),
+        "the fork came while memory was arriving (else this test proves nothing):\n{}",
+        d.log_tail(40)
+    );
+    expect_within(TIMEOUT, "the restore to be resident", || {
+        let status = d.workloads().into_iter().find(|s| s["name"] == w.name.as_str())?;
+        status["last_error"].as_str().is_none_or(str::is_empty).then_some(())?;
+        d.log_tail(100).contains("restored memory resident").then_some(())
+    });
+    let seen = w.lines().len();
+    procfs::signal(w.pid, Signal::SIGUSR2);
+    let (_, after) = w.wait_line_after(seen, "`sums ...` once resident", |l| l.starts_with("sums "));
+    assert_eq!(after.split_whitespace().nth(1), Some(sums[0]), "big, once every page is in");
+}
+
+#[test]
 fn a_store_that_stops_answering_gets_the_lazily_restored_tree_killed_with_the_reason() {
     skip_unless_ready!();
     let Some(s3) = S3Server::start() else { return };

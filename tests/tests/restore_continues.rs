@@ -194,3 +194,39 @@ fn file_offsets_are_kept_across_restore() {
     let expected: Vec<String> = (1..=upto).map(|i| format!("line {i:05}")).collect();
     assert_eq!(copied, expected, "the copy should be every line once, in order, across the restore");
 }
+
+#[test]
+fn processes_at_the_same_addresses_are_restored_through_a_small_cache() {
+    skip_unless_ready!();
+    // Each process's memory is many times the cache: chunks must leave it as soon as their
+    // own process has them, whatever the other still lacks at the same addresses.
+    let d = Daemon::start_with(&stasis_tests::DaemonOptions {
+        args: vec!["--lazy-cache-mib".into(), "4".into()],
+        ..Default::default()
+    });
+    let mut w = d.run("twins", &python_workload("twins.py", &["48"]));
+    let ready = |w: &Workload| w.lines().iter().filter(|l| l.starts_with("ready ")).count();
+    expect_within(TIMEOUT, "both processes' `ready`", || (ready(&w) == 2).then_some(()));
+    let sums = |w: &Workload, skip: usize| -> Vec<String> {
+        procfs::signal(w.pid, nix::sys::signal::Signal::SIGUSR2);
+        let mut got = expect_within(TIMEOUT, "both checksums", || {
+            let lines = w.lines();
+            let sums: Vec<String> = lines[skip.min(lines.len())..]
+                .iter()
+                .filter(|l| l.starts_with("checksum "))
+                .cloned()
+                .collect();
+            (sums.len() == 2).then_some(sums)
+        });
+        got.sort();
+        got
+    };
+    let before = sums(&w, 0);
+    assert_ne!(before[0].split(' ').nth(2), before[1].split(' ').nth(2), "the child rewrote its copy");
+    let tree: Vec<i32> = std::iter::once(w.pid).chain(procfs::descendants(w.pid)).collect();
+    let ck = evict(&d, &w, &tree);
+    let r = restore(&d, &mut w, &ck);
+    assert_eq!(r["stats"]["lazy"], false, "{r}");
+    let seen = w.lines().len();
+    assert_eq!(sums(&w, seen), before, "both processes' memory after the restore");
+}

@@ -430,7 +430,9 @@ impl Engine {
             }
             (Err(e), _) => {
                 let Some(mut session) = session else { return Err(e) };
-                let served = session.serve_failure().await;
+                // The reason the tree was killed at pre-resume, if it was.
+                let guard_failed = faults.as_ref().and_then(FaultGuard::failed).map(LazyError::Guard);
+                let served = session.serve_failure().await.or(guard_failed);
                 session.abort();
                 match (served, e) {
                     (Some(source), RestoreError::Criu { source: criu, .. }) => {

@@ -22,8 +22,8 @@ const EVENT_REMOVE: u8 = 0x15;
 const EVENT_UNMAP: u8 = 0x16;
 
 /// The non-cooperative events CRIU asks for (where the kernel has them): fork, remap, remove,
-/// unmap.
-pub const EVENT_FEATURES: u64 = (1 << 1) | (1 << 3) | (1 << 4) | (1 << 6);
+/// unmap (`UFFD_FEATURE_EVENT_*`).
+pub const EVENT_FEATURES: u64 = (1 << 1) | (1 << 2) | (1 << 3) | (1 << 6);
 const REGISTER_MODE_MISSING: u64 = 1;
 
 #[repr(C)]
@@ -119,9 +119,13 @@ pub struct Userfaultfd {
 }
 
 impl Userfaultfd {
-    /// Takes over a userfaultfd received from CRIU (already through its API handshake).
-    pub fn from_fd(fd: OwnedFd) -> Userfaultfd {
-        Userfaultfd { fd }
+    /// Takes over a userfaultfd received from CRIU (already through its API handshake), made
+    /// non-blocking (CRIU opens it so; a blocking one would hang whoever reads it).
+    pub fn from_fd(fd: OwnedFd) -> io::Result<Userfaultfd> {
+        let flags = nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_GETFL)?;
+        let flags = nix::fcntl::OFlag::from_bits_retain(flags) | nix::fcntl::OFlag::O_NONBLOCK;
+        nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_SETFL(flags))?;
+        Ok(Userfaultfd { fd })
     }
 
     /// A new non-blocking userfaultfd of this process, with `features`: how stasisd learns
@@ -163,11 +167,7 @@ impl Userfaultfd {
             if n == 0 {
                 return Ok(());
             }
-            for msg in buf[..n].chunks_exact(MSG_LEN) {
-                if let Some(event) = parse(msg)? {
-                    out.push(event);
-                }
-            }
+            out.extend(buf[..n].chunks_exact(MSG_LEN).filter_map(parse));
             if n < buf.len() {
                 return Ok(());
             }
@@ -207,10 +207,11 @@ impl AsFd for Userfaultfd {
     }
 }
 
-/// One `struct uffd_msg`; `None` for an event of a kind this handler does not ask for.
-fn parse(msg: &[u8]) -> io::Result<Option<Event>> {
+/// One `struct uffd_msg`; `None` for an event of a kind this handler does not ask for (none
+/// comes unless asked for).
+fn parse(msg: &[u8]) -> Option<Event> {
     let word = |at: usize| u64::from_ne_bytes(msg[at..at + 8].try_into().unwrap_or_default());
-    Ok(Some(match msg[0] {
+    Some(match msg[0] {
         EVENT_PAGEFAULT => Event::PageFault { address: word(16) },
         EVENT_FORK => {
             let fd = u32::from_ne_bytes(msg[8..12].try_into().unwrap_or_default()) as RawFd;
@@ -221,13 +222,8 @@ fn parse(msg: &[u8]) -> io::Result<Option<Event>> {
         EVENT_REMAP => Event::Remap { from: word(8), to: word(16), len: word(24) },
         EVENT_REMOVE => Event::Remove { start: word(8), end: word(16) },
         EVENT_UNMAP => Event::Unmap { start: word(8), end: word(16) },
-        other => {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("unknown userfaultfd event {other:#x}"),
-            ));
-        }
-    }))
+        _ => return None,
+    })
 }
 
 #[cfg(test)]
@@ -310,14 +306,14 @@ mod tests {
     }
 
     #[test]
-    fn messages_parse_and_unknown_ones_are_refused() {
+    fn messages_parse_and_unknown_ones_are_skipped() {
         let mut msg = [0u8; MSG_LEN];
         msg[0] = EVENT_REMAP;
         msg[8..16].copy_from_slice(&0x1000u64.to_ne_bytes());
         msg[16..24].copy_from_slice(&0x9000u64.to_ne_bytes());
         msg[24..32].copy_from_slice(&0x2000u64.to_ne_bytes());
-        assert!(matches!(parse(&msg).unwrap(), Some(Event::Remap { from: 0x1000, to: 0x9000, len: 0x2000 })));
+        assert!(matches!(parse(&msg), Some(Event::Remap { from: 0x1000, to: 0x9000, len: 0x2000 })));
         msg[0] = 0x7f;
-        assert!(parse(&msg).is_err());
+        assert!(parse(&msg).is_none());
     }
 }

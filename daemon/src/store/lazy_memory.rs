@@ -80,6 +80,11 @@ impl LazyMemory {
         self.chunks.is_empty()
     }
 
+    /// How many chunks it has.
+    pub fn len(&self) -> usize {
+        self.chunks.len()
+    }
+
     /// How many tasks have memory restored lazily.
     pub fn tasks(&self) -> usize {
         self.runs.iter().map(|r| r.pid).collect::<std::collections::BTreeSet<_>>().len()

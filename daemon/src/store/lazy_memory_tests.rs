@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use stasis_proto::stasis::v1::AddressRange;
 
-use super::{ChunkData, ChunkReader, FetchSettings, LazyFetchError, Manifest, MemoryMode, Staging, Store};
+use super::{
+    Ask, ChunkData, ChunkReader, FetchSettings, LazyFetchError, Manifest, MemoryMode, Staging, Store,
+};
 use crate::criu::pageserver::{PAGE_SIZE, PE_LAZY, PE_PRESENT, PageRun, PageSink};
 
 const PID: u64 = 42;
@@ -100,13 +102,13 @@ async fn lazy_memory_is_left_in_the_store_and_served_verified() {
     assert_eq!(all, a, "served memory differs");
     assert!(fetch.bytes_fetched() > 0);
     fetch.stop();
-    assert!(matches!(reader.get(first, true), Err(LazyFetchError::Stopped)));
+    assert!(matches!(reader.get(first, Ask::Urgent), Err(LazyFetchError::Stopped)));
 }
 
 /// Chunk `i`, once it arrived (asked for at once).
 async fn wait_for(reader: &ChunkReader, i: usize) -> ChunkData {
     for _ in 0..1000 {
-        if let Some(data) = reader.get(i, true).unwrap() {
+        if let Some(data) = reader.get(i, Ask::Urgent).unwrap() {
             return data;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -128,7 +130,7 @@ async fn first_read_after(damage: impl FnOnce(&std::path::Path)) -> LazyFetchErr
     let first = reader.memory().task_chunks(PID).next().unwrap().0;
     let mut err = None;
     for _ in 0..1000 {
-        if let Err(e) = reader.get(first, true) {
+        if let Err(e) = reader.get(first, Ask::Urgent) {
             err = Some(e);
             break;
         }

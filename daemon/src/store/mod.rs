@@ -45,7 +45,7 @@ pub use chunks::{CHUNK, ChunkStats};
 pub use envelope::EnvelopeError;
 pub use gc::{GcReport, Retention};
 pub use lazy_memory::LazyMemory;
-pub use prefetch::{ChunkData, ChunkReader, FetchSettings, LazyFetch, LazyFetchError};
+pub use prefetch::{Ask, ChunkData, ChunkReader, FetchSettings, LazyFetch, LazyFetchError};
 pub use staging::{Staged, Staging, StagingBudget};
 pub use stasis_proto::stasis::v1::{Manifest, PodInfo};
 pub use stream::{BlockPool, StreamSink, StreamSource, stream};

@@ -148,6 +148,17 @@ pub enum ChunkData {
     Bytes(Arc<Vec<u8>>),
 }
 
+/// How much a chunk that is not cached is wanted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ask {
+    /// A process waits on it: fetched before anything else.
+    Urgent,
+    /// Soon (after a fault, the chunks that follow): fetched with the urgent ones, after them.
+    Soon,
+    /// Only if the prefetcher no longer brings it (it was released).
+    IfDropped,
+}
+
 /// The fault server's side: takes chunks, asking for those not cached.
 pub struct ChunkReader {
     shared: Arc<Shared>,
@@ -192,10 +203,10 @@ impl ChunkReader {
         &self.shared.memory
     }
 
-    /// Chunk `i`'s bytes if they are cached (or it is a zero chunk); otherwise asks for it,
-    /// `urgent` ones (a process waits on them) before any other, and returns `None`: the
-    /// waker says when more chunks arrived. An error once the session failed.
-    pub fn get(&self, i: usize, urgent: bool) -> Result<Option<ChunkData>, LazyFetchError> {
+    /// Chunk `i`'s bytes if they are cached (or it is a zero chunk); otherwise asks for it as
+    /// `ask` says, and returns `None`: the waker says when more chunks arrived. An error once
+    /// the session failed.
+    pub fn get(&self, i: usize, ask: Ask) -> Result<Option<ChunkData>, LazyFetchError> {
         let mut st = self.shared.lock();
         if let Some(e) = &st.failure {
             return Err(e.clone());
@@ -206,11 +217,12 @@ impl ChunkReader {
         match &st.slots[i] {
             Slot::Ready(data) => return Ok(Some(ChunkData::Bytes(data.clone()))),
             Slot::Fetching => {}
-            Slot::Absent if urgent => {
+            Slot::Absent if ask == Ask::Urgent => {
                 // A duplicate entry is skipped when its turn comes.
                 st.urgent.push_front(i);
                 self.shared.wake.notify_one();
             }
+            Slot::Absent if ask == Ask::IfDropped && !st.released[i] => {}
             Slot::Absent if !st.urgent.contains(&i) => {
                 st.urgent.push_back(i);
                 self.shared.wake.notify_one();

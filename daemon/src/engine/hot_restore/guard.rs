@@ -1,22 +1,41 @@
-//! The lazy-restore guard: from CRIU's "pre-resume" notification until the tree's memory is in,
-//! a `stasis-lazy-guard` process holds copies of the tree's userfaultfds, so that a fault waits
-//! rather than reads zeros if stasisd (which serves them) dies, and kills the tree then.
+//! The lazy-restore guard: a `stasis-lazy-guard` process, started with the session, that from
+//! CRIU's "pre-resume" notification until the tree's memory is in holds copies of the tree's
+//! userfaultfds (and of those its processes fork since), so that a fault waits rather than
+//! reads zeros if stasisd (which serves them) dies, and kills the tree then.
+//!
+//! ```text
+//! stasisd ── SOCK_SEQPACKET (the guard's stdin) ── stasis-lazy-guard
+//!   "h" pids, userfaultfds   ->  holds them, answers "k"
+//!   "a" userfaultfds         ->  holds them too (children forked since)
+//!   "r"                      ->  lets go, exits
+//!   closed without an "r"    ->  kills the trees of the pids it holds for, exits
+//! ```
+//! It is started (a fork and exec) while CRIU restores, so the tree does not wait for it.
 
-use std::io::Write;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sys::socket::{
+    AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, recv, sendmsg, socketpair,
+};
 use tracing::{info, warn};
 
-use super::server::Control;
+use super::control::Control;
 use crate::engine::lock;
 use crate::linux::proc;
 use crate::linux::sys::{ChildSetup, spawn};
 
 /// The guard's executable, next to stasisd's.
 const GUARD_BIN: &str = "stasis-lazy-guard";
+/// How long the fault server may take to have read every userfaultfd CRIU sent, and the
+/// guard to be ready and to answer.
+const WAIT: Duration = Duration::from_secs(5);
+/// Descriptors per message (the kernel takes at most 253).
+const FDS_PER_MESSAGE: usize = 200;
 
 /// Why the lazy-restore guard could not start.
 #[derive(Debug, thiserror::Error)]
@@ -37,21 +56,33 @@ pub enum GuardError {
         #[source]
         source: std::io::Error,
     },
+    #[error("the guard (pid {pid}) did not take the userfaultfds")]
+    NotTaken {
+        pid: i32,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
-/// Started at CRIU's "pre-resume" notification (every task's userfaultfd is with the fault
-/// server and the tree does not run yet): a `stasis-lazy-guard` process holding copies of
-/// those userfaultfds, so that a fault waits rather than reads zeros if stasisd dies, and
-/// that kills the tree then.
+/// The guard of one session.
 #[derive(Clone)]
 pub(in crate::engine) struct FaultGuard {
     control: Arc<Control>,
     tree: TreePids,
-    started: Arc<std::sync::Mutex<Option<GuardProcess>>>,
-    /// Whether it ever started (an eager restore lets it go before the tree runs).
-    ran: Arc<std::sync::atomic::AtomicBool>,
+    process: Arc<Mutex<Slot>>,
+    /// Whether it ever held the tree's userfaultfds (an eager restore lets it go before the
+    /// tree runs).
+    ran: Arc<AtomicBool>,
     /// Why the guard could not start (CRIU only logs a failed notification and goes on).
-    failure: Arc<std::sync::Mutex<Option<Arc<GuardError>>>>,
+    failure: Arc<Mutex<Option<Arc<GuardError>>>>,
+}
+
+/// Where the guard process is.
+enum Slot {
+    Starting(mpsc::Receiver<Result<GuardProcess, GuardError>>),
+    Ready(GuardProcess),
+    /// Let go, or never started.
+    Done,
 }
 
 /// The restored tree's processes, as the guard learns them.
@@ -67,33 +98,84 @@ pub(in crate::engine) enum TreePids {
     InContainer(super::Roots),
 }
 
-/// How long the fault server may take to have read every userfaultfd CRIU sent.
-const UFFDS_WAIT: Duration = Duration::from_secs(5);
-
-/// A running `stasis-lazy-guard`; writing a byte to `control` (or dropping it after stasisd
-/// died) ends it.
-pub(super) struct GuardProcess {
+/// A running `stasis-lazy-guard` and our end of its socket.
+struct GuardProcess {
     pid: i32,
-    control: std::fs::File,
+    channel: OwnedFd,
 }
 
 impl GuardProcess {
+    fn spawn() -> Result<GuardProcess, GuardError> {
+        let spawn_err = |exe: &std::path::Path| {
+            let exe = exe.to_path_buf();
+            move |source| GuardError::Spawn { exe, source }
+        };
+        let exe =
+            crate::linux::companion_program(GUARD_BIN).map_err(spawn_err(std::path::Path::new(GUARD_BIN)))?;
+        let (ours, theirs) =
+            socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
+                .map_err(|e| spawn_err(&exe)(e.into()))?;
+        let mut cmd = Command::new(&exe);
+        cmd.stdin(Stdio::from(theirs)).stdout(Stdio::null());
+        let child = spawn(&mut cmd, ChildSetup { new_session: true, ..Default::default() })
+            .map_err(spawn_err(&exe))?;
+        Ok(GuardProcess { pid: child.id() as i32, channel: ours })
+    }
+
+    /// Hands the guard `uffds` to hold for the trees of `pids` (root first); returns once it
+    /// said it holds them.
+    fn hold(&self, pids: &[i32], uffds: &[OwnedFd]) -> Result<(), GuardError> {
+        let not_taken = |source: std::io::Error| GuardError::NotTaken { pid: self.pid, source };
+        let text: Vec<String> = pids.iter().map(i32::to_string).collect();
+        let mut batches = uffds.chunks(FDS_PER_MESSAGE);
+        let first = batches.next().unwrap_or_default();
+        send(self.channel.as_fd(), format!("h{}", text.join(",")).as_bytes(), first).map_err(not_taken)?;
+        for batch in batches {
+            send(self.channel.as_fd(), b"a", batch).map_err(not_taken)?;
+        }
+        let mut fds = [PollFd::new(self.channel.as_fd(), PollFlags::POLLIN)];
+        let ready = poll(&mut fds, PollTimeout::try_from(WAIT).unwrap_or(PollTimeout::MAX))
+            .map_err(|e| not_taken(e.into()))?;
+        let mut answer = [0u8; 1];
+        let n = match ready {
+            0 => return Err(not_taken(std::io::ErrorKind::TimedOut.into())),
+            _ => recv(self.channel.as_raw_fd(), &mut answer, MsgFlags::empty())
+                .map_err(|e| not_taken(e.into()))?,
+        };
+        match (n, answer[0]) {
+            (1, b'k') => Ok(()),
+            _ => Err(not_taken(std::io::Error::other("it answered something else, or went away"))),
+        }
+    }
+
     /// Lets the guard go without killing anything: the tree is resident, or already killed.
-    pub(super) fn release(mut self) {
-        if let Err(e) = self.control.write_all(b"r") {
+    fn release(self) {
+        if let Err(e) = send(self.channel.as_fd(), b"r", &[]) {
             warn!(pid = self.pid, error = %e, "cannot release the lazy-restore guard");
         }
     }
 }
 
+/// Sends one message with `fds` attached.
+pub(super) fn send(channel: BorrowedFd<'_>, bytes: &[u8], fds: &[OwnedFd]) -> std::io::Result<()> {
+    let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+    let rights = [ControlMessage::ScmRights(&raw)];
+    let cmsgs = if raw.is_empty() { &[][..] } else { &rights[..] };
+    let iov = [std::io::IoSlice::new(bytes)];
+    sendmsg::<()>(channel.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None)?;
+    Ok(())
+}
+
 impl FaultGuard {
-    /// A guard, not started yet, for the tree `tree` whose userfaultfds the fault server that
-    /// `control` shows receives.
+    /// The guard of the tree `tree` whose userfaultfds the fault server that `control` shows
+    /// receives; its process starts now, in the background.
     pub(super) fn new(control: Arc<Control>, tree: TreePids) -> FaultGuard {
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || drop(tx.send(GuardProcess::spawn())));
         FaultGuard {
             control,
             tree,
-            started: Default::default(),
+            process: Arc::new(Mutex::new(Slot::Starting(rx))),
             ran: Default::default(),
             failure: Default::default(),
         }
@@ -116,8 +198,8 @@ impl FaultGuard {
         }
     }
 
-    /// Starts the guard, at CRIU's (process `criu`) pre-resume. A failure is recorded: the
-    /// restore then kills the tree rather than let it run unguarded.
+    /// Has the guard hold the tree's userfaultfds, at CRIU's (process `criu`) pre-resume. A
+    /// failure is recorded: the restore then kills the tree rather than let it run unguarded.
     pub(in crate::engine) fn start(&self, criu: i32) -> Result<(), Arc<GuardError>> {
         let result = self.pids(criu).and_then(|pids| self.try_start(&pids)).map_err(Arc::new);
         if let Err(reason) = &result {
@@ -126,48 +208,63 @@ impl FaultGuard {
         result
     }
 
-    /// Why the guard is not running, if it is not and should be.
-    pub(in crate::engine) fn not_started(&self) -> Option<Arc<GuardError>> {
-        if self.ran.load(std::sync::atomic::Ordering::SeqCst) {
-            return None;
-        }
-        Some(lock(&self.failure).clone().unwrap_or_else(|| Arc::new(GuardError::NoPreResume)))
-    }
-
     fn try_start(&self, tree: &[i32]) -> Result<(), GuardError> {
-        let copies = self.control.uffd_copies(UFFDS_WAIT).map_err(GuardError::CopyFds)?;
+        let copies = self.control.uffd_copies(WAIT).map_err(GuardError::CopyFds)?;
         let copies = copies.filter(|c| !c.is_empty()).ok_or(GuardError::NoUserfaultfd)?;
-        let spawn_err = |exe: &std::path::Path| {
-            let exe = exe.to_path_buf();
-            move |source| GuardError::Spawn { exe, source }
-        };
-        let exe =
-            crate::linux::companion_program(GUARD_BIN).map_err(spawn_err(std::path::Path::new(GUARD_BIN)))?;
-        let (control_r, control_w) =
-            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| spawn_err(&exe)(e.into()))?;
-        let pids: Vec<String> = tree.iter().map(i32::to_string).collect();
-        let mut cmd = Command::new(&exe);
-        cmd.args(["--root", &pids[0], "--pids", &pids.join(",")])
-            .stdin(Stdio::from(control_r))
-            .stdout(Stdio::null());
-        let setup = ChildSetup {
-            new_session: true,
-            keep_fds: copies.iter().map(AsRawFd::as_raw_fd).collect(),
-            ..Default::default()
-        };
-        let child = spawn(&mut cmd, setup).map_err(spawn_err(&exe))?;
+        let mut slot = lock(&self.process);
+        if let Slot::Starting(rx) = &*slot {
+            let spawned = rx
+                .recv_timeout(WAIT)
+                .map_err(|e| GuardError::Spawn { exe: GUARD_BIN.into(), source: std::io::Error::other(e) });
+            *slot = match spawned.and_then(|r| r) {
+                Ok(process) => Slot::Ready(process),
+                Err(e) => {
+                    *slot = Slot::Done;
+                    return Err(e);
+                }
+            };
+        }
+        let Slot::Ready(process) = &*slot else { return Err(GuardError::NoPreResume) };
+        process.hold(tree, &copies)?;
+        let channel = process.channel.try_clone().map_err(GuardError::CopyFds)?;
+        self.control.set_guard(Some(channel));
         info!(
-            guard = child.id(),
+            guard = process.pid,
             userfaultfds = copies.len(),
             "lazy-restore guard holds the tree's userfaultfds"
         );
-        let guard = GuardProcess { pid: child.id() as i32, control: std::fs::File::from(control_w) };
-        *lock(&self.started) = Some(guard);
-        self.ran.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.ran.store(true, Ordering::SeqCst);
         Ok(())
     }
 
-    pub(super) fn take(&self) -> Option<GuardProcess> {
-        lock(&self.started).take()
+    /// Whether the guard holds the tree's userfaultfds now.
+    pub(super) fn holding(&self) -> bool {
+        self.ran.load(Ordering::SeqCst) && matches!(*lock(&self.process), Slot::Ready(_))
+    }
+
+    /// Lets the guard go (started or not) without killing anything: the tree is resident,
+    /// already killed, or was never let run.
+    pub(super) fn release(&self) {
+        self.control.set_guard(None);
+        let slot = std::mem::replace(&mut *lock(&self.process), Slot::Done);
+        let process = match slot {
+            Slot::Ready(process) => Some(process),
+            Slot::Starting(rx) => rx.recv_timeout(WAIT).ok().and_then(Result::ok),
+            Slot::Done => None,
+        };
+        process.into_iter().for_each(GuardProcess::release);
+    }
+
+    /// Why the guard could not hold the tree's userfaultfds, if it tried and failed.
+    pub(in crate::engine) fn failed(&self) -> Option<Arc<GuardError>> {
+        lock(&self.failure).clone()
+    }
+
+    /// Why the guard did not hold the tree's userfaultfds before it ran, if it did not.
+    pub(in crate::engine) fn not_started(&self) -> Option<Arc<GuardError>> {
+        if self.ran.load(Ordering::SeqCst) {
+            return None;
+        }
+        Some(lock(&self.failure).clone().unwrap_or_else(|| Arc::new(GuardError::NoPreResume)))
     }
 }

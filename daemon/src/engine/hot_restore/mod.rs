@@ -30,13 +30,16 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 use tracing::{info, warn};
 
+mod control;
+mod fill;
 mod guard;
 mod pages;
 mod server;
 
+use control::Control;
 pub(in crate::engine) use guard::{FaultGuard, GuardError, TreePids};
 pub use server::FaultServerError;
-use server::{Control, FaultServer, ServeStats};
+use server::{FaultServer, ServeStats};
 
 use super::host::Host;
 use super::{Engine, ProgressFn, ProgressUpdate, lock};
@@ -160,23 +163,34 @@ impl LazySession {
         self.guard.clone()
     }
 
-    /// What to do at CRIU's (process `criu`'s) "pre-resume", before the tree runs: start the
-    /// guard; for an eager restore, then wait until every page is in place, let the guard go
-    /// and close the server, so that the tree runs as if restored from image files. The
-    /// reason when the guard could not start or memory could not be put in place (the server
-    /// killed the tree then).
+    /// What to do at CRIU's (process `criu`'s) "pre-resume", before the tree runs: have the
+    /// guard hold its userfaultfds; for an eager restore, then wait until every page is in
+    /// place, let the guard go and close the server, so that the tree runs as if restored
+    /// from image files. When the guard cannot hold them or memory cannot be put in place,
+    /// the tree is killed before it runs (CRIU only logs a failed notification), and the
+    /// reason returned.
     pub(super) fn pre_resume(&self) -> impl Fn(i32) -> Result<(), String> + Send + 'static {
-        let (control, guard, hold) = (self.control.clone(), self.guard.clone(), self.hold);
+        let (control, guard, hold, kill) =
+            (self.control.clone(), self.guard.clone(), self.hold, self.kill.clone());
         move |criu| {
-            guard.start(criu).map_err(|e| crate::error_chain(e.as_ref()))?;
-            if hold {
-                control.wait_resident()?;
-                if let Some(process) = guard.take() {
-                    process.release();
+            // The guard learns the tree's roots (those of a renumbered tree are known only
+            // now), so the kill below reaches them.
+            let settled = guard.start(criu).map_err(|e| crate::error_chain(e.as_ref())).and_then(|()| {
+                match control.outcome() {
+                    Some((Err(why), _)) => Err(why),
+                    _ if hold => {
+                        control.wait_resident()?;
+                        guard.release();
+                        control.close();
+                        Ok(())
+                    }
+                    _ => Ok(()),
                 }
-                control.close();
+            });
+            if settled.is_err() {
+                kill();
             }
-            Ok(())
+            settled
         }
     }
 
@@ -198,12 +212,12 @@ impl LazySession {
     /// Ends a session whose restore failed.
     pub(super) fn abort(self) {
         self.armed.store(false, Ordering::SeqCst);
-        // A tree already let run (the guard started) is killed here; CRIU removes one it
+        // A tree already let run (the guard holds it) is killed here; CRIU removes one it
         // could not restore.
-        if let Some(guard) = self.guard.take() {
+        if self.guard.holding() {
             (self.kill)();
-            guard.release();
         }
+        self.guard.release();
         self.control.stop();
         self.fetch.stop();
     }
@@ -237,9 +251,7 @@ impl LazySession {
         }
         // The guard goes first, then the server closes the userfaultfds: from then on the
         // kernel handles the tree's faults.
-        if let Some(guard) = guard.take() {
-            guard.release();
-        }
+        guard.release();
         control.stop();
         let served = match ended {
             Some(r) => r,

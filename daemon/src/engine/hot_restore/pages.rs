@@ -53,6 +53,8 @@ pub(super) struct Pages {
     todo: BTreeMap<u64, (usize, u32, u16)>,
     /// Where memory is now, sorted by image address; image addresses in none are gone.
     moved: Vec<Moved>,
+    /// Chunks (by index) it stopped lacking since [`Pages::take_completed`].
+    completed: Vec<usize>,
 }
 
 // A chunk's pages fit the bits of `Pages::todo`.
@@ -65,12 +67,27 @@ impl Pages {
             .task_chunks(pid)
             .map(|(i, addr, len)| (addr, (i, len, page_bits(0, len.into()))))
             .collect();
-        Pages { todo, moved: vec![Moved { start: 0, end: u64::MAX, delta: 0 }] }
+        Pages { todo, moved: vec![Moved { start: 0, end: u64::MAX, delta: 0 }], completed: Vec::new() }
     }
 
     /// Nothing to fill (a process that exited).
     pub fn empty() -> Pages {
-        Pages { todo: BTreeMap::new(), moved: Vec::new() }
+        Pages { todo: BTreeMap::new(), moved: Vec::new(), completed: Vec::new() }
+    }
+
+    /// What a child forked now lacks: the same.
+    pub fn forked(&self) -> Pages {
+        Pages { completed: Vec::new(), ..self.clone() }
+    }
+
+    /// The chunks (indices) it lacks some of.
+    pub fn chunk_indices(&self) -> impl Iterator<Item = usize> + '_ {
+        self.todo.values().map(|(i, _, _)| *i)
+    }
+
+    /// The chunks it stopped lacking since the last call (filled, or dropped).
+    pub fn take_completed(&mut self) -> Vec<usize> {
+        std::mem::take(&mut self.completed)
     }
 
     pub fn is_done(&self) -> bool {
@@ -125,9 +142,10 @@ impl Pages {
     /// `[offset, offset + len)` of the chunk at image address `chunk` is in place, or can
     /// never be.
     pub fn filled(&mut self, chunk: u64, offset: u64, len: u64) {
-        if let Some((_, _, bits)) = self.todo.get_mut(&chunk) {
+        if let Some((i, _, bits)) = self.todo.get_mut(&chunk) {
             *bits &= !page_bits(offset, len);
             if *bits == 0 {
+                self.completed.push(*i);
                 self.todo.remove(&chunk);
             }
         }
@@ -244,6 +262,8 @@ mod tests {
         p.filled(0x100000, 0, CHUNK);
         p.filled(0x200000, 0, 0x4000);
         assert!(p.is_done());
+        assert_eq!(p.take_completed(), vec![1, 0, 2], "each chunk once, as it completed");
+        assert!(p.take_completed().is_empty());
     }
 
     #[test]
@@ -278,6 +298,9 @@ mod tests {
         assert_eq!(p.fault(0x110000), None);
         assert_eq!(p.fault(0x202000), Some((0x200000, 2)));
         assert_eq!(p.bytes_left(), CHUNK - 0x2000 + 0x2000);
+        assert_eq!(p.take_completed(), vec![1], "the chunk unmapped whole");
+        let child = p.forked();
+        assert_eq!(child.chunk_indices().collect::<Vec<_>>(), vec![0, 2]);
         // Memory moved onto the unmapped place stays where it went; the place's old pages
         // stay dropped.
         p.remapped(0x100000, 0x110000, 0x1000);

@@ -18,28 +18,28 @@
 //! session, and the session's owner kills the tree before the userfaultfds close.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-use nix::sys::eventfd::{EfdFlags, EventFd};
-use tracing::debug;
+use tracing::{debug, info};
 
-use super::pages::{Pages, Piece};
+use super::control::Control;
+use super::pages::Pages;
 use crate::criu::lazy_socket::{Announcement, LazyListener, LazySocketError, RestoreConnection};
 use crate::criu::pageserver::PAGE_SIZE as PAGE;
 use crate::engine::lock;
-use crate::linux::uffd::{Event, FillError, Userfaultfd};
-use crate::store::{ChunkData, ChunkReader, LazyFetchError};
+use crate::linux::uffd::{Event, Userfaultfd};
+use crate::store::{Ask, ChunkReader, LazyFetchError};
 
 /// Chunks after a faulted one that are asked for at once.
 const READ_AHEAD: usize = 15;
-/// Bytes put in place in the background between two looks for faults.
-const BACKGROUND_BUDGET: u64 = 512 << 10;
 /// Longest wait in poll: deadlines are checked this often.
 const IDLE_WAIT: Duration = Duration::from_millis(250);
+/// Wait in poll while a copy waits for a mapping change's event.
+const CHANGING_WAIT: Duration = Duration::from_millis(1);
 
 /// Putting lazy memory in place failed.
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +64,8 @@ pub enum FaultServerError {
     Unregistered { pid: i32, address: u64 },
     #[error("the lazy restore was stopped")]
     Stopped,
+    #[error("the fault server stopped unexpectedly (a bug in stasisd)")]
+    Panicked,
 }
 
 /// Totals of one session.
@@ -76,140 +78,26 @@ pub struct ServeStats {
     pub processes: usize,
 }
 
-/// What the session's owner sees of the server while it runs, and how it closes it.
-pub(in crate::engine) struct Control {
-    stopped: AtomicBool,
-    /// Wakes the server's poll (to stop or close).
-    wake: EventFd,
-    placed: AtomicU64,
-    /// Copies of the tree's userfaultfds, for the guard.
-    uffds: Mutex<Vec<OwnedFd>>,
-    state: Mutex<Phase>,
-    changed: Condvar,
-}
-
-/// Where a session is.
-#[derive(Debug, Clone, Default)]
-struct Phase {
-    /// CRIU said the restore finished: every userfaultfd is in `uffds`.
-    finished: bool,
-    /// Every page in place, or why not, and when.
-    outcome: Option<(Result<(), String>, Instant)>,
-    /// The server let go of its userfaultfds.
-    closed: bool,
-}
-
-impl Control {
-    pub fn new() -> std::io::Result<Control> {
-        Ok(Control {
-            stopped: AtomicBool::new(false),
-            wake: EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?,
-            placed: AtomicU64::new(0),
-            uffds: Mutex::new(Vec::new()),
-            state: Mutex::new(Phase::default()),
-            changed: Condvar::new(),
-        })
-    }
-
-    /// Stops the server: before every page is in place that is a failure
-    /// ([`FaultServerError::Stopped`]), after it the server closes.
-    pub fn stop(&self) {
-        self.stopped.store(true, Ordering::SeqCst);
-        let _ = self.wake.write(1);
-    }
-
-    /// Bytes of memory put in place so far.
-    pub fn placed(&self) -> u64 {
-        self.placed.load(Ordering::Relaxed)
-    }
-
-    /// Copies of every userfaultfd CRIU handed over, once it said the restore finished
-    /// (waiting at most `wait` for that); `None` if it did not.
-    pub fn uffd_copies(&self, wait: Duration) -> std::io::Result<Option<Vec<OwnedFd>>> {
-        let finished =
-            self.wait_for(Some(wait), |p| p.finished || p.outcome.is_some()).is_some_and(|p| p.finished);
-        if !finished {
-            return Ok(None);
-        }
-        lock(&self.uffds).iter().map(OwnedFd::try_clone).collect::<Result<_, _>>().map(Some)
-    }
-
-    /// How the session ended if it did (every page in place, or why not), and when.
-    pub fn outcome(&self) -> Option<(Result<(), String>, Instant)> {
-        lock(&self.state).outcome.clone()
-    }
-
-    /// Waits until every page is in place; the reason when the session failed instead.
-    pub fn wait_resident(&self) -> Result<(), String> {
-        let phase = self.wait_for(None, |p| p.outcome.is_some());
-        phase.and_then(|p| p.outcome).map_or_else(|| Err("the session ended".into()), |(o, _)| o)
-    }
-
-    /// Closes the server of a resident tree and waits until its userfaultfds are closed.
-    pub fn close(&self) {
-        self.stop();
-        self.wait_for(None, |p| p.closed);
-    }
-
-    /// The phase once `done` holds of it, waiting at most `wait` (`None` when it did not).
-    fn wait_for(&self, wait: Option<Duration>, done: impl Fn(&Phase) -> bool) -> Option<Phase> {
-        let deadline = wait.map(|w| Instant::now() + w);
-        let mut state = lock(&self.state);
-        while !done(&state) {
-            state = match deadline {
-                None => self.changed.wait(state).unwrap_or_else(|p| p.into_inner()),
-                Some(deadline) => {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return None;
-                    }
-                    self.changed.wait_timeout(state, left).unwrap_or_else(|p| p.into_inner()).0
-                }
-            };
-        }
-        Some(state.clone())
-    }
-
-    fn update(&self, change: impl FnOnce(&mut Phase)) {
-        change(&mut lock(&self.state));
-        self.changed.notify_all();
-    }
-}
-
 /// One restored process (or a child it forked since).
-struct Task {
+pub(super) struct Task {
     /// Its pid in the checkpoint: where its memory is in the store.
-    pid: i32,
-    uffd: Userfaultfd,
-    pages: Pages,
+    pub pid: i32,
+    pub uffd: Userfaultfd,
+    pub pages: Pages,
     /// It exited: nothing more to put in place.
-    gone: bool,
+    pub gone: bool,
     /// Chunks asked for after a fault, put in place as soon as they arrive: image address,
     /// index.
-    ahead: VecDeque<(u64, usize)>,
+    pub ahead: VecDeque<(u64, usize)>,
 }
 
-/// A fault not answered yet.
+/// A fault not answered yet: what the page holds is decided when it is answered, since the
+/// process's memory may have changed meanwhile.
 struct Fault {
     task: usize,
     /// The page, where the process sees it.
     page: u64,
-    /// The chunk to put in place (image address, index); `None` for a page the checkpoint
-    /// has nothing for (it reads zeros).
-    chunk: Option<(u64, usize)>,
     since: Instant,
-}
-
-/// How putting one piece in place went.
-enum Placed {
-    All,
-    /// The process's mappings are changing: its events must be read first. The first bytes
-    /// are in place.
-    Interrupted(u64),
-    /// The page at this offset is in no registered mapping.
-    NoMapping(u64),
-    /// The process exited.
-    Gone,
 }
 
 /// The server, until its thread runs it.
@@ -217,17 +105,21 @@ pub(super) struct FaultServer {
     listener: Option<LazyListener>,
     conn: Option<RestoreConnection>,
     processes: usize,
-    finished: bool,
-    tasks: Vec<Task>,
+    pub(super) finished: bool,
+    pub(super) tasks: Vec<Task>,
     faults: Vec<Fault>,
-    chunks: ChunkReader,
+    pub(super) chunks: ChunkReader,
+    /// How many tasks still lack part of each chunk: released from the cache at 0.
+    pub(super) needs: Vec<u16>,
     timeout: Duration,
-    control: Arc<Control>,
+    pub(super) control: Arc<Control>,
     /// Chunks that arrived and are not in place yet.
-    arrived: VecDeque<usize>,
+    pub(super) arrived: VecDeque<usize>,
     /// Where the look for chunks the prefetcher does not bring is: task, image address.
-    cursor: (usize, u64),
-    stats: ServeStats,
+    pub(super) cursor: (usize, u64),
+    /// A copy waits for a mapping change whose event has not come yet.
+    pub(super) changing: bool,
+    pub(super) stats: ServeStats,
 }
 
 impl FaultServer {
@@ -240,6 +132,7 @@ impl FaultServer {
         timeout: Duration,
         control: Arc<Control>,
     ) -> FaultServer {
+        let needs = vec![0; chunks.memory().len()];
         FaultServer {
             listener: Some(listener),
             conn: None,
@@ -248,10 +141,12 @@ impl FaultServer {
             tasks: Vec::new(),
             faults: Vec::new(),
             chunks,
+            needs,
             timeout,
             control,
             arrived: VecDeque::new(),
             cursor: (0, 0),
+            changing: false,
             stats: ServeStats::default(),
         }
     }
@@ -262,10 +157,15 @@ impl FaultServer {
     /// the control's phase too.
     pub fn run(mut self, on_failure: impl FnOnce(&FaultServerError)) -> Result<ServeStats, FaultServerError> {
         let control = self.control.clone();
-        let served = self.serve().and_then(|()| {
-            control.update(|p| p.outcome = Some((Ok(()), Instant::now())));
-            self.linger()
-        });
+        // A panic fails the session like any error: the tree is killed while the
+        // userfaultfds are still open, and nobody waits for the outcome forever.
+        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.serve().and_then(|()| {
+                control.update(|p| p.outcome = Some((Ok(()), Instant::now())));
+                self.linger()
+            })
+        }))
+        .unwrap_or_else(|_| Err(FaultServerError::Panicked));
         if let Err(e) = &served {
             on_failure(e);
             control.update(|p| p.outcome = Some((Err(crate::error_chain(e)), Instant::now())));
@@ -273,6 +173,7 @@ impl FaultServer {
         self.stats.processes = self.tasks.len();
         let stats = self.stats;
         drop(self);
+        control.forget_uffds();
         control.update(|p| p.closed = true);
         served.map(|()| stats)
     }
@@ -280,9 +181,7 @@ impl FaultServer {
     /// Answers faults of a resident tree (memory it dropped since reads zeros) until closed.
     fn linger(&mut self) -> Result<(), FaultServerError> {
         while !self.control.stopped.load(Ordering::SeqCst) {
-            for task in 0..self.tasks.len() {
-                self.read_events(task)?;
-            }
+            self.read_all_events()?;
             self.answer_faults()?;
             self.wait()?;
         }
@@ -313,9 +212,7 @@ impl FaultServer {
     /// Does what can be done now; whether there may be more right away.
     fn step(&mut self) -> Result<bool, FaultServerError> {
         self.talk_to_restore()?;
-        for task in 0..self.tasks.len() {
-            self.read_events(task)?;
-        }
+        self.read_all_events()?;
         self.answer_faults()?;
         if self.finished && self.faults.is_empty() { self.background() } else { Ok(false) }
     }
@@ -334,10 +231,10 @@ impl FaultServer {
                 Announcement::Task { pid, uffd } => {
                     let copy = uffd.try_clone().map_err(FaultServerError::Poll)?;
                     lock(&self.control.uffds).push(copy);
+                    let uffd = Userfaultfd::from_fd(uffd).map_err(FaultServerError::Poll)?;
                     let pages = Pages::new(self.chunks.memory(), pid as u64);
                     debug!(pid, bytes = pages.bytes_left(), "userfaultfd of a restored process");
-                    let uffd = Userfaultfd::from_fd(uffd);
-                    self.tasks.push(Task { pid, uffd, pages, gone: false, ahead: VecDeque::new() });
+                    self.add_task(Task { pid, uffd, pages, gone: false, ahead: VecDeque::new() });
                 }
                 Announcement::Zombie { pid } => debug!(pid, "a zombie of the restored tree"),
                 Announcement::Finished => self.finished = true,
@@ -352,51 +249,79 @@ impl FaultServer {
         Ok(())
     }
 
-    /// Reads and follows the events of task `t`.
-    fn read_events(&mut self, t: usize) -> Result<(), FaultServerError> {
+    /// Starts serving `task`: the chunks it lacks are needed once more.
+    fn add_task(&mut self, task: Task) {
+        for i in task.pages.chunk_indices() {
+            self.needs[i] += 1;
+        }
+        self.tasks.push(task);
+    }
+
+    fn read_all_events(&mut self) -> Result<(), FaultServerError> {
+        for task in 0..self.tasks.len() {
+            self.read_events(task)?;
+        }
+        Ok(())
+    }
+
+    /// Reads and follows the events of task `t`; returns how many there were. Forked
+    /// children are taken on first, so that an error in the others never drops one of their
+    /// userfaultfds before the tree is killed.
+    pub(super) fn read_events(&mut self, t: usize) -> Result<usize, FaultServerError> {
         let mut events = Vec::new();
         let task = &self.tasks[t];
+        if task.gone {
+            return Ok(0);
+        }
         task.uffd
             .read_events(&mut events)
             .map_err(|source| FaultServerError::Events { pid: task.pid, source })?;
-        for event in events {
-            let task = &mut self.tasks[t];
+        let count = events.len();
+        let (forks, others): (Vec<Event>, Vec<Event>) =
+            events.into_iter().partition(|e| matches!(e, Event::Fork { .. }));
+        for fork in forks {
+            let Event::Fork { child } = fork else { continue };
+            let copy = child.as_fd().try_clone_to_owned().map_err(FaultServerError::Poll)?;
+            self.control.guard_also(copy.try_clone().map_err(FaultServerError::Poll)?);
+            lock(&self.control.uffds).push(copy);
+            let pid = self.tasks[t].pid;
+            info!(pid, "a restored process forked while its memory was arriving");
+            let pages = self.tasks[t].pages.forked();
+            self.add_task(Task { pid, uffd: child, pages, gone: false, ahead: VecDeque::new() });
+        }
+        for event in others {
+            let pages = &mut self.tasks[t].pages;
             match event {
                 Event::PageFault { address } => {
                     let page = address & !(PAGE - 1);
-                    let chunk = task.pages.fault(page);
-                    if let Some((addr, i)) = chunk {
-                        self.chunks.get(i, true).map_err(FaultServerError::Fetch)?;
-                        for (next, j) in task.pages.chunks_from(addr + 1).take(READ_AHEAD) {
-                            self.chunks.get(j, false).map_err(FaultServerError::Fetch)?;
-                            task.ahead.push_back((next, j));
+                    if let Some((addr, i)) = pages.fault(page) {
+                        self.chunks.get(i, Ask::Urgent).map_err(FaultServerError::Fetch)?;
+                        let next: Vec<(u64, usize)> = pages.chunks_from(addr + 1).take(READ_AHEAD).collect();
+                        for &(_, j) in &next {
+                            self.chunks.get(j, Ask::Soon).map_err(FaultServerError::Fetch)?;
                         }
+                        self.tasks[t].ahead.extend(next);
                     }
-                    self.faults.push(Fault { task: t, page, chunk, since: Instant::now() });
+                    self.faults.push(Fault { task: t, page, since: Instant::now() });
                 }
-                Event::Fork { child } => {
-                    let pages = task.pages.clone();
-                    let copy = child.as_fd().try_clone_to_owned().map_err(FaultServerError::Poll)?;
-                    lock(&self.control.uffds).push(copy);
-                    let pid = task.pid;
-                    debug!(pid, "a restored process forked");
-                    self.tasks.push(Task { pid, uffd: child, pages, gone: false, ahead: VecDeque::new() });
-                }
+                Event::Fork { .. } => {}
                 Event::Remap { from, to, len } => {
-                    task.pages.remapped(from, to, len);
+                    pages.remapped(from, to, len);
                     self.retry_faults_in(t, from, from + len);
+                    self.retry_faults_in(t, to, to + len);
                 }
                 Event::Remove { start, end } => {
-                    task.pages.removed(start, end);
+                    pages.removed(start, end);
                     self.retry_faults_in(t, start, end);
                 }
                 Event::Unmap { start, end } => {
-                    task.pages.unmapped(start, end);
+                    pages.unmapped(start, end);
                     self.retry_faults_in(t, start, end);
                 }
             }
+            self.settle(t);
         }
-        Ok(())
+        Ok(count)
     }
 
     /// Faults of task `t` in `[start, end)`, whose memory just changed: their threads are
@@ -412,39 +337,34 @@ impl FaultServer {
         });
     }
 
-    /// Answers the faults whose chunks are here; fails those that waited too long.
+    /// Answers the faults whose pages can be put in place now; fails those that waited too
+    /// long. What a page gets is decided now: its chunk, if it still lacks it, else zeros
+    /// (memory the checkpoint has nothing for, or dropped since) or nothing (already there).
     fn answer_faults(&mut self) -> Result<(), FaultServerError> {
         let mut i = 0;
         while i < self.faults.len() {
-            let Fault { task: t, page, chunk, since } = self.faults[i];
-            let data = match chunk {
-                None => Some(ChunkData::Zero),
-                Some((_, index)) => self.chunks.get(index, true).map_err(FaultServerError::Fetch)?,
-            };
-            let Some(data) = data else {
-                if since.elapsed() > self.timeout {
-                    let error = LazyFetchError::Timeout {
-                        id: self.chunks.memory().id().to_owned(),
-                        secs: self.timeout.as_secs(),
-                    };
-                    self.chunks.fail(error.clone());
-                    return Err(FaultServerError::Fetch(error));
-                }
-                i += 1;
+            let Fault { task: t, page, since } = self.faults[i];
+            if self.tasks[t].gone {
+                self.faults.swap_remove(i);
                 continue;
-            };
-            self.faults.swap_remove(i);
-            match chunk {
-                Some((addr, index)) => self.put_chunk(t, addr, index, &data)?,
-                None => {
-                    let piece = Piece { offset: 0, len: PAGE, address: page };
-                    if let Placed::Interrupted(_) = self.place(t, piece, &data)? {
-                        self.read_events(t)?;
-                        self.faults.push(Fault { task: t, page, chunk, since });
-                        continue;
+            }
+            let answered = match self.tasks[t].pages.fault(page) {
+                Some((addr, index)) => {
+                    match self.chunks.get(index, Ask::Urgent).map_err(FaultServerError::Fetch)? {
+                        Some(data) => self.put_chunk(t, addr, &data)?,
+                        None => {
+                            self.check_deadline(since)?;
+                            false
+                        }
                     }
                 }
+                None => self.put_zero_page(t, page)?,
+            };
+            if !answered {
+                i += 1;
+                continue;
             }
+            self.faults.swap_remove(i);
             // The page may have been there already (placed for another fault, say).
             let _ = self.tasks[t].uffd.wake(page, PAGE);
             self.stats.faults += 1;
@@ -453,177 +373,21 @@ impl FaultServer {
         Ok(())
     }
 
-    /// Puts in place what task `t` still lacks of the chunk at image address `addr` (index
-    /// `index`); releases the chunk once no task needs it.
-    fn put_chunk(
-        &mut self,
-        t: usize,
-        addr: u64,
-        index: usize,
-        data: &ChunkData,
-    ) -> Result<(), FaultServerError> {
-        let mut unmapped = None;
-        'again: loop {
-            for piece in self.tasks[t].pages.pieces(addr) {
-                match self.place(t, piece, data)? {
-                    Placed::All => self.filled(t, addr, piece.offset, piece.len),
-                    Placed::Interrupted(done) => {
-                        self.filled(t, addr, piece.offset, done);
-                        self.read_events(t)?;
-                        continue 'again;
-                    }
-                    Placed::NoMapping(done) => {
-                        self.filled(t, addr, piece.offset, done);
-                        let address = piece.address + done;
-                        // An unmap whose event is not read yet; twice is a page CRIU never
-                        // registered, which would read zeros.
-                        if unmapped == Some(address) {
-                            return Err(FaultServerError::Unregistered { pid: self.tasks[t].pid, address });
-                        }
-                        unmapped = Some(address);
-                        self.read_events(t)?;
-                        continue 'again;
-                    }
-                    Placed::Gone => {
-                        let task = &mut self.tasks[t];
-                        debug!(pid = task.pid, "a restored process exited before its memory was in");
-                        task.gone = true;
-                        task.pages = Pages::empty();
-                        break 'again;
-                    }
-                }
-            }
-            break;
+    /// Fails the session if a fault has waited longer than the timeout.
+    fn check_deadline(&self, since: Instant) -> Result<(), FaultServerError> {
+        if since.elapsed() <= self.timeout {
+            return Ok(());
         }
-        if self.tasks.iter().all(|task| task.pages.pieces(addr).is_empty()) {
-            self.chunks.release(index);
-        }
-        Ok(())
+        let error = LazyFetchError::Timeout {
+            id: self.chunks.memory().id().to_owned(),
+            secs: self.timeout.as_secs(),
+        };
+        self.chunks.fail(error.clone());
+        Err(FaultServerError::Fetch(error))
     }
 
-    fn filled(&mut self, t: usize, addr: u64, offset: u64, len: u64) {
-        if len > 0 {
-            self.tasks[t].pages.filled(addr, offset, len);
-            self.stats.bytes_placed += len;
-            self.control.placed.fetch_add(len, Ordering::Relaxed);
-        }
-    }
-
-    /// Copies (or zeroes) one piece into task `t`. A span that crosses mappings is cut in
-    /// halves until each piece lies in one.
-    fn place(&self, t: usize, piece: Piece, data: &ChunkData) -> Result<Placed, FaultServerError> {
-        let task = &self.tasks[t];
-        let (mut at, mut span) = (0u64, piece.len);
-        while at < piece.len {
-            let len = span.min(piece.len - at);
-            let dst = piece.address + at;
-            let result = match data {
-                ChunkData::Zero => task.uffd.zero(dst, len),
-                ChunkData::Bytes(bytes) => {
-                    let from = (piece.offset + at) as usize;
-                    task.uffd.copy(dst, &bytes[from..from + len as usize])
-                }
-            };
-            let FillError { errno, done } = match result {
-                Ok(()) => {
-                    at += len;
-                    span = piece.len;
-                    continue;
-                }
-                Err(e) if e.exists() => {
-                    // That page is there already; go on after it.
-                    at += e.done + PAGE;
-                    continue;
-                }
-                Err(e) if e.again() => return Ok(Placed::Interrupted(at + e.done)),
-                Err(e) if e.gone() => return Ok(Placed::Gone),
-                Err(e) if e.no_mapping() && len - e.done > PAGE => {
-                    at += e.done;
-                    span = ((len - e.done) / 2).next_multiple_of(PAGE);
-                    continue;
-                }
-                Err(e) if e.no_mapping() => return Ok(Placed::NoMapping(at + e.done)),
-                Err(e) => e,
-            };
-            return Err(FaultServerError::Fill { pid: task.pid, address: dst + done, errno });
-        }
-        Ok(Placed::All)
-    }
-
-    /// Puts arrived chunks in place: those asked for after a fault first, then the others as
-    /// they arrived (the prefetcher's order), then what is left in address order; whether
-    /// it stopped for its budget (more is ready).
-    fn background(&mut self) -> Result<bool, FaultServerError> {
-        let mut budget = BACKGROUND_BUDGET;
-        while budget > 0 {
-            let Some((t, addr, index, data)) = self.next_ready()? else { return Ok(false) };
-            let before = self.stats.bytes_placed;
-            self.put_chunk(t, addr, index, &data)?;
-            budget = budget.saturating_sub((self.stats.bytes_placed - before).max(PAGE));
-        }
-        Ok(true)
-    }
-
-    /// The next chunk to put in place that is here: task, image address, index, bytes.
-    fn next_ready(&mut self) -> Result<Option<(usize, u64, usize, ChunkData)>, FaultServerError> {
-        for t in 0..self.tasks.len() {
-            while let Some(&(addr, index)) = self.tasks[t].ahead.front() {
-                if self.tasks[t].pages.pieces(addr).is_empty() {
-                    self.tasks[t].ahead.pop_front();
-                    continue;
-                }
-                match self.chunks.peek(index) {
-                    Some(data) => {
-                        self.tasks[t].ahead.pop_front();
-                        return Ok(Some((t, addr, index, data)));
-                    }
-                    None => break,
-                }
-            }
-        }
-        loop {
-            if self.arrived.is_empty() {
-                self.arrived = self.chunks.take_arrived().into();
-            }
-            let Some(index) = self.arrived.pop_front() else { break };
-            let (pid, addr, _) = self.chunks.memory().chunk_at(index);
-            let needing =
-                self.tasks.iter().position(|t| t.pid as u64 == pid && !t.pages.pieces(addr).is_empty());
-            match (needing, self.chunks.peek(index)) {
-                (Some(t), Some(data)) => return Ok(Some((t, addr, index, data))),
-                // Put in place already (for a fault), or released meanwhile.
-                (None, _) => self.chunks.release(index),
-                (Some(_), None) => {}
-            }
-        }
-        self.left_over()
-    }
-
-    /// The first chunk still to fill, in task and address order, if it is here; asked for
-    /// otherwise. (Chunks the prefetcher never brings: zero ones, and those a forked child
-    /// needs after its parent's were released.)
-    fn left_over(&mut self) -> Result<Option<(usize, u64, usize, ChunkData)>, FaultServerError> {
-        while self.cursor.0 < self.tasks.len() {
-            let (t, from) = self.cursor;
-            let Some((addr, index)) = self.tasks[t].pages.chunks_from(from).next() else {
-                self.cursor = (t + 1, 0);
-                continue;
-            };
-            self.cursor.1 = addr;
-            return Ok(self
-                .chunks
-                .get(index, false)
-                .map_err(FaultServerError::Fetch)?
-                .map(|d| (t, addr, index, d)));
-        }
-        // A child forked after the cursor passed: start over.
-        if self.tasks.iter().any(|t| !t.gone && !t.pages.is_done()) {
-            self.cursor = (0, 0);
-        }
-        Ok(None)
-    }
-
-    /// Waits for CRIU, a fault, an arrived chunk or a stop (at most [`IDLE_WAIT`]).
+    /// Waits for CRIU, a fault, an arrived chunk or a stop (at most [`IDLE_WAIT`], or a
+    /// moment while a copy waits for a mapping change).
     fn wait(&mut self) -> Result<(), FaultServerError> {
         let readable = PollFlags::POLLIN;
         let mut fds = vec![
@@ -637,8 +401,8 @@ impl FaultServer {
             fds.push(PollFd::new(conn.as_fd(), readable));
         }
         fds.extend(self.tasks.iter().filter(|t| !t.gone).map(|t| PollFd::new(t.uffd.as_fd(), readable)));
-        let timeout = PollTimeout::try_from(IDLE_WAIT).unwrap_or(PollTimeout::MAX);
-        match poll(&mut fds, timeout) {
+        let wait = if std::mem::take(&mut self.changing) { CHANGING_WAIT } else { IDLE_WAIT };
+        match poll(&mut fds, PollTimeout::try_from(wait).unwrap_or(PollTimeout::MAX)) {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(e) => return Err(FaultServerError::Poll(e.into())),
         }
