@@ -24,6 +24,8 @@ use stasis_daemon::linux::proc;
 use stasis_daemon::linux::sys::recv_with_fds;
 
 fn main() -> anyhow::Result<()> {
+    // Its own session: signals to stasisd's process group or session are not for it.
+    let _ = nix::unistd::setsid();
     let mut blocked = SigSet::empty();
     for signal in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
         blocked.add(signal);

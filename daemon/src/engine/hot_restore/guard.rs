@@ -27,7 +27,6 @@ use tracing::{info, warn};
 use super::control::Control;
 use crate::engine::lock;
 use crate::linux::proc;
-use crate::linux::sys::{ChildSetup, spawn};
 
 /// The guard's executable, next to stasisd's.
 const GUARD_BIN: &str = "stasis-lazy-guard";
@@ -115,10 +114,10 @@ impl GuardProcess {
         let (ours, theirs) =
             socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
                 .map_err(|e| spawn_err(&exe)(e.into()))?;
-        let mut cmd = Command::new(&exe);
-        cmd.stdin(Stdio::from(theirs)).stdout(Stdio::null());
-        let child = spawn(&mut cmd, ChildSetup { new_session: true, ..Default::default() })
-            .map_err(spawn_err(&exe))?;
+        // A plain spawn (posix_spawn, no copy of stasisd's page tables, however large it is):
+        // the guard makes its own session, and the only descriptor it needs is its stdin.
+        let child =
+            Command::new(&exe).stdin(Stdio::from(theirs)).stdout(Stdio::null()).spawn().map_err(spawn_err(&exe))?;
         Ok(GuardProcess { pid: child.id() as i32, channel: ours })
     }
 
