@@ -116,8 +116,11 @@ impl GuardProcess {
                 .map_err(|e| spawn_err(&exe)(e.into()))?;
         // A plain spawn (posix_spawn, no copy of stasisd's page tables, however large it is):
         // the guard makes its own session, and the only descriptor it needs is its stdin.
-        let child =
-            Command::new(&exe).stdin(Stdio::from(theirs)).stdout(Stdio::null()).spawn().map_err(spawn_err(&exe))?;
+        let child = Command::new(&exe)
+            .stdin(Stdio::from(theirs))
+            .stdout(Stdio::null())
+            .spawn()
+            .map_err(spawn_err(&exe))?;
         Ok(GuardProcess { pid: child.id() as i32, channel: ours })
     }
 
