@@ -30,13 +30,16 @@ use super::assemble::decode_chunk;
 use super::lazy_memory::LazyMemory;
 use super::{Store, StoreError};
 
-/// Chunks the fault server waits for are fetched in batches of at most this much...
-const URGENT_BATCH_BYTES: u64 = 4 << 20;
-/// ...and prefetched in batches of this much: fewer, larger range reads (each is a request to
-/// the store; object_store merges adjacent ranges of a pack into one).
-const PREFETCH_BATCH_BYTES: u64 = 16 << 20;
-/// Batches fetched at the same time.
+/// Chunks are fetched in batches of at most this much, those the fault server waits for too:
+/// fewer, larger range reads (each is a request to the store, and object_store merges adjacent
+/// ranges of a pack into one). Faults that queue up while a batch is under way go in the next
+/// one together; on a store far away that is what keeps a working set from arriving a few
+/// chunks per round trip.
+const BATCH_BYTES: u64 = 16 << 20;
+/// Batches fetched at the same time...
 const BATCHES_IN_FLIGHT: usize = 4;
+/// ...and prefetch batches, while a batch something waits for is under way.
+const BATCHES_WHILE_URGENT: usize = 2;
 
 /// How a lazy restore fetches memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -297,8 +300,9 @@ async fn prefetch(store: Store, shared: Arc<Shared>, settings: FetchSettings) {
     loop {
         loop {
             // Chunks something waits for get a batch of their own even when prefetches fill
-            // every slot, and no prefetch starts while one is under way: on a small machine
-            // the prefetches' decompression would slow the waited-for one down.
+            // every slot, and fewer prefetches run while one is under way: on a small machine
+            // their decompression slows the waited-for one down, while on a store far away
+            // they are what brings a job's working set (fresh-first) in large reads.
             let (urgent, prefetching) = {
                 let st = shared.lock();
                 (!st.urgent.is_empty(), st.prefetching)
@@ -306,7 +310,8 @@ async fn prefetch(store: Store, shared: Arc<Shared>, settings: FetchSettings) {
             if in_flight.len() >= BATCHES_IN_FLIGHT + usize::from(urgent) {
                 break;
             }
-            let prefetch = prefetching && urgent_in_flight == 0;
+            let prefetches = in_flight.len() - urgent_in_flight;
+            let prefetch = prefetching && (urgent_in_flight == 0 || prefetches < BATCHES_WHILE_URGENT);
             let (batch, is_urgent) = next_batch(&shared, &order, &mut cursor, capacity, prefetch);
             if batch.is_empty() {
                 break;
@@ -352,7 +357,7 @@ fn next_batch(
     let chunks = &shared.memory.chunks;
     let mut st = shared.lock();
     let (mut batch, mut bytes) = (Vec::new(), 0u64);
-    while bytes < URGENT_BATCH_BYTES {
+    while bytes < BATCH_BYTES {
         let Some(i) = st.urgent.pop_front() else { break };
         if matches!(st.slots[i], Slot::Absent) {
             st.slots[i] = Slot::Fetching;
@@ -365,7 +370,7 @@ fn next_batch(
         st.held += bytes;
         return (batch, true);
     }
-    let limit = if prefetch { PREFETCH_BATCH_BYTES } else { 0 };
+    let limit = if prefetch { BATCH_BYTES } else { 0 };
     while bytes < limit && *cursor < order.len() && st.held + bytes < capacity {
         let i = order[*cursor];
         *cursor += 1;
