@@ -116,6 +116,47 @@ async fn wait_for(reader: &ChunkReader, i: usize) -> ChunkData {
     panic!("chunk {i} never arrived");
 }
 
+/// Chunk `i` as cached, once it arrived, without asking for it.
+async fn arrival(reader: &ChunkReader, i: usize, within: Duration) -> Option<ChunkData> {
+    let deadline = tokio::time::Instant::now() + within;
+    while tokio::time::Instant::now() < deadline {
+        if let Some(data) = reader.peek(i) {
+            return Some(data);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn chunks_asked_for_ahead_wait_for_room_in_the_cache_and_a_fault_does_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, manifest, _) = stored(dir.path()).await;
+    let out = dir.path().join("restore");
+    std::fs::create_dir_all(&out).unwrap();
+    let mode = MemoryMode::Lazy { eager: &[] };
+    let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
+    // Room for one full chunk (64 KiB); no prefetch, only what is asked for.
+    let settings = FetchSettings { cache_bytes: 64 << 10, ..SETTINGS };
+    let (reader, fetch) = store.start_lazy_fetch(memory, settings, false).unwrap();
+    let stored: Vec<usize> =
+        reader.memory().task_chunks(PID).map(|(i, _, _)| i).filter(|&i| reader.peek(i).is_none()).collect();
+    let [full, ahead, fault] = stored[..] else { panic!("chunks with data: {stored:?}") };
+    reader.get(full, Ask::Soon).unwrap();
+    reader.get(ahead, Ask::Soon).unwrap();
+    assert!(arrival(&reader, full, Duration::from_secs(5)).await.is_some(), "the first fits");
+    assert!(
+        arrival(&reader, ahead, Duration::from_millis(300)).await.is_none(),
+        "a chunk asked for ahead was fetched into a full cache"
+    );
+    // A fault's chunk is fetched however full the cache is.
+    assert!(matches!(wait_for(&reader, fault).await, ChunkData::Bytes(_)));
+    // Once the first leaves the cache there is room again.
+    reader.release(full);
+    assert!(arrival(&reader, ahead, Duration::from_secs(5)).await.is_some(), "it never came");
+    fetch.stop();
+}
+
 /// Restores the stored checkpoint lazily, lets `damage` act on the store directory once the
 /// tree would run, and returns the error the first chunk asked for gives.
 async fn first_read_after(damage: impl FnOnce(&std::path::Path)) -> LazyFetchError {

@@ -87,7 +87,11 @@ struct State {
     arrived: Vec<usize>,
     /// Bytes held in `Ready` slots and in flight.
     held: u64,
+    /// Chunks a fault waits for: fetched whether or not the cache has room.
     urgent: VecDeque<usize>,
+    /// Chunks asked for ahead of faults, or dropped and wanted again: fetched next, while the
+    /// cache has room.
+    soon: VecDeque<usize>,
     failure: Option<LazyFetchError>,
     stopped: bool,
     /// Only chunks asked for are fetched until the prefetch is started.
@@ -156,7 +160,8 @@ pub enum ChunkData {
 pub enum Ask {
     /// A process waits on it: fetched before anything else.
     Urgent,
-    /// Soon (after a fault, the chunks that follow): fetched with the urgent ones, after them.
+    /// Soon (after a fault, the chunks that follow): fetched with the urgent ones, after them,
+    /// while the cache has room.
     Soon,
     /// Only if the prefetcher no longer brings it (it was released).
     IfDropped,
@@ -184,6 +189,7 @@ impl Store {
             arrived: Vec::new(),
             held: 0,
             urgent: VecDeque::new(),
+            soon: VecDeque::new(),
             failure: None,
             stopped: false,
             prefetching: prefetch_now,
@@ -226,8 +232,8 @@ impl ChunkReader {
                 self.shared.wake.notify_one();
             }
             Slot::Absent if ask == Ask::IfDropped && !st.released[i] => {}
-            Slot::Absent if !st.urgent.contains(&i) => {
-                st.urgent.push_back(i);
+            Slot::Absent if !st.soon.contains(&i) => {
+                st.soon.push_back(i);
                 self.shared.wake.notify_one();
             }
             Slot::Absent => {}
@@ -305,7 +311,7 @@ async fn prefetch(store: Store, shared: Arc<Shared>, settings: FetchSettings) {
             // they are what brings a job's working set (fresh-first) in large reads.
             let (urgent, prefetching) = {
                 let st = shared.lock();
-                (!st.urgent.is_empty(), st.prefetching)
+                (!st.urgent.is_empty() || !st.soon.is_empty(), st.prefetching)
             };
             if in_flight.len() >= BATCHES_IN_FLIGHT + usize::from(urgent) {
                 break;
@@ -327,7 +333,11 @@ async fn prefetch(store: Store, shared: Arc<Shared>, settings: FetchSettings) {
         if done || stopped {
             return;
         }
-        if cursor >= order.len() && in_flight.is_empty() && shared.lock().urgent.is_empty() {
+        let asked = {
+            let st = shared.lock();
+            !st.urgent.is_empty() || !st.soon.is_empty()
+        };
+        if cursor >= order.len() && in_flight.is_empty() && !asked {
             // Everything was prefetched once; only refetches of dropped chunks remain.
             shared.wake.notified().await;
             continue;
@@ -358,14 +368,16 @@ fn next_batch(
     let mut st = shared.lock();
     let (mut batch, mut bytes) = (Vec::new(), 0u64);
     while bytes < BATCH_BYTES {
-        let Some(i) = st.urgent.pop_front() else { break };
+        let room = st.held + bytes < capacity;
+        let next = st.urgent.pop_front().or_else(|| if room { st.soon.pop_front() } else { None });
+        let Some(i) = next else { break };
         if matches!(st.slots[i], Slot::Absent) {
             st.slots[i] = Slot::Fetching;
             bytes += u64::from(chunks[i].len);
             batch.push(i);
         }
     }
-    // Urgent chunks go alone, so that they arrive as soon as possible.
+    // Chunks asked for go alone, so that they arrive as soon as possible.
     if !batch.is_empty() {
         st.held += bytes;
         return (batch, true);
