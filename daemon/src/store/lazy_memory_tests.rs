@@ -7,7 +7,8 @@ use std::time::Duration;
 use stasis_proto::stasis::v1::AddressRange;
 
 use super::{
-    Ask, ChunkData, ChunkReader, FetchSettings, LazyFetchError, Manifest, MemoryMode, Staging, Store,
+    Ask, ChunkData, ChunkReader, FetchSettings, LazyFetchError, LazyMemory, Manifest, MemoryMode, Staging,
+    Store,
 };
 use crate::criu::pageserver::{PAGE_SIZE, PE_LAZY, PE_PRESENT, PageRun, PageSink};
 
@@ -116,6 +117,16 @@ async fn wait_for(reader: &ChunkReader, i: usize) -> ChunkData {
     panic!("chunk {i} never arrived");
 }
 
+/// The stored checkpoint, restored with all of its lazy memory left in the store.
+async fn all_lazy(dir: &std::path::Path) -> (Store, LazyMemory) {
+    let (store, manifest, _) = stored(dir).await;
+    let out = dir.join("restore");
+    std::fs::create_dir_all(&out).unwrap();
+    let mode = MemoryMode::Lazy { eager: &[] };
+    let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
+    (store, memory)
+}
+
 /// Chunk `i` as cached, once it arrived, without asking for it.
 async fn arrival(reader: &ChunkReader, i: usize, within: Duration) -> Option<ChunkData> {
     let deadline = tokio::time::Instant::now() + within;
@@ -131,11 +142,7 @@ async fn arrival(reader: &ChunkReader, i: usize, within: Duration) -> Option<Chu
 #[tokio::test(flavor = "multi_thread")]
 async fn chunks_asked_for_ahead_wait_for_room_in_the_cache_and_a_fault_does_not() {
     let dir = tempfile::tempdir().unwrap();
-    let (store, manifest, _) = stored(dir.path()).await;
-    let out = dir.path().join("restore");
-    std::fs::create_dir_all(&out).unwrap();
-    let mode = MemoryMode::Lazy { eager: &[] };
-    let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
+    let (store, memory) = all_lazy(dir.path()).await;
     // Room for one full chunk (64 KiB); no prefetch, only what is asked for.
     let settings = FetchSettings { cache_bytes: 64 << 10, ..SETTINGS };
     let (reader, fetch) = store.start_lazy_fetch(memory, settings, false).unwrap();
@@ -161,11 +168,7 @@ async fn chunks_asked_for_ahead_wait_for_room_in_the_cache_and_a_fault_does_not(
 /// tree would run, and returns the error the first chunk asked for gives.
 async fn first_read_after(damage: impl FnOnce(&std::path::Path)) -> LazyFetchError {
     let dir = tempfile::tempdir().unwrap();
-    let (store, manifest, _) = stored(dir.path()).await;
-    let out = dir.path().join("restore");
-    std::fs::create_dir_all(&out).unwrap();
-    let mode = MemoryMode::Lazy { eager: &[] };
-    let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
+    let (store, memory) = all_lazy(dir.path()).await;
     damage(&dir.path().join("store"));
     let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS, false).unwrap();
     let first = reader.memory().task_chunks(PID).next().unwrap().0;
