@@ -445,7 +445,7 @@ impl Engine {
     }
 
     /// Reports a lazily restored tree running, then waits until its memory is resident (for
-    /// an eager restore, it is already).
+    /// an eager restore, it is already: its tree is not reported before its result).
     async fn wait_resident(
         &self,
         mut outcome: RestoreOutcome,
@@ -454,11 +454,12 @@ impl Engine {
         lazy: bool,
         on_running: Option<Box<dyn FnOnce(RestoreOutcome) + Send>>,
     ) -> Result<RestoreOutcome, RestoreError> {
+        // An eager restore's tree runs with all of its memory: its result follows at once.
         if lazy {
             info!(checkpoint = %outcome.id, pid = outcome.pid, first_run_ms = outcome.stats.first_run_ms, "lazily restored tree runs");
-        }
-        if let Some(notify) = on_running {
-            notify(outcome.clone());
+            if let Some(notify) = on_running {
+                notify(outcome.clone());
+            }
         }
         let (id, pid) = (outcome.id.clone(), outcome.pid);
         let watched = match watch.await {
