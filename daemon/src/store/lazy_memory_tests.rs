@@ -164,6 +164,28 @@ async fn chunks_asked_for_ahead_wait_for_room_in_the_cache_and_a_fault_does_not(
     fetch.stop();
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_chunk_released_while_it_is_fetched_does_not_stay_in_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, memory) = all_lazy(dir.path()).await;
+    let settings = FetchSettings { cache_bytes: 64 << 10, ..SETTINGS };
+    let (reader, fetch) = store.start_lazy_fetch(memory, settings, false).unwrap();
+    let stored: Vec<usize> =
+        reader.memory().task_chunks(PID).map(|(i, _, _)| i).filter(|&i| reader.peek(i).is_none()).collect();
+    let [full, ahead, _] = stored[..] else { panic!("chunks with data: {stored:?}") };
+    // Asked for, then not needed any more (its process dropped that memory) before it came.
+    reader.get(full, Ask::Soon).unwrap();
+    reader.release(full);
+    reader.get(ahead, Ask::Soon).unwrap();
+    assert!(
+        arrival(&reader, ahead, Duration::from_secs(5)).await.is_some(),
+        "the released chunk kept the cache full"
+    );
+    // Asked for again, it is fetched and kept.
+    assert!(matches!(wait_for(&reader, full).await, ChunkData::Bytes(_)));
+    fetch.stop();
+}
+
 /// Restores the stored checkpoint lazily, lets `damage` act on the store directory once the
 /// tree would run, and returns the error the first chunk asked for gives.
 async fn first_read_after(damage: impl FnOnce(&std::path::Path)) -> LazyFetchError {

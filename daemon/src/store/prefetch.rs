@@ -81,7 +81,8 @@ enum Slot {
 
 struct State {
     slots: Vec<Slot>,
-    /// Chunks no process needs any more: not prefetched again.
+    /// Chunks no process needs any more: not fetched again unless asked for, and one that
+    /// arrives so marked leaves the cache at once.
     released: Vec<bool>,
     /// Chunks cached since the fault server last looked, in the order they arrived.
     arrived: Vec<usize>,
@@ -225,18 +226,19 @@ impl ChunkReader {
         }
         match &st.slots[i] {
             Slot::Ready(data) => return Ok(Some(ChunkData::Bytes(data.clone()))),
-            Slot::Fetching => {}
-            Slot::Absent if ask == Ask::Urgent => {
-                // A duplicate entry is skipped when its turn comes.
-                st.urgent.push_front(i);
-                self.shared.wake.notify_one();
-            }
+            // Needed after all: kept when it arrives, even if it was released meanwhile.
+            Slot::Fetching => st.released[i] = false,
             Slot::Absent if ask == Ask::IfDropped && !st.released[i] => {}
-            Slot::Absent if !st.soon.contains(&i) => {
-                st.soon.push_back(i);
+            Slot::Absent => {
+                st.released[i] = false;
+                // A duplicate entry is skipped when its turn comes.
+                match ask {
+                    Ask::Urgent => st.urgent.push_front(i),
+                    _ if !st.soon.contains(&i) => st.soon.push_back(i),
+                    _ => {}
+                }
                 self.shared.wake.notify_one();
             }
-            Slot::Absent => {}
         }
         Ok(None)
     }
@@ -257,7 +259,8 @@ impl ChunkReader {
         std::mem::take(&mut self.shared.lock().arrived)
     }
 
-    /// No process needs chunk `i` any more: it leaves the cache.
+    /// No process needs chunk `i` any more: it leaves the cache (one being fetched, when it
+    /// arrives).
     pub fn release(&self, i: usize) {
         let mut st = self.shared.lock();
         st.released[i] = true;
@@ -371,7 +374,7 @@ fn next_batch(
         let room = st.held + bytes < capacity;
         let next = st.urgent.pop_front().or_else(|| if room { st.soon.pop_front() } else { None });
         let Some(i) = next else { break };
-        if matches!(st.slots[i], Slot::Absent) {
+        if matches!(st.slots[i], Slot::Absent) && !st.released[i] {
             st.slots[i] = Slot::Fetching;
             bytes += u64::from(chunks[i].len);
             batch.push(i);
@@ -455,8 +458,15 @@ async fn fetch_batch(
     .map_err(|e| LazyFetchError::Task { id: shared.memory.id.clone(), reason: e.to_string() })??;
     let mut st = shared.lock();
     for (i, data) in decoded {
-        st.slots[i] = Slot::Ready(data);
-        st.arrived.push(i);
+        if st.released[i] {
+            // Released while it was fetched, and not asked for since: nobody needs it.
+            st.slots[i] = Slot::Absent;
+            st.held -= u64::from(shared.memory.chunks[i].len);
+            shared.wake.notify_one();
+        } else {
+            st.slots[i] = Slot::Ready(data);
+            st.arrived.push(i);
+        }
     }
     drop(st);
     debug!(chunks = batch.len(), "lazy restore: chunks cached");
