@@ -10,7 +10,8 @@
 //!   "r"                      ->  lets go, exits
 //!   closed without an "r"    ->  kills the trees of the pids it holds for, exits
 //! ```
-//! It is started (a fork and exec) while CRIU restores, so the tree does not wait for it.
+//! It is started with the session (a plain spawn, in the background), so neither CRIU nor
+//! the tree waits for it.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::process::{Command, Stdio};
@@ -217,14 +218,15 @@ impl FaultGuard {
         if let Slot::Starting(rx) = &*slot {
             let spawned = rx
                 .recv_timeout(WAIT)
-                .map_err(|e| GuardError::Spawn { exe: GUARD_BIN.into(), source: std::io::Error::other(e) });
-            *slot = match spawned.and_then(|r| r) {
-                Ok(process) => Slot::Ready(process),
+                .map_err(|e| GuardError::Spawn { exe: GUARD_BIN.into(), source: std::io::Error::other(e) })
+                .and_then(|r| r);
+            match spawned {
+                Ok(process) => *slot = Slot::Ready(process),
                 Err(e) => {
                     *slot = Slot::Done;
                     return Err(e);
                 }
-            };
+            }
         }
         let Slot::Ready(process) = &*slot else { return Err(GuardError::NoPreResume) };
         process.hold(tree, &copies)?;

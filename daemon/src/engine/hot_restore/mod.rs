@@ -20,8 +20,8 @@
 //! userfaultfds close: a tree whose lazy pages stopped arriving would otherwise read zeros
 //! where its memory was. The error says why. From "pre-resume" on, a `stasis-lazy-guard`
 //! process holds copies of the userfaultfds ([`FaultGuard`]): if stasisd itself dies, faults
-//! wait (not filled with zeros) and the guard kills the tree. (Children the tree forks later
-//! get userfaultfds only stasisd holds: for them the kill comes a moment after its death.)
+//! wait (not filled with zeros) and the guard kills the tree. Children the tree forks later
+//! are handed to the guard as they come.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
