@@ -173,7 +173,9 @@ pub fn attach_filter(socket: BorrowedFd<'_>, program: &[libc::sock_filter]) -> i
 /// at the end of the stream.
 pub fn recv_with_fds(socket: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<Option<(usize, Vec<OwnedFd>)>> {
     use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
-    let mut space = nix::cmsg_space!([RawFd; 8]);
+    // Room for as many as one message can carry (the kernel's SCM_MAX_FD): with less, the
+    // rest would be closed and the message reported truncated.
+    let mut space = nix::cmsg_space!([RawFd; 253]);
     let mut iov = [std::io::IoSliceMut::new(buf)];
     let flags = MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_CMSG_CLOEXEC;
     let msg = loop {
@@ -218,5 +220,24 @@ mod tests {
         cmd.args(["-c", &script]);
         let mut child = spawn(&mut cmd, ChildSetup { keep_fds: vec![kept], ..Default::default() }).unwrap();
         assert!(child.wait().unwrap().success(), "fd {stray} leaked or fd {kept} was not kept");
+    }
+
+    #[test]
+    fn every_descriptor_a_message_carries_is_received() {
+        use nix::sys::socket::{
+            AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, sendmsg, socketpair,
+        };
+        use std::os::fd::AsFd;
+        let (ours, theirs) =
+            socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC).unwrap();
+        // As many as the guard is sent in one message.
+        let files: Vec<std::fs::File> = (0..200).map(|_| std::fs::File::open("/dev/null").unwrap()).collect();
+        let raw: Vec<RawFd> = files.iter().map(AsRawFd::as_raw_fd).collect();
+        let iov = [std::io::IoSlice::new(b"h")];
+        sendmsg::<()>(ours.as_raw_fd(), &iov, &[ControlMessage::ScmRights(&raw)], MsgFlags::empty(), None)
+            .unwrap();
+        let mut buf = [0u8; 16];
+        let (n, fds) = recv_with_fds(theirs.as_fd(), &mut buf).unwrap().expect("a message is waiting");
+        assert_eq!((n, fds.len()), (1, 200));
     }
 }
