@@ -7,8 +7,8 @@ use std::time::Duration;
 use stasis_proto::stasis::v1::AddressRange;
 
 use super::{
-    Ask, ChunkData, ChunkReader, FetchSettings, LazyFetchError, LazyMemory, Manifest, MemoryMode, Staging,
-    Store,
+    Ask, ChunkData, ChunkReader, FetchSettings, LazyFetch, LazyFetchError, LazyMemory, Manifest, MemoryMode,
+    Staging, Store,
 };
 use crate::criu::pageserver::{PAGE_SIZE, PE_LAZY, PE_PRESENT, PageRun, PageSink};
 
@@ -139,16 +139,22 @@ async fn arrival(reader: &ChunkReader, i: usize, within: Duration) -> Option<Chu
     None
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn chunks_asked_for_ahead_wait_for_room_in_the_cache_and_a_fault_does_not() {
-    let dir = tempfile::tempdir().unwrap();
-    let (store, memory) = all_lazy(dir.path()).await;
-    // Room for one full chunk (64 KiB); no prefetch, only what is asked for.
+/// The stored checkpoint served lazily with room for one full chunk (64 KiB) and no prefetch
+/// (only what is asked for), and its three chunks that hold data: 64, 32 and 32 KiB.
+async fn one_chunk_of_room(dir: &std::path::Path) -> (ChunkReader, LazyFetch, [usize; 3]) {
+    let (store, memory) = all_lazy(dir).await;
     let settings = FetchSettings { cache_bytes: 64 << 10, ..SETTINGS };
     let (reader, fetch) = store.start_lazy_fetch(memory, settings, false).unwrap();
     let stored: Vec<usize> =
         reader.memory().task_chunks(PID).map(|(i, _, _)| i).filter(|&i| reader.peek(i).is_none()).collect();
-    let [full, ahead, fault] = stored[..] else { panic!("chunks with data: {stored:?}") };
+    let chunks = stored[..].try_into().unwrap_or_else(|_| panic!("chunks with data: {stored:?}"));
+    (reader, fetch, chunks)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn chunks_asked_for_ahead_wait_for_room_in_the_cache_and_a_fault_does_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let (reader, fetch, [full, ahead, fault]) = one_chunk_of_room(dir.path()).await;
     reader.get(full, Ask::Soon).unwrap();
     reader.get(ahead, Ask::Soon).unwrap();
     assert!(arrival(&reader, full, Duration::from_secs(5)).await.is_some(), "the first fits");
@@ -167,12 +173,7 @@ async fn chunks_asked_for_ahead_wait_for_room_in_the_cache_and_a_fault_does_not(
 #[tokio::test(flavor = "multi_thread")]
 async fn a_chunk_released_while_it_is_fetched_does_not_stay_in_the_cache() {
     let dir = tempfile::tempdir().unwrap();
-    let (store, memory) = all_lazy(dir.path()).await;
-    let settings = FetchSettings { cache_bytes: 64 << 10, ..SETTINGS };
-    let (reader, fetch) = store.start_lazy_fetch(memory, settings, false).unwrap();
-    let stored: Vec<usize> =
-        reader.memory().task_chunks(PID).map(|(i, _, _)| i).filter(|&i| reader.peek(i).is_none()).collect();
-    let [full, ahead, _] = stored[..] else { panic!("chunks with data: {stored:?}") };
+    let (reader, fetch, [full, ahead, _]) = one_chunk_of_room(dir.path()).await;
     // Asked for, then not needed any more (its process dropped that memory) before it came.
     reader.get(full, Ask::Soon).unwrap();
     reader.release(full);
