@@ -84,7 +84,7 @@ pub fn suspend(gpu: &Arc<dyn GpuCheckpointer>, pids: &[i32]) -> Result<Suspended
     let started = Instant::now();
     for &pid in pids {
         if let Err(source) = gpu.lock(pid, LOCK_TIMEOUT.as_millis() as u32) {
-            rollback(gpu, &done.pids, &locked);
+            rollback(gpu, &locked);
             return Err(GpuError::Suspend { pid, source });
         }
         locked.push(pid);
@@ -94,7 +94,7 @@ pub fn suspend(gpu: &Arc<dyn GpuCheckpointer>, pids: &[i32]) -> Result<Suspended
     for &pid in pids {
         let before = proc::private_writable_ranges(pid).unwrap_or_default();
         if let Err(source) = gpu.checkpoint(pid) {
-            rollback(gpu, &done.pids, &locked);
+            rollback(gpu, &locked);
             return Err(GpuError::Suspend { pid, source });
         }
         done.pids.push(pid);
@@ -138,6 +138,9 @@ pub fn resume(gpu: &Arc<dyn GpuCheckpointer>, pids: &[i32]) -> Result<u64, GpuEr
 }
 
 /// Restores device memory (on the GPUs named by `pairs`, or the original ones) and unlocks.
+/// Each process is taken from the state the driver reports, so a process a crash or a failure
+/// left half way (locked but never checkpointed, or restored but still locked) is finished too,
+/// and one that runs already, or has no CUDA, is left alone. Returns the time it took.
 pub fn reattach(
     gpu: &Arc<dyn GpuCheckpointer>,
     pids: &[i32],
@@ -147,7 +150,11 @@ pub fn reattach(
     // Every process is tried, also after one fails: a process not tried would stay locked.
     let mut first_failure = None;
     for &pid in pids {
-        let result = gpu.restore(pid, pairs).and_then(|()| gpu.unlock(pid));
+        let result = match gpu.state(pid) {
+            Ok(None | Some(ProcessState::Running)) => Ok(()),
+            Ok(Some(ProcessState::Locked)) => gpu.unlock(pid),
+            _ => gpu.restore(pid, pairs).and_then(|()| gpu.unlock(pid)),
+        };
         if let Err(source) = result {
             let state =
                 gpu.state(pid).ok().flatten().map(|s| format!("{s:?}")).unwrap_or_else(|| "unknown".into());
@@ -161,18 +168,10 @@ pub fn reattach(
     }
 }
 
-fn rollback(gpu: &Arc<dyn GpuCheckpointer>, checkpointed: &[i32], locked: &[i32]) {
-    for &pid in checkpointed {
-        if let Err(e) = gpu.restore(pid, &[]) {
-            warn!(pid, error = %e, "GPU rollback: restore failed");
-        }
-    }
-    for &pid in locked {
-        if gpu.state(pid).ok().flatten() == Some(ProcessState::Locked)
-            && let Err(e) = gpu.unlock(pid)
-        {
-            warn!(pid, error = %e, "GPU rollback: unlock failed");
-        }
+/// Undoes a GPU phase that failed part way: every process of `locked` is put back as it was.
+fn rollback(gpu: &Arc<dyn GpuCheckpointer>, locked: &[i32]) {
+    if let Err(e) = reattach(gpu, locked, &[]) {
+        warn!(error = %e, "GPU rollback incomplete");
     }
 }
 
@@ -263,6 +262,17 @@ mod tests {
             *fake.calls.lock().unwrap(),
             ["lock 1", "lock 2", "checkpoint 1", "restore 1", "unlock 1", "unlock 2"]
         );
+    }
+
+    #[test]
+    fn reattach_finishes_each_process_from_the_state_it_was_left_in() {
+        // A crash inside the GPU phase: 1 locked only, 2 checkpointed, 3 never touched.
+        let fake = Arc::new(FakeGpu::default());
+        fake.states.lock().unwrap().extend([(1, ProcessState::Locked), (2, ProcessState::Checkpointed)]);
+        let gpu: Arc<dyn GpuCheckpointer> = fake.clone();
+        reattach(&gpu, &[1, 2, 3], &[]).unwrap();
+        assert_eq!(*fake.calls.lock().unwrap(), ["unlock 1", "restore 2", "unlock 2"]);
+        assert!(fake.states.lock().unwrap().values().all(|s| *s == ProcessState::Running));
     }
 
     #[test]

@@ -138,8 +138,16 @@ impl Engine {
         }
         info!(checkpoint = %held.id, ?pids, "giving back a tree a crash left held");
         let reuse_addr: HashSet<u64> = held.reuse_addr.iter().copied().collect();
+        // A crash inside the GPU phase leaves processes locked or checkpointed before the
+        // record names them: every process with CUDA loaded is asked for its state and put back.
+        let mut gpu_pids: Vec<i32> = held.gpu_pids.iter().copied().filter(|p| pids.contains(p)).collect();
+        for pid in self.host.cuda_candidates(&pids) {
+            if !gpu_pids.contains(&pid) {
+                gpu_pids.push(pid);
+            }
+        }
         let tree = HeldProcesses {
-            gpu_pids: held.gpu_pids.iter().copied().filter(|p| pids.contains(p)).collect(),
+            gpu_pids,
             pids,
             stopped_before: &held.stopped_before,
             reuse_addr: &reuse_addr,

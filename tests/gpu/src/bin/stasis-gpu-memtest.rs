@@ -5,8 +5,11 @@
 //! kernel and prints `verify ok gen=G checksum=<hex>` (or `verify FAILED at word W ...` and
 //! exits 2). Without `--hold` it then rewrites the memory as generation G+1 and prints
 //! `step G+1`, so memory changes over time; with `--hold` the memory and so the checksum stay
-//! constant, which is what a checkpoint/restore test compares. Any CUDA error: a message on
-//! stderr and exit status 1.
+//! constant, which is what a checkpoint/restore test compares. `--churn-gib G` adds a second
+//! buffer of G GiB (its own seed) that is rewritten with its next generation every period, held
+//! or not, and verified before each rewrite (`churn ok gen=G`): a job that changes a known part
+//! of its device memory between checkpoints. Any CUDA error: a message on stderr and exit
+//! status 1.
 
 #![forbid(unsafe_code)]
 
@@ -40,6 +43,9 @@ struct Args {
     /// Stop after this many verifications (0: run until killed).
     #[arg(long, default_value_t = 0)]
     iterations: u64,
+    /// GiB of a second buffer rewritten every period (0: none).
+    #[arg(long, default_value_t = 0.0)]
+    churn_gib: f64,
 }
 
 fn main() -> ExitCode {
@@ -88,9 +94,23 @@ fn run(args: &Args) -> Result<ExitCode, GpuError> {
         say(format_args!("verify FAILED at word {w} gen={generation} mismatches={}", first.mismatches));
         return Ok(ExitCode::from(2));
     }
+    let churn_seed = !args.seed;
+    let churn = match words_for(args.churn_gib) {
+        0 if args.churn_gib > 0.0 => {
+            eprintln!("stasis-gpu-memtest: --churn-gib must be at most 1024");
+            return Ok(ExitCode::from(1));
+        }
+        0 => None,
+        words => {
+            let churn = gpu.alloc_words(words)?;
+            gpu.fill(&churn, churn_seed, 0)?;
+            Some(churn)
+        }
+    };
     say(format_args!("{}", ready_line(args.gib, first.checksum)));
 
     let mut done = 0u64;
+    let mut churn_generation = 0u32;
     while args.iterations == 0 || done < args.iterations {
         std::thread::sleep(Duration::from_millis(args.period_ms));
         let v = gpu.verify(&buf, args.seed, generation)?;
@@ -100,6 +120,19 @@ fn run(args: &Args) -> Result<ExitCode, GpuError> {
             return Ok(ExitCode::from(2));
         }
         say(format_args!("verify ok gen={generation} checksum={:016x}", v.checksum));
+        if let Some(churn) = &churn {
+            let c = gpu.verify(churn, churn_seed, churn_generation)?;
+            if let Some(w) = c.first_bad {
+                say(format_args!(
+                    "churn FAILED at word {w} gen={churn_generation} mismatches={}",
+                    c.mismatches
+                ));
+                return Ok(ExitCode::from(2));
+            }
+            churn_generation = churn_generation.wrapping_add(1);
+            gpu.fill(churn, churn_seed, churn_generation)?;
+            say(format_args!("churn ok gen={churn_generation}"));
+        }
         if !args.hold {
             generation = generation.wrapping_add(1);
             gpu.fill(&buf, args.seed, generation)?;
