@@ -246,8 +246,12 @@ pub struct RunArgs {
     /// Run it with pids of stasisd's pid namespace instead of a namespace of its own (under
     /// a small init, stasis-init): its checkpoints then restore only where those pids are
     /// free, and never as a second copy (`stasis restore --as`).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "own_pids")]
     pub host_pids: bool,
+    /// Run it in a pid namespace of its own even on a node with an NVIDIA driver (where the
+    /// default is stasisd's pids: CUDA does not start in a pid namespace of its own).
+    #[arg(long)]
+    pub own_pids: bool,
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,

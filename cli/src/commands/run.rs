@@ -29,6 +29,7 @@ pub async fn run(client: &mut Client, args: RunArgs) -> anyhow::Result<()> {
         checkpoint_every_ms: args.checkpoint_every.map(|d| d.as_millis() as u64).unwrap_or_default(),
         spot: args.spot,
         host_pids: args.host_pids,
+        own_pids: args.own_pids,
     };
     let response = client.rpc.run(request).await.map_err(|s| client.error(s))?.into_inner();
     if args.json {

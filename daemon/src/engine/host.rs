@@ -31,6 +31,8 @@ pub trait Host: Send + Sync {
     fn resident_bytes(&self, pids: &[i32]) -> u64;
     /// Which of `pids` are stopped (job control) now.
     fn stopped(&self, pids: &[i32]) -> Vec<i32>;
+    /// Which of `pids` a process traces (a CRIU at work on them).
+    fn traced(&self, pids: &[i32]) -> Vec<i32>;
     /// Every process of the trees rooted at `roots`, roots first (children forked since a
     /// tree was inspected included).
     fn trees(&self, roots: &[i32]) -> Vec<i32>;
@@ -100,6 +102,10 @@ impl Host for LinuxHost {
 
     fn stopped(&self, pids: &[i32]) -> Vec<i32> {
         pids.iter().copied().filter(|p| ProcStat::read(*p).is_ok_and(|s| s.is_stopped())).collect()
+    }
+
+    fn traced(&self, pids: &[i32]) -> Vec<i32> {
+        pids.iter().copied().filter(|p| proc::tracer(*p).is_some()).collect()
     }
 
     fn trees(&self, roots: &[i32]) -> Vec<i32> {
@@ -230,6 +236,10 @@ pub(super) mod fake {
         fn stopped(&self, pids: &[i32]) -> Vec<i32> {
             let stopped = self.stopped.lock().unwrap();
             pids.iter().copied().filter(|p| stopped.contains(p)).collect()
+        }
+
+        fn traced(&self, _pids: &[i32]) -> Vec<i32> {
+            Vec::new()
         }
 
         fn trees(&self, roots: &[i32]) -> Vec<i32> {

@@ -46,7 +46,7 @@ pub use idle::{GpuActivity, IdleSettings, IdleState, Thresholds};
 pub use ids::{now_unix_ms, valid_checkpoint_id};
 pub use query::{CheckpointList, CheckpointSummary, StatusReport, WorkloadReport};
 pub use restore::{RestoreOutcome, RestoreParams, RestoreStats, RestoreTarget};
-pub use run::{RunOutcome, RunParams};
+pub use run::{Pids, RunOutcome, RunParams};
 use tokio_util::task::TaskTracker;
 pub use workloads::Workload;
 

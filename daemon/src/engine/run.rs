@@ -31,10 +31,24 @@ pub struct RunParams {
     pub checkpoint_every: Option<std::time::Duration>,
     /// Evict it on a preemption notice (see `engine/evacuate/`).
     pub spot: bool,
-    /// Run it in a pid namespace of its own, under `stasis-init`.
-    pub own_pids: bool,
+    /// Which pids it runs with.
+    pub pids: Pids,
     /// Whom it runs as: a caller other than root gets a workload running as itself.
     pub caller: Caller,
+}
+
+/// The pids a workload runs with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Pids {
+    /// A pid namespace of its own, except on a node where GPU checkpointing is available:
+    /// CUDA fails to initialise (`CUDA_ERROR_OPERATING_SYSTEM`) in a pid namespace whose
+    /// /proc is its parent's, as the driver looks itself up in /proc by its own pid.
+    #[default]
+    Default,
+    /// stasisd's pid namespace.
+    Host,
+    /// A pid namespace of its own (under `stasis-init`), whatever the node.
+    Own,
 }
 
 /// A started workload.
@@ -59,13 +73,21 @@ impl Engine {
             home.cgroup.as_ref().map(|c| c.open_procs()).transpose().map_err(setup_err("its cgroup"))?;
         let log = home.log.try_clone().map_err(setup_err("its log file"))?;
         let stdout = log.try_clone().map_err(setup_err("its log file"))?;
-        let init = params.own_pids.then(InitSetup::new).transpose().map_err(setup_err("its init"))?;
+        let own_pids = match params.pids {
+            Pids::Own => true,
+            Pids::Host => false,
+            Pids::Default => self.gpu.is_none(),
+        };
+        if params.pids == Pids::Default && !own_pids {
+            info!(workload = %name, "GPU node: the workload runs with stasisd's pids (CUDA needs them)");
+        }
+        let init = own_pids.then(InitSetup::new).transpose().map_err(setup_err("its init"))?;
         let mut cmd = command_for(&params, [stdout, log], init.as_ref()).map_err(setup_err("its init"))?;
         let setup = ChildSetup {
             new_session: true,
             cgroup_procs: procs.iter().map(|f| f.as_raw_fd()).collect(),
             keep_fds: init.iter().map(|i| i.write.as_raw_fd()).collect(),
-            new_pid_ns: params.own_pids,
+            new_pid_ns: own_pids,
         };
         let spawned = spawn(&mut cmd, setup);
         // The reaper collects its exit status; nothing here waits for it.

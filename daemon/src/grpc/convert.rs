@@ -10,8 +10,8 @@ use crate::cuda::{GpuUuid, parse_uuid};
 use crate::engine::pods::PodError;
 use crate::engine::{
     Caller, CheckpointError, CheckpointOutcome, CheckpointParams, CheckpointSummary, Evacuation, IdleState,
-    PolicyError, ProgressUpdate, QueryError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget,
-    RunError, RunOutcome, RunParams, StatusReport, Target, WorkloadReport,
+    Pids, PolicyError, ProgressUpdate, QueryError, RestoreError, RestoreOutcome, RestoreParams,
+    RestoreTarget, RunError, RunOutcome, RunParams, StatusReport, Target, WorkloadReport,
 };
 use crate::store::{CheckReport, GcReport, StoreError};
 
@@ -156,7 +156,14 @@ impl TryFrom<pb::RunRequest> for RunParams {
             checkpoint_every: (r.checkpoint_every_ms > 0)
                 .then(|| std::time::Duration::from_millis(r.checkpoint_every_ms)),
             spot: r.spot,
-            own_pids: !r.host_pids,
+            pids: match (r.host_pids, r.own_pids) {
+                (true, true) => {
+                    return Err(Status::invalid_argument("host_pids and own_pids exclude each other"));
+                }
+                (true, false) => Pids::Host,
+                (false, true) => Pids::Own,
+                (false, false) => Pids::Default,
+            },
             caller: Caller::Root,
         })
     }

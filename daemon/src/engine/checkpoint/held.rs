@@ -26,6 +26,9 @@ use crate::criu::NetworkLock;
 use crate::linux::proc::ProcStat;
 use crate::store::StoreError;
 
+/// How long the next start waits for a crashed stasisd's CRIU to let go of a tree.
+const CRIU_LETS_GO: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// What a checkpoint job holds of its tree.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub(super) struct HeldTree {
@@ -114,6 +117,18 @@ impl Engine {
     }
 
     async fn settle(&self, held: &HeldTree) {
+        // The CRIU of the crashed stasisd may still be at work on the tree: left alone, it
+        // gives the tree back itself once its connection is gone (or dumps it to the end).
+        // Settling the tree under it would fail (CUDA's restore of a traced process does),
+        // so wait for it to let go first.
+        let deadline = std::time::Instant::now() + CRIU_LETS_GO;
+        while !self.host.traced(&held.alive()).is_empty() {
+            if std::time::Instant::now() >= deadline {
+                warn!(checkpoint = %held.id, "the tree is still traced; settling it all the same");
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
         let pids = held.alive();
         if pids.is_empty() {
             return;
