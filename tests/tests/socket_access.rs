@@ -81,19 +81,27 @@ fn refused(out: &Output, what: &str) -> String {
     stderr
 }
 
-#[test]
-fn a_group_member_acts_only_on_its_own_and_others_cannot_connect() {
-    skip_unless_ready!();
-    let user = TestUser::create();
-    let (name, group) = (user.name.as_str(), user.group.as_str());
+/// A stasisd whose socket `user`'s group may use (with `env` in its environment), and a copy
+/// of the CLI the user can run.
+fn daemon_for(user: &TestUser, env: Vec<(String, String)>) -> (Daemon, PathBuf) {
     let d = Daemon::start_with(&DaemonOptions {
-        args: vec!["--socket-group".into(), group.into()],
+        args: vec!["--socket-group".into(), user.group.clone()],
+        env,
         ..Default::default()
     });
     std::fs::set_permissions(d.dir(), std::fs::Permissions::from_mode(0o711)).unwrap();
     let cli = d.dir().join("stasis-cli");
     std::fs::copy(bin("stasis"), &cli).unwrap();
     std::fs::set_permissions(&cli, std::fs::Permissions::from_mode(0o755)).unwrap();
+    (d, cli)
+}
+
+#[test]
+fn a_group_member_acts_only_on_its_own_and_others_cannot_connect() {
+    skip_unless_ready!();
+    let user = TestUser::create();
+    let (name, group) = (user.name.as_str(), user.group.as_str());
+    let (d, cli) = daemon_for(&user, Vec::new());
     let sleeper = [
         python(),
         "-c".into(),
@@ -169,4 +177,96 @@ fn has_cap_sys_resource() -> bool {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let eff = status.lines().find_map(|l| l.strip_prefix("CapEff:")).map(str::trim).unwrap_or("0");
     u64::from_str_radix(eff, 16).is_ok_and(|caps| caps & (1 << 24) != 0)
+}
+
+/// A shared library whose constructor appends `euid=N` of whatever process loads it to
+/// `marker`.
+fn preload_library(dir: &std::path::Path, marker: &std::path::Path) -> PathBuf {
+    let source = dir.join("mark.c");
+    let library = dir.join("mark.so");
+    std::fs::write(
+        &source,
+        format!(
+            "#include <stdio.h>\n#include <unistd.h>\n\
+             __attribute__((constructor)) static void mark(void) {{\n\
+             FILE *f = fopen(\"{}\", \"a\"); if (f) {{ fprintf(f, \"euid=%d\\n\", (int)geteuid()); fclose(f); }} }}\n",
+            marker.display()
+        ),
+    )
+    .unwrap();
+    run_ok(Command::new("cc").args(["-shared", "-fPIC", "-o"]).arg(&library).arg(&source));
+    library
+}
+
+#[test]
+fn nothing_a_group_member_chooses_runs_as_root() {
+    skip_unless_ready!();
+    let user = TestUser::create();
+    let (name, group) = (user.name.as_str(), user.group.as_str());
+    let secret = format!("s{:06x}", rand_tag());
+    let (d, cli) = daemon_for(&user, vec![("STASIS_TEST_SECRET".into(), secret.clone())]);
+    // A directory anyone may write the marker into and read the library from.
+    let shared = tempfile::Builder::new().prefix("stasis-preload").tempdir_in("/tmp").unwrap();
+    std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let marker = shared.path().join("loaded-by");
+    let library = preload_library(shared.path(), &marker);
+
+    for host_pids in [false, true] {
+        let _ = std::fs::remove_file(&marker);
+        let workload = format!("env{}", u8::from(host_pids));
+        let preload = format!("LD_PRELOAD={}", library.display());
+        let mut args = vec!["run", "--workload", &workload, "--env", &preload, "--json"];
+        args.push(if host_pids { "--host-pids" } else { "--own-pids" });
+        args.extend(["--", "/bin/sh", "-c", "env; echo done; sleep 60"]);
+        let started = json(&as_user(&d, &cli, name, group, &args));
+        let log = PathBuf::from(started["log"].as_str().expect("the workload's log"));
+        let text = expect_within(TIMEOUT, "the workload to print its environment", || {
+            std::fs::read_to_string(&log).ok().filter(|t| t.contains("done"))
+        });
+        let loaded = std::fs::read_to_string(&marker).unwrap_or_default();
+        let what = if host_pids { "with host pids" } else { "under stasis-init" };
+        assert!(
+            loaded.contains(&format!("euid={}", user.uid)),
+            "{what}: the workload loads it as itself: {loaded:?}"
+        );
+        assert!(!loaded.contains("euid=0"), "{what}: the caller's LD_PRELOAD ran as root: {loaded:?}");
+        assert!(!text.contains(&secret), "{what}: stasisd's environment reached the workload:\n{text}");
+        assert!(
+            text.contains(&format!("USER={name}")),
+            "{what}: the workload's environment names its user:\n{text}"
+        );
+    }
+
+    // A directory the caller may not enter is not entered for it by root.
+    let private = tempfile::Builder::new().prefix("stasis-private").tempdir_in("/tmp").unwrap();
+    std::fs::set_permissions(private.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let cwd = private.path().to_str().unwrap();
+    let out = as_user(
+        &d,
+        &cli,
+        name,
+        group,
+        &["run", "--workload", "cwd", "--host-pids", "--cwd", cwd, "--", "/bin/sleep", "60"],
+    );
+    assert!(!out.status.success(), "a run in {cwd} as the user should fail to start");
+    let out = as_user(
+        &d,
+        &cli,
+        name,
+        group,
+        &["run", "--workload", "cwd2", "--json", "--cwd", cwd, "--own-pids", "--", "/bin/sleep", "60"],
+    );
+    if out.status.success() {
+        let log = PathBuf::from(json(&out)["log"].as_str().expect("the workload's log").to_string());
+        expect_within(TIMEOUT, "stasis-init to say why the command did not start", || {
+            std::fs::read_to_string(&log).ok().filter(|t| t.contains("ermission denied"))
+        });
+    }
+    let inside: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| std::fs::read_link(e.path().join("cwd")).is_ok_and(|c| c == private.path()))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(inside.is_empty(), "processes run in the private directory: {inside:?}");
 }

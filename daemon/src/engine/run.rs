@@ -3,7 +3,7 @@
 //! cgroup (the last two: `home.rs`).
 
 use std::fs::File;
-use std::io::Read;
+use std::io::{Read, Seek, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
@@ -81,12 +81,14 @@ impl Engine {
         if params.pids == Pids::Default && !own_pids {
             info!(workload = %name, "GPU node: the workload runs with stasisd's pids (CUDA needs them)");
         }
-        let init = own_pids.then(InitSetup::new).transpose().map_err(setup_err("its init"))?;
-        let mut cmd = command_for(&params, [stdout, log], init.as_ref()).map_err(setup_err("its init"))?;
+        let env = workload_env(&params);
+        let init = own_pids.then(|| InitSetup::new(&env)).transpose().map_err(setup_err("its init"))?;
+        let mut cmd =
+            command_for(&params, &env, [stdout, log], init.as_ref()).map_err(setup_err("its init"))?;
         let setup = ChildSetup {
             new_session: true,
             cgroup_procs: procs.iter().map(|f| f.as_raw_fd()).collect(),
-            keep_fds: init.iter().map(|i| i.write.as_raw_fd()).collect(),
+            keep_fds: init.iter().flat_map(|i| [i.write.as_raw_fd(), i.env.as_raw_fd()]).collect(),
             new_pid_ns: own_pids,
         };
         let spawned = spawn(&mut cmd, setup);
@@ -141,23 +143,33 @@ impl Engine {
     }
 }
 
-/// What `stasis-init` is given: the pipe it reports the namespace init's pid on, and the
-/// init's own working directory.
+/// What `stasis-init` is given: the pipe it reports the namespace init's pid on, the
+/// command's environment (in a memory file, so that nothing of it is in the init's own
+/// environment or command line), and the init's own working directory.
 struct InitSetup {
     read: OwnedFd,
     write: OwnedFd,
+    env: File,
     dir: PathBuf,
 }
 
 impl InitSetup {
-    fn new() -> std::io::Result<Self> {
+    fn new(env: &[(String, String)]) -> std::io::Result<Self> {
         let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
-        Ok(Self { read, write, dir: new_init_dir()? })
+        let mut env_file = File::from(nix::sys::memfd::memfd_create(
+            c"stasis-init-env",
+            nix::sys::memfd::MFdFlags::MFD_CLOEXEC,
+        )?);
+        for (key, value) in env {
+            env_file.write_all(format!("{key}={value}\0").as_bytes())?;
+        }
+        env_file.rewind()?;
+        Ok(Self { read, write, env: env_file, dir: new_init_dir()? })
     }
 
     /// The pid `stasis-init` reports for the namespace's init (it writes it, then exits).
     fn reported_pid(self) -> std::io::Result<i32> {
-        let Self { read, write, dir } = self;
+        let Self { read, write, dir, .. } = self;
         drop(write);
         let mut text = String::new();
         let pid = File::from(read).read_to_string(&mut text).and_then(|_| {
@@ -178,10 +190,16 @@ impl InitSetup {
 }
 
 /// The command that starts the workload: as the caller, stdin from /dev/null, stdout and
-/// stderr to its log. With `init`, `stasis-init` starts it in a pid namespace of its own, and
-/// takes on the caller's ids only for the command (the namespace is made as root).
+/// stderr to its log, in `env` and nothing of stasisd's environment. With `init`,
+/// `stasis-init` starts it in a pid namespace of its own, and takes on the caller's ids only
+/// for the command (the namespace is made as root). Nothing the caller chooses reaches code
+/// that runs as root: stasis-init starts with an empty environment and in stasisd's working
+/// directory, and the command's environment and directory are applied only to the command,
+/// its directory after its ids are set (so a directory the caller may not enter fails the
+/// start instead of being entered by root).
 fn command_for(
     params: &RunParams,
+    env: &[(String, String)],
     [stdout, stderr]: [File; 2],
     init: Option<&InitSetup>,
 ) -> std::io::Result<Command> {
@@ -189,15 +207,26 @@ fn command_for(
         None => {
             let mut cmd = Command::new(&params.argv[0]);
             if let Caller::User { uid, gid } = params.caller {
-                // Its own uid and primary group; std drops root's supplementary groups with the uid.
+                // Its own uid and primary group; std drops root's supplementary groups with the
+                // uid, and changes directory after the ids.
                 cmd.uid(uid).gid(gid);
             }
-            cmd.args(&params.argv[1..]);
+            cmd.args(&params.argv[1..]).env_clear().envs(env.iter().map(|(k, v)| (k, v)));
+            if let Some(cwd) = &params.cwd {
+                cmd.current_dir(cwd);
+            }
             cmd
         }
         Some(init) => {
             let mut cmd = Command::new(crate::linux::init_program::install()?);
-            cmd.args(["--report-fd", &init.write.as_raw_fd().to_string()]).arg("--dir").arg(&init.dir);
+            cmd.env_clear()
+                .args(["--report-fd", &init.write.as_raw_fd().to_string()])
+                .args(["--env-fd", &init.env.as_raw_fd().to_string()])
+                .arg("--dir")
+                .arg(&init.dir);
+            if let Some(cwd) = &params.cwd {
+                cmd.arg("--cwd").arg(cwd);
+            }
             if let Caller::User { uid, gid } = params.caller {
                 cmd.args(["--uid", &uid.to_string(), "--gid", &gid.to_string()]);
             }
@@ -205,9 +234,27 @@ fn command_for(
             cmd
         }
     };
-    cmd.envs(params.env.iter().map(|(k, v)| (k, v))).stdin(Stdio::null()).stdout(stdout).stderr(stderr);
-    if let Some(cwd) = &params.cwd {
-        cmd.current_dir(cwd);
-    }
+    cmd.stdin(Stdio::null()).stdout(stdout).stderr(stderr);
     Ok(cmd)
+}
+
+/// Where a workload's programs are looked for when stasisd has no PATH of its own.
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// The environment a workload starts with. Never stasisd's own, which can hold the store's key
+/// and credentials: stasisd's PATH, the HOME, USER and LOGNAME of whom the workload runs as,
+/// then the variables the caller gave (which may replace those).
+fn workload_env(params: &RunParams) -> Vec<(String, String)> {
+    let path = std::env::var("PATH").unwrap_or_else(|_| DEFAULT_PATH.into());
+    let mut env = vec![("PATH".to_string(), path)];
+    if let Ok(Some(user)) = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(params.caller.uid())) {
+        env.push(("HOME".into(), user.dir.to_string_lossy().into_owned()));
+        env.push(("USER".into(), user.name.clone()));
+        env.push(("LOGNAME".into(), user.name));
+    }
+    for (key, value) in &params.env {
+        env.retain(|(k, _)| k != key);
+        env.push((key.clone(), value.clone()));
+    }
+    env
 }
