@@ -81,13 +81,13 @@ fn refused(out: &Output, what: &str) -> String {
     stderr
 }
 
-/// A stasisd whose socket `user`'s group may use (with `env` in its environment), and a copy
-/// of the CLI the user can run.
-fn daemon_for(user: &TestUser, env: Vec<(String, String)>) -> (Daemon, PathBuf) {
+/// A stasisd whose socket `user`'s group may use (with `env` in its environment, and `store`
+/// when given), and a copy of the CLI the user can run.
+fn daemon_for(user: &TestUser, env: Vec<(String, String)>, store: Option<String>) -> (Daemon, PathBuf) {
     let d = Daemon::start_with(&DaemonOptions {
         args: vec!["--socket-group".into(), user.group.clone()],
         env,
-        ..Default::default()
+        store,
     });
     std::fs::set_permissions(d.dir(), std::fs::Permissions::from_mode(0o711)).unwrap();
     let cli = d.dir().join("stasis-cli");
@@ -101,7 +101,7 @@ fn a_group_member_acts_only_on_its_own_and_others_cannot_connect() {
     skip_unless_ready!();
     let user = TestUser::create();
     let (name, group) = (user.name.as_str(), user.group.as_str());
-    let (d, cli) = daemon_for(&user, Vec::new());
+    let (d, cli) = daemon_for(&user, Vec::new(), None);
     let sleeper = [
         python(),
         "-c".into(),
@@ -204,7 +204,7 @@ fn nothing_a_group_member_chooses_runs_as_root() {
     let user = TestUser::create();
     let (name, group) = (user.name.as_str(), user.group.as_str());
     let secret = format!("s{:06x}", rand_tag());
-    let (d, cli) = daemon_for(&user, vec![("STASIS_TEST_SECRET".into(), secret.clone())]);
+    let (d, cli) = daemon_for(&user, vec![("STASIS_TEST_SECRET".into(), secret.clone())], None);
     // A directory anyone may write the marker into and read the library from.
     let shared = tempfile::Builder::new().prefix("stasis-preload").tempdir_in("/tmp").unwrap();
     std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
@@ -269,4 +269,40 @@ fn nothing_a_group_member_chooses_runs_as_root() {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
     assert!(inside.is_empty(), "processes run in the private directory: {inside:?}");
+}
+
+#[test]
+fn the_store_and_the_state_are_roots_alone() {
+    skip_unless_ready!();
+    let user = TestUser::create();
+    // A store directory made beforehand with the usual mode, in a directory anyone may enter.
+    let parent = tempfile::Builder::new().prefix("stasis-store").tempdir_in("/tmp").unwrap();
+    std::fs::set_permissions(parent.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let store = parent.path().join("store");
+    std::fs::create_dir(&store).unwrap();
+    std::fs::set_permissions(&store, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (d, _cli) = daemon_for(&user, Vec::new(), Some(format!("file://{}", store.display())));
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode(&store), 0o700, "the store's looser mode is tightened at start");
+    assert_eq!(mode(&d.dir().join("state")), 0o700, "the state directory");
+
+    // Root's checkpoint is in the store; the user can neither list nor read any of it.
+    let w = d
+        .run("secretw", &[python(), "-c".into(), "import time\nx = 'marker' * 1000\ntime.sleep(600)".into()]);
+    d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
+    for dir in [store.clone(), d.dir().join("state")] {
+        let out = Command::new("setpriv")
+            .args(["--reuid", &user.name, "--regid", &user.group, "--clear-groups", "--", "sh", "-c"])
+            .arg("ls \"$1\" && find \"$1\" -type f -exec cat {} +")
+            .arg("sh")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            !out.status.success() && out.stdout.is_empty(),
+            "{} is open to another user: {}",
+            dir.display(),
+            String::from_utf8_lossy(&out.stdout).chars().take(200).collect::<String>()
+        );
+    }
 }

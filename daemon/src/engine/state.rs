@@ -27,7 +27,8 @@ impl StateDir {
     /// Creates the layout under `root` (mode 0700: images hold process memory).
     pub fn open(root: &Path) -> io::Result<Self> {
         use std::os::unix::fs::DirBuilderExt;
-        for sub in ["", "logs", "work", "inflight", "netlocks", "held"] {
+        crate::linux::private_dir::ensure_private_dir(root)?;
+        for sub in ["logs", "work", "inflight", "netlocks", "held"] {
             fs::DirBuilder::new().recursive(true).mode(0o700).create(root.join(sub))?;
         }
         Ok(Self { root: root.to_path_buf() })

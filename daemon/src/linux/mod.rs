@@ -10,6 +10,7 @@ pub mod net;
 pub mod netlink;
 pub mod nft;
 pub mod port_watch;
+pub mod private_dir;
 pub mod proc;
 pub mod pty;
 pub mod reaper;

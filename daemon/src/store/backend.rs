@@ -1,5 +1,6 @@
 //! Choosing an `object_store` backend from a store URL.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use object_store::aws::AmazonS3Builder;
@@ -22,7 +23,7 @@ pub enum OpenStoreError {
     },
     #[error("store URL {0:?} has an unsupported scheme (use file://, s3://, gs://, az:// or memory://)")]
     UnsupportedScheme(String),
-    #[error("cannot create the local store directory {path}")]
+    #[error("the local store directory {path} cannot be made stasisd's alone")]
     LocalDir {
         path: String,
         #[source]
@@ -69,7 +70,7 @@ pub fn open(url: &str, retry: RetryConfig) -> Result<(Arc<dyn ObjectStore>, ObjP
     match parsed.scheme() {
         "file" => {
             let dir = parsed.path();
-            std::fs::create_dir_all(dir)
+            crate::linux::private_dir::ensure_private_dir(Path::new(dir))
                 .map_err(|source| OpenStoreError::LocalDir { path: dir.into(), source })?;
             let fs = LocalFileSystem::new_with_prefix(dir).map_err(backend_err)?;
             Ok((Arc::new(fs), ObjPath::default()))
