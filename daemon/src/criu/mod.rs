@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 
 pub use error::{CriuError, log_section};
 pub use log::tail_of as log_tail_of;
-pub use options::{DumpSpec, Enter, RestoreSpec, TreeOptions};
+pub use options::{DumpSpec, Enter, RestoreSpec, RunningCriu, TreeOptions};
 use stasis_proto::criu::{Request, RequestType};
 pub use support::NetworkLock;
 use swrk::Session;
@@ -152,7 +152,12 @@ impl CriuOps for Criu {
             ..Default::default()
         };
         let mut session = Session::start(&self.path, &keep, spec.enter.as_ref())?;
-        let resp = session.call_with_notify(&req, on_notify)?;
+        let running =
+            |pid| spec.running.iter().for_each(|r| r.store(pid, std::sync::atomic::Ordering::SeqCst));
+        running(session.pid());
+        let resp = session.call_with_notify(&req, on_notify);
+        running(0);
+        let resp = resp?;
         error::check_success(&resp, &spec.images_dir, "restore")?;
         resp.restore.and_then(|r| r.pid).ok_or(CriuError::Protocol("RESTORE answer without a pid"))
     }

@@ -128,7 +128,13 @@ pub struct RestoreSpec {
     /// Run CRIU inside the container the tree is restored into; the tree is then left to the
     /// container's init (CRIU's reaper there), in CRIU's cgroups.
     pub enter: Option<Enter>,
+    /// Holds the pid of the CRIU process (its launcher's, in a container) while it runs, 0
+    /// before and after: whoever must kill the tree while CRIU still holds it kills CRIU too.
+    pub running: Option<RunningCriu>,
 }
+
+/// The pid of a CRIU at work, 0 when none is (see [`RestoreSpec::running`]).
+pub type RunningCriu = std::sync::Arc<std::sync::atomic::AtomicI32>;
 
 impl RestoreSpec {
     pub(super) fn to_options(&self, dir_fd: RawFd) -> Options {

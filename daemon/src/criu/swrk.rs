@@ -78,6 +78,11 @@ impl Session {
     }
 
     /// Sends `req` and returns CRIU's final answer, answering notifications with success.
+    /// The `criu swrk` process (the launcher, in a container).
+    pub(super) fn pid(&self) -> i32 {
+        self.pid
+    }
+
     pub(super) fn call(&mut self, req: &Request) -> Result<Response, CriuError> {
         self.call_with_notify(req, &mut |_, _| Ok(()))
     }

@@ -33,6 +33,9 @@ pub trait Host: Send + Sync {
     fn stopped(&self, pids: &[i32]) -> Vec<i32>;
     /// Which of `pids` a process traces (a CRIU at work on them).
     fn traced(&self, pids: &[i32]) -> Vec<i32>;
+    /// The roots of the tree that CRIU (process `criu`, or its launcher) is restoring, as far
+    /// as they can be told before CRIU names them.
+    fn restoring_roots(&self, criu: i32) -> Vec<i32>;
     /// Every process of the trees rooted at `roots`, roots first (children forked since a
     /// tree was inspected included).
     fn trees(&self, roots: &[i32]) -> Vec<i32>;
@@ -106,6 +109,10 @@ impl Host for LinuxHost {
 
     fn traced(&self, pids: &[i32]) -> Vec<i32> {
         pids.iter().copied().filter(|p| proc::tracer(*p).is_some()).collect()
+    }
+
+    fn restoring_roots(&self, criu: i32) -> Vec<i32> {
+        proc::restoring_namespace_root(criu).into_iter().chain(proc::restored_root_under(criu)).collect()
     }
 
     fn trees(&self, roots: &[i32]) -> Vec<i32> {
@@ -239,6 +246,10 @@ pub(super) mod fake {
         }
 
         fn traced(&self, _pids: &[i32]) -> Vec<i32> {
+            Vec::new()
+        }
+
+        fn restoring_roots(&self, _criu: i32) -> Vec<i32> {
             Vec::new()
         }
 

@@ -204,7 +204,9 @@ impl Engine {
         };
         let (pid, session) =
             self.run_criu(&manifest, &placement, work.path(), params.tcp_close, session, &progress).await?;
-        let mut restored = Restored { kill: tree_killer(self.host.clone(), roots.clone()), armed: true };
+        // CRIU is done with the tree by now: no CRIU to kill with it.
+        let kill = tree_killer(self.host.clone(), roots.clone(), Default::default());
+        let mut restored = Restored { kill, armed: true };
         let pid = match &placement {
             // CRIU named the root as the container sees it.
             Placement::Container(c) => {
@@ -402,6 +404,7 @@ impl Engine {
             tcp_close,
             cgroup,
             enter,
+            running: session.as_ref().map(LazySession::running_criu),
         };
         session.iter().for_each(LazySession::arm);
         let faults = session.as_ref().map(LazySession::fault_guard);

@@ -67,9 +67,34 @@ fn age(at: std::time::SystemTime) -> Duration {
 }
 
 impl Store {
+    /// The store lease (other nodes) and then the local lock (this node's commits and
+    /// restores), in the order `begin_commit` takes them too. Neither is waited for while the
+    /// other is held: a collection queued for the local lock would hold up every commit that
+    /// comes after it (the lock serves waiters in order) for as long as a restore under way
+    /// holds it, and its store lease would hold up this node's commits meanwhile. So both are
+    /// given up, and tried again, until `wait` has passed.
+    async fn gc_exclusive(
+        &self,
+        wait: Duration,
+    ) -> Result<(super::lease::Lease, tokio::sync::OwnedRwLockWriteGuard<()>), StoreError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let lease = self.gc_lease(left).await?;
+            if let Ok(exclusive) = self.gc_lock.clone().try_write_owned() {
+                return Ok((lease, exclusive));
+            }
+            drop(lease);
+            if tokio::time::Instant::now() >= deadline {
+                return Err(StoreError::Busy("checkpoints or restores are under way on this node".into()));
+            }
+            tokio::time::sleep(super::lease::RETRY_EVERY).await;
+        }
+    }
+
     /// Applies `retention` (if any), then reclaims unreferenced packs older than `grace` (or,
     /// with `own_too`, any of this node's), and repacks mostly-dead packs. Other nodes' commits
-    /// and restores under way are waited for up to `wait` (see `lease.rs`).
+    /// and restores under way, and this node's, are waited for up to `wait` (see `lease.rs`).
     pub async fn gc(
         &self,
         retention: Option<Retention>,
@@ -77,10 +102,7 @@ impl Store {
         own_too: bool,
         wait: Duration,
     ) -> Result<GcReport, StoreError> {
-        // The store lease first (other nodes), the local lock second (this node's commits);
-        // the order `begin_commit` takes them in too.
-        let lease = self.gc_lease(wait).await?;
-        let _exclusive = self.gc_lock.write().await;
+        let (lease, _exclusive) = self.gc_exclusive(wait).await?;
         let mut report = GcReport::default();
         let Listing { mut manifests, unreadable } = self.listing().await?;
         // Chunks only an unreadable manifest references would look unreferenced: a manifest

@@ -35,7 +35,7 @@ pub const TTL: Duration = Duration::from_secs(120);
 /// How often a held lease is renewed.
 const RENEW_EVERY: Duration = Duration::from_secs(30);
 /// How often a waiting node looks again.
-const RETRY_EVERY: Duration = Duration::from_millis(500);
+pub(super) const RETRY_EVERY: Duration = Duration::from_millis(500);
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct LeaseBody {
@@ -275,6 +275,29 @@ mod tests {
         let _own = b.begin_commit().await.unwrap();
         drop(_own);
         b.gc(None, Duration::ZERO, false, Duration::ZERO).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_long_restore_never_holds_up_this_nodes_commits_through_a_waiting_collection() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, _) = nodes(dir.path());
+        // A restore under way (minutes, for a lazy one) holds a commit guard.
+        let restoring = a.begin_commit().await.unwrap();
+        let collector = a.clone();
+        let collection =
+            tokio::spawn(
+                async move { collector.gc(None, Duration::ZERO, false, Duration::from_secs(3)).await },
+            );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // An eviction's commit meanwhile goes ahead at once.
+        let commit = tokio::time::timeout(Duration::from_secs(2), a.begin_commit()).await;
+        assert!(commit.is_ok(), "a commit waited behind a collection that waits for a restore");
+        drop(commit);
+        let busy = collection.await.unwrap().unwrap_err();
+        assert!(busy.to_string().contains("under way on this node"), "{busy}");
+        // Once the restore is done, a collection runs.
+        drop(restoring);
+        a.gc(None, Duration::ZERO, false, Duration::from_secs(3)).await.unwrap();
     }
 
     #[tokio::test]

@@ -43,6 +43,7 @@ use server::{FaultServer, ServeStats};
 
 use super::host::Host;
 use super::{Engine, ProgressFn, ProgressUpdate, lock};
+use crate::criu::RunningCriu;
 use crate::criu::images::read_pstree;
 use crate::criu::lazy_socket::LazyListener;
 use crate::store::{FetchSettings, LazyFetch, LazyMemory, Manifest};
@@ -80,6 +81,8 @@ pub(super) struct LazySession {
     hold: bool,
     /// Kills the restored tree (and whatever it started since).
     kill: KillTree,
+    /// The CRIU restoring the tree, while it does.
+    criu: RunningCriu,
 }
 
 /// Kills a restored tree: the processes of the checkpoint and whatever each started since.
@@ -89,11 +92,24 @@ pub(super) type KillTree = Arc<dyn Fn() + Send + Sync>;
 /// own pid namespace the root CRIU created (known from the pre-resume notification on).
 pub(super) type Roots = Arc<std::sync::Mutex<Vec<i32>>>;
 
-/// Kills the trees of `roots`, with whatever they forked meanwhile.
-pub(super) fn tree_killer(host: Arc<dyn Host>, roots: Roots) -> KillTree {
+/// Kills the trees of `roots`, with whatever they forked meanwhile; while a CRIU is at work on
+/// them (`criu` holds its pid), CRIU too, and the tree it is restoring though its roots are not
+/// known yet. A CRIU left alive would deadlock with the tree: it traces the tree until it
+/// resumes it, so each killed process waits for CRIU to reap it, the namespace's init waits
+/// for them all, and CRIU waits for the init.
+pub(super) fn tree_killer(host: Arc<dyn Host>, roots: Roots, criu: RunningCriu) -> KillTree {
     Arc::new(move || {
-        let roots = lock(&roots).clone();
-        host.signal(&host.trees(&roots), Signal::SIGKILL)
+        let mut roots = lock(&roots).clone();
+        let mut doomed = Vec::new();
+        match criu.load(Ordering::SeqCst) {
+            0 => {}
+            criu => {
+                roots.extend(host.restoring_roots(criu));
+                doomed.extend(host.trees(&[criu]));
+            }
+        }
+        doomed.extend(host.trees(&roots));
+        host.signal(&doomed, Signal::SIGKILL)
     })
 }
 
@@ -109,7 +125,8 @@ impl Engine {
         roots: Roots,
         hold: bool,
     ) -> Result<LazySession, LazyError> {
-        let kill = tree_killer(self.host.clone(), roots.clone());
+        let criu = RunningCriu::default();
+        let kill = tree_killer(self.host.clone(), roots.clone(), criu.clone());
         let pstree = std::fs::read(dir.join("pstree.img")).and_then(|data| read_pstree(&data));
         let processes = pstree.map_err(LazyError::Start)?.len();
         let listener = LazyListener::bind(dir).map_err(LazyError::Start)?;
@@ -148,7 +165,7 @@ impl Engine {
             }
         };
         let guard = FaultGuard::new(control.clone(), tree);
-        Ok(LazySession { fetch, server, control, armed, total, guard, hold, kill })
+        Ok(LazySession { fetch, server, control, armed, total, guard, hold, kill, criu })
     }
 }
 
@@ -156,6 +173,11 @@ impl LazySession {
     /// CRIU is about to create the tree: failures from now on kill it.
     pub(super) fn arm(&self) {
         self.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// Where CRIU's restore records its pid while it runs (see [`tree_killer`]).
+    pub(super) fn running_criu(&self) -> RunningCriu {
+        self.criu.clone()
     }
 
     /// The guard to start at CRIU's "pre-resume" notification.
@@ -277,5 +299,26 @@ impl LazySession {
                 Ok((fetch.bytes_fetched(), resident_at))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::host::fake::FakeHost;
+
+    #[test]
+    fn a_tree_killed_while_criu_holds_it_takes_criu_with_it() {
+        const ROOT: i32 = 4_194_401;
+        const CRIU: i32 = 4_194_410;
+        let host = Arc::new(FakeHost::default());
+        let criu = RunningCriu::default();
+        let kill = tree_killer(host.clone(), Arc::new(std::sync::Mutex::new(vec![ROOT])), criu.clone());
+        kill();
+        assert_eq!(host.signals_of(Signal::SIGKILL), [ROOT], "no CRIU runs: the tree alone");
+        criu.store(CRIU, Ordering::SeqCst);
+        kill();
+        let killed = host.signals_of(Signal::SIGKILL);
+        assert!(killed[1..].contains(&CRIU) && killed[1..].contains(&ROOT), "{killed:?}");
     }
 }
