@@ -131,7 +131,7 @@ fn a_podman_archive_is_imported_given_back_and_restored_through_podman() {
     let imported = d.json(&["import", &written.display().to_string(), "--json"]);
     assert_eq!(
         (imported["engine"].as_str(), imported["workload"].as_str()),
-        (Some("podman"), Some(name.as_str()))
+        (Some("podman"), Some(format!("imported.{name}").as_str()))
     );
     let kept: Vec<&str> = imported["kept"].as_array().unwrap().iter().filter_map(|k| k.as_str()).collect();
     for file in ["config.dump", "spec.dump", "rootfs-diff.tar", "checkpoint/pstree.img"] {
@@ -188,4 +188,48 @@ fn archives_that_are_not_checkpoints_or_reach_outside_are_refused() {
     }
     let listed = d.json(&["list", "--json"]);
     assert_eq!(listed["checkpoints"].as_array().map(Vec::len), Some(0), "nothing half-imported: {listed}");
+}
+
+/// The stasis manifest inside an uncompressed archive, unpacked into `dir`.
+fn archived_manifest(archive: &Path, dir: &Path) -> stasis_proto::stasis::v1::Manifest {
+    use stasis_proto::prost::Message as _;
+    std::fs::create_dir_all(dir).unwrap();
+    let status = Command::new("tar").arg("-C").arg(dir).arg("-xf").arg(archive).status();
+    assert!(status.is_ok_and(|s| s.success()), "unpacking {}", archive.display());
+    let bytes = std::fs::read(dir.join("stasis-manifest.pb")).expect("the archive's stasis manifest");
+    stasis_proto::stasis::v1::Manifest::decode(bytes.as_slice()).expect("a manifest")
+}
+
+#[test]
+fn an_import_is_roots_and_has_a_name_of_its_own_whatever_the_archive_says() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let (w, id) = evicted_counter(&d);
+    let archive = d.dir().join("counter.tar");
+    d.json(&["export", &id, "-o", &archive.display().to_string(), "--compress", "none", "--json"]);
+    // The archive, edited to say that uid 1001 owns it.
+    let edit = d.dir().join("edit");
+    let mut manifest = archived_manifest(&archive, &edit);
+    manifest.owner_uid = 1001;
+    std::fs::write(edit.join("stasis-manifest.pb"), stasis_proto::prost::Message::encode_to_vec(&manifest))
+        .unwrap();
+    let entries: Vec<String> = std::fs::read_dir(&edit)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    let edited = d.dir().join("edited.tar");
+    let status = Command::new("tar").arg("-C").arg(&edit).arg("-cf").arg(&edited).args(&entries).status();
+    assert!(status.is_ok_and(|s| s.success()), "packing the edited archive");
+
+    let imported = d.json(&["import", &edited.display().to_string(), "--json"]);
+    assert_eq!(
+        imported["workload"].as_str(),
+        Some(format!("imported.{}", w.name).as_str()),
+        "not the live workload's own name: {imported}"
+    );
+    let again = d.dir().join("again.tar");
+    let imported_id = imported["id"].as_str().unwrap();
+    d.json(&["export", imported_id, "-o", &again.display().to_string(), "--compress", "none", "--json"]);
+    assert_eq!(archived_manifest(&again, &d.dir().join("again")).owner_uid, 0, "the import is root's");
 }

@@ -35,6 +35,9 @@ struct Unpacked {
     stasis: Option<Manifest>,
 }
 
+/// What the workload name of an import starts with when it is not given.
+const IMPORTED: &str = "imported.";
+
 impl Engine {
     /// Takes in the archive at `path` as a checkpoint of workload `workload` (or the one the
     /// archive names).
@@ -89,11 +92,18 @@ impl Engine {
             std::fs::read(images.join("pstree.img")).map_err(ArchiveError::local("checkpoint/pstree.img"))?;
         let pids = read_pstree(&pstree).map_err(|e| ArchiveError::Malformed(e.to_string()))?;
         let engine = engine_of(&unpacked.spec, unpacked.stasis.is_some());
-        let name = workload
-            .or(unpacked.stasis.as_ref().map(|m| m.workload.as_str()))
-            .or(Some(unpacked.config.name.as_str()).filter(|n| !n.is_empty()))
-            .map(str::to_owned)
-            .unwrap_or_else(|| format!("imported-{}", &id[id.len() - 6..]));
+        // A name of its own unless told otherwise: under the archive's name, an import would
+        // become the newest checkpoint of a workload of that name (a running one, say), and
+        // that workload's retention would then delete its real checkpoints in its favour.
+        let name = match workload {
+            Some(name) => name.to_owned(),
+            None => unpacked
+                .stasis
+                .as_ref()
+                .map(|m| m.workload.as_str())
+                .or(Some(unpacked.config.name.as_str()).filter(|n| !n.is_empty()))
+                .map_or_else(|| format!("imported-{}", &id[id.len() - 6..]), |n| format!("{IMPORTED}{n}")),
+        };
         if !valid_name(&name) {
             return Err(ArchiveError::BadWorkload(name));
         }
@@ -120,6 +130,8 @@ impl Engine {
         };
         manifest.id = id.into();
         manifest.workload = name.clone();
+        // Whatever the archive claims, an import is its importer's: imports are root's alone.
+        manifest.owner_uid = Caller::Root.uid();
         manifest.created_unix_ms = now_unix_ms();
         manifest.parent_id.clear();
         manifest.files = stored.files;
