@@ -306,3 +306,22 @@ fn the_store_and_the_state_are_roots_alone() {
         );
     }
 }
+
+#[test]
+fn a_group_member_cannot_take_a_containers_name() {
+    skip_unless_ready!();
+    let user = TestUser::create();
+    let (d, cli) = daemon_for(&user, Vec::new(), None);
+    let out = as_user(
+        &d,
+        &cli,
+        &user.name,
+        &user.group,
+        &["run", "--workload", "k8s.ns.statefulset.db.0.main", "--", "/bin/sleep", "60"],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a member took a container's name");
+    assert!(stderr.contains("Kubernetes container's"), "{stderr}");
+    // Root may (the node agent registers containers as root).
+    d.json(&["run", "--workload", "k8s.ns.statefulset.db.0.main", "--json", "--", "/bin/sleep", "60"]);
+}

@@ -61,6 +61,8 @@ pub enum RunError {
     Reclaimed(String),
     #[error("the workload name {0} is another user's")]
     NameTaken(String),
+    #[error("the workload name {0} is a Kubernetes container's: names beginning with k8s. are root's")]
+    ContainerName(String),
     #[error("cannot prepare {what} for workload {workload}")]
     Setup {
         workload: String,

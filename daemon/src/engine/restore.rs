@@ -25,7 +25,7 @@ use super::hot_restore::{FaultGuard, KillTree, LazyError, LazySession, Roots, tr
 use super::ids::{ms, valid_checkpoint_id};
 use super::pods::{self, ContainerRef};
 use super::sockets::{self, needs_network_support};
-use super::workloads::{Workload, valid_name};
+use super::workloads::{Workload, is_container_name, valid_name};
 use super::{Caller, Engine, ProgressFn, ProgressUpdate, RestoreError, lock};
 use crate::criu::RestoreSpec;
 use crate::cuda::GpuUuid;
@@ -168,8 +168,14 @@ impl Engine {
             return Err(RestoreError::NotYours(manifest.id));
         }
         let name = params.as_workload.clone().unwrap_or_else(|| manifest.workload.clone());
-        if manifest.archive.is_some() {
-            return self.restore_container(&manifest, &name).await;
+        if let Some(archive) = &manifest.archive {
+            // The container comes back under its own name (an import's workload name is
+            // `imported.NAME`), unless --as names another.
+            let container = match (&params.as_workload, archive.container.is_empty()) {
+                (None, false) => archive.container.clone(),
+                _ => name,
+            };
+            return self.restore_container(&manifest, &container).await;
         }
         let _guard = self.lock_workload(&name).await;
         let placement = match params.into.clone() {
@@ -271,6 +277,8 @@ impl Engine {
         }
         let why = if !valid_name(name) {
             "it is not a valid workload name"
+        } else if caller != Caller::Root && is_container_name(name) {
+            "names beginning with k8s. are Kubernetes containers', and root's"
         } else if !manifest.own_pid_namespace {
             "it keeps its pids (a process checkpointed by pid, or run with --host-pids), so only one copy can run"
         } else if runs || existing.is_some_and(|w| !caller.owns(w.owner_uid)) {

@@ -13,7 +13,7 @@ use nix::fcntl::OFlag;
 use tracing::info;
 
 use super::home::new_init_dir;
-use super::workloads::{Workload, derived_name, valid_name};
+use super::workloads::{Workload, derived_name, is_container_name, valid_name};
 use super::{Caller, Engine, RunError};
 use crate::linux::sys::{ChildSetup, spawn};
 
@@ -128,6 +128,9 @@ impl Engine {
             Some(name) => return Err(RunError::BadName(name.clone())),
             None => derived_name(program, &format!("{:06x}", rand::random::<u32>() & 0xff_ffff)),
         };
+        if params.caller != Caller::Root && is_container_name(&name) {
+            return Err(RunError::ContainerName(name));
+        }
         if let Some(existing) = self.registry.get(&name) {
             if !params.caller.owns(existing.owner_uid) {
                 return Err(RunError::NameTaken(name));

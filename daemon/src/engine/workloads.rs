@@ -116,6 +116,15 @@ pub fn valid_name(name: &str) -> bool {
         && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
+/// What the names of Kubernetes containers' workloads start with (`pods::Identity`).
+pub const CONTAINER_PREFIX: &str = "k8s.";
+
+/// Whether `name` is one a container's workload takes: only root (the node agent's
+/// registration) may give such a name, so that no user holds it when the container comes.
+pub fn is_container_name(name: &str) -> bool {
+    name.starts_with(CONTAINER_PREFIX)
+}
+
 /// A workload name derived from a command: its program's base name plus `suffix`.
 pub fn derived_name(program: &str, suffix: &str) -> String {
     let base: String = Path::new(program)

@@ -38,7 +38,7 @@ impl From<RunError> for Status {
         let code = match &e {
             RunError::NoCommand | RunError::BadName(_) => Code::InvalidArgument,
             RunError::AlreadyRunning { .. } | RunError::Reclaimed(_) => Code::AlreadyExists,
-            RunError::NameTaken(_) => Code::PermissionDenied,
+            RunError::NameTaken(_) | RunError::ContainerName(_) => Code::PermissionDenied,
             RunError::Spawn { source, .. } if source.kind() == std::io::ErrorKind::NotFound => Code::NotFound,
             RunError::Spawn { .. } | RunError::Setup { .. } => Code::Internal,
         };

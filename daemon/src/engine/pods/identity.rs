@@ -1,7 +1,7 @@
 //! A container's stable identity: what stays the same when its pod is recreated, possibly on
 //! another node (the pod's UID does not). Its checkpoints are its workload's, named by it.
 
-use super::super::workloads::valid_name;
+use super::super::workloads::{CONTAINER_PREFIX, valid_name};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Identity {
@@ -48,7 +48,8 @@ impl Identity {
                 return Err(format!("the {what} {part:?} is not a Kubernetes name"));
             }
         }
-        let name = std::iter::once("k8s").chain(parts.iter().map(|(_, p)| *p)).collect::<Vec<_>>().join(".");
+        let parts: Vec<&str> = parts.iter().map(|(_, p)| *p).collect();
+        let name = format!("{CONTAINER_PREFIX}{}", parts.join("."));
         match valid_name(&name) {
             true => Ok(name),
             false => Err(format!("the identity {self} makes too long a name ({} characters)", name.len())),

@@ -108,12 +108,15 @@ impl Engine {
         let id = r.container.id.clone();
         let every_ms = r.checkpoint_every.map(|d| d.as_millis() as u64);
         let registered = match self.registry.get(&name) {
-            Some(_) => self.registry.update(&name, |w| {
+            // A record root made for this container before (it restarted): it goes on.
+            Some(w) if w.owner_uid == 0 => self.registry.update(&name, |w| {
                 w.container = Some(r.container.clone());
                 w.pid = 0;
                 w.checkpoint_every_ms = every_ms;
             }),
-            None => self.registry.put(Workload {
+            // A record of anyone else under this name inherits nothing: neither its owner nor
+            // the policies that owner set.
+            _ => self.registry.put(Workload {
                 name: name.clone(),
                 command: vec![format!("container {}", r.identity)],
                 container: Some(r.container),
