@@ -102,9 +102,8 @@ impl Registry {
     }
 
     fn save(&self, entries: &BTreeMap<String, Workload>) -> io::Result<()> {
-        let tmp = self.file.with_extension("json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(entries).map_err(io::Error::other)?)?;
-        std::fs::rename(&tmp, &self.file)
+        let data = serde_json::to_vec_pretty(entries).map_err(io::Error::other)?;
+        crate::linux::durable_file::replace(&self.file, &data)
     }
 }
 
@@ -141,6 +140,26 @@ pub fn derived_name(program: &str, suffix: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_save_cut_short_at_any_byte_leaves_the_previous_registry() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("workloads.json");
+        let reg = Registry::load(&file).unwrap();
+        reg.put(Workload { name: "old".into(), pid: 7, ..Default::default() }).unwrap();
+        let mut next = BTreeMap::new();
+        next.insert("new".to_string(), Workload { name: "new".into(), pid: 8, ..Default::default() });
+        let data = serde_json::to_vec_pretty(&next).unwrap();
+        for cut in 0..=data.len() {
+            std::fs::write(crate::linux::durable_file::staging_name(&file), &data[..cut]).unwrap();
+            let loaded = Registry::load(&file).unwrap();
+            assert_eq!(
+                loaded.all().iter().map(|w| w.name.as_str()).collect::<Vec<_>>(),
+                ["old"],
+                "cut at {cut}"
+            );
+        }
+    }
 
     #[test]
     fn persists_across_loads() {

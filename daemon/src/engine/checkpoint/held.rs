@@ -65,7 +65,7 @@ impl HeldTree {
     /// Writes the record into `dir` (the state directory's `held/`).
     pub fn save(&self, dir: &Path) -> std::io::Result<()> {
         let json = serde_json::to_vec(self).map_err(std::io::Error::other)?;
-        std::fs::write(Self::path(dir, &self.id), json)
+        crate::linux::durable_file::replace(&Self::path(dir, &self.id), &json)
     }
 
     pub fn clear(dir: &Path, id: &str) {
@@ -77,6 +77,8 @@ impl HeldTree {
         let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
         entries
             .flatten()
+            // Staging files of a replace a crash cut short: the records are whole.
+            .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
             .map(|e| {
                 let text = std::fs::read(e.path()).map_err(|err| format!("{}: {err}", e.path().display()))?;
                 serde_json::from_slice(&text).map_err(|err| format!("{}: {err}", e.path().display()))
@@ -173,5 +175,40 @@ impl Engine {
         for problem in problems {
             warn!(checkpoint = %held.id, problem = %problem, "giving back a held tree was incomplete");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: &str) -> HeldTree {
+        HeldTree {
+            id: id.into(),
+            processes: vec![(4_194_401, 1)],
+            stopped_before: Vec::new(),
+            gpu_pids: vec![4_194_401],
+            images: "/nonexistent/images".into(),
+            network_lock: None,
+            reuse_addr: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_save_cut_short_at_any_byte_leaves_the_previous_record_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = record("20261126-000000-aaaaaa");
+        old.save(dir.path()).unwrap();
+        let new = HeldTree { stopped_before: vec![4_194_402], ..old.clone() };
+        let data = serde_json::to_vec(&new).unwrap();
+        let staging = crate::linux::durable_file::staging_name(&HeldTree::path(dir.path(), &new.id));
+        for cut in 0..=data.len() {
+            std::fs::write(&staging, &data[..cut]).unwrap();
+            let all = HeldTree::all(dir.path());
+            assert_eq!(all.len(), 1, "cut at {cut}: {all:?}");
+            assert_eq!(all[0].as_ref().ok(), Some(&old), "cut at {cut}");
+        }
+        new.save(dir.path()).unwrap();
+        assert_eq!(HeldTree::all(dir.path()).into_iter().map(Result::unwrap).collect::<Vec<_>>(), [new]);
     }
 }
