@@ -10,6 +10,7 @@
 //!   reaping (with `cuda`'s FFI, the only `unsafe` code);
 //! - [`config`] and [`server`]: the daemon's settings and lifecycle.
 
+pub mod admission;
 pub mod config;
 pub mod criu;
 pub mod cuda;

@@ -149,15 +149,31 @@ impl Metrics {
     }
 }
 
+/// Connections the metrics server serves at once.
+const MAX_CONNECTIONS: usize = 32;
+
 /// Serves `GET /metrics` on `addr` for as long as the daemon runs.
 pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<()> {
     let listener = TcpListener::bind(addr).await?;
     info!(address = %listener.local_addr()?, "serving metrics on /metrics");
+    // A scraper's connections at once are few; more wait in the listen queue.
+    let admission = crate::admission::Admission::new(MAX_CONNECTIONS, MAX_CONNECTIONS);
     tokio::spawn(async move {
+        let mut failures = 0;
         loop {
-            let Ok((mut conn, _)) = listener.accept().await else { continue };
+            let slot = admission.slot().await;
+            let mut conn = match listener.accept().await {
+                Ok((conn, _)) => conn,
+                Err(e) => {
+                    crate::admission::accept_failed("metrics", &e, &mut failures).await;
+                    continue;
+                }
+            };
+            failures = 0;
+            let admitted = admission.admit(slot, None);
             let metrics = metrics.clone();
             tokio::spawn(async move {
+                let _admitted = admitted;
                 let Some(head) = read_head(&mut conn).await else { return };
                 let (status, body) = match head.split_whitespace().take(2).collect::<Vec<_>>()[..] {
                     ["GET", "/metrics"] => ("200 OK", metrics.render()),

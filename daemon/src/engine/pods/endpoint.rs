@@ -24,10 +24,11 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::super::{Engine, ProgressFn};
 use super::restore::PodStart;
+use crate::admission::Admission;
 use crate::error_chain;
 
 /// How long a starting container's init waits for the NRI plugin to register its container.
@@ -35,6 +36,14 @@ const REGISTRATION_WAIT: Duration = Duration::from_secs(20);
 
 /// The longest request line accepted.
 const MAX_REQUEST: u64 = 4096;
+
+/// Connections served at once, and from one uid: any local user may connect, and must not
+/// take every place (a container's own calls come from its uids).
+const MAX_CONNECTIONS: usize = 256;
+const MAX_PER_UID: usize = 16;
+
+/// How long a connection has to send its request.
+const REQUEST_WAIT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Deserialize)]
 struct Request {
@@ -45,6 +54,18 @@ struct Request {
 
 /// Serves the pod endpoint at `path` until the task is dropped.
 pub async fn serve(engine: Arc<Engine>, path: &Path) -> std::io::Result<()> {
+    serve_with(engine, path, Admission::new(MAX_CONNECTIONS, MAX_PER_UID), REQUEST_WAIT).await
+}
+
+/// [`serve`] with its limits given. It never stops serving once listening: a failed accept
+/// is waited out, a connection beyond its uid's share is closed at once, and one that sends
+/// no request within `request_wait` is dropped.
+async fn serve_with(
+    engine: Arc<Engine>,
+    path: &Path,
+    admission: Admission,
+    request_wait: Duration,
+) -> std::io::Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
@@ -53,22 +74,40 @@ pub async fn serve(engine: Arc<Engine>, path: &Path) -> std::io::Result<()> {
     // Any uid may connect: what a caller may do is decided by which container it is in.
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
     info!(socket = %path.display(), "pod endpoint listening");
+    let mut failures = 0;
     loop {
-        let (stream, _) = listener.accept().await?;
+        let slot = admission.slot().await;
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                crate::admission::accept_failed("pod endpoint", &e, &mut failures).await;
+                continue;
+            }
+        };
+        failures = 0;
+        let uid = stream.peer_cred().ok().map(|c| c.uid());
+        let Some(admitted) = admission.admit(slot, uid) else {
+            debug!(uid, "pod endpoint: that uid has its share of connections; closing one more");
+            continue;
+        };
         let engine = engine.clone();
         tokio::spawn(async move {
-            if let Err(e) = handle(engine, stream).await {
+            let _admitted = admitted;
+            if let Err(e) = handle(engine, stream, request_wait).await {
                 warn!(error = %e, "pod endpoint connection failed");
             }
         });
     }
 }
 
-async fn handle(engine: Arc<Engine>, stream: UnixStream) -> std::io::Result<()> {
+async fn handle(engine: Arc<Engine>, stream: UnixStream, request_wait: Duration) -> std::io::Result<()> {
     let caller = stream.peer_cred()?.pid();
     let (read, mut write) = stream.into_split();
     let mut line = String::new();
-    BufReader::new(read.take(MAX_REQUEST)).read_line(&mut line).await?;
+    let mut reader = BufReader::new(read.take(MAX_REQUEST));
+    tokio::time::timeout(request_wait, reader.read_line(&mut line))
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no request in time"))??;
     let answer = match (serde_json::from_str::<Request>(&line), caller) {
         (Err(e), _) => json!({ "error": format!("malformed request: {e}") }),
         (Ok(_), None) => json!({ "error": "the caller's process is not visible to stasisd" }),
@@ -129,5 +168,55 @@ async fn evicted(engine: &Engine, name: &str) -> bool {
             Some(c) => return c.evicted,
             None => return false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::AsyncReadExt;
+
+    use super::*;
+    use crate::criu::fake::FakeCriu;
+    use crate::cuda::fake::FakeGpu;
+    use crate::engine::rollback_tests::rig;
+
+    /// What the endpoint answers on a fresh connection to `path` that sends `request`.
+    async fn ask(path: &Path, request: &str) -> String {
+        let mut conn = UnixStream::connect(path).await.unwrap();
+        // A connection closed at once may refuse the write; the answer says what happened.
+        let _ = conn.write_all(request.as_bytes()).await;
+        let mut answer = String::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_string(&mut answer)).await;
+        answer
+    }
+
+    #[tokio::test]
+    async fn idle_connections_take_their_share_only_and_not_for_long() {
+        let r = rig(FakeCriu::default(), FakeGpu::default());
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pod.sock");
+        let (engine, at) = (r.engine.clone(), path.clone());
+        let server = tokio::spawn(async move {
+            serve_with(engine, &at, Admission::new(64, 2), Duration::from_millis(500)).await
+        });
+        for _ in 0..50 {
+            if path.exists() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let answered = ask(&path, "{\"op\":\"ready\"}\n").await;
+        assert!(answered.contains("error"), "a request is answered: {answered:?}");
+        // Two connections that send nothing hold this uid's share: a third is closed unanswered.
+        let idle = [UnixStream::connect(&path).await.unwrap(), UnixStream::connect(&path).await.unwrap()];
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(ask(&path, "{\"op\":\"ready\"}\n").await, "", "a third connection of the uid");
+        // They are dropped once their time to send a request is over; then it is served again.
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let answered = ask(&path, "{\"op\":\"ready\"}\n").await;
+        assert!(answered.contains("error"), "served again: {answered:?}");
+        drop(idle);
+        assert!(!server.is_finished(), "the endpoint serves on");
+        server.abort();
     }
 }
