@@ -99,9 +99,26 @@ pub fn read_pagemap(data: &[u8], dst_id: u64) -> io::Result<(u32, Vec<PageRun>)>
         let e = PagemapEntry::decode(body).map_err(|e| invalid(e.to_string()))?;
         let flags = e.flags.unwrap_or(if e.in_parent == Some(true) { PE_PARENT } else { PE_PRESENT });
         let nr_pages = e.nr_pages.unwrap_or(u64::from(e.compat_nr_pages));
+        if !run_fits(e.vaddr, nr_pages) {
+            return Err(invalid(format!(
+                "a run of {nr_pages} pages at {:#x} is outside any address space",
+                e.vaddr
+            )));
+        }
         runs.push(PageRun { dst_id, vaddr: e.vaddr, nr_pages, flags });
     }
     Ok((head.pages_id, runs))
+}
+
+/// The end of the largest user address space (5-level paging: 128 PiB).
+const ADDRESS_SPACE_END: u64 = 1 << 57;
+
+/// Whether a run of `nr_pages` pages at `vaddr` is one a process can have: page-aligned, not
+/// empty, and inside an address space (its byte length cannot wrap).
+fn run_fits(vaddr: u64, nr_pages: u64) -> bool {
+    use crate::criu::pageserver::PAGE_SIZE;
+    let end = nr_pages.checked_mul(PAGE_SIZE).and_then(|len| vaddr.checked_add(len));
+    vaddr % PAGE_SIZE == 0 && nr_pages > 0 && end.is_some_and(|end| end <= ADDRESS_SPACE_END)
 }
 
 /// The processes of a dumped tree (`pstree.img`): each one's pid and its parent's, in
@@ -177,6 +194,27 @@ pub(crate) mod tests {
         assert_eq!(read_pagemap(&data, dst_id).unwrap(), (7, runs.to_vec()));
         assert!(read_pagemap(&data[..data.len() - 3], dst_id).is_err());
         assert!(read_pagemap(b"not an image", dst_id).is_err());
+    }
+
+    #[test]
+    fn a_run_no_address_space_holds_is_refused() {
+        let dst_id = 42 << 8 | TYPE_TASK;
+        // 2^52 pages: 2^64 bytes, a length that wraps to 0.
+        for (vaddr, nr_pages) in [(0x1000, 1 << 52), (0x1001, 1), (0x1000, 0), (u64::MAX - 0xfff, 2)] {
+            let mut data = IMG_COMMON_MAGIC.to_ne_bytes().to_vec();
+            data.extend_from_slice(&PAGEMAP_MAGIC.to_ne_bytes());
+            push(&mut data, &PagemapHead { pages_id: 7 });
+            let entry = PagemapEntry {
+                vaddr,
+                compat_nr_pages: nr_pages as u32,
+                in_parent: None,
+                flags: Some(PE_PRESENT),
+                nr_pages: Some(nr_pages),
+            };
+            push(&mut data, &entry);
+            let err = read_pagemap(&data, dst_id).unwrap_err();
+            assert!(err.to_string().contains("outside any address space"), "{vaddr:#x} {nr_pages}: {err}");
+        }
     }
 
     #[test]
