@@ -118,7 +118,7 @@ const ADDRESS_SPACE_END: u64 = 1 << 57;
 fn run_fits(vaddr: u64, nr_pages: u64) -> bool {
     use crate::criu::pageserver::PAGE_SIZE;
     let end = nr_pages.checked_mul(PAGE_SIZE).and_then(|len| vaddr.checked_add(len));
-    vaddr % PAGE_SIZE == 0 && nr_pages > 0 && end.is_some_and(|end| end <= ADDRESS_SPACE_END)
+    vaddr.is_multiple_of(PAGE_SIZE) && nr_pages > 0 && end.is_some_and(|end| end <= ADDRESS_SPACE_END)
 }
 
 /// The processes of a dumped tree (`pstree.img`): each one's pid and its parent's, in
