@@ -134,24 +134,37 @@ pub fn new_ranges(after: &[(u64, u64)], before: &[(u64, u64)]) -> Vec<(u64, u64)
 /// Puts device memory back and unlocks each process (after a dump that lets the tree run on,
 /// or a failed one). Returns the time it took.
 pub fn resume(gpu: &Arc<dyn GpuCheckpointer>, pids: &[i32]) -> Result<u64, GpuError> {
-    reattach(gpu, pids, &[])
+    put_back(gpu, pids, &[], false)
 }
 
-/// Restores device memory (on the GPUs named by `pairs`, or the original ones) and unlocks.
-/// Each process is taken from the state the driver reports, so a process a crash or a failure
-/// left half way (locked but never checkpointed, or restored but still locked) is finished too,
-/// and one that runs already, or has no CUDA, is left alone. Returns the time it took.
+/// Restores the device memory of restored processes (on the GPUs named by `pairs`, or the
+/// original ones) and unlocks them; a process the checkpoint recorded as a CUDA one that has
+/// no CUDA state now is a failure.
 pub fn reattach(
     gpu: &Arc<dyn GpuCheckpointer>,
     pids: &[i32],
     pairs: &[(crate::cuda::GpuUuid, crate::cuda::GpuUuid)],
+) -> Result<u64, GpuError> {
+    put_back(gpu, pids, pairs, true)
+}
+
+/// Puts each process of `pids` back to running on its GPUs, taken from the state the driver
+/// reports: a process a crash or a failure left half way (locked but never checkpointed, or
+/// restored but still locked) is finished too, and one that runs already is left alone, as is
+/// one without CUDA state unless `no_cuda_fails`. Returns the time it took.
+fn put_back(
+    gpu: &Arc<dyn GpuCheckpointer>,
+    pids: &[i32],
+    pairs: &[(crate::cuda::GpuUuid, crate::cuda::GpuUuid)],
+    no_cuda_fails: bool,
 ) -> Result<u64, GpuError> {
     let started = Instant::now();
     // Every process is tried, also after one fails: a process not tried would stay locked.
     let mut first_failure = None;
     for &pid in pids {
         let result = match gpu.state(pid) {
-            Ok(None | Some(ProcessState::Running)) => Ok(()),
+            Ok(None) if !no_cuda_fails => Ok(()),
+            Ok(Some(ProcessState::Running)) => Ok(()),
             Ok(Some(ProcessState::Locked)) => gpu.unlock(pid),
             _ => gpu.restore(pid, pairs).and_then(|()| gpu.unlock(pid)),
         };
@@ -170,7 +183,7 @@ pub fn reattach(
 
 /// Undoes a GPU phase that failed part way: every process of `locked` is put back as it was.
 fn rollback(gpu: &Arc<dyn GpuCheckpointer>, locked: &[i32]) {
-    if let Err(e) = reattach(gpu, locked, &[]) {
+    if let Err(e) = resume(gpu, locked) {
         warn!(error = %e, "GPU rollback incomplete");
     }
 }

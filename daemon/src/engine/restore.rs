@@ -265,6 +265,10 @@ impl Engine {
             return Err(RestoreError::Reclaimed(name.to_owned()));
         }
         let runs = existing.as_ref().is_some_and(|w| self.host.is_running(w.pid));
+        if caller != Caller::Root && is_container_name(name) {
+            let why = "names beginning with k8s. are Kubernetes containers', and root's";
+            return Err(RestoreError::BadName { name: name.to_owned(), why });
+        }
         if name == manifest.workload {
             return match runs && manifest.own_pid_namespace {
                 // Its pids would not stop it, but the workload's record would lose the one running.
@@ -277,8 +281,6 @@ impl Engine {
         }
         let why = if !valid_name(name) {
             "it is not a valid workload name"
-        } else if caller != Caller::Root && is_container_name(name) {
-            "names beginning with k8s. are Kubernetes containers', and root's"
         } else if !manifest.own_pid_namespace {
             "it keeps its pids (a process checkpointed by pid, or run with --host-pids), so only one copy can run"
         } else if runs || existing.is_some_and(|w| !caller.owns(w.owner_uid)) {

@@ -142,9 +142,15 @@ impl TryFrom<pb::RunRequest> for RunParams {
             .env
             .iter()
             .map(|kv| {
-                kv.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).ok_or_else(|| {
-                    Status::invalid_argument(format!("environment entry {kv:?} is not KEY=VALUE"))
-                })
+                kv.split_once('=')
+                    .filter(|(k, _)| !k.is_empty() && !kv.contains('\0'))
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .ok_or_else(|| {
+                        let shown: String = kv.chars().take(60).collect();
+                        Status::invalid_argument(format!(
+                            "environment entry {shown:?} is not KEY=VALUE (a non-empty key, no NUL)"
+                        ))
+                    })
             })
             .collect::<Result<_, _>>()?;
         Ok(Self {

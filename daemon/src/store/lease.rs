@@ -106,7 +106,10 @@ impl Store {
         loop {
             let key = self.key(&format!("locks/use-{}-{:08x}", self.node_tag, rand::random::<u32>()));
             let lease = self.write_lease(key, PutMode::Overwrite).await?.expect("overwrite always writes");
-            match self.live_leases("gc-").await?.into_iter().next() {
+            // This node's own collection is ordered by the store's local lock, which a commit
+            // takes next: only other nodes' collections are waited for here.
+            let others = self.live_leases("gc-").await?.into_iter().find(|(_, b)| b.node != *self.node_tag);
+            match others {
                 None => return Ok(lease),
                 Some((_, holder)) => {
                     drop(lease);

@@ -54,6 +54,12 @@ impl Engine {
             }
             Err(e) => return Err(e),
         };
+        // Only a container's own checkpoint goes into a container: not one a user made of a
+        // tree of their own under a container's name (before such names were root's).
+        if manifest.pod.is_none() {
+            let why = format!("checkpoint {} was not made of a container", manifest.id);
+            return Ok(PodStart::Fresh { why });
+        }
         let image = manifest.pod.as_ref().map(|p| p.image.as_str()).unwrap_or_default();
         if image != c.image && !c.any_image {
             let why = format!(
