@@ -251,10 +251,19 @@ fn expired(manifests: &[Manifest], retention: Retention) -> Vec<String> {
     let mut out = Vec::new();
     for mut list in by_workload.into_values() {
         list.sort_by(|a, b| (b.created_unix_ms, &b.id).cmp(&(a.created_unix_ms, &a.id)));
-        out.extend(list.iter().skip(retention.keep_last).map(|m| m.id.clone()));
+        // Whatever else the workload has, its newest checkpoint stasis can restore stays.
+        let newest_restorable = list.iter().find(|m| restorable(m)).map(|m| m.id.as_str());
+        let old = list.iter().skip(retention.keep_last).filter(|m| Some(m.id.as_str()) != newest_restorable);
+        out.extend(old.map(|m| m.id.clone()));
     }
     out.sort();
     out
+}
+
+/// Whether stasis can restore `m`: its own checkpoints and Podman's archives can be; another
+/// runtime's imported archive (CRI-O's, containerd's) only goes back to that runtime.
+fn restorable(m: &Manifest) -> bool {
+    m.archive.as_ref().is_none_or(|a| matches!(a.engine.as_str(), "stasis" | "podman"))
 }
 
 fn live_chunks(manifests: &[Manifest]) -> HashSet<ChunkHash> {
@@ -274,6 +283,20 @@ mod tests {
 
     fn m(id: &str, workload: &str, at: u64) -> Manifest {
         Manifest { id: id.into(), workload: workload.into(), created_unix_ms: at, ..Default::default() }
+    }
+
+    #[test]
+    fn retention_never_drops_the_newest_restorable_checkpoint_for_unrestorable_ones() {
+        let import = |id: &str, at: u64| Manifest {
+            archive: Some(stasis_proto::stasis::v1::ArchiveInfo {
+                engine: "cri-o".into(),
+                ..Default::default()
+            }),
+            ..m(id, "w", at)
+        };
+        let all = [m("real1", "w", 1), m("real2", "w", 2), import("x3", 3), import("x4", 4), import("x5", 5)];
+        assert_eq!(expired(&all, Retention { keep_last: 3 }), vec!["real1"]);
+        assert_eq!(expired(&all, Retention { keep_last: 1 }), vec!["real1", "x3", "x4"]);
     }
 
     #[test]
