@@ -12,7 +12,7 @@ use std::process::Command;
 
 use stasis_tests::podman::Podman;
 use stasis_tests::{
-    Daemon, DaemonOptions, TIMEOUT, Workload, criu_path, expect_within, procfs, python_workload,
+    Daemon, DaemonOptions, TIMEOUT, Workload, criu_path, expect_within, procfs, python, python_workload,
     skip_unless_ready,
 };
 
@@ -178,10 +178,17 @@ fn archives_that_are_not_checkpoints_or_reach_outside_are_refused() {
         tar("outside.tar", &["-P", "-C", dir.join("content").to_str().unwrap(), "../content/config.dump"]);
     let not_tar = dir.join("not.tar");
     std::fs::write(&not_tar, vec![7u8; 4096]).unwrap();
+    // An entry that says it is 64 TiB: refused from its header, before anything is written.
+    let huge = dir.join("huge.tar");
+    let header = "import sys, tarfile\nti = tarfile.TarInfo('checkpoint/pages-1.img')\nti.size = 1 << 46\n\
+                  open(sys.argv[1], 'wb').write(ti.tobuf(format=tarfile.GNU_FORMAT) + bytes(4096))";
+    let status = Command::new(python()).args(["-c", header]).arg(&huge).status();
+    assert!(status.is_ok_and(|s| s.success()), "making huge.tar");
     for (archive, says) in [
         (&no_images, "no checkpoint/ directory"),
         (&outside, "an unsafe path"),
         (&not_tar, "not one stasis can take in"),
+        (&huge, "unpacks to more than"),
     ] {
         let err = d.cli_err(&["import", &archive.display().to_string()]);
         assert!(err.contains(says), "{}: {err}", archive.display());
@@ -213,13 +220,9 @@ fn an_import_is_roots_and_has_a_name_of_its_own_whatever_the_archive_says() {
     manifest.owner_uid = 1001;
     std::fs::write(edit.join("stasis-manifest.pb"), stasis_proto::prost::Message::encode_to_vec(&manifest))
         .unwrap();
-    let entries: Vec<String> = std::fs::read_dir(&edit)
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
+    // Packed as people pack a directory, with its `./` entry.
     let edited = d.dir().join("edited.tar");
-    let status = Command::new("tar").arg("-C").arg(&edit).arg("-cf").arg(&edited).args(&entries).status();
+    let status = Command::new("tar").arg("-C").arg(&edit).arg("-cf").arg(&edited).arg(".").status();
     assert!(status.is_ok_and(|s| s.success()), "packing the edited archive");
 
     let imported = d.json(&["import", &edited.display().to_string(), "--json"]);

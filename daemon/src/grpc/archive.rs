@@ -14,6 +14,7 @@ impl From<ArchiveError> for Status {
                 Code::InvalidArgument
             }
             ArchiveError::Malformed(_) => Code::InvalidArgument,
+            ArchiveError::TooBig { .. } => Code::ResourceExhausted,
             ArchiveError::Store(s) => store_code(s),
             ArchiveError::Local { .. } => Code::Internal,
         };

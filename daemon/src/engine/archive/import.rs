@@ -171,16 +171,37 @@ pub(super) fn restorable(engine: &str) -> String {
     }
 }
 
+/// The bytes that may still be written to the file system of `dir` (less what it keeps for root).
+fn free_bytes(dir: &Path) -> Option<u64> {
+    let stat = nix::sys::statvfs::statvfs(dir).ok()?;
+    Some(stat.blocks_available().saturating_mul(stat.fragment_size()))
+}
+
 /// Unpacks the archive at `archive` into `dir`: only regular files and directories at safe
 /// relative paths, CRIU's images flat in `checkpoint/`.
 fn unpack(archive: &Path, dir: &Path) -> Result<Unpacked, ArchiveError> {
     let malformed = |why: String| ArchiveError::Malformed(why);
     let mut tar = open_archive(archive).map_err(|e| malformed(format!("cannot read it: {e}")))?;
     let (mut paths, mut dirs, mut has_images) = (Vec::new(), Vec::new(), false);
+    // A small compressed archive can unpack to any size: what it may take is what the file
+    // system of the work directory has free, counted from the entries' sizes as they come.
+    let room_in = dir.parent().unwrap_or(dir);
+    let room = free_bytes(room_in).unwrap_or(u64::MAX);
+    let mut unpacked_bytes = 0u64;
     let entries = tar.entries().map_err(|e| malformed(format!("cannot read it: {e}")))?;
     for entry in entries {
         let mut entry = entry.map_err(|e| malformed(format!("a damaged entry: {e}")))?;
         let raw = entry.path().map_err(|e| malformed(format!("an unreadable path: {e}")))?.into_owned();
+        // The archive's own top directory (`tar -C dir -cf x.tar .` writes `./`).
+        if raw.components().all(|c| c == std::path::Component::CurDir) {
+            continue;
+        }
+        if entry.header().entry_type() == tar::EntryType::Regular {
+            unpacked_bytes = unpacked_bytes.saturating_add(entry.header().size().unwrap_or(u64::MAX));
+            if unpacked_bytes > room {
+                return Err(ArchiveError::TooBig { dir: room_in.to_path_buf(), free: room });
+            }
+        }
         let path =
             safe_entry_path(&raw).ok_or_else(|| malformed(format!("an unsafe path {:?}", raw.display())))?;
         let kind = entry.header().entry_type();

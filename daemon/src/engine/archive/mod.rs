@@ -50,6 +50,10 @@ pub enum ArchiveError {
     BadWorkload(String),
     #[error("the archive is not one stasis can take in: {0}")]
     Malformed(String),
+    #[error(
+        "the archive unpacks to more than the {free} bytes free in {dir} (its entries say so before any is written out)"
+    )]
+    TooBig { dir: PathBuf, free: u64 },
     #[error("the store failed")]
     Store(#[source] Box<StoreError>),
     #[error("cannot use {what} on this node")]
