@@ -77,12 +77,12 @@ impl Session {
         Ok(Self { sock: ours, log_dir: None, pid, peer_inode })
     }
 
-    /// Sends `req` and returns CRIU's final answer, answering notifications with success.
     /// The `criu swrk` process (the launcher, in a container).
     pub(super) fn pid(&self) -> i32 {
         self.pid
     }
 
+    /// Sends `req` and returns CRIU's final answer, answering notifications with success.
     pub(super) fn call(&mut self, req: &Request) -> Result<Response, CriuError> {
         self.call_with_notify(req, &mut |_, _| Ok(()))
     }

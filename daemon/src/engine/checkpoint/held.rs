@@ -2,9 +2,11 @@
 //!
 //! From before the GPU phase until the job has settled the tree (resumed it, or killed it
 //! after an eviction committed), `<state>/held/<id>.json` says which processes it holds (by
-//! pid and start time, so a reused pid is never touched), which were stopped before, which
-//! had their CUDA state moved, and where CRIU's images (naming its network lock) are. The next
-//! start of stasisd settles every tree a record names:
+//! pid and start time, so a reused pid is never touched), which were stopped before, and where
+//! CRIU's images (naming its network lock) are. Which of them use CUDA is not recorded: a
+//! crash inside the GPU phase would come before the record could say, so the next start asks
+//! the driver about every process with CUDA loaded. The next start of stasisd settles every
+//! tree a record names:
 //!
 //! - the checkpoint committed (its manifest exists): the eviction is completed, the tree killed;
 //! - otherwise the tree is given back: connections out of repair mode and unlocked, stopped
@@ -36,8 +38,6 @@ pub(super) struct HeldTree {
     /// (pid, start time) of every process of the tree.
     pub processes: Vec<(i32, u64)>,
     pub stopped_before: Vec<i32>,
-    /// Processes whose CUDA state is in host memory.
-    pub gpu_pids: Vec<i32>,
     /// CRIU's images directory of the job.
     pub images: PathBuf,
     pub network_lock: Option<String>,
@@ -51,7 +51,6 @@ impl HeldTree {
             id: id.into(),
             processes,
             stopped_before: stopped_before.to_vec(),
-            gpu_pids: Vec::new(),
             images: images.to_path_buf(),
             network_lock: tree.options.network_lock.map(|l| l.name().into()),
             reuse_addr: tree.sockets.reuse_addr.iter().copied().collect(),
@@ -155,16 +154,9 @@ impl Engine {
         }
         info!(checkpoint = %held.id, ?pids, "giving back a tree a crash left held");
         let reuse_addr: HashSet<u64> = held.reuse_addr.iter().copied().collect();
-        // A crash inside the GPU phase leaves processes locked or checkpointed before the
-        // record names them: every process with CUDA loaded is asked for its state and put back.
-        let mut gpu_pids: Vec<i32> = held.gpu_pids.iter().copied().filter(|p| pids.contains(p)).collect();
-        for pid in self.host.cuda_candidates(&pids) {
-            if !gpu_pids.contains(&pid) {
-                gpu_pids.push(pid);
-            }
-        }
+        // Every process with CUDA loaded is asked for its state and put back from it.
         let tree = HeldProcesses {
-            gpu_pids,
+            gpu_pids: self.host.cuda_candidates(&pids),
             pids,
             stopped_before: &held.stopped_before,
             reuse_addr: &reuse_addr,
@@ -187,7 +179,6 @@ mod tests {
             id: id.into(),
             processes: vec![(4_194_401, 1)],
             stopped_before: Vec::new(),
-            gpu_pids: vec![4_194_401],
             images: "/nonexistent/images".into(),
             network_lock: None,
             reuse_addr: Vec::new(),

@@ -61,12 +61,10 @@ impl<'a> Hold<'a> {
         }
     }
 
-    /// Records the CUDA state the GPU phase moved into host memory.
+    /// Takes on the CUDA state the GPU phase moved into host memory.
     pub fn suspended_gpu(&mut self, gpu: Option<Suspended>) {
         self.gpu_suspended = gpu.is_some();
-        self.record.gpu_pids = gpu.as_ref().map(|g| g.pids.clone()).unwrap_or_default();
         self.gpu = gpu;
-        self.save_record();
     }
 
     /// What the GPU phase did (for the manifest).
