@@ -132,3 +132,37 @@ fn a_workload_reclaimed_before_stasisd_restarts_is_woken_after() {
     let answer = http_get(port).expect("a request after the restart");
     assert!(answer.starts_with("hits 2 sum "), "{answer}");
 }
+
+#[test]
+fn every_connection_that_arrives_during_a_wake_is_answered() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let name = d.workload_name("busy-wake");
+    // 128 MiB to restore: the wake takes long enough for the later clients to arrive during it.
+    let (port, pid) = http_server(&d, &name, "128", "1s");
+    wait_reclaimed(&d, &name, pid);
+
+    // Ten plain clients, 20 ms apart, the first of which wakes the server; then, once it
+    // runs, a burst of 25 at once (more than its listen backlog of 5).
+    let clients = |count: usize, apart: Duration| -> Vec<std::thread::JoinHandle<Result<String, String>>> {
+        (0..count)
+            .map(|_| {
+                let client = std::thread::spawn(move || http_get(port));
+                std::thread::sleep(apart);
+                client
+            })
+            .collect()
+    };
+    let mut answers: Vec<Result<String, String>> =
+        clients(10, Duration::from_millis(20)).into_iter().map(|c| c.join().unwrap()).collect();
+    answers.extend(clients(25, Duration::ZERO).into_iter().map(|c| c.join().unwrap()));
+    let failed: Vec<_> =
+        answers.iter().filter(|a| !a.as_ref().is_ok_and(|a| a.starts_with("hits "))).collect();
+    assert!(failed.is_empty(), "{} of {} connections not answered: {failed:?}", failed.len(), answers.len());
+    let mut hits: Vec<u64> = answers
+        .iter()
+        .map(|a| a.as_ref().unwrap().split_whitespace().nth(1).unwrap().parse().unwrap())
+        .collect();
+    hits.sort_unstable();
+    assert_eq!(hits, (2..37).collect::<Vec<u64>>(), "each connection served once, the counter going on");
+}

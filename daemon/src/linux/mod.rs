@@ -16,6 +16,7 @@ pub mod proc;
 pub mod pty;
 pub mod reaper;
 pub mod sock_diag;
+pub mod syn_hold;
 pub mod sys;
 pub mod uffd;
 

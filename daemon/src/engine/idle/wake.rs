@@ -6,9 +6,13 @@
 //! first segment with data on a locked connection, or `stasis wake`, starts a lazy restore.
 //! Connections the waker accepted are relayed to the restored listeners; the locked
 //! connections resume as they were, their peers' retransmissions answered by the restored
-//! sockets. A failed wake leaves the workload reclaimed, and the waker listening again.
+//! sockets. New connections that arrive while nothing listens (between the waker closing its
+//! listeners and the restored ones being there) are held back, not refused: their peers send
+//! them again until the restored tree answers. A failed wake leaves the workload reclaimed,
+//! and the waker listening again.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -22,6 +26,7 @@ use crate::engine::lock;
 use crate::engine::{
     Caller, Engine, PolicyError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget,
 };
+use crate::linux::syn_hold::SynHold;
 
 /// Why a wake failed, for every caller that waited for it.
 type WakeFailure = Arc<RestoreError>;
@@ -34,6 +39,10 @@ const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// How long a relayed connection waits for the restored listener.
 const LISTENER_WAIT: Duration = Duration::from_secs(10);
+
+/// How long handshakes under way when new connections are held back get to finish before the
+/// waker's listeners close (one that finished after would be reset).
+const HANDSHAKES_SETTLE: Duration = Duration::from_millis(20);
 
 /// The waker of one reclaimed workload.
 pub(super) struct Waker {
@@ -134,8 +143,11 @@ async fn wait_and_wake(
     reclaimed: Reclaimed,
     mut asked: mpsc::UnboundedReceiver<WakeReply>,
 ) {
+    let mut held = None;
     loop {
-        let Some(Wanted { accepted, mut replies }) = wait_for_use(&name, &reclaimed, &mut asked).await else {
+        let Some(Wanted { accepted, mut replies, hold }) =
+            wait_for_use(&name, &reclaimed, &mut asked, held.take()).await
+        else {
             return;
         };
         let started = Instant::now();
@@ -149,6 +161,8 @@ async fn wait_and_wake(
         }
         match woken {
             Ok(outcome) => {
+                // The restored tree's listeners take new connections from here.
+                drop(hold);
                 info!(workload = %name, pid = outcome.pid, wake_ms = started.elapsed().as_millis() as u64, relayed = accepted.len(), "reclaimed workload runs again");
                 lock(&engine.idle.wakers).remove(&name);
                 engine.idle.restart_clock(&name);
@@ -162,6 +176,8 @@ async fn wait_and_wake(
                 warn!(workload = %name, error = %crate::error_chain(e.as_ref()), "waking failed; the workload stays reclaimed");
                 replies.into_iter().for_each(|r| drop(r.send(Err(e.clone()))));
                 drop(accepted);
+                // Held until the waker listens again.
+                held = hold;
                 tokio::time::sleep(RETRY_AFTER).await;
             }
         }
@@ -173,17 +189,22 @@ async fn wait_and_wake(
 struct Wanted {
     accepted: Vec<(TcpStream, SocketAddr)>,
     replies: Vec<WakeReply>,
+    /// New connections held back while nothing listens.
+    hold: Option<SynHold>,
 }
 
 /// Listens on the workload's addresses and watches its ports until the first use: a
-/// connection, a segment on a held connection, or a request. `None` once nobody can ask any
-/// more (the engine is gone).
+/// connection, a segment on a held connection, or a request; `previous` (a failed wake's
+/// hold) ends once the waker listens. `None` once nobody can ask any more (the engine is
+/// gone).
 async fn wait_for_use(
     name: &str,
     reclaimed: &Reclaimed,
     asked: &mut mpsc::UnboundedReceiver<WakeReply>,
+    previous: Option<SynHold>,
 ) -> Option<Wanted> {
     let listeners = listen_on(name, &reclaimed.listeners);
+    drop(previous);
     let mut uses = UseWatch::open(name, &reclaimed.ports, &reclaimed.connections, "while it is reclaimed");
     let trigger = tokio::select! {
         // A connection first: a segment seen may be its SYN.
@@ -192,7 +213,8 @@ async fn wait_for_use(
         port = uses.next() => Trigger::Segment(port),
         reply = asked.recv() => Trigger::Asked(reply?),
     };
-    let mut wanted = Wanted { accepted: Vec::new(), replies: Vec::new() };
+    let hold = hold_new_connections(name, &listeners);
+    let mut wanted = Wanted { accepted: Vec::new(), replies: Vec::new(), hold };
     match trigger {
         Trigger::Connection(stream, addr) => {
             info!(workload = %name, listener = %addr, "connection to a reclaimed workload; waking it");
@@ -205,10 +227,27 @@ async fn wait_for_use(
         }
     }
     // Connections already waiting would be reset once the listeners close.
+    if wanted.hold.is_some() {
+        tokio::time::sleep(HANDSHAKES_SETTLE).await;
+    }
     for (listener, addr) in listeners {
         wanted.accepted.extend(waiting(listener).into_iter().map(|stream| (stream, addr)));
     }
     Some(wanted)
+}
+
+/// Holds back new connections to the ports of `listeners` (logged when it cannot: they are
+/// then refused while nothing listens).
+fn hold_new_connections(name: &str, listeners: &[(TcpListener, SocketAddr)]) -> Option<SynHold> {
+    static HOLDS: AtomicU64 = AtomicU64::new(0);
+    if listeners.is_empty() {
+        return None;
+    }
+    let ports: Vec<u16> = listeners.iter().map(|(_, addr)| addr.port()).collect();
+    let table = format!("stasis-wake-{}-{}", std::process::id(), HOLDS.fetch_add(1, Ordering::Relaxed));
+    SynHold::hold(&table, &ports)
+        .inspect_err(|e| warn!(workload = name, error = %e, "cannot hold back new connections during the wake; some may be refused"))
+        .ok()
 }
 
 /// A listener on each of `addrs` (an address another process took meanwhile is skipped,
