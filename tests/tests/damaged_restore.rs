@@ -67,6 +67,9 @@ fn a_restore_of_damaged_memory_ends_and_holds_nothing_up() {
         let took = started.elapsed();
         assert!(took < Duration::from_secs(90), "`stasis {}` took {took:?}", cmd.join(" "));
         assert!(err.contains("corrupt"), "`stasis {}` says what was wrong: {err}", cmd.join(" "));
+        if !args.contains(&"--lazy") {
+            assert!(!err.contains("lazy"), "an eager restore's failure is not called lazy: {err}");
+        }
         let name = copy.unwrap_or(&w.name);
         expect_within(TIMEOUT, "nothing of the failed restore to be left", || {
             let left = procfs::in_workload_cgroup(name);

@@ -226,32 +226,42 @@ pub enum RestoreError {
     },
     #[error("stasisd is shutting down; no new jobs are accepted")]
     ShuttingDown,
-    #[error("lazy restore of checkpoint {id} could not start; nothing was restored")]
+    #[error("{} of checkpoint {id} could not start; nothing was restored", served(*lazy))]
     LazyStart {
         id: String,
+        lazy: bool,
         #[source]
         source: super::hot_restore::LazyError,
     },
     #[error(
-        "lazy restore of checkpoint {id} failed while CRIU restored the tree (CRIU: {criu}), \
-         because its memory could not be served; nothing was restored"
+        "{} of checkpoint {id} failed while CRIU restored the tree (CRIU: {criu}), because its \
+         memory could not be served; nothing was restored",
+        served(*lazy)
     )]
     LazyDuringRestore {
         id: String,
+        lazy: bool,
         #[source]
         source: super::hot_restore::LazyError,
         criu: Box<CriuError>,
     },
     #[error(
-        "lazy restore of checkpoint {id} failed before all memory arrived; the restored tree \
-         (pid {pid}) was killed"
+        "{} of checkpoint {id} failed before all memory arrived; the restored tree (pid {pid}) \
+         was killed",
+        served(*lazy)
     )]
     Lazy {
         id: String,
+        lazy: bool,
         pid: i32,
         #[source]
         source: super::hot_restore::LazyError,
     },
+}
+
+/// What a restore whose memory stasisd serves is called: lazy, or plain (eager).
+fn served(lazy: bool) -> &'static str {
+    if lazy { "lazy restore" } else { "restore" }
 }
 
 impl RestoreError {

@@ -6,7 +6,9 @@ use std::io;
 use std::path::PathBuf;
 
 use super::sockets::{self, TreeSockets};
+use super::unsupported;
 use crate::criu::TreeOptions;
+use crate::linux::fdinfo::{self, FdInfo};
 use crate::linux::proc::{self, ProcStat};
 use crate::linux::{init_program, pty};
 
@@ -30,6 +32,9 @@ pub struct TreeInfo {
     pub init_dir: Option<PathBuf>,
     /// With `ns_pids`: the installed stasis-init the namespace's init runs, if it is one.
     pub init_program: Option<PathBuf>,
+    /// Why CRIU cannot checkpoint the tree, if something it holds is beyond CRIU (see
+    /// unsupported.rs).
+    pub unsupported: Option<String>,
 }
 
 /// Inspects the tree rooted at `root`.
@@ -47,20 +52,42 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
     options.tcp_established = sockets.may_hold_connections();
     options.ext_unix_sk = sockets.has_unix();
     let mut open_files = BTreeSet::new();
+    // Pseudo-terminal masters the tree holds (by slave number), and the slaves it holds.
+    let mut masters = BTreeSet::new();
+    let mut slaves = BTreeSet::new();
+    let mut refusals = Vec::new();
     for &pid in &pids {
-        options.link_remap |= proc::mapped_paths(pid).iter().any(|p| p.ends_with(DELETED));
+        let mapped = proc::mapped_paths(pid);
+        options.link_remap |= mapped.iter().any(|p| p.ends_with(DELETED));
+        refusals.extend(unsupported::mappings(pid, &mapped));
+        refusals.extend(unsupported::shared_address_space(pid, &pids));
         let Ok(fds) = proc::fd_targets(pid) else {
             continue;
         };
-        for (_, target) in fds {
-            options.link_remap |= target.to_str().is_some_and(|t| t.ends_with(DELETED));
-            if let Some(key) = pty::tty_key(&target).filter(|k| !options.external.contains(k)) {
-                // A terminal outside the tree: restore gives the job a new one.
-                options.external.push(key);
+        for (fd, target) in fds {
+            let path = target.to_str().unwrap_or_default();
+            options.link_remap |= path.ends_with(DELETED);
+            refusals.extend(unsupported::descriptor(pid, fd, &target));
+            // Open-file-description locks show no pid in /proc/locks: the descriptor says.
+            let info = FdInfo::read(pid, fd).unwrap_or_default();
+            options.file_locks |= info.holds_lock;
+            if fdinfo::is_pty_master(path) {
+                masters.extend(info.tty_index);
+            } else if let Some(index) = fdinfo::pty_slave_index(path) {
+                slaves.insert((index, target.clone()));
             }
             if target.is_absolute() {
                 open_files.insert(target);
             }
+        }
+    }
+    for (index, slave) in slaves {
+        // A terminal whose master is outside the tree: restore gives the job a new one. A pair
+        // the tree holds both sides of is the tree's own, restored as it was.
+        if !masters.contains(&index)
+            && let Some(key) = pty::tty_key(&slave).filter(|k| !options.external.contains(k))
+        {
+            options.external.push(key);
         }
     }
     let started = pids.iter().filter_map(|&pid| Some((pid, ProcStat::read(pid).ok()?.start_time?))).collect();
@@ -92,6 +119,7 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
         open_files,
         init_dir,
         init_program,
+        unsupported: refusals.into_iter().next(),
     })
 }
 

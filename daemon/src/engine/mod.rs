@@ -29,6 +29,7 @@ mod run;
 mod sockets;
 mod start;
 mod state;
+mod unsupported;
 mod workloads;
 
 use std::collections::HashMap;

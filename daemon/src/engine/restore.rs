@@ -194,7 +194,7 @@ impl Engine {
         let commit_guard = self.store.begin_commit().await?;
         if let (true, Err(why)) = (lazy, &self.served_memory) {
             let source = LazyError::Start(std::io::Error::other(why.clone()));
-            return Err(RestoreError::LazyStart { id: manifest.id.clone(), source });
+            return Err(RestoreError::LazyStart { id: manifest.id.clone(), lazy, source });
         }
         let (bytes_fetched, memory) = self.fetch_images(&manifest, work.path(), lazy, &progress).await?;
         init_program::install_from(work.path())
@@ -205,7 +205,7 @@ impl Engine {
             true => None,
             false => Some(
                 self.start_lazy(&manifest, work.path(), memory, roots.clone(), !lazy)
-                    .map_err(|source| RestoreError::LazyStart { id: manifest.id.clone(), source })?,
+                    .map_err(|source| RestoreError::LazyStart { id: manifest.id.clone(), lazy, source })?,
             ),
         };
         let (pid, session) =
@@ -418,6 +418,7 @@ impl Engine {
         };
         session.iter().for_each(LazySession::arm);
         let faults = session.as_ref().map(LazySession::fault_guard);
+        let lazy = session.as_ref().is_some_and(LazySession::is_lazy);
         let pre_resume = session.as_ref().map(LazySession::pre_resume);
         let mut on_notify =
             move |script: &str, criu: i32| match pre_resume.as_ref().filter(|_| script == "pre-resume") {
@@ -439,7 +440,7 @@ impl Engine {
                     session.kill_tree();
                     session.abort();
                 }
-                Err(RestoreError::Lazy { id, pid, source: LazyError::Guard(reason) })
+                Err(RestoreError::Lazy { id, lazy, pid, source: LazyError::Guard(reason) })
             }
             (Err(e), _) => {
                 let Some(mut session) = session else { return Err(e) };
@@ -449,7 +450,7 @@ impl Engine {
                 session.abort();
                 match (served, e) {
                     (Some(source), RestoreError::Criu { source: criu, .. }) => {
-                        Err(RestoreError::LazyDuringRestore { id, source, criu: Box::new(criu) })
+                        Err(RestoreError::LazyDuringRestore { id, lazy, source, criu: Box::new(criu) })
                     }
                     (_, e) => Err(e),
                 }
@@ -476,7 +477,7 @@ impl Engine {
         }
         let (id, pid) = (outcome.id.clone(), outcome.pid);
         let watched = match watch.await {
-            Ok(watched) => watched.map_err(|source| RestoreError::Lazy { id, pid, source }),
+            Ok(watched) => watched.map_err(|source| RestoreError::Lazy { id, lazy, pid, source }),
             Err(e) => Err(RestoreError::local("lazy restore task")(std::io::Error::other(e))),
         };
         let (lazy_bytes, resident_at) = watched.inspect_err(|e| {

@@ -51,6 +51,7 @@ pub(super) fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
         open_files: Default::default(),
         init_dir: None,
         init_program: None,
+        unsupported: None,
     };
     let host = Arc::new(FakeHost { cuda: vec![ROOT], ..FakeHost::with_tree(tree) });
     host.stopped.lock().unwrap().insert(CHILD);

@@ -5,6 +5,7 @@
 pub mod cgroup;
 pub mod container;
 pub mod durable_file;
+pub mod fdinfo;
 pub mod init_program;
 pub mod iptables;
 pub mod net;

@@ -15,6 +15,8 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::Notify;
 use tracing::{debug, info};
 
+use super::proc::ProcStat;
+
 /// How a child ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExitKind {
@@ -160,15 +162,27 @@ impl Reaper {
         Ok((self.wait_exit(pid).await, stdout, stderr))
     }
 
-    /// Waits until none of `pids` is a zombie waiting to be reaped by us, or `timeout` passes.
-    /// Returns the pids still present (running, or zombies of another parent).
+    /// Waits until none of `pids` is present (their pids free again: every zombie of ours
+    /// reaped), or `timeout` passes. Returns the pids still present (running, or zombies of
+    /// another parent).
     pub async fn wait_gone(&self, pids: &[i32], timeout: Duration) -> Vec<i32> {
+        self.wait_until(pids, timeout, |_| false).await
+    }
+
+    /// Waits until none of `pids` runs: each is gone, or a zombie (dead, its memory freed,
+    /// whichever parent has yet to reap it), or `timeout` passes. Returns those still running.
+    pub async fn wait_dead(&self, pids: &[i32], timeout: Duration) -> Vec<i32> {
+        self.wait_until(pids, timeout, ProcStat::is_dead).await
+    }
+
+    /// Waits until every one of `pids` is gone or `done`, reaping ours meanwhile.
+    async fn wait_until(&self, pids: &[i32], timeout: Duration, done: fn(&ProcStat) -> bool) -> Vec<i32> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let notified = self.inner.changed.notified();
             self.reap_all();
             let present: Vec<i32> =
-                pids.iter().copied().filter(|p| super::proc::ProcStat::read(*p).is_ok()).collect();
+                pids.iter().copied().filter(|p| ProcStat::read(*p).is_ok_and(|s| !done(&s))).collect();
             if present.is_empty() || tokio::time::Instant::now() >= deadline {
                 return present;
             }

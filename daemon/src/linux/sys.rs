@@ -205,6 +205,20 @@ pub fn async_fd(fd: OwnedFd) -> io::Result<tokio::io::unix::AsyncFd<OwnedFd>> {
     unsafe { tokio::io::unix::AsyncFd::register(fd) }.map_err(io::Error::from)
 }
 
+/// Whether processes `a` and `b` share one address space (a `vfork`ed child and its parent,
+/// or a `clone(CLONE_VM)` pair), as `kcmp(KCMP_VM)` says.
+pub fn share_memory(a: i32, b: i32) -> io::Result<bool> {
+    const KCMP_VM: libc::c_int = 1;
+    // SAFETY: kcmp takes two pids, a type and two plain integers, and touches no memory of
+    // ours.
+    let rc = unsafe { libc::syscall(libc::SYS_kcmp, a, b, KCMP_VM, 0, 0) };
+    match rc {
+        0 => Ok(true),
+        rc if rc > 0 => Ok(false),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

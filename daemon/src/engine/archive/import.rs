@@ -90,7 +90,7 @@ impl Engine {
         let images = dir.join(IMAGES_DIR);
         let pstree =
             std::fs::read(images.join("pstree.img")).map_err(ArchiveError::local("checkpoint/pstree.img"))?;
-        let pids = read_pstree(&pstree).map_err(|e| ArchiveError::Malformed(e.to_string()))?;
+        let pids = read_pstree(&pstree).map_err(|e| ArchiveError::malformed(e.to_string()))?;
         let engine = engine_of(&unpacked.spec, unpacked.stasis.is_some());
         // A name of its own unless told otherwise: under the archive's name, an import would
         // become the newest checkpoint of a workload of that name (a running one, say), and
@@ -180,7 +180,7 @@ fn free_bytes(dir: &Path) -> Option<u64> {
 /// Unpacks the archive at `archive` into `dir`: only regular files and directories at safe
 /// relative paths, CRIU's images flat in `checkpoint/`.
 fn unpack(archive: &Path, dir: &Path) -> Result<Unpacked, ArchiveError> {
-    let malformed = |why: String| ArchiveError::Malformed(why);
+    let malformed = ArchiveError::malformed;
     let mut tar = open_archive(archive).map_err(|e| malformed(format!("cannot read it: {e}")))?;
     let (mut paths, mut dirs, mut has_images) = (Vec::new(), Vec::new(), false);
     // A small compressed archive can unpack to any size: what it may take is what the file
@@ -265,7 +265,7 @@ fn unpack(archive: &Path, dir: &Path) -> Result<Unpacked, ArchiveError> {
 /// Feeds the memory of CRIU's pagemap and pages images in `images` to `staging`, as a dump
 /// would, and removes those images.
 fn stage_memory(images: &Path, mut staging: Staging) -> Result<Staged, ArchiveError> {
-    let malformed = |why: String| ArchiveError::Malformed(why);
+    let malformed = ArchiveError::malformed;
     let local = ArchiveError::local("the unpacked archive");
     let mut pagemaps: Vec<(String, u64)> = std::fs::read_dir(images)
         .map_err(&local)?
@@ -318,7 +318,7 @@ fn keep_files(dir: &Path, unpacked: &Unpacked) -> Result<Vec<String>, ArchiveErr
         let name = match path.as_str() {
             STATS_DUMP => STATS_DUMP.to_string(),
             _ => {
-                kept_name(path).ok_or_else(|| ArchiveError::Malformed(format!("a ':' in the path {path}")))?
+                kept_name(path).ok_or_else(|| ArchiveError::malformed(format!("a ':' in the path {path}")))?
             }
         };
         std::fs::rename(dir.join(path), images.join(name)).map_err(&local)?;

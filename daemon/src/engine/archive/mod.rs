@@ -74,4 +74,41 @@ impl ArchiveError {
     fn local(what: &'static str) -> impl Fn(std::io::Error) -> Self {
         move |source| Self::Local { what, source }
     }
+
+    /// The archive is malformed, `why`: text that may quote the archive's own bytes (a tar
+    /// header's field, a path), so control characters (and the stand-ins for bytes that were
+    /// not UTF-8) are shown escaped, and it is cut to a few lines' length: it reaches a
+    /// terminal or a log as text.
+    fn malformed(why: String) -> Self {
+        const LONGEST: usize = 400;
+        let mut shown = String::new();
+        for c in why.chars() {
+            if shown.len() >= LONGEST {
+                shown.push_str("...");
+                break;
+            }
+            match c.is_control() || c == char::REPLACEMENT_CHARACTER {
+                true => shown.extend(c.escape_unicode()),
+                false => shown.push(c),
+            }
+        }
+        Self::Malformed(shown)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_archives_bytes_in_an_error_are_escaped_and_cut() {
+        let quoted = String::from_utf8_lossy(
+            b"numeric field was not a number: \x1b]0;owned\x07\x00\xff when getting cksum",
+        );
+        let shown = ArchiveError::malformed(quoted.into_owned()).to_string();
+        assert!(!shown.chars().any(|c| c.is_control()), "{shown:?}");
+        assert!(shown.contains(r"\u{1b}]0;owned\u{7}\u{0}\u{fffd} when getting cksum"), "{shown}");
+        let long = ArchiveError::malformed("x".repeat(5000)).to_string();
+        assert!(long.len() < 500 && long.ends_with("..."), "{}", long.len());
+    }
 }

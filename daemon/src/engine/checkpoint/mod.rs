@@ -275,6 +275,9 @@ impl Engine {
         if caller != Caller::Root && tree.uids.iter().any(|&uid| uid != caller.uid()) {
             return Err(CheckpointError::NotYours { pid, uids: tree.uids.iter().copied().collect() });
         }
+        if let Some(reason) = tree.unsupported.clone() {
+            return Err(CheckpointError::Untouchable { pid, reason });
+        }
         // A tree holding stasisd (its parent shell's, say) would have stasisd freeze itself.
         if let Some((held, what)) = tree.pids.iter().find_map(|&p| Some((p, self.host.untouchable(p)?))) {
             return Err(CheckpointError::Untouchable {
@@ -436,7 +439,8 @@ impl Engine {
         }
         if !job.leave_running {
             self.host.signal(&self.tree_now(tree), Signal::SIGKILL);
-            let left = self.reaper.wait_gone(&tree.pids, KILL_WAIT).await;
+            // Dead is enough: a root whose parent (a shell, say) reaps it late stays a zombie.
+            let left = self.reaper.wait_dead(&tree.pids, KILL_WAIT).await;
             if left.is_empty() {
                 self.release_cgroup(&job.workload);
             } else {

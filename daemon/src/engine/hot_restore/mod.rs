@@ -180,6 +180,11 @@ impl LazySession {
         self.criu.clone()
     }
 
+    /// Whether the tree runs before its memory is all in place.
+    pub(super) fn is_lazy(&self) -> bool {
+        !self.hold
+    }
+
     /// The guard to start at CRIU's "pre-resume" notification.
     pub(super) fn fault_guard(&self) -> FaultGuard {
         self.guard.clone()

@@ -1,0 +1,91 @@
+//! Kernel features ordinary programs use, checkpointed and restored as plain CRIU would: an
+//! open-file-description lock (which /proc/locks shows without a pid) is seen and held again
+//! after the restore; a pseudo-terminal whose both sides the tree holds (tmux, screen,
+//! expect) is the tree's own, restored as it was rather than swapped for a new terminal; an
+//! evicted tree whose parent reaps it late counts as gone once it is dead.
+
+#![forbid(unsafe_code)]
+
+use std::os::unix::fs::MetadataExt;
+
+use stasis_tests::{Daemon, TIMEOUT, Workload, expect_within, procfs, python_workload, skip_unless_ready};
+
+/// Evicts `w` (a checkpoint without --leave-running), waits for its tree to go, and restores
+/// it.
+fn evict_and_restore(d: &Daemon, w: &mut Workload) {
+    let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
+    assert_eq!(ck["left_running"], false, "{ck}");
+    let pid = w.pid;
+    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(pid)).then_some(()));
+    let r = d.json(&["restore", "--workload", &w.name, "--json"]);
+    assert_eq!(r["id"], ck["id"], "{r}");
+    w.restored(&r);
+}
+
+/// Whether /proc/locks lists an open-file-description lock on the file with inode `ino`.
+fn ofd_locked(ino: u64) -> bool {
+    let locks = std::fs::read_to_string("/proc/locks").unwrap();
+    locks.lines().any(|l| {
+        l.contains("OFDLCK") && l.split_whitespace().nth(5).is_some_and(|id| id.ends_with(&format!(":{ino}")))
+    })
+}
+
+#[test]
+fn an_open_file_description_lock_is_checkpointed_and_held_again() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let file = d.dir().join("locked");
+    let mut w = d.run("ofd-lock", &python_workload("ofd_lock.py", &[file.to_str().unwrap()]));
+    w.wait_number("count ", 3);
+    let ino = std::fs::metadata(&file).unwrap().ino();
+    assert!(ofd_locked(ino), "the workload holds its lock");
+
+    evict_and_restore(&d, &mut w);
+    let before = w.last_number("count ").unwrap();
+    w.wait_number("count ", before + 5);
+    assert!(ofd_locked(ino), "the restored workload holds its lock again");
+}
+
+#[test]
+fn a_pseudo_terminal_the_tree_holds_both_sides_of_is_restored_as_its_own() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let mut w = d.run("pty-pair", &python_workload("pty_pair.py", &[]));
+    w.wait_number("pty ", 5);
+
+    evict_and_restore(&d, &mut w);
+    let before = w.last_number("pty ").unwrap();
+    let after = w.wait_number("pty ", before + 10);
+    let numbers = w.numbers("pty ");
+    assert!(
+        numbers.windows(2).all(|p| p[1] == p[0] + 1),
+        "the exchange over the terminal goes on where it stopped (up to {after}): {numbers:?}"
+    );
+}
+
+#[test]
+fn an_eviction_does_not_wait_for_a_parent_that_reaps_late() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    // A job whose parent (this test, for now) does not reap it: killed, it stays a zombie.
+    let out = d.dir().join("counter.out");
+    let argv = python_workload("counter.py", &[]);
+    let mut job = std::process::Command::new(&argv[0])
+        .args(&argv[1..])
+        .stdout(std::fs::File::create(&out).unwrap())
+        .spawn()
+        .unwrap();
+    let pid = job.id() as i32;
+    expect_within(TIMEOUT, "the job to count", || {
+        (stasis_tests::numbered(&stasis_tests::complete_lines(&out), "count ").len() >= 3).then_some(())
+    });
+    let ck = d.json(&["checkpoint", &pid.to_string(), "--json"]);
+    assert_eq!(ck["left_running"], false, "{ck}");
+    assert_eq!(procfs::proc_state(pid), Some('Z'), "the job is dead, its parent has not reaped it");
+    let log = d.log_tail(200);
+    assert!(!log.contains("still present"), "stasisd waited for the zombie:\n{log}");
+    job.wait().unwrap();
+    let r = d.json(&["restore", ck["id"].as_str().unwrap(), "--json"]);
+    assert!(procfs::running(stasis_tests::pid_of(&r)), "{r}");
+    procfs::kill9(stasis_tests::pid_of(&r));
+}
