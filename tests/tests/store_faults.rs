@@ -100,8 +100,17 @@ fn a_full_spill_disk_fails_a_checkpoint_and_a_read_only_store_an_eviction_and_bo
     drop(spill);
 
     let store = SmallDisk::mount(&d.store_dir(), 64);
+    let early = d.run("early", &python_workload("counter.py", &[]));
+    early.wait_number("count ", 3);
+    d.json(&["checkpoint", "--workload", &early.name, "--json"]);
     store.read_only();
     let w = d.run("counted", &python_workload("counter.py", &[]));
     w.wait_number("count ", 3);
     eviction_fails(&d, &w, &["storing checkpoint", "read-only"]);
+    // A restore writes a lease first (it keeps other nodes' collections off the packs it
+    // reads): from a read-only store it is refused, saying why, with nothing restored.
+    let err = d.cli_err(&["restore", "--workload", &early.name]);
+    assert!(err.contains("the store must be writable"), "the error says why: {err}");
+    assert!(err.contains("Read-only file system"), "and what the store said: {err}");
+    assert!(procfs::in_workload_cgroup(&early.name).is_empty(), "nothing restored runs: {err}");
 }

@@ -28,7 +28,7 @@ pub(super) fn store_code(e: &StoreError) -> Code {
         | StoreError::MissingChunk { .. }
         | StoreError::MissingPack { .. }
         | StoreError::Unreadable { .. } => Code::DataLoss,
-        StoreError::Backend { .. } | StoreError::Busy(_) => Code::Unavailable,
+        StoreError::Backend { .. } | StoreError::Lease { .. } | StoreError::Busy(_) => Code::Unavailable,
         StoreError::Local { .. } | StoreError::DumpUnfinished => Code::Internal,
     }
 }

@@ -189,7 +189,7 @@ impl Store {
         match self.backend.put_opts(&key, body(&self.node_tag).into(), options).await {
             Ok(_) => {}
             Err(object_store::Error::AlreadyExists { .. }) => return Ok(None),
-            Err(source) => return Err(StoreError::Backend { key: key.to_string(), source }),
+            Err(source) => return Err(StoreError::Lease { key: key.to_string(), source }),
         }
         let holds_until = Arc::new(Mutex::new(Instant::now() + TTL - LAPSE_MARGIN));
         let (backend, renewed, node) = (self.backend.clone(), key.clone(), self.node_tag.clone());

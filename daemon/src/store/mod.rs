@@ -67,6 +67,15 @@ pub enum StoreError {
         #[source]
         source: object_store::Error,
     },
+    #[error(
+        "cannot write lease {key}: the store must be writable, for restores and wakes too (their \
+         lease keeps other nodes' garbage collection off the packs they read)"
+    )]
+    Lease {
+        key: String,
+        #[source]
+        source: object_store::Error,
+    },
     #[error("{what} is unreadable")]
     Envelope {
         what: String,
