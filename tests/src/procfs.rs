@@ -160,3 +160,11 @@ pub fn signal(pid: i32, signal: Signal) {
 pub fn kill9(pid: i32) {
     let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
 }
+
+/// The proportional set size of `pid` in KiB (`Pss` of /proc/PID/smaps_rollup: each page
+/// counted divided by how many processes map it), `None` when there is no such process.
+pub fn pss_kib(pid: i32) -> Option<u64> {
+    let rollup = fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    let line = rollup.lines().find(|l| l.starts_with("Pss:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}

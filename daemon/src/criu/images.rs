@@ -9,13 +9,15 @@ use std::io::{self, Write};
 use std::path::Path;
 
 use prost::Message;
-use stasis_proto::criu::{InventoryEntry, PagemapEntry, PagemapHead, PstreeEntry};
+use stasis_proto::criu::{InventoryEntry, MmLayout, PagemapEntry, PagemapHead, PstreeEntry};
 
+use super::cow::Layout;
 use super::pageserver::PageRun;
 
 const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
 const PAGEMAP_MAGIC: u32 = 0x5608_4025;
 const PSTREE_MAGIC: u32 = 0x5027_3030;
+const MM_MAGIC: u32 = 0x5749_2820;
 const TYPE_TASK: u64 = 1;
 const TYPE_SHMEM: u64 = 2;
 
@@ -127,6 +129,18 @@ pub fn read_pstree(data: &[u8]) -> io::Result<Vec<(u32, u32)>> {
     let bodies = entries(data, PSTREE_MAGIC, "pstree")?;
     let decode = |body: &[u8]| PstreeEntry::decode(body).map(|e| (e.pid, e.ppid));
     bodies.into_iter().map(decode).collect::<Result<_, _>>().map_err(|e| invalid("pstree")(e.to_string()))
+}
+
+/// The name of process `pid`'s mm image.
+pub fn mm_file_name(pid: u32) -> String {
+    format!("mm-{pid}.img")
+}
+
+/// A process's memory layout, from its mm image (`mm-<pid>.img`, one message).
+pub fn read_mm(data: &[u8]) -> io::Result<Layout> {
+    let bodies = entries(data, MM_MAGIC, "mm")?;
+    let [body] = bodies.as_slice() else { return Err(invalid("mm")("not one entry".into())) };
+    MmLayout::decode(*body).map(Layout::from).map_err(|e| invalid("mm")(e.to_string()))
 }
 
 /// The bodies of the messages in an image with magic `magic` (after the common magic).

@@ -5,6 +5,7 @@
 //! lazy restore's pages are served by stasisd itself, through `lazy_socket`). [`Criu`] implements it with the real program (failures carry the
 //! relevant tail of CRIU's own log); the engine's unit tests implement it with fakes.
 
+pub mod cow;
 mod error;
 #[cfg(test)]
 pub mod fake;

@@ -12,12 +12,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use futures::{StreamExt, TryStreamExt};
 use stasis_proto::stasis::v1::{ChunkRef, Codec, FileImage, MemoryImage};
 
+use super::cow::SharedChunks;
 use super::crypto::{Cipher, chunk_id};
+use super::image_runs::{image_runs, split_run};
 use super::index::{ChunkHash, ChunkLoc};
 use super::lazy_memory::{LazyChunk, LazyMemory};
 use super::{Manifest, Progress, Store, StoreError};
 use crate::criu::images::{pagemap_file_name, pages_file_name, task_of, write_pagemap};
-use crate::criu::pageserver::{PAGE_SIZE, PE_LAZY, PageRun};
+use crate::criu::pageserver::{PE_LAZY, PageRun};
 use stasis_proto::stasis::v1::AddressRange;
 
 /// Packs one restore fetches at the same time.
@@ -58,7 +60,9 @@ pub enum MemoryMode<'a> {
     /// None: every page is written into the images directory.
     Eager,
     /// The pages CRIU may restore lazily (private anonymous memory of tasks), except those in
-    /// `eager` (the host copies of device memory, which the CUDA restore reads at once).
+    /// `eager` (the host copies of device memory, which the CUDA restore reads at once) and
+    /// those a child shares with its parent copy-on-write (CRIU's restore shares them only
+    /// when it puts them in place itself: see `cow.rs`).
     Lazy { eager: &'a [AddressRange] },
 }
 
@@ -100,12 +104,19 @@ impl Store {
         for file in &manifest.files {
             self.plan_file(&mut a, file)?;
         }
+        let (mut fetched, mut shared) = (0, SharedChunks::default());
+        if matches!(mode, MemoryMode::Lazy { .. }) && manifest.memory.len() > 1 {
+            // Which memory the tree shares is in its images: those come first.
+            fetched += self.fetch_plan(id, std::mem::take(&mut a.plan), progress.clone()).await?;
+            shared = SharedChunks::find(dir, &manifest.memory)
+                .map_err(|reason| corrupt(id, "process images", reason))?;
+        }
         for (i, image) in manifest.memory.iter().enumerate() {
-            self.plan_memory(&mut a, image, i as u32 + 1)?;
+            self.plan_memory(&mut a, image, i as u32 + 1, &shared)?;
         }
         let Assembly { plan, mut lazy, .. } = a;
         lazy.finish();
-        let fetched = self.fetch_plan(id, plan, progress).await?;
+        fetched += self.fetch_plan(id, plan, progress).await?;
         Ok((fetched, lazy))
     }
 
@@ -129,12 +140,14 @@ impl Store {
     }
 
     /// Writes the pagemap of memory image `image` (its pages going to `pages-<pages_id>.img`)
-    /// and plans where its chunks go; the runs `mode` leaves in the store go to `lazy`.
+    /// and plans where its chunks go; the runs `mode` leaves in the store go to `lazy`, but
+    /// for the chunks in `shared`, which stay in the images.
     fn plan_memory(
         &self,
         a: &mut Assembly<'_>,
         image: &MemoryImage,
         pages_id: u32,
+        shared: &SharedChunks,
     ) -> Result<(), StoreError> {
         let (id, dir, mode) = (a.id, a.dir, a.mode);
         let (plan, lazy) = (&mut a.plan, &mut a.lazy);
@@ -142,46 +155,37 @@ impl Store {
             .ok_or_else(|| corrupt(id, "memory", format!("unknown pagemap id {:#x}", image.dst_id)))?;
         let pages = dir.join(pages_file_name(pages_id));
         let out = Arc::new(create_sized(&pages, 0).map_err(StoreError::local(&pages))?);
-        let (mut chunks, mut written) = (image.chunks.as_slice(), 0u64);
+        let mut written = 0u64;
         let mut runs = Vec::with_capacity(image.runs.len());
-        for r in &image.runs {
-            let end = r.nr_pages.checked_mul(PAGE_SIZE).and_then(|len| r.vaddr.checked_add(len));
-            if r.vaddr % PAGE_SIZE != 0 || end.is_none() {
-                return Err(corrupt(
-                    id,
-                    &name,
-                    format!("a run of {} pages at {:#x} is impossible", r.nr_pages, r.vaddr),
-                ));
+        let pid = task_of(image.dst_id).unwrap_or(u64::MAX);
+        for (run, chunks) in image_runs(image).map_err(|reason| corrupt(id, &name, reason))? {
+            if !run.has_data() {
+                runs.push(run);
+                continue;
             }
-            let mut run =
-                PageRun { dst_id: image.dst_id, vaddr: r.vaddr, nr_pages: r.nr_pages, flags: r.flags };
-            if run.has_data() {
-                let n = chunks_covering(chunks, run.byte_len())
-                    .ok_or_else(|| corrupt(id, &name, format!("chunks do not cut at {:#x}", run.vaddr)))?;
-                let (mine, rest) = chunks.split_at(n);
-                chunks = rest;
-                if mode.leaves_lazy(image.dst_id, &run) {
+            let lazy_run = mode.leaves_lazy(image.dst_id, &run);
+            for (mut part, mine, in_images) in
+                split_run(&run, chunks, |addr| !lazy_run || shared.contains(pid, addr))
+            {
+                if !in_images {
                     let resolved: Result<Vec<LazyChunk>, StoreError> = mine
                         .iter()
                         .map(|c| {
                             Ok(LazyChunk { stored: self.resolve(id, &name, c)?, len: c.len, fresh: c.fresh })
                         })
                         .collect();
-                    lazy.push_run(image.dst_id >> 8, run.vaddr, resolved?);
-                    run.flags = PE_LAZY;
+                    lazy.push_run(image.dst_id >> 8, part.vaddr, resolved?);
+                    part.flags = PE_LAZY;
                 } else {
                     if matches!(mode, MemoryMode::Lazy { .. }) {
                         // CRIU's restore skips lazy-flagged pages in lazy mode: restoring this
                         // run eagerly means dropping the flag.
-                        run.flags &= !PE_LAZY;
+                        part.flags &= !PE_LAZY;
                     }
                     written += self.place(id, &name, mine, &out, written, plan)?;
                 }
+                runs.push(part);
             }
-            runs.push(run);
-        }
-        if !chunks.is_empty() {
-            return Err(corrupt(id, &name, "chunks hold more bytes than its pages".into()));
         }
         out.set_len(written).map_err(StoreError::local(&pages))?;
         let pagemap = dir.join(&name);
@@ -261,24 +265,39 @@ impl Store {
     }
 
     /// Fetches the chunks of one pack with range reads and writes them in place.
-    async fn fetch_pack(&self, id: &str, pack: &str, placements: Vec<Placement>) -> Result<u64, StoreError> {
-        let ranges: Vec<std::ops::Range<u64>> =
+    async fn fetch_pack(
+        &self,
+        id: &str,
+        pack: &str,
+        mut placements: Vec<Placement>,
+    ) -> Result<u64, StoreError> {
+        // A chunk with several places (memory processes share) is read and decoded once.
+        placements.sort_by_key(|p| p.loc.offset);
+        let mut ranges: Vec<std::ops::Range<u64>> =
             placements.iter().map(|p| p.loc.offset..p.loc.offset + u64::from(p.loc.stored_len)).collect();
+        ranges.dedup();
         let blobs = self.read_ranges(id, pack, &ranges).await?;
         let fetched: u64 = blobs.iter().map(|b| b.len() as u64).sum();
         let (id, pack) = (id.to_string(), pack.to_string());
         let cipher = self.cipher.clone();
         tokio::task::spawn_blocking(move || {
-            for (blob, p) in blobs.iter().zip(&placements) {
-                let bad = |reason: &str| StoreError::CorruptChunk {
-                    id: id.clone(),
-                    chunk: hex::encode(p.hash),
-                    pack: pack.clone(),
-                    reason: reason.into(),
-                };
-                let data = decode_chunk(blob, &p.loc, &p.hash, cipher.as_deref()).map_err(bad)?;
+            let mut blobs = ranges.iter().zip(&blobs);
+            let mut data: (u64, Vec<u8>) = (u64::MAX, Vec::new());
+            for p in &placements {
+                if data.0 != p.loc.offset {
+                    let bad = |reason: &str| StoreError::CorruptChunk {
+                        id: id.clone(),
+                        chunk: hex::encode(p.hash),
+                        pack: pack.clone(),
+                        reason: reason.into(),
+                    };
+                    let blob = blobs.find(|(r, _)| r.start == p.loc.offset).map(|(_, b)| b);
+                    let blob = blob.ok_or_else(|| bad("it was not read"))?;
+                    data =
+                        (p.loc.offset, decode_chunk(blob, &p.loc, &p.hash, cipher.as_deref()).map_err(bad)?);
+                }
                 p.file
-                    .write_all_at(&data, p.offset)
+                    .write_all_at(&data.1, p.offset)
                     .map_err(|source| StoreError::Local { path: "image file".into(), source })?;
             }
             Ok(fetched)
@@ -371,18 +390,6 @@ fn decompress(stored: &[u8], len: usize) -> std::io::Result<Vec<u8>> {
         };
         decompressor.decompress(stored, len)
     })
-}
-
-/// How many of the first `chunks` hold exactly `len` bytes; `None` if they do not cut there.
-fn chunks_covering(chunks: &[ChunkRef], len: u64) -> Option<usize> {
-    let mut sum = 0u64;
-    for (i, c) in chunks.iter().enumerate() {
-        if sum == len {
-            return Some(i);
-        }
-        sum += u64::from(c.len);
-    }
-    (sum == len).then_some(chunks.len())
 }
 
 fn create_sized(path: &Path, size: u64) -> std::io::Result<File> {

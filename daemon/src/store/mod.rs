@@ -17,9 +17,11 @@ mod assemble;
 mod backend;
 mod check;
 mod chunks;
+mod cow;
 pub mod crypto;
 pub mod envelope;
 mod gc;
+mod image_runs;
 mod index;
 mod lazy_memory;
 #[cfg(test)]
