@@ -343,23 +343,15 @@ pub struct StatusArgs {
     pub json: bool,
 }
 
-/// A duration written as a number with an optional unit: ms, s (the default), m or h.
+/// A duration as stasis reads them everywhere (`1h30m`, `1.5h`, `250ms`), or a bare number
+/// of seconds; from 1 ms to a year.
 fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
-    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
-    let (number, unit) = s.split_at(split);
-    let value: f64 =
-        number.parse().map_err(|_| format!("expected a duration like 30s, 5m or 2h, got `{s}`"))?;
-    let seconds = match unit {
-        "ms" => value / 1000.0,
-        "" | "s" => value,
-        "m" => value * 60.0,
-        "h" => value * 3600.0,
-        _ => return Err(format!("unknown unit `{unit}` in `{s}` (use ms, s, m or h)")),
-    };
-    if !(0.001..=365.0 * 86_400.0).contains(&seconds) {
-        return Err(format!("`{s}` is out of range (1ms to a year)"));
+    let duration = stasis_duration::parse_or_seconds(s).map_err(|e| e.to_string())?;
+    let range = std::time::Duration::from_millis(1)..=std::time::Duration::from_secs(365 * 86_400);
+    match range.contains(&duration) {
+        true => Ok(duration),
+        false => Err(format!("`{s}` is out of range (1ms to a year)")),
     }
-    Ok(std::time::Duration::from_secs_f64(seconds))
 }
 
 /// Accepts `KEY=VALUE` with a non-empty key.
@@ -384,6 +376,7 @@ mod tests {
         assert_eq!(parse_duration("30m"), Ok(Duration::from_secs(1800)));
         assert_eq!(parse_duration("1.5h"), Ok(Duration::from_secs(5400)));
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)), "as the pod annotations");
         assert!(parse_duration("5 days").is_err());
         assert!(parse_duration("0s").is_err());
         assert!(parse_duration("m").is_err());

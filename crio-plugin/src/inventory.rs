@@ -63,29 +63,10 @@ pub fn registration(pod: &PodSandbox, container: &Container) -> RegisterContaine
     }
 }
 
-/// Milliseconds of a duration as Kubernetes writes them: numbers each with a unit among h,
-/// m, s, ms, run together ("1h30m"); `None` for anything else.
+/// Milliseconds of a duration as stasis reads them everywhere (Kubernetes' "1h30m", and
+/// "1.5h" as the CLI takes it); `None` for anything else, a unit being needed.
 fn millis(text: &str) -> Option<u64> {
-    let (mut total, mut rest) = (0u64, text.trim());
-    if rest.is_empty() {
-        return None;
-    }
-    while !rest.is_empty() {
-        let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
-        let value: u64 = rest[..digits].parse().ok()?;
-        rest = &rest[digits..];
-        let (unit, len) =
-            [("ms", 2), ("h", 1), ("m", 1), ("s", 1)].into_iter().find(|(u, _)| rest.starts_with(u))?;
-        let scale = match unit {
-            "ms" => 1,
-            "s" => 1_000,
-            "m" => 60_000,
-            _ => 3_600_000,
-        };
-        total = total.checked_add(value.checked_mul(scale)?)?;
-        rest = &rest[len..];
-    }
-    Some(total)
+    stasis_duration::parse(text).ok().and_then(|d| u64::try_from(d.as_millis()).ok())
 }
 
 /// What an opted-in container is given as it is created: the bundle and the endpoint, and
@@ -166,6 +147,7 @@ mod tests {
         assert_eq!(every("10m"), 600_000);
         assert_eq!(every("1h30m"), 5_400_000);
         assert_eq!(every("1500ms"), 1_500);
+        assert_eq!(every("1.5h"), 5_400_000, "as the CLI takes it");
         assert_eq!(every("often"), 0, "not a duration: none");
         assert_eq!(every("10"), 0, "a unit is needed");
     }

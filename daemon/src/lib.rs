@@ -7,8 +7,14 @@
 //! - [`cuda`]: NVIDIA's driver checkpoint API (loaded at run time) and finding CUDA processes;
 //! - [`store`]: manifests and checkpoint data in object storage;
 //! - [`linux`]: /proc, sockets, nftables and iptables locks, cgroups, ptys, spawning and
-//!   reaping (with `cuda`'s FFI, the only `unsafe` code);
+//!   reaping;
 //! - [`config`] and [`server`]: the daemon's settings and lifecycle.
+//!
+//! Unsafe code is denied everywhere but in four FFI modules, each allowing it by name:
+//! `linux::sys` (system calls and `fork`-time code), `linux::uffd` (userfaultfd ioctls),
+//! `cuda::sys` (the driver's checkpoint API, loaded at run time) and `cuda::nvml`.
+
+#![deny(unsafe_code)]
 
 pub mod admission;
 pub mod config;

@@ -1,5 +1,7 @@
 //! stasisd: parses its settings, sets up logging and runs the daemon.
 
+#![forbid(unsafe_code)]
+
 use anyhow::Context;
 use clap::Parser;
 use stasis_daemon::config::{Args, DaemonConfig, LogFormat};

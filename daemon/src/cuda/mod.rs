@@ -32,8 +32,10 @@
 mod error;
 #[cfg(test)]
 pub mod fake;
+#[allow(unsafe_code)]
 pub mod nvml;
 mod procs;
+#[allow(unsafe_code)]
 mod sys;
 mod uuid;
 

@@ -1,6 +1,6 @@
 //! Linux boundaries: /proc inspection, process spawning, cgroups, signals and child reaping.
 //!
-//! All unsafe code of this area lives in [`sys`].
+//! Its unsafe code lives in [`sys`] and, for userfaultfd's ioctls, [`uffd`].
 
 pub mod cgroup;
 pub mod container;
@@ -18,7 +18,9 @@ pub mod pty;
 pub mod reaper;
 pub mod sock_diag;
 pub mod syn_hold;
+#[allow(unsafe_code)]
 pub mod sys;
+#[allow(unsafe_code)]
 pub mod uffd;
 
 /// A program installed next to this one (stasisd's helpers: `stasis-lazy-guard`,
