@@ -8,7 +8,8 @@
 #   OUT/criu      CRIU itself, run as `OUT/ld.so --library-path OUT/lib OUT/criu`
 #   (and libgcc_s in OUT/lib, which stasis-pod needs besides)
 #
-# stasisd adds its container helper (stasis-pod) when it starts with `--pod-bundle OUT`.
+# stasis-pod (the container's init) is copied in next to CRIU afterwards (deploy/kubernetes/Dockerfile
+# does); stasis-nri mounts the bundle into opted-in containers (`stasis-nri --bundle OUT`).
 #
 # Usage: scripts/pod-bundle.sh OUT [CRIU]   (CRIU: what scripts/setup-criu.sh printed; default:
 # its answer). Copies, never links: the bundle must be whole inside a container's mount.

@@ -7,7 +7,7 @@
 //! <state>/inflight/<id>       checkpoints being uploaded; any found at start are orphans
 //! <state>/netlocks/<run id>   network locks evictions left (see sockets/left_locks.rs)
 //! <state>/held/<id>.json      trees a checkpoint holds (stopped, GPU-suspended); a crashed
-//!                             stasisd's next start gives them back (checkpoint/held.rs)
+//!                             stasisd's next start gives them back (checkpoint/crash_record.rs)
 //! /dev/shm/stasis-restore-<daemon>-<random>/   restore scratch, when memory has room
 //! ```
 

@@ -5,11 +5,11 @@
 //!   -> GPU phase -> CRIU dump (tree frozen; afterwards left running, or left stopped for
 //!   eviction) -> upload pages and images -> write manifest (commit)
 //!   -> eviction: kill the stopped tree
-//! on any failure after the GPU phase: the tree is given back as it was (`hold.rs`)
+//! on any failure after the GPU phase: the tree is given back as it was (`rollback.rs`)
 //! ```
 
-mod held;
-mod hold;
+mod crash_record;
+mod rollback;
 mod store;
 
 use std::path::Path;
@@ -29,7 +29,7 @@ use super::{CheckpointCost, CheckpointError, Engine, ProgressFn, ProgressUpdate}
 use crate::criu::pageserver::PageSink;
 use crate::criu::{DumpSpec, NetworkLock};
 use crate::store::{DumpPages, Staging};
-use hold::Hold;
+use rollback::Hold;
 use store::{DumpTiming, Dumped};
 pub(in crate::engine) use store::{stats_of, tree_options};
 
@@ -447,7 +447,7 @@ impl Engine {
                 warn!(checkpoint = %job.id, pids = ?left, "evicted processes still present (not our children?)");
             }
         }
-        held::HeldTree::clear(&self.state.held_dir(), &job.id);
+        crash_record::HeldTree::clear(&self.state.held_dir(), &job.id);
         stats.total_ms = ms(job.started.elapsed());
         self.remember_checkpoint(&job.workload, job.pid, tree, &job.id, &stats);
         info!(checkpoint = %job.id, workload = %job.workload, ?stats, "checkpoint stored");

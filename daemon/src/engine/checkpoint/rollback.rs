@@ -17,13 +17,13 @@ use super::super::gpu::Suspended;
 use super::super::inspect::TreeInfo;
 use super::super::sockets;
 use super::super::{CheckpointError, Engine};
-use super::held::HeldTree;
+use super::crash_record::HeldTree;
 use crate::criu::NetworkLock;
 
 pub(super) struct Hold<'a> {
     engine: &'a Engine,
     tree: &'a TreeInfo,
-    /// What a crashed stasisd's next start needs to give the tree back (`held.rs`).
+    /// What a crashed stasisd's next start needs to give the tree back (`crash_record.rs`).
     record: HeldTree,
     /// The dump's images: they name CRIU's network lock.
     images: &'a Path,

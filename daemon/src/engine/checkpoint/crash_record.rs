@@ -23,7 +23,7 @@ use tracing::{info, warn};
 
 use super::super::Engine;
 use super::super::inspect::TreeInfo;
-use super::hold::HeldProcesses;
+use super::rollback::HeldProcesses;
 use crate::criu::NetworkLock;
 use crate::linux::proc::ProcStat;
 use crate::store::StoreError;
