@@ -149,6 +149,8 @@ pub enum CheckpointError {
         #[source]
         source: io::Error,
     },
+    #[error("stasisd's {what} {how}: a bug in stasisd; the workload was left running")]
+    Panicked { what: &'static str, how: String },
     #[error(transparent)]
     Gpu(#[from] super::gpu::GpuError),
     #[error("stasisd is shutting down; no new jobs are accepted")]
@@ -212,6 +214,8 @@ pub enum RestoreError {
         #[source]
         source: io::Error,
     },
+    #[error("stasisd's {what} {how}: a bug in stasisd")]
+    Panicked { what: &'static str, how: String },
     #[error("checkpoint {id} cannot be restored on this node's GPUs; nothing was restored")]
     GpuPlacement {
         id: String,
@@ -269,6 +273,31 @@ impl RestoreError {
     pub(super) fn local(what: &'static str) -> impl Fn(io::Error) -> Self {
         move |source| Self::Local { what, source }
     }
+
+    /// The error of `what`, a task or thread that ended without its result.
+    pub(super) fn panicked(what: &'static str) -> impl Fn(tokio::task::JoinError) -> Self {
+        move |e| Self::Panicked { what, how: how_it_ended(&e) }
+    }
+}
+
+impl CheckpointError {
+    /// The error of `what`, a task or thread that ended without its result.
+    pub(super) fn panicked(what: &'static str) -> impl Fn(tokio::task::JoinError) -> Self {
+        move |e| Self::Panicked { what, how: how_it_ended(&e) }
+    }
+}
+
+/// How a task that gave no result ended: `panicked: <its message>`, or `was cancelled`.
+pub(super) fn how_it_ended(e: &tokio::task::JoinError) -> String {
+    if e.is_cancelled() {
+        return "was cancelled".into();
+    }
+    // JoinError's Display is "task <id> panicked with message \"...\"".
+    let text = e.to_string();
+    match text.split_once(" panicked with message ") {
+        Some((_, message)) => format!("panicked: {}", message.trim_matches('"')),
+        None => "panicked".into(),
+    }
 }
 
 /// `list`, `show` or `delete` failed.
@@ -307,4 +336,23 @@ pub enum PolicyError {
     RootOnly(&'static str),
     #[error("cannot update the workload registry")]
     Registry(#[source] io::Error),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panicked_task_is_reported_as_one_with_its_message() {
+        let panicked = tokio::spawn(async { panic!("the index was {}", 7) }).await.unwrap_err();
+        let e = CheckpointError::panicked("dump thread")(panicked);
+        assert_eq!(
+            e.to_string(),
+            "stasisd's dump thread panicked: the index was 7: a bug in stasisd; the workload was left running"
+        );
+        let task = tokio::spawn(std::future::pending::<()>());
+        task.abort();
+        let e = RestoreError::panicked("restore job")(task.await.unwrap_err());
+        assert_eq!(e.to_string(), "stasisd's restore job was cancelled: a bug in stasisd");
+    }
 }

@@ -220,7 +220,7 @@ impl Engine {
             Ok::<_, GpuError>(suspended)
         })
         .await
-        .map_err(|e| CheckpointError::Local { what: "GPU thread", source: std::io::Error::other(e) })??;
+        .map_err(CheckpointError::panicked("GPU thread"))??;
         Ok(Some(suspended))
     }
 
@@ -230,7 +230,7 @@ impl Engine {
         let pids = pids.to_vec();
         let took = tokio::task::spawn_blocking(move || resume(&gpu, &pids))
             .await
-            .map_err(|e| CheckpointError::Local { what: "GPU thread", source: std::io::Error::other(e) })??;
+            .map_err(CheckpointError::panicked("GPU thread"))??;
         Ok(took)
     }
 }

@@ -138,7 +138,7 @@ impl Engine {
         let this = self.clone();
         let job = async move { this.restore_job(params, progress).await };
         let joined = self.tracked("restore", job, crate::metrics::Metrics::restore_done).await;
-        joined.map_err(|e| RestoreError::Local { what: "job", source: std::io::Error::other(e) })?
+        joined.map_err(RestoreError::panicked("restore job"))?
     }
 
     pub(super) async fn find_manifest(&self, target: &RestoreTarget) -> Result<Manifest, RestoreError> {
@@ -428,7 +428,7 @@ impl Engine {
         let criu = self.criu.clone();
         let restored = tokio::task::spawn_blocking(move || criu.restore(&spec, &mut on_notify))
             .await
-            .map_err(|e| RestoreError::local("restore thread")(std::io::Error::other(e)))
+            .map_err(RestoreError::panicked("restore thread"))
             .and_then(|r| r.map_err(|source| RestoreError::Criu { id: id.clone(), source }));
         let unguarded = faults.as_ref().and_then(FaultGuard::not_started);
         match (restored, unguarded) {
@@ -478,7 +478,7 @@ impl Engine {
         let (id, pid) = (outcome.id.clone(), outcome.pid);
         let watched = match watch.await {
             Ok(watched) => watched.map_err(|source| RestoreError::Lazy { id, lazy, pid, source }),
-            Err(e) => Err(RestoreError::local("lazy restore task")(std::io::Error::other(e))),
+            Err(e) => Err(RestoreError::panicked("memory-serving task")(e)),
         };
         let (lazy_bytes, resident_at) = watched.inspect_err(|e| {
             // The tree is gone: whoever looks at the workload next learns why.
@@ -512,7 +512,7 @@ impl Engine {
         progress(ProgressUpdate { phase: "gpu restore", done: 0, total: 0 });
         let result = tokio::task::spawn_blocking(move || gpu::reattach(&gpu, &pids, &pairs))
             .await
-            .map_err(|e| RestoreError::Local { what: "GPU thread", source: std::io::Error::other(e) })?;
+            .map_err(RestoreError::panicked("GPU thread"))?;
         result.map_err(|source| RestoreError::Gpu { id, source })
     }
 

@@ -64,6 +64,7 @@ impl From<CheckpointError> for Status {
             CheckpointError::Gpu(_) => Code::FailedPrecondition,
             CheckpointError::Inspect { .. }
             | CheckpointError::Local { .. }
+            | CheckpointError::Panicked { .. }
             | CheckpointError::Rollback { .. } => Code::Internal,
         };
         status(code, &e)
@@ -102,7 +103,7 @@ fn restore_code(e: &RestoreError) -> Code {
         RestoreError::ShuttingDown => Code::Unavailable,
         RestoreError::Gpu { .. } => Code::Internal,
         RestoreError::GpuPlacement { .. } => Code::FailedPrecondition,
-        RestoreError::Local { .. } => Code::Internal,
+        RestoreError::Local { .. } | RestoreError::Panicked { .. } => Code::Internal,
         RestoreError::LazyStart { .. } => Code::Internal,
         RestoreError::Lazy { .. } | RestoreError::LazyDuringRestore { .. } => Code::Aborted,
     }

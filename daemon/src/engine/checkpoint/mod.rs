@@ -179,7 +179,7 @@ impl Engine {
         let this = self.clone();
         let job = async move { this.checkpoint_job(params, progress).await };
         let joined = self.tracked("checkpoint", job, crate::metrics::Metrics::checkpoint_done).await;
-        joined.map_err(|e| CheckpointError::Local { what: "job", source: std::io::Error::other(e) })?
+        joined.map_err(CheckpointError::panicked("checkpoint job"))?
     }
 
     fn resolve_target(&self, target: &Target) -> Result<(String, i32), CheckpointError> {
@@ -411,7 +411,7 @@ impl Engine {
         let (criu, version) = (self.criu.clone(), self.criu_version);
         let dumped = tokio::task::spawn_blocking(move || dump::dump(criu.as_ref(), version, spec, sink))
             .await
-            .map_err(|e| CheckpointError::Local { what: "dump thread", source: std::io::Error::other(e) })?;
+            .map_err(CheckpointError::panicked("dump thread"))?;
         let (frozen_at, sink) = dumped.map_err(|failure| failure.into_error(job.workload.clone()))?;
         let dump_done = Instant::now();
         // Unknown only from a CRIU that ran no action scripts: then the whole job counts.

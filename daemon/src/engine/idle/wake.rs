@@ -111,7 +111,7 @@ impl Engine {
         let engine = self.clone();
         let mut job = tokio::spawn(async move { engine.restore(params, Arc::new(|_| {})).await });
         let joined = |done: Result<Result<RestoreOutcome, RestoreError>, tokio::task::JoinError>| {
-            done.map_err(|e| local("restore task")(std::io::Error::other(e)))?.map_err(Arc::new)
+            done.map_err(|e| Arc::new(RestoreError::panicked("restore task")(e)))?.map_err(Arc::new)
         };
         let result = tokio::select! {
             ran = ran => match ran {

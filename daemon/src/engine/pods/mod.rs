@@ -227,7 +227,7 @@ impl Engine {
             // The job ended before its checkpoint was durable: its error says why.
             Err(_) => job
                 .await
-                .map_err(|e| CheckpointError::Local { what: "eviction", source: std::io::Error::other(e) })?,
+                .map_err(CheckpointError::panicked("eviction"))?,
         }
     }
 

@@ -90,7 +90,7 @@ impl Engine {
         let pid = match runs.await {
             Ok(outcome) => outcome.pid,
             Err(_) => {
-                job.await.map_err(|e| RestoreError::local("restore job")(std::io::Error::other(e)))??.pid
+                job.await.map_err(RestoreError::panicked("restore job"))??.pid
             }
         };
         let inner = proc::pid_inside(pid, c.init_pid).unwrap_or_default();
