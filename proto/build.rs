@@ -41,6 +41,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "proto/stasis/v1/manifest.proto",
             "proto/criu/rpc.proto",
             "proto/criu/pagemap.proto",
+            "proto/criu/refs.proto",
             "proto/cri/runtime.proto",
             "proto/nri/api.proto",
             "proto/nri/ttrpc.proto",

@@ -19,6 +19,11 @@ pub mod stasis {
 /// CRIU's RPC messages (`criu swrk`), as far as stasis uses them.
 pub mod criu {
     tonic::include_proto!("criu");
+
+    /// What stasisd reads of CRIU's images to follow which images refer to which.
+    pub mod refs {
+        tonic::include_proto!("criu.refs");
+    }
 }
 
 /// The part of the Kubernetes CRI (`runtime.v1.RuntimeService`) stasis uses.

@@ -56,13 +56,14 @@ impl FakeCriu {
         self.calls.lock().unwrap().clone()
     }
 
-    /// Sends one page of `pid` at 0x10000 to the page server on `fd`, then closes the session
-    /// the way CRIU does.
+    /// Sends one page of `pid` at 0x10000 to the page server on `fd` (opening its pagemap
+    /// first), then closes the session the way CRIU does.
     fn send_pages(&self, fd: RawFd, pid: i32) -> Result<(), CriuError> {
         let layout = HeaderLayout::for_version(self.version.major, self.version.minor);
         let mut conn = UnixStream::from(crate::linux::sys::duplicate(fd).map_err(CriuError::Io)?);
         let dst_id = ((pid as u64) << 8) | 1;
-        let mut message = layout.encode(1, 1, 0x10000, dst_id);
+        let mut message = layout.encode(3, 0, 0, dst_id);
+        message.extend(layout.encode(1, 1, 0x10000, dst_id));
         message.extend(std::iter::repeat_n(0x5a, 4096));
         message.extend(layout.encode(IOV_CLOSE, 0, 0, 0));
         conn.write_all(&message).map_err(CriuError::Io)?;
@@ -103,6 +104,8 @@ impl CriuOps for FakeCriu {
         if let Some(fd) = spec.page_server_fd {
             self.send_pages(fd, spec.pid)?;
         }
+        // The images CRIU writes beside the pages: a whole set with the page server's pagemap.
+        super::image_set_tests::write_dump_images(&spec.images_dir, spec.pid as u32, &[]);
         if let Some(hook) = &self.on_dump {
             hook(spec);
         }

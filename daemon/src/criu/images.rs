@@ -14,12 +14,12 @@ use stasis_proto::criu::{InventoryEntry, MmLayout, PagemapEntry, PagemapHead, Ps
 use super::cow::Layout;
 use super::pageserver::PageRun;
 
-const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
+pub(super) const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
 const PAGEMAP_MAGIC: u32 = 0x5608_4025;
-const PSTREE_MAGIC: u32 = 0x5027_3030;
+pub(super) const PSTREE_MAGIC: u32 = 0x5027_3030;
 const MM_MAGIC: u32 = 0x5749_2820;
-const TYPE_TASK: u64 = 1;
-const TYPE_SHMEM: u64 = 2;
+pub(super) const TYPE_TASK: u64 = 1;
+pub(super) const TYPE_SHMEM: u64 = 2;
 
 /// Name of CRIU's inventory image.
 pub const INVENTORY_FILE: &str = "inventory.img";
@@ -144,7 +144,7 @@ pub fn read_mm(data: &[u8]) -> io::Result<Layout> {
 }
 
 /// The bodies of the messages in an image with magic `magic` (after the common magic).
-fn entries<'a>(data: &'a [u8], magic: u32, what: &'static str) -> io::Result<Vec<&'a [u8]>> {
+pub(super) fn entries<'a>(data: &'a [u8], magic: u32, what: &'static str) -> io::Result<Vec<&'a [u8]>> {
     let invalid = invalid(what);
     if word(data, 0) != Some(IMG_COMMON_MAGIC) || word(data, 4) != Some(magic) {
         return Err(invalid("wrong magic".into()));
@@ -171,7 +171,7 @@ fn invalid(what: &'static str) -> impl Fn(String) -> io::Error {
     move |why| io::Error::new(io::ErrorKind::InvalidData, format!("{what} image: {why}"))
 }
 
-fn push(out: &mut Vec<u8>, message: &impl Message) {
+pub(super) fn push(out: &mut Vec<u8>, message: &impl Message) {
     let body = message.encode_to_vec();
     out.extend_from_slice(&(body.len() as u32).to_ne_bytes());
     out.extend_from_slice(&body);

@@ -9,6 +9,9 @@ pub mod cow;
 mod error;
 #[cfg(test)]
 pub mod fake;
+pub mod image_set;
+#[cfg(test)]
+pub(crate) mod image_set_tests;
 pub mod images;
 pub mod lazy_socket;
 mod log;

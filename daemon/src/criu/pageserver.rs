@@ -16,6 +16,10 @@
 //! dedup happens in the store), `PARENT` with a 4-byte int, and `CLOSE`/`FORCE_CLOSE` with a
 //! 4-byte zero once everything is received. `ADD_F` with the present flag is followed by the
 //! pages' bytes. Nothing else is answered.
+//!
+//! `OPEN`/`OPEN2` name a pagemap CRIU's restore will want, whether or not any page of it
+//! follows: a shared anonymous mapping never written has none, and its pagemap must still
+//! exist (empty) for the restore. So the sink hears of every one.
 
 use std::io::{self, Read, Write};
 
@@ -115,6 +119,10 @@ impl PageRun {
 
 /// Where received pages go.
 pub trait PageSink {
+    /// CRIU opened pagemap `dst_id` (`(id << 8) | type`): the dump has that memory image,
+    /// even if no run of it follows.
+    fn open(&mut self, dst_id: u64) -> io::Result<()>;
+
     /// Takes a run; when it has data, exactly `run.byte_len()` bytes must be read from `data`.
     fn run(&mut self, run: PageRun, data: &mut dyn Read) -> io::Result<()>;
 }
@@ -128,6 +136,8 @@ pub enum PageServerError {
     Unflushed,
     #[error("unexpected page-server command {cmd:#x}")]
     BadCommand { cmd: u32 },
+    #[error("CRIU opened pagemap {dst_id:#x}, of a kind stasis does not know")]
+    BadDestination { dst_id: u64 },
     #[error("page run of {nr_pages} pages at {vaddr:#x} is out of bounds")]
     BadRun { vaddr: u64, nr_pages: u64 },
     #[error("storing received pages failed")]
@@ -161,9 +171,16 @@ pub fn serve<C: Read + Write>(
         let (cmd, flags) = (raw & 0xffff, raw >> 16);
         let run = |flags| PageRun { dst_id, vaddr, nr_pages, flags };
         match cmd {
-            IOV_OPEN2 => conn.write_all(&[0]).map_err(PageServerError::Io)?,
+            IOV_OPEN | IOV_OPEN2 => {
+                if super::images::pagemap_file_name(dst_id).is_none() {
+                    return Err(PageServerError::BadDestination { dst_id });
+                }
+                sink.open(dst_id).map_err(PageServerError::Sink)?;
+                if cmd == IOV_OPEN2 {
+                    conn.write_all(&[0]).map_err(PageServerError::Io)?;
+                }
+            }
             IOV_PARENT => conn.write_all(&0i32.to_ne_bytes()).map_err(PageServerError::Io)?,
-            IOV_OPEN => {}
             IOV_ADD | IOV_ADD_F | IOV_HOLE => {
                 let flags = match cmd {
                     IOV_ADD => PE_PRESENT,
@@ -237,9 +254,14 @@ pub(super) mod tests {
     }
 
     #[derive(Default)]
-    struct Collect(Vec<(PageRun, Vec<u8>)>);
+    struct Collect(Vec<(PageRun, Vec<u8>)>, Vec<u64>);
 
     impl PageSink for Collect {
+        fn open(&mut self, dst_id: u64) -> io::Result<()> {
+            self.1.push(dst_id);
+            Ok(())
+        }
+
         fn run(&mut self, run: PageRun, data: &mut dyn Read) -> io::Result<()> {
             let mut bytes = vec![0; if run.has_data() { run.byte_len() as usize } else { 0 }];
             data.read_exact(&mut bytes)?;
@@ -268,6 +290,32 @@ pub(super) mod tests {
         );
         assert!(sink.0[0].1.iter().all(|b| *b == 0xab));
         assert!(!sink.0[1].0.has_data());
+        assert_eq!(sink.1, [pid_map]);
+    }
+
+    #[test]
+    fn a_pagemap_opened_without_pages_is_passed_on() {
+        // A shared anonymous mapping never written: CRIU opens its pagemap and sends nothing.
+        let (task, shmem) = ((42 << 8) | 1, (13285 << 8) | 2);
+        let mut input = header(IOV_OPEN2, 0, 0, task);
+        input.extend(header(IOV_ADD_F | (PE_PRESENT << 16), 1, 0x7000, task));
+        input.extend(vec![1; PAGE_SIZE as usize]);
+        input.extend(header(IOV_OPEN, 0, 0, shmem));
+        input.extend(header(IOV_CLOSE, 0, 0, 0));
+        let mut wire = Wire { input: io::Cursor::new(input), output: Vec::new() };
+        let mut sink = Collect::default();
+        serve(&mut wire, HeaderLayout::Wide, &mut sink).unwrap();
+        assert_eq!(sink.1, [task, shmem], "both pagemaps, the empty one too");
+        assert_eq!(sink.0.len(), 1);
+        // OPEN is not answered, OPEN2 is.
+        assert_eq!(wire.output, [0, 0, 0, 0, 0]);
+
+        let mut wire =
+            Wire { input: io::Cursor::new(header(IOV_OPEN2, 0, 0, (7 << 8) | 9)), output: Vec::new() };
+        assert!(matches!(
+            serve(&mut wire, HeaderLayout::Wide, &mut Collect::default()),
+            Err(PageServerError::BadDestination { dst_id }) if dst_id == (7 << 8) | 9
+        ));
     }
 
     #[test]

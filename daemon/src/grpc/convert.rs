@@ -27,6 +27,7 @@ pub(super) fn store_code(e: &StoreError) -> Code {
         | StoreError::CorruptChunk { .. }
         | StoreError::MissingChunk { .. }
         | StoreError::MissingPack { .. }
+        | StoreError::Images(_)
         | StoreError::Unreadable { .. } => Code::DataLoss,
         StoreError::Backend { .. } | StoreError::Lease { .. } | StoreError::Busy(_) => Code::Unavailable,
         StoreError::Local { .. } | StoreError::DumpUnfinished => Code::Internal,

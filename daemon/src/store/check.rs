@@ -1,7 +1,9 @@
 //! Verifying a store, as `restic check` does: every manifest reads and verifies, every pack
 //! index reads, every pack is as long as its index says, every chunk a checkpoint references
-//! is in such a pack, and with `read_data` every stored chunk decompresses to the bytes of
-//! its hash. Each problem names what it breaks: the checkpoints that reference what is bad.
+//! is in such a pack, every checkpoint's images are a set CRIU can restore (each image the
+//! others refer to is there: see `criu::image_set`), and with `read_data` every stored chunk
+//! decompresses to the bytes of its hash. Each problem names what it breaks: the checkpoints
+//! that reference what is bad.
 //!
 //! Garbage collection waits while a check runs (the same lock commits take), so a check never
 //! reports a pack that collection removed under it.
@@ -59,8 +61,28 @@ impl Store {
         }
         for m in &listing.manifests {
             check_manifest(m, &locations, &bad_packs, &bad_chunks, &mut report);
+            if !report.broken.contains_key(&m.id) {
+                self.check_images(m, &mut report).await?;
+            }
         }
         Ok(report)
+    }
+
+    /// Adds to `report` why the images of checkpoint `m` (whose chunks are all stored) are not
+    /// a set CRIU can restore, if they are not.
+    async fn check_images(&self, m: &Manifest, report: &mut CheckReport) -> Result<(), StoreError> {
+        let why = match self.check_image_set(m).await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(incomplete)) => incomplete.to_string(),
+            Err(e @ (StoreError::Backend { .. } | StoreError::Busy(_) | StoreError::Local { .. })) => {
+                return Err(e);
+            }
+            Err(unreadable) => format!("its images cannot be read: {}", crate::error_chain(&unreadable)),
+        };
+        tracing::warn!(checkpoint = %m.id, reason = %why, "a checkpoint CRIU cannot restore");
+        report.problems.push(format!("checkpoint {} cannot be restored: {why}", m.id));
+        report.breaks(&m.id, why);
+        Ok(())
     }
 
     /// Reads every pack index and checks each pack's size; returns where each chunk is stored
@@ -211,7 +233,8 @@ mod tests {
             (0..pages * PAGE_SIZE as usize).map(|i| (i as u8).wrapping_mul(seed) ^ (i >> 12) as u8).collect();
         let work = dir.join(id);
         std::fs::create_dir_all(work.join("images")).unwrap();
-        std::fs::write(work.join("images/core-1.img"), format!("core of {id}")).unwrap();
+        crate::criu::image_set_tests::write_dump_images(&work.join("images"), 1, &[]);
+        std::fs::write(work.join("images/stats-of-1.img"), format!("stats of {id}")).unwrap();
         let mut staging = Staging::new(&crate::store::StagingBudget::new(64 << 20), &work.join("spill"));
         let run = PageRun { dst_id: (1 << 8) | 1, vaddr: 0x10000, nr_pages: pages as u64, flags: PE_PRESENT };
         staging.run(run, &mut bytes.as_slice()).unwrap();

@@ -34,7 +34,7 @@ async fn stored(dir: &std::path::Path) -> (Store, Manifest, [Vec<u8>; 3]) {
     let store = Store::in_dir(&dir.join("store"));
     let images = dir.join("images");
     std::fs::create_dir_all(&images).unwrap();
-    std::fs::write(images.join("core-42.img"), b"core").unwrap();
+    crate::criu::image_set_tests::write_dump_images(&images, PID as u32, &[]);
     let mut a = bytes(40 * PAGE_SIZE as usize, 1);
     a[PAGE_SIZE as usize * 16..PAGE_SIZE as usize * 32].fill(0);
     let data = [a, bytes(8 * PAGE_SIZE as usize, 2), bytes(2 * PAGE_SIZE as usize, 3)];
@@ -71,7 +71,8 @@ async fn lazy_memory_is_left_in_the_store_and_served_verified() {
     let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
     assert_eq!(memory.bytes(), a.len() as u64, "only the first run is left lazy");
     assert_eq!(std::fs::read(out.join("pages-1.img")).unwrap(), [b.as_slice(), c.as_slice()].concat());
-    assert_eq!(std::fs::read(out.join("core-42.img")).unwrap(), b"core");
+    let core = std::fs::read(dir.path().join("images/core-42.img")).unwrap();
+    assert_eq!(std::fs::read(out.join("core-42.img")).unwrap(), core);
 
     let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS, true).unwrap();
     let memory = reader.memory();

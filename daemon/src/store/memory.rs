@@ -14,7 +14,7 @@ use stasis_proto::stasis::v1::{MemoryImage, PageRun as StoredRun};
 
 use super::chunks::{ChunkWriter, UploaderGone, WindowCutter};
 use super::staging::Staged;
-use super::stream::{StreamSource, Unfinished};
+use super::stream::{Received, StreamSource, Unfinished};
 use crate::criu::pageserver::PageRun;
 
 /// Builds the memory images of one dump from runs in CRIU's order (per destination; the
@@ -46,6 +46,16 @@ impl Building {
 }
 
 impl MemoryChunker {
+    /// The image of `dst_id`, made empty when it is new: an image CRIU opened is kept even if
+    /// no run of it comes (a shared anonymous mapping never written), as CRIU's restore
+    /// wants its pagemap.
+    fn image(&mut self, dst_id: u64) -> &mut Building {
+        self.images.entry(dst_id).or_insert_with(|| {
+            self.order.push(dst_id);
+            Building { image: MemoryImage { dst_id, ..Default::default() }, open: None }
+        })
+    }
+
     /// Takes `run`, whose bytes are `pieces` in order (none for a run without data).
     fn feed(
         &mut self,
@@ -53,10 +63,7 @@ impl MemoryChunker {
         run: PageRun,
         pieces: &[&[u8]],
     ) -> Result<(), UploaderGone> {
-        let building = self.images.entry(run.dst_id).or_insert_with(|| {
-            self.order.push(run.dst_id);
-            Building { image: MemoryImage { dst_id: run.dst_id, ..Default::default() }, open: None }
-        });
+        let building = self.image(run.dst_id);
         if !building.open.as_ref().is_some_and(|(open, _)| open.continued_by(&run)) {
             building.close(writer)?;
             building.open = Some((PageRun { nr_pages: 0, ..run }, WindowCutter::new(run.vaddr)));
@@ -87,6 +94,9 @@ pub(super) fn staged_images(
     advance: &mut dyn FnMut(u64),
 ) -> Result<Vec<MemoryImage>, UploaderGone> {
     let mut chunker = MemoryChunker::default();
+    for &dst_id in staged.opened() {
+        chunker.image(dst_id);
+    }
     for joined in staged.runs().chunk_by(|a, b| a.run.continued_by(&b.run)) {
         let run = PageRun { nr_pages: joined.iter().map(|r| r.run.nr_pages).sum(), ..joined[0].run };
         let pieces: Vec<&[u8]> = joined.iter().map(|r| staged.bytes(r)).collect();
@@ -111,9 +121,16 @@ pub(super) fn streamed_images(
     advance: &mut dyn FnMut(u64),
 ) -> Result<Vec<MemoryImage>, StreamFailure> {
     let mut chunker = MemoryChunker::default();
-    let taken = source.each(|block| {
-        chunker.feed(writer, block.run, &[block.bytes()])?;
-        advance(block.bytes().len() as u64);
+    let taken = source.each(|received| {
+        match received {
+            Received::Opened(dst_id) => {
+                chunker.image(dst_id);
+            }
+            Received::Block(block) => {
+                chunker.feed(writer, block.run, &[block.bytes()])?;
+                advance(block.bytes().len() as u64);
+            }
+        }
         Ok(())
     });
     match taken {

@@ -21,6 +21,7 @@ mod cow;
 pub mod crypto;
 pub mod envelope;
 mod gc;
+mod image_check;
 mod image_runs;
 mod index;
 mod lazy_memory;
@@ -101,6 +102,9 @@ pub enum StoreError {
     Unreadable { id: String, reason: String, more: usize },
     #[error("the store is busy: {0}; try again later")]
     Busy(String),
+    /// A dump's images lack one that another refers to: CRIU's restore of it would fail.
+    #[error("the dump's images are not a set CRIU can restore")]
+    Images(#[source] crate::criu::image_set::ImageSetError),
     /// A dump stored while CRIU sent it ended before all its pages came (the dump failed).
     #[error("the dump ended before all its pages arrived")]
     DumpUnfinished,

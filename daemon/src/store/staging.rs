@@ -96,6 +96,8 @@ pub struct Staging {
     spill: Option<File>,
     spilled: u64,
     runs: Vec<StagedRun>,
+    /// The memory images CRIU opened, in order: some may have no run.
+    opened: Vec<u64>,
 }
 
 impl Staging {
@@ -110,6 +112,7 @@ impl Staging {
             spill: None,
             spilled: 0,
             runs: Vec::new(),
+            opened: Vec::new(),
         }
     }
 
@@ -152,6 +155,7 @@ impl Staging {
             spill,
             spill_path: self.spill_path,
             runs: self.runs,
+            opened: self.opened,
             _held: self.held,
         })
     }
@@ -195,6 +199,13 @@ impl Staging {
 }
 
 impl PageSink for Staging {
+    fn open(&mut self, dst_id: u64) -> io::Result<()> {
+        if !self.opened.contains(&dst_id) {
+            self.opened.push(dst_id);
+        }
+        Ok(())
+    }
+
     fn run(&mut self, run: PageRun, data: &mut dyn Read) -> io::Result<()> {
         let loc = if !run.has_data() {
             Loc::None
@@ -237,6 +248,7 @@ pub struct Staged {
     spill: Option<Mmap>,
     spill_path: PathBuf,
     runs: Vec<StagedRun>,
+    opened: Vec<u64>,
     /// Its share of the staging budget, given back with its memory.
     _held: Held,
 }
@@ -245,6 +257,12 @@ impl Staged {
     /// The runs, in the order CRIU sent them.
     pub fn runs(&self) -> &[StagedRun] {
         &self.runs
+    }
+
+    /// The memory images CRIU opened (page-server destination ids), in order, whether or not
+    /// any run of them came.
+    pub fn opened(&self) -> &[u64] {
+        &self.opened
     }
 
     /// The bytes of a run (empty for runs without data).

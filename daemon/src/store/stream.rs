@@ -99,9 +99,19 @@ impl Block {
 }
 
 enum Message {
+    /// CRIU opened a memory image (a page-server destination id); runs of it may follow.
+    Opened(u64),
     Block(Block),
     /// The dump succeeded and every page was sent.
     End,
+}
+
+/// What the store's side takes, in the order CRIU sent it.
+#[derive(Debug)]
+pub enum Received<'a> {
+    /// A memory image CRIU opened, which the dump has even if no page of it follows.
+    Opened(u64),
+    Block(&'a Block),
 }
 
 /// The page server's side: a [`PageSink`] that passes pages on in blocks.
@@ -162,6 +172,11 @@ impl StreamSink {
 }
 
 impl PageSink for StreamSink {
+    fn open(&mut self, dst_id: u64) -> io::Result<()> {
+        self.ship()?;
+        self.blocks.send(Message::Opened(dst_id)).map_err(|_| store_stopped())
+    }
+
     fn run(&mut self, run: PageRun, data: &mut dyn Read) -> io::Result<()> {
         if !self.continues(&run) {
             self.ship()?;
@@ -194,14 +209,19 @@ impl PageSink for StreamSink {
 }
 
 impl StreamSource {
-    /// Calls `take` with every block in order; each buffer goes back to the pool after it.
+    /// Calls `take` with every block and opened image in order; each buffer goes back to the
+    /// pool after it.
     /// `Err(Ok(Unfinished))` when the stream ended before [`StreamSink::finish`];
     /// `Err(Err(e))` when `take` failed (the sink then sees the store stopped).
-    pub fn each<E>(self, mut take: impl FnMut(&Block) -> Result<(), E>) -> Result<(), Result<Unfinished, E>> {
+    pub fn each<E>(
+        self,
+        mut take: impl FnMut(Received<'_>) -> Result<(), E>,
+    ) -> Result<(), Result<Unfinished, E>> {
         for message in self.blocks.iter() {
             match message {
                 Message::End => return Ok(()),
-                Message::Block(block) => take(&block).map_err(Err)?,
+                Message::Opened(dst_id) => take(Received::Opened(dst_id)).map_err(Err)?,
+                Message::Block(block) => take(Received::Block(&block)).map_err(Err)?,
             }
         }
         Err(Ok(Unfinished))
@@ -225,22 +245,29 @@ mod tests {
         let pages = BLOCK / PAGE;
         let data: Vec<u8> = (0..(pages + 3) * PAGE).map(|i| (i / PAGE) as u8).collect();
         let consumer = std::thread::spawn(move || {
-            let mut got = Vec::new();
-            let end = source.each(|b| {
-                got.push((b.run, b.bytes().to_vec()));
+            let (mut got, mut opened) = (Vec::new(), Vec::new());
+            let end = source.each(|r| {
+                match r {
+                    Received::Opened(dst_id) => opened.push((dst_id, got.len())),
+                    Received::Block(b) => got.push((b.run, b.bytes().to_vec())),
+                }
                 Ok::<_, ()>(())
             });
-            (end, got)
+            (end, got, opened)
         });
         // Two runs that continue each other and cross the block size, then a hole, then
-        // another destination.
+        // another destination, then one opened without runs.
+        sink.open(1).unwrap();
         sink.run(run(1, 0x10000, 2, PE_PRESENT), &mut &data[..2 * PAGE]).unwrap();
         sink.run(run(1, 0x12000, (pages + 1) as u64, PE_PRESENT), &mut &data[2 * PAGE..]).unwrap();
         sink.run(run(1, 0x9_0000_0000, 4, 0), &mut &[][..]).unwrap();
+        sink.open(2).unwrap();
         sink.run(run(2, 0x10000, 1, PE_PRESENT), &mut &data[..PAGE]).unwrap();
+        sink.open(3).unwrap();
         sink.finish().unwrap();
-        let (end, got) = consumer.join().unwrap();
+        let (end, got, opened) = consumer.join().unwrap();
         assert_eq!(end, Ok(()));
+        assert_eq!(opened, [(1, 0), (2, 3), (3, 4)], "each opening in its place among the blocks");
         let runs: Vec<PageRun> = got.iter().map(|(r, _)| *r).collect();
         assert_eq!(
             runs,
@@ -265,7 +292,7 @@ mod tests {
         assert_eq!(source.each(|_| Ok::<_, ()>(())), Err(Ok(Unfinished)));
 
         let (mut sink, source) = stream(&BlockPool::default());
-        let consumer = std::thread::spawn(move || source.each(|_| Err("store down")));
+        let consumer = std::thread::spawn(move || source.each(|_| Err::<(), _>("store down")));
         let full = vec![1u8; BLOCK];
         sink.run(run(1, 0, (BLOCK / PAGE) as u64, PE_PRESENT), &mut &full[..]).unwrap();
         assert_eq!(consumer.join().unwrap(), Err(Err("store down")));
@@ -292,7 +319,8 @@ mod tests {
                 let receiver = std::thread::spawn(move || {
                     let mut blocks = 0;
                     source
-                        .each(|b| {
+                        .each(|r| {
+                            let Received::Block(b) = r else { return Ok(()) };
                             assert_eq!(b.bytes().len(), BLOCK);
                             blocks += 1;
                             std::thread::sleep(Duration::from_millis(1));

@@ -10,12 +10,14 @@ use object_store::{PutPayload, WriteMultipart};
 use stasis_proto::stasis::v1::{ChunkRef, FileImage, MemoryImage};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
+use tracing::warn;
 
 use super::chunks::{CHUNK, ChunkStats, ChunkWriter, FinishedPack, UploaderGone, aligned_windows};
 use super::memory::{StreamFailure, staged_images, streamed_images};
 use super::staging::Staged;
 use super::stream::StreamSource;
 use super::{Progress, Store, StoreError, envelope};
+use crate::criu::image_set::{check_dir, image_names};
 
 /// Packs uploaded at the same time.
 const UPLOADS_IN_FLIGHT: usize = 4;
@@ -93,6 +95,14 @@ impl Store {
                 }
             };
             let files = list_images(&dir, &skip)?;
+            // Nothing is committed that CRIU cannot restore (issue 24: a shared mapping never
+            // written once had no pagemap).
+            let names =
+                image_names(files.iter().map(|(name, ..)| name.as_str()), memory.iter().map(|m| m.dst_id));
+            check_dir(&dir, &names).map_err(|e| {
+                warn!(images = %dir.display(), error = %e, "a dump's image set is incomplete");
+                StoreError::Images(e)
+            })?;
             let mut images = Vec::with_capacity(files.len());
             for (name, path, size) in files {
                 let chunks = chunk_file(&mut writer, &path, size).map_err(|e| e.unwrap_or_else(&stopped))?;
@@ -234,6 +244,7 @@ fn uploader_stopped(images_dir: &Path) -> impl Fn() -> StoreError + Send + Sync 
 mod tests {
 
     use super::*;
+    use crate::criu::image_set_tests::write_dump_images;
     use crate::criu::pageserver::{PAGE_SIZE, PE_PRESENT, PageRun, PageSink};
     use crate::store::{Manifest, MemoryMode, Staging};
 
@@ -271,6 +282,7 @@ mod tests {
         }
         let images = dir.join("images");
         std::fs::create_dir_all(&images).unwrap();
+        write_dump_images(&images, 42, &[]);
         store
             .store_dump(
                 DumpPages::Staged(Arc::new(staging.finish().unwrap())),
@@ -317,7 +329,7 @@ mod tests {
         let store = Store::in_dir(&dir.path().join("b"));
         let images = dir.path().join("images");
         std::fs::create_dir_all(&images).unwrap();
-        std::fs::write(images.join("core-42.img"), b"written by CRIU during the dump").unwrap();
+        write_dump_images(&images, 42, &[]);
         let (mut sink, source) = crate::store::stream(&crate::store::BlockPool::default());
         let sender = std::thread::spawn(move || {
             // Another destination's run between task 42's, as CRIU never sends but might.
@@ -339,7 +351,12 @@ mod tests {
         assert_eq!(task.runs, staged.memory[0].runs);
         assert_eq!(task.chunks, staged.memory[0].chunks);
         assert_eq!(streamed.memory.len(), 2, "the other destination has its own image");
-        assert_eq!(streamed.files.len(), 1, "the image files are stored after the pages");
+        let names: Vec<&str> = streamed.files.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["core-42.img", "inventory.img", "mm-42.img", "pstree.img"],
+            "the image files are stored after the pages"
+        );
 
         // A stream that ends without its end (the dump failed) stores nothing.
         let (mut sink, source) = crate::store::stream(&crate::store::BlockPool::default());
@@ -359,7 +376,10 @@ mod tests {
         let data: Vec<u8> = (0..FILE_BLOCK + 3 * CHUNK + 123).map(|i| (i * 7 + i / 4096) as u8).collect();
         std::fs::write(images.join("rootfs-diff.tar"), &data).unwrap();
         std::fs::write(images.join("empty"), b"").unwrap();
-        let staging = Staging::new(&crate::store::StagingBudget::new(1 << 20), &dir.path().join("spill"));
+        write_dump_images(&images, 42, &[]);
+        let mut staging = Staging::new(&crate::store::StagingBudget::new(1 << 20), &dir.path().join("spill"));
+        // A process with no page of memory still has its (empty) pagemap.
+        staging.open((42 << 8) | 1).unwrap();
         let staged = Arc::new(staging.finish().unwrap());
         let stored =
             store.store_dump(DumpPages::Staged(staged), &images, &[], Arc::new(|_, _| {})).await.unwrap();

@@ -283,6 +283,8 @@ fn stage_memory(images: &Path, mut staging: Staging) -> Result<Staged, ArchiveEr
                 "{name} refers to pages of a parent dump (a pre-checkpoint) that the archive does not hold"
             )));
         }
+        // An empty pagemap (a shared mapping never written) is kept: CRIU's restore wants it.
+        staging.open(dst_id).map_err(&local)?;
         let pages_name = pages_file_name(pages_id);
         let mut pages = io::BufReader::new(File::open(images.join(&pages_name)).map_err(&local)?);
         for run in runs {
