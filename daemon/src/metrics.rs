@@ -1,16 +1,21 @@
 //! Prometheus metrics of stasisd (opt-in, `--metrics-listen ADDR`): checkpoints and restores
 //! by result, their timings, bytes uploaded and deduplicated, store errors, GPU phase time,
-//! idle reclaims and wakes. Served as text on `GET /metrics` by a minimal HTTP responder.
+//! idle reclaims and wakes. Served as text on `GET /metrics` over HTTP/1 (hyper).
 
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tracing::{debug, info};
 
@@ -162,7 +167,7 @@ pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<(
         let mut failures = 0;
         loop {
             let slot = admission.slot().await;
-            let mut conn = match listener.accept().await {
+            let conn = match listener.accept().await {
                 Ok((conn, _)) => conn,
                 Err(e) => {
                     crate::admission::accept_failed("metrics", &e, &mut failures).await;
@@ -174,17 +179,15 @@ pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<(
             let metrics = metrics.clone();
             tokio::spawn(async move {
                 let _admitted = admitted;
-                let Some(head) = read_head(&mut conn).await else { return };
-                let (status, body) = match head.split_whitespace().take(2).collect::<Vec<_>>()[..] {
-                    ["GET", "/metrics"] => ("200 OK", metrics.render()),
-                    _ => ("404 Not Found", "only GET /metrics is served here\n".to_string()),
-                };
-                let answer = format!(
-                    "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                if let Err(e) = conn.write_all(answer.as_bytes()).await {
-                    debug!(error = %e, "metrics answer not delivered");
+                let service = hyper::service::service_fn(move |request| answer(request, metrics.clone()));
+                let served = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(HEAD_TIMEOUT)
+                    .keep_alive(false)
+                    .serve_connection(TokioIo::new(conn), service)
+                    .await;
+                if let Err(e) = served {
+                    debug!(error = %e, "metrics connection failed");
                 }
             });
         }
@@ -192,19 +195,25 @@ pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<(
     Ok(())
 }
 
-/// The head of an HTTP request (up to its blank line; at most 8 KiB, within 5 s).
-async fn read_head(conn: &mut tokio::net::TcpStream) -> Option<String> {
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
-        let n = tokio::time::timeout_at(deadline, conn.read(&mut buf)).await.ok()?.ok()?;
-        if n == 0 {
-            break;
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
-    Some(String::from_utf8_lossy(&head).into_owned())
+/// How long a connection may take to send its request's head.
+const HEAD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The answer to one request: the metrics for `GET /metrics`, 404 for anything else.
+async fn answer(
+    request: Request<Incoming>,
+    metrics: Arc<Metrics>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
+    let (status, body) = match (request.method(), request.uri().path()) {
+        (&Method::GET, "/metrics") => (StatusCode::OK, metrics.render()),
+        _ => (StatusCode::NOT_FOUND, "only GET /metrics is served here\n".to_string()),
+    };
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"),
+    );
+    Ok(response)
 }
 
 #[cfg(test)]

@@ -35,6 +35,15 @@ fn checkpoints_and_restores_show_in_the_metrics() {
     assert!(before.starts_with("HTTP/1.1 200"), "{before}");
     assert_eq!(sample(&before, "stasis_frozen_seconds_count"), Some(0.0), "{before}");
     assert!(get(port, "/other").starts_with("HTTP/1.1 404"));
+    // Clients that connect and send nothing hold no one else up, and are let go.
+    let mut idle: Vec<std::net::TcpStream> =
+        (0..8).map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap()).collect();
+    assert!(get(port, "/metrics").starts_with("HTTP/1.1 200"));
+    let mut rest = Vec::new();
+    idle[0].set_read_timeout(Some(TIMEOUT)).unwrap();
+    let closed = idle[0].read_to_end(&mut rest);
+    assert!(closed.is_ok(), "a silent client is closed (head timeout, 5 s), not kept: {closed:?}");
+    drop(idle);
 
     let w = d.run("counted", &python_workload("counter.py", &[]));
     d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
