@@ -52,7 +52,9 @@ pub fn parse(text: &str) -> Result<Duration, DurationError> {
 /// [`parse`], where a bare number is a count of seconds (`90`).
 pub fn parse_or_seconds(text: &str) -> Result<Duration, DurationError> {
     match text.trim().parse::<f64>() {
-        Ok(seconds) => Duration::try_from_secs_f64(seconds).map_err(|_| DurationError::Malformed(text.to_owned())),
+        Ok(seconds) => {
+            Duration::try_from_secs_f64(seconds).map_err(|_| DurationError::Malformed(text.to_owned()))
+        }
         Err(_) => parse(text),
     }
 }
@@ -74,7 +76,10 @@ mod tests {
     #[test]
     fn anything_else_says_what_is_wrong() {
         assert_eq!(parse("10"), Err(DurationError::NoUnit("10".into())));
-        assert_eq!(parse("5 days"), Err(DurationError::UnknownUnit { unit: " days".into(), text: "5 days".into() }));
+        assert_eq!(
+            parse("5 days"),
+            Err(DurationError::UnknownUnit { unit: " days".into(), text: "5 days".into() })
+        );
         assert_eq!(parse("m"), Err(DurationError::Malformed("m".into())));
         assert_eq!(parse("1..5s"), Err(DurationError::Malformed("1..5s".into())));
         assert_eq!(parse(""), Err(DurationError::Malformed("".into())));

@@ -225,9 +225,7 @@ impl Engine {
         match answer.await {
             Ok(outcome) => Ok(outcome),
             // The job ended before its checkpoint was durable: its error says why.
-            Err(_) => job
-                .await
-                .map_err(CheckpointError::panicked("eviction"))?,
+            Err(_) => job.await.map_err(CheckpointError::panicked("eviction"))?,
         }
     }
 

@@ -89,9 +89,7 @@ impl Engine {
         // memory came with the images) only ends.
         let pid = match runs.await {
             Ok(outcome) => outcome.pid,
-            Err(_) => {
-                job.await.map_err(RestoreError::panicked("restore job"))??.pid
-            }
+            Err(_) => job.await.map_err(RestoreError::panicked("restore job"))??.pid,
         };
         let inner = proc::pid_inside(pid, c.init_pid).unwrap_or_default();
         info!(checkpoint = %manifest.id, workload = %name, pid, inner, "restored into its container");
