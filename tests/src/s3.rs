@@ -70,17 +70,22 @@ impl S3Server {
             }
             std::thread::sleep(std::time::Duration::from_millis(50));
         };
-        let request = format!(
-            "PUT /{BUCKET} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-        );
-        let mut answer = String::new();
-        conn.write_all(request.as_bytes())
-            .and_then(|()| conn.read_to_string(&mut answer))
+        let answer = request(&mut conn, port, "PUT", &format!("/{BUCKET}"))
             .map_err(|e| format!("creating the bucket: {e}"))?;
         match answer.starts_with("HTTP/1.1 200") {
             true => Ok(()),
             false => Err(format!("creating the bucket: {answer}")),
         }
+    }
+
+    /// How many multipart uploads of the bucket are begun and neither completed nor aborted
+    /// (their parts are kept, and billed, on a real bucket).
+    pub fn unfinished_uploads(&self) -> usize {
+        let mut conn = TcpStream::connect(("127.0.0.1", self.port)).expect("the S3 server");
+        let answer =
+            request(&mut conn, self.port, "GET", &format!("/{BUCKET}?uploads")).expect("listing uploads");
+        assert!(answer.starts_with("HTTP/1.1 200"), "listing uploads: {answer}");
+        answer.matches("<Upload>").count()
     }
 
     pub fn pid(&self) -> i32 {
@@ -110,4 +115,15 @@ impl S3Server {
             env,
         }
     }
+}
+
+/// Sends one request without a body on `conn` and reads the whole answer.
+fn request(conn: &mut TcpStream, port: u16, method: &str, path: &str) -> std::io::Result<String> {
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    let mut answer = String::new();
+    conn.write_all(head.as_bytes())?;
+    conn.read_to_string(&mut answer)?;
+    Ok(answer)
 }

@@ -47,6 +47,11 @@ fn s3_faults_at_each_phase_leave_the_job_running_or_its_checkpoint_durable() {
 
     fail("PUT", ".pack", Fault::Unavailable);
     eviction_fails(&d, &w, &["storing checkpoint", "packs/", "503"]);
+    assert_eq!(
+        s3.unfinished_uploads(),
+        0,
+        "a failed pack upload is aborted, its parts not left in the bucket"
+    );
     fail("PUT", ".idx", Fault::Reset);
     eviction_fails(&d, &w, &["storing checkpoint", "packs/"]);
     fail("PUT", "/manifests/", Fault::Unavailable);

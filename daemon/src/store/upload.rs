@@ -5,8 +5,8 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use object_store::PutPayload;
 use object_store::path::Path as ObjPath;
-use object_store::{PutPayload, WriteMultipart};
 use stasis_proto::stasis::v1::{ChunkRef, FileImage, MemoryImage};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
@@ -151,10 +151,24 @@ impl Store {
     pub(super) async fn upload_pack(&self, pack: FinishedPack) -> Result<u64, StoreError> {
         let key = self.pack_key(&pack.index.pack);
         let size = pack.data.len() as u64;
-        let upload = self.backend.put_multipart(&key).await.map_err(Self::backend_err(&key))?;
-        let mut writer = WriteMultipart::new_with_chunk_size(upload, PART);
-        writer.write(&pack.data);
-        writer.finish().await.map_err(Self::backend_err(&key))?;
+        let mut upload = self.backend.put_multipart(&key).await.map_err(Self::backend_err(&key))?;
+        let data = bytes::Bytes::from(pack.data);
+        let parts: Vec<_> = (0..data.len())
+            .step_by(PART)
+            .map(|at| upload.put_part(data.slice(at..(at + PART).min(data.len())).into()))
+            .collect();
+        let uploaded = match futures::future::try_join_all(parts).await {
+            Ok(_) => upload.complete().await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = uploaded {
+            // Parts already stored are kept (and billed), invisible to listing, until the
+            // upload is aborted.
+            if let Err(abort) = upload.abort().await {
+                warn!(pack = %key, error = %abort, "cannot abort a failed pack upload; a bucket lifecycle rule removes its parts");
+            }
+            return Err(Self::backend_err(&key)(e));
+        }
         let index_key = self.pack_index_key(&pack.index.pack);
         let index = envelope::encode(envelope::PACK_INDEX, &pack.index, self.cipher());
         let index_size = index.len() as u64;
