@@ -12,7 +12,7 @@
 //! staging_mib = 4096                        # dumped pages held in memory before spilling
 //! keep_last = 3                             # checkpoints kept per workload (0: all)
 //! gc_grace_secs = 3600                      # age before an unreferenced pack is reclaimed
-//! store_retry_secs = 30                     # retries of a failing remote store request
+//! store_retry_secs = 30                     # a remote store request, retries included, ends by then
 //! lazy_cache_mib = 1024                     # fetched memory a lazy restore holds ahead
 //! lazy_timeout_secs = 60                    # a lazy restore's wait for the store, then kill
 //! lazy_prefetch = "fresh-first"             # or "address"
@@ -111,8 +111,8 @@ pub struct Args {
     /// be uploading the checkpoint that uses them; default 3600).
     #[arg(long)]
     pub gc_grace_secs: Option<u64>,
-    /// Seconds a failing request to a remote store is retried before the operation fails
-    /// (default 30: an evicted tree stays stopped while its checkpoint is stored).
+    /// Seconds one request to a remote store may take, retries included: a hung request is
+    /// cut then (default 30: an evicted tree stays stopped while its checkpoint is stored).
     #[arg(long)]
     pub store_retry_secs: Option<u64>,
     /// MiB of fetched, not yet served memory a lazy restore may hold (default 1024).

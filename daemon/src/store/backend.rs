@@ -2,6 +2,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use object_store::aws::AmazonS3Builder;
 use object_store::azure::MicrosoftAzureBuilder;
@@ -53,17 +54,26 @@ pub enum OpenStoreError {
     },
 }
 
-/// How long a request to a remote store is retried before it fails. A checkpoint that evicts
-/// its tree keeps it stopped while storing, so a dead store must fail in bounded time.
-pub fn retry_config(timeout: std::time::Duration) -> RetryConfig {
-    RetryConfig { max_retries: 10, retry_timeout: timeout, backoff: Default::default() }
+/// How a failing request to a remote store is retried: with back-off, while less than three
+/// quarters of `bound` has passed since it began, so that a refusing store's own error (a 503,
+/// a reset) ends it before the [`Deadline`] around the backend cuts it at `bound`, as it cuts
+/// a hung one. A checkpoint that evicts its tree keeps it stopped while storing: a dead store
+/// must fail in bounded time.
+fn retry_config(bound: Duration) -> RetryConfig {
+    RetryConfig { max_retries: usize::MAX, retry_timeout: bound * 3 / 4, backoff: Default::default() }
+}
+
+/// `backend` with each request (retries included) ended at `bound`.
+fn bounded(backend: Arc<dyn ObjectStore>, bound: Duration) -> Arc<dyn ObjectStore> {
+    Arc::new(super::deadline::Deadline::new(backend, bound))
 }
 
 /// Opens the backend for `url` and returns it with the key prefix all objects go under.
 ///
 /// S3, GCS and Azure take credentials and settings from the standard environment variables
 /// (`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT` for S3-compatible servers, `AWS_ALLOW_HTTP`, ...).
-pub fn open(url: &str, retry: RetryConfig) -> Result<(Arc<dyn ObjectStore>, ObjPath), OpenStoreError> {
+pub fn open(url: &str, bound: Duration) -> Result<(Arc<dyn ObjectStore>, ObjPath), OpenStoreError> {
+    let retry = retry_config(bound);
     let parsed = Url::parse(url).map_err(|source| OpenStoreError::BadUrl { url: url.into(), source })?;
     let backend_err = |source| OpenStoreError::Backend { url: url.into(), source };
     let prefix = || ObjPath::from(parsed.path().trim_matches('/'));
@@ -77,25 +87,28 @@ pub fn open(url: &str, retry: RetryConfig) -> Result<(Arc<dyn ObjectStore>, ObjP
         }
         "memory" => Ok((Arc::new(InMemory::new()), prefix())),
         "s3" | "s3a" => {
-            let s3 =
-                AmazonS3Builder::from_env().with_url(url).with_retry(retry).build().map_err(backend_err)?;
-            Ok((Arc::new(s3), prefix()))
+            let s3 = AmazonS3Builder::from_env()
+                .with_url(url)
+                .with_retry(retry.clone())
+                .build()
+                .map_err(backend_err)?;
+            Ok((bounded(Arc::new(s3), bound), prefix()))
         }
         "gs" => {
             let gcs = GoogleCloudStorageBuilder::from_env()
                 .with_url(url)
-                .with_retry(retry)
+                .with_retry(retry.clone())
                 .build()
                 .map_err(backend_err)?;
-            Ok((Arc::new(gcs), prefix()))
+            Ok((bounded(Arc::new(gcs), bound), prefix()))
         }
         "az" | "azure" | "abfs" | "abfss" => {
             let az = MicrosoftAzureBuilder::from_env()
                 .with_url(url)
-                .with_retry(retry)
+                .with_retry(retry.clone())
                 .build()
                 .map_err(backend_err)?;
-            Ok((Arc::new(az), prefix()))
+            Ok((bounded(Arc::new(az), bound), prefix()))
         }
         other => Err(OpenStoreError::UnsupportedScheme(other.into())),
     }
@@ -105,8 +118,8 @@ pub fn open(url: &str, retry: RetryConfig) -> Result<(Arc<dyn ObjectStore>, ObjP
 mod tests {
     use super::*;
 
-    fn retry() -> RetryConfig {
-        retry_config(std::time::Duration::from_secs(1))
+    fn retry() -> Duration {
+        Duration::from_secs(1)
     }
 
     #[test]

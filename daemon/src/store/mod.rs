@@ -19,6 +19,7 @@ mod check;
 mod chunks;
 mod cow;
 pub mod crypto;
+mod deadline;
 pub mod envelope;
 mod gc;
 mod image_check;
@@ -171,9 +172,9 @@ impl Store {
 
 impl Store {
     /// Opens the store at `url` (`file:///dir`, `s3://bucket/prefix`, `gs://…`, `az://…`);
-    /// requests to remote stores are retried for at most `retry_timeout`.
+    /// each request to a remote store, retries included, ends within `retry_timeout`.
     pub fn open(url: &str, retry_timeout: std::time::Duration) -> Result<Self, OpenStoreError> {
-        let (backend, prefix) = backend::open(url, backend::retry_config(retry_timeout))?;
+        let (backend, prefix) = backend::open(url, retry_timeout)?;
         Ok(Self {
             backend,
             prefix,
