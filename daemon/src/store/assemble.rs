@@ -214,27 +214,15 @@ impl Store {
         Ok(fetched.load(Ordering::Relaxed))
     }
 
-    /// Where chunk `chunk` of `what` is stored; `None` for a zero chunk.
+    /// Where chunk `chunk` of `what` is stored, by the store's chunk index; `None` for a zero
+    /// chunk.
     pub(super) fn resolve(
         &self,
         id: &str,
         what: &str,
         chunk: &ChunkRef,
     ) -> Result<Option<(ChunkHash, ChunkLoc)>, StoreError> {
-        if chunk.hash.is_empty() {
-            return Ok(None);
-        }
-        let hash = ChunkHash::try_from(chunk.hash.as_slice()).map_err(|_| StoreError::Corrupt {
-            id: id.into(),
-            file: what.into(),
-            reason: "a chunk reference has a malformed hash".into(),
-        })?;
-        let loc = self
-            .index
-            .get(&hash)
-            .filter(|l| l.len == chunk.len)
-            .ok_or_else(|| StoreError::MissingChunk { id: id.into(), chunk: hex::encode(hash) })?;
-        Ok(Some((hash, loc)))
+        locate(id, what, chunk, |hash| self.index.get(hash))
     }
 
     /// Resolves `chunks` to pack locations, to be written consecutively into `file` from
@@ -396,4 +384,26 @@ fn create_sized(path: &Path, size: u64) -> std::io::Result<File> {
     let file = File::options().read(true).write(true).create_new(true).open(path)?;
     file.set_len(size)?;
     Ok(file)
+}
+
+/// Where chunk `chunk` of `what` (of checkpoint `id`) is stored, as `find` knows chunks;
+/// `None` for a zero chunk.
+pub(super) fn locate(
+    id: &str,
+    what: &str,
+    chunk: &ChunkRef,
+    find: impl FnOnce(&ChunkHash) -> Option<ChunkLoc>,
+) -> Result<Option<(ChunkHash, ChunkLoc)>, StoreError> {
+    if chunk.hash.is_empty() {
+        return Ok(None);
+    }
+    let hash = ChunkHash::try_from(chunk.hash.as_slice()).map_err(|_| StoreError::Corrupt {
+        id: id.into(),
+        file: what.into(),
+        reason: "a chunk reference has a malformed hash".into(),
+    })?;
+    let loc = find(&hash)
+        .filter(|l| l.len == chunk.len)
+        .ok_or_else(|| StoreError::MissingChunk { id: id.into(), chunk: hex::encode(hash) })?;
+    Ok(Some((hash, loc)))
 }

@@ -62,7 +62,7 @@ impl Store {
         for m in &listing.manifests {
             check_manifest(m, &locations, &bad_packs, &bad_chunks, &mut report);
             if !report.broken.contains_key(&m.id) {
-                self.check_images(m, &mut report).await?;
+                self.check_images(m, &locations, &mut report).await?;
             }
         }
         Ok(report)
@@ -70,8 +70,13 @@ impl Store {
 
     /// Adds to `report` why the images of checkpoint `m` (whose chunks are all stored) are not
     /// a set CRIU can restore, if they are not.
-    async fn check_images(&self, m: &Manifest, report: &mut CheckReport) -> Result<(), StoreError> {
-        let why = match self.check_image_set(m).await {
+    async fn check_images(
+        &self,
+        m: &Manifest,
+        locations: &super::image_check::Locations,
+        report: &mut CheckReport,
+    ) -> Result<(), StoreError> {
+        let why = match self.check_image_set(m, locations).await {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(incomplete)) => incomplete.to_string(),
             Err(e @ (StoreError::Backend { .. } | StoreError::Busy(_) | StoreError::Local { .. })) => {
