@@ -75,3 +75,32 @@ fn stasisd_refuses_to_start_without_criu() {
     assert!(stderr.contains("setup-criu.sh"), "the message says what to do: {stderr}");
     assert!(!dir.path().join("s.sock").exists(), "no socket is served");
 }
+
+#[test]
+fn stasisd_refuses_a_cloud_store_without_credentials_naming_what_to_set() {
+    skip_unless_ready!();
+    // On no cloud (this machine), with no credentials in the environment: object_store would
+    // ask a metadata service at 169.254.169.254 or metadata.google.internal.
+    let dir = tempfile::tempdir().unwrap();
+    for (url, variable) in [
+        ("gs://stasis-test/x", "GOOGLE_APPLICATION_CREDENTIALS"),
+        ("s3://stasis-test/x", "AWS_ACCESS_KEY_ID"),
+        ("az://stasis-test/x", "AZURE_STORAGE_ACCOUNT_KEY"),
+    ] {
+        let mut stasisd = Command::new(bin("stasisd"));
+        stasisd.env_clear().env("PATH", std::env::var_os("PATH").unwrap_or_default()).env("HOME", dir.path());
+        let out = stasisd
+            .arg("--socket")
+            .arg(dir.path().join("s.sock"))
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .args(["--store", url])
+            .output()
+            .expect("running stasisd");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{url}: {stderr}");
+        assert!(stderr.contains(&format!("cannot use the store at {url}: no ")), "{url}: {stderr}");
+        assert!(stderr.contains(variable), "{url}: the message names what to set: {stderr}");
+        assert!(!stderr.contains("169.254") && !stderr.contains("metadata.google"), "{url}: {stderr}");
+    }
+}

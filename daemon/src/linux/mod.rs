@@ -3,6 +3,7 @@
 //! Its unsafe code lives in [`sys`] and, for userfaultfd's ioctls, [`uffd`].
 
 pub mod cgroup;
+pub mod cloud;
 pub mod container;
 pub mod durable_file;
 pub mod fdinfo;

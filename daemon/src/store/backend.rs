@@ -13,6 +13,9 @@ use object_store::path::Path as ObjPath;
 use object_store::{ObjectStore, RetryConfig};
 use url::Url;
 
+use super::credentials;
+use crate::linux::cloud::Cloud;
+
 /// A store URL could not be turned into a backend.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenStoreError {
@@ -24,6 +27,8 @@ pub enum OpenStoreError {
     },
     #[error("store URL {0:?} has an unsupported scheme (use file://, s3://, gs://, az:// or memory://)")]
     UnsupportedScheme(String),
+    #[error("cannot use the store at {url}: {why}")]
+    NoCredentials { url: String, why: String },
     #[error("the local store directory {path} cannot be made stasisd's alone")]
     LocalDir {
         path: String,
@@ -77,6 +82,14 @@ pub fn open(url: &str, bound: Duration) -> Result<(Arc<dyn ObjectStore>, ObjPath
     let parsed = Url::parse(url).map_err(|source| OpenStoreError::BadUrl { url: url.into(), source })?;
     let backend_err = |source| OpenStoreError::Backend { url: url.into(), source };
     let prefix = || ObjPath::from(parsed.path().trim_matches('/'));
+    if let Some(cloud) = credentials::cloud_of(parsed.scheme()) {
+        let home = std::env::var_os("HOME").map(std::path::PathBuf::from);
+        let why =
+            credentials::missing(cloud, |name| std::env::var(name).ok(), home.as_deref(), Cloud::detect());
+        if let Some(why) = why {
+            return Err(OpenStoreError::NoCredentials { url: url.into(), why });
+        }
+    }
     match parsed.scheme() {
         "file" => {
             let dir = parsed.path();

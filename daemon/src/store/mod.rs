@@ -18,6 +18,7 @@ mod backend;
 mod check;
 mod chunks;
 mod cow;
+mod credentials;
 pub mod crypto;
 mod deadline;
 pub mod envelope;
