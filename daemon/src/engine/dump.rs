@@ -9,6 +9,7 @@ use std::os::unix::net::UnixStream;
 use std::time::Instant;
 
 use super::CheckpointError;
+use super::host::Host;
 use crate::criu::pageserver::{self, HeaderLayout, PageServerError, PageSink};
 use crate::criu::{CriuError, CriuOps, CriuVersion, DumpSpec};
 
@@ -79,9 +80,9 @@ pub(super) fn dump<S: PageSink + Send + 'static>(
     }
 }
 
-/// A default bound for staged pages: a quarter of this machine's memory.
-pub fn default_staging_limit() -> u64 {
-    crate::linux::proc::memory_total().map(|total| total / 4).unwrap_or(1 << 30)
+/// A default bound for staged pages: a quarter of the memory of the machine `host` runs on.
+pub fn default_staging_limit(host: &dyn Host) -> u64 {
+    host.memory_total().map(|total| total / 4).unwrap_or(1 << 30)
 }
 
 #[cfg(test)]
@@ -90,7 +91,7 @@ mod tests {
 
     #[test]
     fn staging_default_is_a_quarter_of_memory() {
-        let total = crate::linux::proc::memory_total().unwrap();
-        assert_eq!(default_staging_limit(), total / 4);
+        let host = super::super::host::fake::FakeHost::default();
+        assert_eq!(default_staging_limit(&host), host.memory_total().unwrap() / 4);
     }
 }

@@ -16,9 +16,9 @@ use tracing::{info, warn};
 
 use stasis_proto::stasis::v1::{AddressRange, GpuDevice};
 
+use super::host::Host;
 use super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
 use crate::cuda::{self, CudaError, GpuCheckpointer, ProcessState};
-use crate::linux::proc;
 
 /// How long a lock may wait for in-flight GPU work before the checkpoint gives up.
 pub const LOCK_TIMEOUT: Duration = Duration::from_secs(30);
@@ -76,9 +76,9 @@ pub struct Suspended {
     pub host_memory: Vec<AddressRange>,
 }
 
-/// Locks and checkpoints every process of `pids` (those using CUDA). On failure everything
-/// done so far is undone.
-pub fn suspend(gpu: &Arc<dyn GpuCheckpointer>, pids: &[i32]) -> Result<Suspended, GpuError> {
+/// Locks and checkpoints every process of `pids` (those using CUDA), whose mappings are read
+/// on `host`. On failure everything done so far is undone.
+pub fn suspend(gpu: &Arc<dyn GpuCheckpointer>, host: &dyn Host, pids: &[i32]) -> Result<Suspended, GpuError> {
     let mut done = Suspended::default();
     let mut locked: Vec<i32> = Vec::new();
     let started = Instant::now();
@@ -92,13 +92,13 @@ pub fn suspend(gpu: &Arc<dyn GpuCheckpointer>, pids: &[i32]) -> Result<Suspended
     done.times.lock_ms = started.elapsed().as_millis() as u64;
     let started = Instant::now();
     for &pid in pids {
-        let before = proc::private_writable_ranges(pid).unwrap_or_default();
+        let before = host.private_writable_ranges(pid);
         if let Err(source) = gpu.checkpoint(pid) {
             rollback(gpu, &locked);
             return Err(GpuError::Suspend { pid, source });
         }
         done.pids.push(pid);
-        let after = proc::private_writable_ranges(pid).unwrap_or_default();
+        let after = host.private_writable_ranges(pid);
         let added = new_ranges(&after, &before);
         done.host_memory.extend(added.into_iter().map(|(start, end)| AddressRange { pid, start, end }));
     }
@@ -212,9 +212,9 @@ impl Engine {
                 return Err(GpuError::DeviceFilesWithoutContext(orphans));
             }
             let devices = gpu_devices(&gpu, &users);
-            let rss_before: u64 = users.iter().map(|p| proc::resident_bytes(*p)).sum();
-            let mut suspended = suspend(&gpu, &users)?;
-            let rss_after: u64 = users.iter().map(|p| proc::resident_bytes(*p)).sum();
+            let rss_before = host.resident_bytes(&users);
+            let mut suspended = suspend(&gpu, host.as_ref(), &users)?;
+            let rss_after = host.resident_bytes(&users);
             suspended.bytes = rss_after.saturating_sub(rss_before);
             suspended.devices = devices;
             Ok::<_, GpuError>(suspended)
@@ -252,6 +252,7 @@ fn gpu_devices(gpu: &Arc<dyn cuda::GpuCheckpointer>, pids: &[i32]) -> Vec<GpuDev
 mod tests {
     use super::*;
     use crate::cuda::fake::FakeGpu;
+    use crate::engine::host::fake::FakeHost;
 
     #[test]
     fn new_ranges_are_what_the_checkpoint_added() {
@@ -266,7 +267,7 @@ mod tests {
     fn a_failed_checkpoint_leaves_every_process_running_and_unlocked() {
         let fake = Arc::new(FakeGpu { fail_checkpoint_of: Some(2), ..Default::default() });
         let gpu: Arc<dyn GpuCheckpointer> = fake.clone();
-        let err = suspend(&gpu, &[1, 2]).unwrap_err();
+        let err = suspend(&gpu, &FakeHost::default(), &[1, 2]).unwrap_err();
         assert!(matches!(err, GpuError::Suspend { pid: 2, .. }));
         let states = fake.states.lock().unwrap().clone();
         assert_eq!(states.get(&1), Some(&ProcessState::Running));
@@ -292,9 +293,25 @@ mod tests {
     fn suspend_then_resume_round_trip() {
         let fake = Arc::new(FakeGpu::default());
         let gpu: Arc<dyn GpuCheckpointer> = fake.clone();
-        let s = suspend(&gpu, &[7]).unwrap();
+        let s = suspend(&gpu, &FakeHost::default(), &[7]).unwrap();
         assert_eq!(s.pids, [7]);
         resume(&gpu, &s.pids).unwrap();
         assert_eq!(*fake.calls.lock().unwrap(), ["lock 7", "checkpoint 7", "restore 7", "unlock 7"]);
+    }
+
+    #[test]
+    fn suspend_records_the_host_memory_each_checkpoint_added() {
+        let gpu: Arc<dyn GpuCheckpointer> = Arc::new(FakeGpu::default());
+        let host = FakeHost::default();
+        // Before its checkpoint, 7 has one private writable mapping; after it, the driver has
+        // grown it and added another. 8's mappings do not change.
+        let answers = [
+            (7, vec![vec![(0x1000, 0x2000)], vec![(0x1000, 0x3000), (0x8000, 0x9000)]]),
+            (8, vec![vec![(0x1000, 0x2000)]]),
+        ];
+        host.private_ranges.lock().unwrap().extend(answers.map(|(pid, a)| (pid, a.into())));
+        let s = suspend(&gpu, &host, &[7, 8]).unwrap();
+        let range = |start, end| AddressRange { pid: 7, start, end };
+        assert_eq!(s.host_memory, [range(0x2000, 0x3000), range(0x8000, 0x9000)]);
     }
 }

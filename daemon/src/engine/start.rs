@@ -60,14 +60,15 @@ impl Engine {
             move |source| StartError::State { path, source }
         };
         let state = StateDir::open(&config.state_dir).map_err(state_err(&config.state_dir))?;
-        let support = probe_criu(&criu, &state, &config).await?;
+        let host: Arc<dyn Host> = Arc::new(LinuxHost);
+        let support = probe_criu(&criu, host.as_ref(), &state, &config).await?;
         let store = Store::open(&config.store_url, config.store_retry)?
-            .with_node_tag(&node_tag(&config.state_dir))
+            .with_node_tag(&node_tag(host.as_ref(), &config.state_dir))
             .unlock(config.store_key.as_ref(), config.rotate_store_key_from.as_ref())
             .await?;
         let registry = Registry::load(&state.registry_file()).map_err(state_err(&state.registry_file()))?;
         let reaper = Reaper::start().map_err(StartError::Reaper)?;
-        let (host, gpu) = (Arc::new(LinuxHost), load_gpu());
+        let gpu = load_gpu();
         let gpu_activity = gpu.as_ref().and_then(|_| load_nvml());
         let parts = Parts { criu, support, host, gpu, gpu_activity, store, state, registry, reaper };
         let engine = Engine::assemble(parts, &config);
@@ -82,6 +83,8 @@ impl Engine {
     /// An engine of `parts` with the settings of `config`.
     pub(super) fn assemble(parts: Parts, config: &EngineConfig) -> Engine {
         let Parts { criu, support, host, gpu, gpu_activity, store, state, registry, reaper } = parts;
+        let staging_limit =
+            config.staging_limit.unwrap_or_else(|| dump::default_staging_limit(host.as_ref()));
         Engine {
             criu,
             host,
@@ -96,7 +99,7 @@ impl Engine {
             registry,
             reaper,
             jobs: TaskTracker::new(),
-            staging: StagingBudget::new(config.staging_limit.unwrap_or_else(dump::default_staging_limit)),
+            staging: StagingBudget::new(staging_limit),
             blocks: Default::default(),
             gpu,
             gpu_activity,
@@ -176,9 +179,10 @@ fn sweep_left_locks(locks: LeftLocks, keep: std::time::Duration) {
     });
 }
 
-/// Asks CRIU its version, runs `criu check`, and finds what it can do for sockets here.
+/// Asks CRIU its version, runs `criu check`, and finds what it can do for sockets on `host`.
 async fn probe_criu(
     criu: &Arc<dyn CriuOps>,
+    host: &dyn Host,
     state: &StateDir,
     config: &EngineConfig,
 ) -> Result<CriuSupport, StartError> {
@@ -194,7 +198,7 @@ async fn probe_criu(
         .map_err(|source| StartError::State { path: config.state_dir.clone(), source })?;
     let dir = check_dir.path().to_path_buf();
     blocking(criu, move |c| c.check(&dir)).await?.map_err(|source| StartError::CriuCheck { path, source })?;
-    let network_sockets = support::network_sockets(version, &crate::linux::proc::kernel_release());
+    let network_sockets = support::network_sockets(version, &host.kernel_release());
     let forced = config.network_lock;
     let network_lock = blocking(criu, move |c| support::choose_network_lock(c, forced)).await?;
     if let (Some(lock), Err(why)) = (forced, &network_lock) {
@@ -223,9 +227,9 @@ async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(move || f(criu.as_ref())).await.map_err(StartError::Task)
 }
 
-/// A short tag for this node (host name and state directory), prefixed to its pack ids.
-fn node_tag(state_dir: &Path) -> String {
-    let seed = format!("{}:{}", crate::linux::proc::node_name(), state_dir.display());
+/// A short tag for this node (`host`'s name and the state directory), prefixed to its pack ids.
+fn node_tag(host: &dyn Host, state_dir: &Path) -> String {
+    let seed = format!("{}:{}", host.node_name(), state_dir.display());
     hex::encode(&blake3::hash(seed.as_bytes()).as_bytes()[..4])
 }
 

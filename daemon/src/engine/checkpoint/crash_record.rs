@@ -22,10 +22,10 @@ use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use super::super::Engine;
+use super::super::host::Host;
 use super::super::inspect::TreeInfo;
 use super::rollback::HeldProcesses;
 use crate::criu::NetworkLock;
-use crate::linux::proc::ProcStat;
 use crate::store::StoreError;
 
 /// How long the next start waits for a crashed stasisd's CRIU to let go of a tree.
@@ -85,13 +85,11 @@ impl HeldTree {
             .collect()
     }
 
-    /// The recorded processes that still exist as the same processes.
-    fn alive(&self) -> Vec<i32> {
+    /// The recorded processes that still exist (on `host`) as the same processes.
+    fn alive(&self, host: &dyn Host) -> Vec<i32> {
         self.processes
             .iter()
-            .filter(|(pid, start)| {
-                ProcStat::read(*pid).is_ok_and(|s| !s.is_dead() && s.start_time == Some(*start))
-            })
+            .filter(|(pid, start)| host.is_running(*pid) && host.start_time(*pid) == Some(*start))
             .map(|(pid, _)| *pid)
             .collect()
     }
@@ -123,14 +121,14 @@ impl Engine {
         // Settling the tree under it would fail (CUDA's restore of a traced process does),
         // so wait for it to let go first.
         let deadline = std::time::Instant::now() + CRIU_LETS_GO;
-        while !self.host.traced(&held.alive()).is_empty() {
+        while !self.host.traced(&held.alive(self.host.as_ref())).is_empty() {
             if std::time::Instant::now() >= deadline {
                 warn!(checkpoint = %held.id, "the tree is still traced; settling it all the same");
                 break;
             }
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
-        let pids = held.alive();
+        let pids = held.alive(self.host.as_ref());
         if pids.is_empty() {
             return;
         }

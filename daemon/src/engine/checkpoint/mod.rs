@@ -393,7 +393,7 @@ impl Engine {
         let (pid, enter) = match self.registry.get(&job.workload).and_then(|w| w.container) {
             None => (job.pid, None),
             Some(c) => {
-                let inner = crate::linux::proc::pid_inside(job.pid, c.init_pid).unwrap_or(job.pid);
+                let inner = self.host.pid_inside(job.pid, c.init_pid).unwrap_or(job.pid);
                 let enter = super::pods::enter(&c, false)
                     .map_err(|source| CheckpointError::Local { what: "entering the container", source })?;
                 (inner, Some(enter))

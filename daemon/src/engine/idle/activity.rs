@@ -11,7 +11,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use crate::cuda::nvml::Nvml;
-use crate::linux::proc;
+use crate::engine::host::Host;
 
 /// Which processes used a GPU lately.
 pub trait GpuActivity: Send + Sync {
@@ -87,13 +87,14 @@ impl IdleClock {
     }
 }
 
-/// The counters of `pids` now, and whether one of them is in `gpu_active`; processes that
-/// are gone count nothing.
-pub fn sample(pids: &[i32], gpu_active: &HashSet<u32>) -> Sample {
+/// The counters of `pids` on `host` now, and whether one of them is in `gpu_active`;
+/// processes that are gone count nothing.
+pub fn sample(host: &dyn Host, pids: &[i32], gpu_active: &HashSet<u32>) -> Sample {
     let (mut cpu_ns, mut read_bytes) = (0, 0);
     for &pid in pids {
-        cpu_ns += proc::cpu_time_ns(pid).unwrap_or(0);
-        read_bytes += proc::read_chars(pid).unwrap_or(0);
+        let usage = host.usage(pid);
+        cpu_ns += usage.cpu_ns;
+        read_bytes += usage.read_bytes;
     }
     let gpu = pids.iter().any(|&pid| u32::try_from(pid).is_ok_and(|pid| gpu_active.contains(&pid)));
     Sample { at: Instant::now(), cpu_ns, read_bytes, gpu }
@@ -102,6 +103,7 @@ pub fn sample(pids: &[i32], gpu_active: &HashSet<u32>) -> Sample {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::host::LinuxHost;
 
     fn at(start: Instant, secs: u64, cpu_ms: u64, read: u64) -> Sample {
         Sample {
@@ -137,8 +139,8 @@ mod tests {
         let on_gpu = Sample { gpu: true, ..at(t0, 5, 0, 0) };
         assert_eq!(clock.observe(on_gpu, Thresholds::default()), Duration::ZERO);
         let me = std::process::id();
-        assert!(sample(&[me as i32], &HashSet::from([me])).gpu);
-        assert!(!sample(&[me as i32], &HashSet::from([me + 1])).gpu);
+        assert!(sample(&LinuxHost, &[me as i32], &HashSet::from([me])).gpu);
+        assert!(!sample(&LinuxHost, &[me as i32], &HashSet::from([me + 1])).gpu);
     }
 
     #[test]
@@ -161,14 +163,14 @@ mod tests {
     #[test]
     fn this_process_is_sampled() {
         let me = std::process::id() as i32;
-        let before = sample(&[me], &HashSet::new());
+        let before = sample(&LinuxHost, &[me], &HashSet::new());
         let mut x = 0u64;
         for i in 0..5_000_000u64 {
             x = x.wrapping_add(std::hint::black_box(i));
         }
         std::hint::black_box(x);
         let _ = std::fs::read("/proc/self/status");
-        let after = sample(&[me, i32::MAX], &HashSet::new());
+        let after = sample(&LinuxHost, &[me, i32::MAX], &HashSet::new());
         assert!(after.cpu_ns > before.cpu_ns, "{before:?} {after:?}");
         assert!(after.read_bytes > before.read_bytes, "{before:?} {after:?}");
     }

@@ -174,7 +174,7 @@ impl Engine {
                 continue;
             };
             let gpu_active = gpu_active.get_or_insert_with(|| self.gpu_active());
-            let sample = activity::sample(&self.host.trees(&[w.pid]), gpu_active);
+            let sample = activity::sample(self.host.as_ref(), &self.host.trees(&[w.pid]), gpu_active);
             let idle = lock(&self.idle.clocks)
                 .entry(w.name.clone())
                 .or_insert_with(|| IdleClock::new(sample.at))

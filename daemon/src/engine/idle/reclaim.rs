@@ -16,7 +16,6 @@ use tracing::{info, warn};
 use super::Reclaimed;
 use super::uses::UseWatch;
 use crate::engine::ids::now_unix_ms;
-use crate::engine::sockets;
 use crate::engine::{Caller, CheckpointError, CheckpointParams, Engine, Target};
 use crate::linux::net::SocketKind;
 use crate::linux::port_watch::MAX_PORTS;
@@ -26,7 +25,7 @@ impl Engine {
     /// during the reclaim and runs on.
     pub(super) async fn reclaim(self: &Arc<Self>, name: &str) -> Result<Option<Reclaimed>, CheckpointError> {
         let w = self.registry.get(name).ok_or_else(|| CheckpointError::UnknownWorkload(name.into()))?;
-        let surveyed = sockets::survey(&self.host.trees(&[w.pid]));
+        let surveyed = self.host.sockets(&self.host.trees(&[w.pid]));
         let WakePoints { listeners, ports, connections } = wake_points(&surveyed.records);
         let used = Arc::new(AtomicBool::new(false));
         let watching = watch_uses(name, &ports, &connections, used.clone());

@@ -1,0 +1,183 @@
+//! A kernel of made-up processes that records what it is asked to do.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::io;
+use std::sync::Mutex;
+
+use nix::sys::signal::Signal;
+
+use super::{Host, Usage};
+use crate::engine::inspect::TreeInfo;
+use crate::engine::sockets::{Connection, TreeSockets};
+
+/// Address ranges, `[start, end)`.
+type Ranges = Vec<(u64, u64)>;
+
+#[derive(Debug, Default)]
+pub struct FakeHost {
+    /// The trees `inspect` answers with, by root.
+    pub trees: Mutex<HashMap<i32, TreeInfo>>,
+    /// Processes that exist; `signal(SIGKILL)` removes them.
+    pub running: Mutex<HashSet<i32>>,
+    /// Processes stopped now (SIGSTOP'ed by the fake CRIU, or before).
+    pub stopped: Mutex<HashSet<i32>>,
+    /// Processes with CUDA loaded.
+    pub cuda: Vec<i32>,
+    /// Every signal sent, in order.
+    pub signals: Mutex<Vec<(i32, Signal)>>,
+    /// Calls of `leave_repair`.
+    pub repairs: Mutex<usize>,
+    /// Pids now held by another process than the one inspected (a start time of 2, not 1).
+    pub reused: Mutex<HashSet<i32>>,
+    /// The CPU's instruction-set extensions.
+    pub cpu_flags: Mutex<std::collections::BTreeSet<String>>,
+    /// What `private_writable_ranges` answers for a pid, one answer per call (the last one
+    /// repeats): a CUDA checkpoint adds a range between two calls.
+    pub private_ranges: Mutex<HashMap<i32, VecDeque<Ranges>>>,
+    /// What each process has used so far (nothing, for those not listed).
+    pub usage: Mutex<HashMap<i32, Usage>>,
+}
+
+impl FakeHost {
+    /// A host running the tree `info`.
+    pub fn with_tree(info: TreeInfo) -> FakeHost {
+        let host = FakeHost::default();
+        host.running.lock().unwrap().extend(info.pids.iter().copied());
+        host.trees.lock().unwrap().insert(info.pids[0], info);
+        host
+    }
+
+    pub fn signals_of(&self, signal: Signal) -> Vec<i32> {
+        self.signals.lock().unwrap().iter().filter(|(_, s)| *s == signal).map(|(p, _)| *p).collect()
+    }
+}
+
+impl Host for FakeHost {
+    fn is_running(&self, pid: i32) -> bool {
+        self.running.lock().unwrap().contains(&pid)
+    }
+
+    fn command(&self, pid: i32) -> io::Result<Vec<String>> {
+        Ok(vec![format!("fake-{pid}")])
+    }
+
+    fn inspect(&self, root: i32) -> io::Result<TreeInfo> {
+        self.trees
+            .lock()
+            .unwrap()
+            .get(&root)
+            .cloned()
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::ESRCH))
+    }
+
+    fn untouchable(&self, pid: i32) -> Option<String> {
+        (pid == 1).then(|| "init".into())
+    }
+
+    fn unrecordable_session(&self, _pid: i32) -> Option<String> {
+        None
+    }
+
+    fn pid_inside(&self, pid: i32, _root: i32) -> Option<i32> {
+        Some(pid)
+    }
+
+    fn resident_bytes(&self, pids: &[i32]) -> u64 {
+        pids.len() as u64 * (64 << 20)
+    }
+
+    fn private_writable_ranges(&self, pid: i32) -> Vec<(u64, u64)> {
+        let mut answers = self.private_ranges.lock().unwrap();
+        let Some(answers) = answers.get_mut(&pid) else { return Vec::new() };
+        match answers.len() {
+            0 | 1 => answers.front().cloned().unwrap_or_default(),
+            _ => answers.pop_front().unwrap_or_default(),
+        }
+    }
+
+    fn usage(&self, pid: i32) -> Usage {
+        self.usage.lock().unwrap().get(&pid).copied().unwrap_or_default()
+    }
+
+    fn memory_total(&self) -> Option<u64> {
+        Some(16 << 30)
+    }
+
+    fn stopped(&self, pids: &[i32]) -> Vec<i32> {
+        let stopped = self.stopped.lock().unwrap();
+        pids.iter().copied().filter(|p| stopped.contains(p)).collect()
+    }
+
+    fn traced(&self, _pids: &[i32]) -> Vec<i32> {
+        Vec::new()
+    }
+
+    fn restoring_roots(&self, _criu: i32) -> Vec<i32> {
+        Vec::new()
+    }
+
+    fn trees(&self, roots: &[i32]) -> Vec<i32> {
+        let trees = self.trees.lock().unwrap();
+        let mut all: Vec<i32> = roots.to_vec();
+        for root in roots {
+            all.extend(trees.get(root).map(|t| t.pids.clone()).unwrap_or_default());
+        }
+        // A reused pid is another process's now, no descendant of the tree.
+        let reused = self.reused.lock().unwrap();
+        let mut seen = HashSet::new();
+        all.retain(|p| seen.insert(*p) && (roots.contains(p) || !reused.contains(p)));
+        all
+    }
+
+    fn signal(&self, pids: &[i32], signal: Signal) {
+        for &pid in pids {
+            self.signals.lock().unwrap().push((pid, signal));
+            match signal {
+                Signal::SIGKILL => {
+                    self.running.lock().unwrap().remove(&pid);
+                }
+                Signal::SIGCONT => {
+                    self.stopped.lock().unwrap().remove(&pid);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn start_time(&self, pid: i32) -> Option<u64> {
+        match (self.running.lock().unwrap().contains(&pid), self.reused.lock().unwrap().contains(&pid)) {
+            (_, true) => Some(2),
+            (true, false) => Some(1),
+            (false, false) => None,
+        }
+    }
+
+    fn cuda_candidates(&self, pids: &[i32]) -> Vec<i32> {
+        pids.iter().copied().filter(|p| self.cuda.contains(p)).collect()
+    }
+
+    fn nvidia_device_holders(&self, pids: &[i32]) -> Vec<i32> {
+        self.cuda_candidates(pids)
+    }
+
+    fn sockets(&self, _pids: &[i32]) -> TreeSockets {
+        TreeSockets::default()
+    }
+
+    fn leave_repair(&self, _pids: &[i32], _reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>) {
+        *self.repairs.lock().unwrap() += 1;
+        (Vec::new(), Vec::new())
+    }
+
+    fn cpu_flags(&self) -> std::collections::BTreeSet<String> {
+        self.cpu_flags.lock().unwrap().clone()
+    }
+
+    fn node_name(&self) -> String {
+        "fake-node".into()
+    }
+
+    fn kernel_release(&self) -> String {
+        "6.18.0-fake".into()
+    }
+}

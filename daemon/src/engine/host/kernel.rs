@@ -1,0 +1,129 @@
+//! [`Host`] on the real kernel: each answer comes from `linux/` (or, for what a tree holds
+//! and its sockets, from `inspect` and `sockets`, which read it there).
+
+use std::collections::HashSet;
+use std::io;
+
+use nix::sys::signal::Signal;
+
+use super::{Host, Usage};
+use crate::engine::inspect::{self, TreeInfo};
+use crate::engine::sockets::{self, Connection, TreeSockets};
+use crate::linux::proc::{self, ProcStat};
+
+/// The real kernel.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct LinuxHost;
+
+impl Host for LinuxHost {
+    fn is_running(&self, pid: i32) -> bool {
+        proc::is_running(pid)
+    }
+
+    fn command(&self, pid: i32) -> io::Result<Vec<String>> {
+        proc::cmdline(pid)
+    }
+
+    fn inspect(&self, root: i32) -> io::Result<TreeInfo> {
+        inspect::inspect(root)
+    }
+
+    fn untouchable(&self, pid: i32) -> Option<String> {
+        if pid == 1 {
+            return Some("init, the system's first process".into());
+        }
+        if pid == std::process::id() as i32 {
+            return Some("stasisd itself".into());
+        }
+        let stat = ProcStat::read(pid).ok()?;
+        stat.is_kernel_thread().then(|| format!("a kernel thread ({})", stat.comm))
+    }
+
+    fn unrecordable_session(&self, pid: i32) -> Option<String> {
+        // Session 0: the leader is outside this pid namespace (or the process descends from an
+        // init that never started a session), and CRIU has no way to record it.
+        (ProcStat::read(pid).ok()?.session == 0).then(|| {
+            "in session 0, whose leader is outside this pid namespace, so CRIU cannot record it; \
+             start it in a session of its own (setsid(1), or `stasis run`)"
+                .into()
+        })
+    }
+
+    fn pid_inside(&self, pid: i32, root: i32) -> Option<i32> {
+        proc::pid_inside(pid, root)
+    }
+
+    fn resident_bytes(&self, pids: &[i32]) -> u64 {
+        pids.iter().map(|&pid| proc::resident_bytes(pid)).sum()
+    }
+
+    fn private_writable_ranges(&self, pid: i32) -> Vec<(u64, u64)> {
+        proc::private_writable_ranges(pid).unwrap_or_default()
+    }
+
+    fn usage(&self, pid: i32) -> Usage {
+        Usage { cpu_ns: proc::cpu_time_ns(pid).unwrap_or(0), read_bytes: proc::read_chars(pid).unwrap_or(0) }
+    }
+
+    fn memory_total(&self) -> Option<u64> {
+        proc::memory_total()
+    }
+
+    fn stopped(&self, pids: &[i32]) -> Vec<i32> {
+        pids.iter().copied().filter(|p| ProcStat::read(*p).is_ok_and(|s| s.is_stopped())).collect()
+    }
+
+    fn traced(&self, pids: &[i32]) -> Vec<i32> {
+        pids.iter().copied().filter(|p| proc::tracer(*p).is_some()).collect()
+    }
+
+    fn restoring_roots(&self, criu: i32) -> Vec<i32> {
+        proc::restoring_namespace_root(criu).into_iter().chain(proc::restored_root_under(criu)).collect()
+    }
+
+    fn trees(&self, roots: &[i32]) -> Vec<i32> {
+        let mut all: Vec<i32> = roots.to_vec();
+        for root in roots {
+            all.extend(proc::process_tree(*root).unwrap_or_default());
+        }
+        let mut seen = HashSet::new();
+        all.retain(|p| seen.insert(*p));
+        all
+    }
+
+    fn signal(&self, pids: &[i32], signal: Signal) {
+        proc::signal_all(pids, signal);
+    }
+
+    fn start_time(&self, pid: i32) -> Option<u64> {
+        ProcStat::read(pid).ok()?.start_time
+    }
+
+    fn cuda_candidates(&self, pids: &[i32]) -> Vec<i32> {
+        crate::cuda::cuda_candidates(pids)
+    }
+
+    fn nvidia_device_holders(&self, pids: &[i32]) -> Vec<i32> {
+        crate::cuda::nvidia_device_holders(pids)
+    }
+
+    fn sockets(&self, pids: &[i32]) -> TreeSockets {
+        sockets::survey(pids)
+    }
+
+    fn leave_repair(&self, pids: &[i32], reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>) {
+        sockets::leave_repair(pids, reuse_addr)
+    }
+
+    fn cpu_flags(&self) -> std::collections::BTreeSet<String> {
+        proc::cpu_isa_flags()
+    }
+
+    fn node_name(&self) -> String {
+        proc::node_name()
+    }
+
+    fn kernel_release(&self) -> String {
+        proc::kernel_release()
+    }
+}
