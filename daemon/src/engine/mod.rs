@@ -29,6 +29,8 @@ mod run;
 mod sockets;
 mod start;
 mod state;
+#[cfg(test)]
+mod store_faults;
 mod unsupported;
 mod workloads;
 

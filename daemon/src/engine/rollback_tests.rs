@@ -14,8 +14,8 @@ use super::start::{CriuSupport, Parts};
 use super::state::StateDir;
 use super::workloads::Registry;
 use super::{
-    Caller, CheckpointError, CheckpointOutcome, CheckpointParams, Engine, EngineConfig, ProgressFn,
-    RestoreError, RestoreParams, RestoreTarget, Target,
+    Caller, CheckpointError, CheckpointOutcome, CheckpointParams, Engine, EngineConfig, GpuActivity,
+    ProgressFn, RestoreError, RestoreParams, RestoreTarget, Target,
 };
 use crate::criu::fake::FakeCriu;
 use crate::criu::{NetworkLock, TreeOptions};
@@ -36,10 +36,24 @@ pub(super) struct Rig {
     dir: TempDir,
 }
 
+/// What a rig may have other than its defaults.
+#[derive(Default)]
+pub(super) struct Extras {
+    /// The store (else a file store in the rig's directory).
+    pub(super) store: Option<Store>,
+    /// Which processes use a GPU (else none is known to).
+    pub(super) gpu_activity: Option<Arc<dyn GpuActivity>>,
+}
+
 /// A two-process tree whose root uses CUDA, with `CHILD` already stopped before any
 /// checkpoint (job control). `criu` gets hooks that stop the tree on a dump (as CRIU's
 /// leave-stopped does) and start it on a restore.
-pub(super) fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
+pub(super) fn rig(criu: FakeCriu, gpu: FakeGpu) -> Rig {
+    rig_with(criu, gpu, Extras::default())
+}
+
+/// [`rig`], with `extras`.
+pub(super) fn rig_with(mut criu: FakeCriu, gpu: FakeGpu, extras: Extras) -> Rig {
     let tree = TreeInfo {
         pids: vec![ROOT, CHILD],
         command: vec!["fake".into()],
@@ -94,8 +108,8 @@ pub(super) fn rig(mut criu: FakeCriu, gpu: FakeGpu) -> Rig {
         },
         host: host.clone(),
         gpu: Some(gpu.clone()),
-        gpu_activity: None,
-        store: Store::open(&config.store_url, config.store_retry).unwrap(),
+        gpu_activity: extras.gpu_activity,
+        store: extras.store.unwrap_or_else(|| Store::open(&config.store_url, config.store_retry).unwrap()),
         registry: Registry::load(&state.registry_file()).unwrap(),
         state,
         // A reaper that reaps nothing: a real one would take the exits of other tests' children.

@@ -176,17 +176,23 @@ impl Store {
     /// each request to a remote store, retries included, ends within `retry_timeout`.
     pub fn open(url: &str, retry_timeout: std::time::Duration) -> Result<Self, OpenStoreError> {
         let (backend, prefix) = backend::open(url, retry_timeout)?;
-        Ok(Self {
+        Ok(Self { url: url.into(), ..Self::from_backend(backend, prefix) })
+    }
+
+    /// A store of the objects under `prefix` in `backend`, named by them: how unit tests put
+    /// a store of their own (in memory, failing on cue) under the engine.
+    pub fn from_backend(backend: Arc<dyn ObjectStore>, prefix: ObjPath) -> Self {
+        Self {
+            url: format!("{backend}/{prefix}"),
             backend,
             prefix,
-            url: url.into(),
             index: Default::default(),
             gc_lock: Default::default(),
             node_tag: "local".into(),
             cipher: None,
             pack_slots: Arc::new(tokio::sync::Semaphore::new(chunks::PACKS_IN_MEMORY)),
             fetch_slots: Arc::new(tokio::sync::Semaphore::new(assemble::FETCHES_IN_MEMORY)),
-        })
+        }
     }
 
     /// Names the packs this store writes `<tag>-<random>`; the tag identifies this node.
