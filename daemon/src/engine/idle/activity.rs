@@ -26,6 +26,29 @@ impl GpuActivity for Nvml {
     }
 }
 
+/// GPU activity on cue, for tests: the pids it names, or why it cannot tell.
+#[cfg(test)]
+#[derive(Debug, Default)]
+pub struct FakeGpuActivity {
+    /// Host pids it reports as having used a GPU.
+    pub active: std::sync::Mutex<HashSet<u32>>,
+    /// Its answer instead, when set: NVML failing.
+    pub failure: std::sync::Mutex<Option<String>>,
+    /// The `since_us` of each question, in order.
+    pub asked: std::sync::Mutex<Vec<u64>>,
+}
+
+#[cfg(test)]
+impl GpuActivity for FakeGpuActivity {
+    fn active_since(&self, since_us: u64) -> Result<HashSet<u32>, String> {
+        self.asked.lock().unwrap().push(since_us);
+        match self.failure.lock().unwrap().clone() {
+            Some(why) => Err(why),
+            None => Ok(self.active.lock().unwrap().clone()),
+        }
+    }
+}
+
 /// One sample of a tree's counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Sample {

@@ -12,6 +12,8 @@
 
 mod activity;
 mod reclaim;
+#[cfg(test)]
+mod tests;
 mod uses;
 mod wake;
 

@@ -1,0 +1,94 @@
+//! The idle monitor on the fakes of `rollback_tests` and a fake [`GpuActivity`]: which
+//! workloads a tick finds busy, and the reclaim of one found idle.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+
+use super::activity::FakeGpuActivity;
+use super::{GpuActivity, IdleState};
+use crate::criu::fake::FakeCriu;
+use crate::cuda::fake::FakeGpu;
+use crate::engine::host::Usage;
+use crate::engine::rollback_tests::{CHILD, Extras, ROOT, Rig, rig_with};
+use crate::engine::{Caller, Workload};
+
+/// How long a watched workload must be idle to be reclaimed, in these tests.
+const IDLE_AFTER: Duration = Duration::from_millis(50);
+
+/// A rig whose tree is a registered workload (one checkpoint left running) with an idle
+/// policy, on GPU activity `gpu`; returns the workload's name.
+async fn watched_rig(gpu: &Arc<FakeGpuActivity>) -> (Rig, String) {
+    let activity: Arc<dyn GpuActivity> = gpu.clone();
+    let extras = Extras { gpu_activity: Some(activity), ..Default::default() };
+    let r = rig_with(FakeCriu::default(), FakeGpu::default(), extras);
+    let name = r.checkpoint(true).await.unwrap().workload;
+    r.engine.set_idle(&name, Some(IDLE_AFTER), Caller::Root).unwrap();
+    (r, name)
+}
+
+impl Rig {
+    fn workload(&self, name: &str) -> Workload {
+        self.engine.registry.get(name).unwrap()
+    }
+
+    /// One tick of the idle monitor, after `after`; returns where `name` stands then.
+    async fn tick(&self, name: &str, after: Duration) -> IdleState {
+        tokio::time::sleep(after).await;
+        self.engine.idle_tick(&self.engine.registry.all());
+        self.engine.idle_state(&self.workload(name))
+    }
+}
+
+#[tokio::test]
+async fn a_workload_busy_only_on_the_gpu_is_kept_and_reclaimed_once_it_stops() {
+    let gpu = Arc::new(FakeGpuActivity::default());
+    let (r, name) = watched_rig(&gpu).await;
+    // The first tick only takes a sample to compare the next ones with.
+    assert!(matches!(r.tick(&name, Duration::ZERO).await, IdleState::Watched(_)));
+    // No CPU time, nothing read: only NVML sees the root use a GPU.
+    gpu.active.lock().unwrap().insert(ROOT as u32);
+    let state = r.tick(&name, IDLE_AFTER * 2).await;
+    assert!(matches!(state, IdleState::Watched(idle) if idle < IDLE_AFTER), "{state:?}");
+    assert!(r.host.signals_of(Signal::SIGKILL).is_empty());
+    assert_eq!(r.checkpoints().await, 1, "no reclaim");
+
+    gpu.active.lock().unwrap().clear();
+    let state = r.tick(&name, IDLE_AFTER * 2).await;
+    assert!(matches!(state, IdleState::Reclaiming | IdleState::Reclaimed), "{state:?}");
+    let reclaimed = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if let Some(reclaimed) = r.workload(&name).reclaimed {
+                return reclaimed;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the reclaim should finish");
+    assert_eq!(r.engine.idle_state(&r.workload(&name)), IdleState::Reclaimed);
+    assert_eq!(r.host.signals_of(Signal::SIGKILL), [ROOT, CHILD], "the reclaim evicted the tree");
+    assert_eq!(r.checkpoints().await, 2);
+    assert!(reclaimed.listeners.is_empty() && reclaimed.ports.is_empty(), "the tree held no sockets");
+    // Each question asked for what happened since the one before.
+    let asked = gpu.asked.lock().unwrap().clone();
+    assert_eq!(asked.len(), 3, "{asked:?}");
+    assert!(asked.windows(2).all(|w| w[0] <= w[1]), "{asked:?}");
+}
+
+#[tokio::test]
+async fn without_gpu_activity_a_workload_is_judged_by_its_cpu_time() {
+    let gpu = Arc::new(FakeGpuActivity::default());
+    *gpu.failure.lock().unwrap() = Some("NVML: driver gone".into());
+    let (r, name) = watched_rig(&gpu).await;
+    r.tick(&name, Duration::ZERO).await;
+    for cpu_s in 1..=2 {
+        // A full core's second of CPU time between ticks: busy, whatever NVML says.
+        r.host.usage.lock().unwrap().insert(CHILD, Usage { cpu_ns: cpu_s * 1_000_000_000, read_bytes: 0 });
+        let state = r.tick(&name, IDLE_AFTER * 2).await;
+        assert!(matches!(state, IdleState::Watched(idle) if idle < IDLE_AFTER), "{state:?}");
+    }
+    assert_eq!(r.checkpoints().await, 1, "no reclaim");
+    assert_eq!(gpu.asked.lock().unwrap().len(), 3, "NVML is asked at every tick, failing or not");
+}
