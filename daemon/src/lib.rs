@@ -6,6 +6,7 @@
 //!   server, and what it can do on this kernel;
 //! - [`cuda`]: NVIDIA's driver checkpoint API (loaded at run time) and finding CUDA processes;
 //! - [`store`]: manifests and checkpoint data in object storage;
+//! - [`pages`]: a dump's memory as runs of pages, what [`criu`] receives and [`store`] keeps;
 //! - [`linux`]: /proc, sockets, nftables and iptables locks, cgroups, ptys, spawning and
 //!   reaping;
 //! - [`config`] and [`server`]: the daemon's settings and lifecycle.
@@ -25,6 +26,7 @@ pub mod grpc;
 pub mod linux;
 pub mod metrics;
 pub mod notice;
+pub mod pages;
 pub mod server;
 pub mod store;
 

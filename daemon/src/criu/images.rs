@@ -12,7 +12,7 @@ use prost::Message;
 use stasis_proto::criu::{InventoryEntry, MmLayout, PagemapEntry, PagemapHead, PstreeEntry};
 
 use super::cow::Layout;
-use super::pageserver::PageRun;
+use crate::pages::PageRun;
 
 pub(super) const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
 const PAGEMAP_MAGIC: u32 = 0x5608_4025;
@@ -91,7 +91,7 @@ pub fn pagemap_dst_id(file_name: &str) -> Option<u64> {
 /// Reads a pagemap image CRIU wrote: the id of its pages file and its runs (as `dst_id`'s),
 /// in order. Entries of CRIU versions that wrote no flags are present unless in a parent.
 pub fn read_pagemap(data: &[u8], dst_id: u64) -> io::Result<(u32, Vec<PageRun>)> {
-    use crate::criu::pageserver::{PE_PARENT, PE_PRESENT};
+    use crate::pages::{PE_PARENT, PE_PRESENT};
     let invalid = invalid("pagemap");
     let mut bodies = entries(data, PAGEMAP_MAGIC, "pagemap")?.into_iter();
     let head = bodies.next().ok_or_else(|| invalid("no head".into()))?;
@@ -118,7 +118,7 @@ const ADDRESS_SPACE_END: u64 = 1 << 57;
 /// Whether a run of `nr_pages` pages at `vaddr` is one a process can have: page-aligned, not
 /// empty, and inside an address space (its byte length cannot wrap).
 fn run_fits(vaddr: u64, nr_pages: u64) -> bool {
-    use crate::criu::pageserver::PAGE_SIZE;
+    use crate::pages::PAGE_SIZE;
     let end = nr_pages.checked_mul(PAGE_SIZE).and_then(|len| vaddr.checked_add(len));
     vaddr.is_multiple_of(PAGE_SIZE) && nr_pages > 0 && end.is_some_and(|end| end <= ADDRESS_SPACE_END)
 }
@@ -180,7 +180,7 @@ pub(super) fn push(out: &mut Vec<u8>, message: &impl Message) {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::criu::pageserver::PE_PRESENT;
+    use crate::pages::PE_PRESENT;
 
     /// Writes an inventory image recording CRIU run `run_id` into `dir`, as CRIU does.
     pub(crate) fn write_inventory(dir: &Path, run_id: &str) -> Vec<u8> {

@@ -23,8 +23,7 @@
 
 use std::io::{self, Read, Write};
 
-/// Page size of the dumped tasks (x86-64).
-pub const PAGE_SIZE: u64 = 4096;
+use crate::pages::{PAGE_SIZE, PE_PARENT, PE_PRESENT, PageRun, PageSink};
 
 const IOV_ADD: u32 = 1;
 const IOV_HOLE: u32 = 2;
@@ -34,11 +33,6 @@ const IOV_PARENT: u32 = 5;
 const IOV_ADD_F: u32 = 6;
 pub(super) const IOV_CLOSE: u32 = 0x1023;
 const IOV_FORCE_CLOSE: u32 = 0x1024;
-
-/// Pagemap entry flags.
-pub const PE_PARENT: u32 = 1;
-pub const PE_LAZY: u32 = 2;
-pub const PE_PRESENT: u32 = 4;
 
 /// The header layout of the CRIU in use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,42 +84,6 @@ impl HeaderLayout {
 
 /// Largest run accepted in one command; CRIU sends at most a pipe's worth.
 const MAX_RUN_PAGES: u64 = 1 << 20;
-
-/// One run of pages as CRIU announced it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PageRun {
-    /// CRIU's pagemap id: `(id << 8) | type`.
-    pub dst_id: u64,
-    pub vaddr: u64,
-    pub nr_pages: u64,
-    /// `PE_*` flags.
-    pub flags: u32,
-}
-
-impl PageRun {
-    pub fn has_data(&self) -> bool {
-        self.flags & PE_PRESENT != 0
-    }
-
-    pub fn byte_len(&self) -> u64 {
-        self.nr_pages * PAGE_SIZE
-    }
-
-    /// Whether `next` goes on where this run ends: same destination and flags, the next page.
-    pub fn continued_by(&self, next: &PageRun) -> bool {
-        self.dst_id == next.dst_id && self.flags == next.flags && self.vaddr + self.byte_len() == next.vaddr
-    }
-}
-
-/// Where received pages go.
-pub trait PageSink {
-    /// CRIU opened pagemap `dst_id` (`(id << 8) | type`): the dump has that memory image,
-    /// even if no run of it follows.
-    fn open(&mut self, dst_id: u64) -> io::Result<()>;
-
-    /// Takes a run; when it has data, exactly `run.byte_len()` bytes must be read from `data`.
-    fn run(&mut self, run: PageRun, data: &mut dyn Read) -> io::Result<()>;
-}
 
 /// The page-server session failed.
 #[derive(Debug, thiserror::Error)]
@@ -209,6 +167,7 @@ pub fn serve<C: Read + Write>(
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
+    use crate::pages::PE_LAZY;
 
     /// A scripted peer: what CRIU sends, and what we answer.
     pub struct Wire {

@@ -10,8 +10,9 @@ use std::time::Instant;
 
 use super::CheckpointError;
 use super::host::Host;
-use crate::criu::pageserver::{self, HeaderLayout, PageServerError, PageSink};
+use crate::criu::pageserver::{self, HeaderLayout, PageServerError};
 use crate::criu::{CriuError, CriuOps, CriuVersion, DumpSpec};
+use crate::pages::PageSink;
 
 /// Send and receive buffer of the page-server socketpair.
 const SOCKET_BUFFER: usize = 8 << 20;

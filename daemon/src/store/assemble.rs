@@ -19,7 +19,7 @@ use super::index::{ChunkHash, ChunkLoc};
 use super::lazy_memory::{LazyChunk, LazyMemory};
 use super::{Manifest, Progress, Store, StoreError};
 use crate::criu::images::{pagemap_file_name, pages_file_name, task_of, write_pagemap};
-use crate::criu::pageserver::{PE_LAZY, PageRun};
+use crate::pages::{PE_LAZY, PageRun};
 use stasis_proto::stasis::v1::AddressRange;
 
 /// Packs one restore fetches at the same time.

@@ -228,7 +228,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::criu::pageserver::{PAGE_SIZE, PE_PRESENT, PageRun, PageSink};
+    use crate::pages::{PAGE_SIZE, PE_PRESENT, PageRun, PageSink};
     use crate::store::Staging;
 
     /// A checkpoint `id` of 64 pages of `seed`-made memory (and a small image file).

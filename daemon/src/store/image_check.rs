@@ -77,7 +77,7 @@ mod tests {
 
     use super::*;
     use crate::criu::image_set_tests::write_dump_images;
-    use crate::criu::pageserver::{PAGE_SIZE, PE_PRESENT, PageRun, PageSink};
+    use crate::pages::{PAGE_SIZE, PE_PRESENT, PageRun, PageSink};
     use crate::store::{DumpPages, Staging, StagingBudget};
 
     /// Stores the dump in `dir/<id>` of process 9 (one page of its memory) whose shared memory

@@ -3,7 +3,7 @@
 
 use stasis_proto::stasis::v1::{ChunkRef, MemoryImage};
 
-use crate::criu::pageserver::{PAGE_SIZE, PageRun};
+use crate::pages::{PAGE_SIZE, PageRun};
 
 /// The runs of `image` in order, each with the chunks holding its pages (none for a run
 /// without data); `Err` says why the image is malformed.
@@ -87,7 +87,7 @@ fn chunks_covering(chunks: &[ChunkRef], len: u64) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::criu::pageserver::{PE_LAZY, PE_PRESENT};
+    use crate::pages::{PE_LAZY, PE_PRESENT};
 
     fn chunk(len: u32, hash: u8) -> ChunkRef {
         ChunkRef { hash: vec![hash; 32], len, ..Default::default() }

@@ -10,7 +10,7 @@ use super::{
     Ask, ChunkData, ChunkReader, FetchSettings, LazyFetch, LazyFetchError, LazyMemory, Manifest, MemoryMode,
     Staging, Store,
 };
-use crate::criu::pageserver::{PAGE_SIZE, PE_LAZY, PE_PRESENT, PageRun, PageSink};
+use crate::pages::{PAGE_SIZE, PE_LAZY, PE_PRESENT, PageRun, PageSink};
 
 const PID: u64 = 42;
 const SETTINGS: FetchSettings =

@@ -15,7 +15,7 @@ use stasis_proto::stasis::v1::{MemoryImage, PageRun as StoredRun};
 use super::chunks::{ChunkWriter, UploaderGone, WindowCutter};
 use super::staging::Staged;
 use super::stream::{Received, StreamSource, Unfinished};
-use crate::criu::pageserver::PageRun;
+use crate::pages::PageRun;
 
 /// Builds the memory images of one dump from runs in CRIU's order (per destination; the
 /// destinations may interleave).

@@ -13,8 +13,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::{Advice, Mmap, MmapMut, MmapOptions};
 
-use crate::criu::pageserver::{PageRun, PageSink};
 use crate::linux::sys::{map_private_file, release_mapped_range};
+use crate::pages::{PageRun, PageSink};
 
 /// Size of one memory segment; a run never spans two.
 const SEGMENT: usize = 64 << 20;
@@ -307,7 +307,7 @@ impl Drop for Staged {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::criu::pageserver::{PAGE_SIZE, PE_PRESENT};
+    use crate::pages::{PAGE_SIZE, PE_PRESENT};
 
     #[test]
     fn memory_then_spill_and_back() {

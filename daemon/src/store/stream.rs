@@ -15,7 +15,7 @@ use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use crate::criu::pageserver::{PAGE_SIZE, PageRun, PageSink};
+use crate::pages::{PAGE_SIZE, PageRun, PageSink};
 
 /// Bytes of one block: several of CRIU's transfers, so that a block's windows make a batch
 /// worth hashing and compressing in parallel.
@@ -231,7 +231,7 @@ impl StreamSource {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::criu::pageserver::PE_PRESENT;
+    use crate::pages::PE_PRESENT;
 
     const PAGE: usize = PAGE_SIZE as usize;
 

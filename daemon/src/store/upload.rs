@@ -259,7 +259,7 @@ mod tests {
 
     use super::*;
     use crate::criu::image_set_tests::write_dump_images;
-    use crate::criu::pageserver::{PAGE_SIZE, PE_PRESENT, PageRun, PageSink};
+    use crate::pages::{PAGE_SIZE, PE_PRESENT, PageRun, PageSink};
     use crate::store::{Manifest, MemoryMode, Staging};
 
     const PAGE: usize = PAGE_SIZE as usize;

@@ -19,10 +19,10 @@ use super::layout::{
 };
 use super::{ArchiveError, ImportOutcome};
 use crate::criu::images::{pagemap_dst_id, pages_file_name, read_pagemap, read_pstree};
-use crate::criu::pageserver::{PE_PARENT, PageSink};
 use crate::engine::ids::{checkpoint_id, now_unix_ms};
 use crate::engine::workloads::valid_name;
 use crate::engine::{Caller, Engine};
+use crate::pages::{PE_PARENT, PageSink};
 use crate::store::{DumpPages, Manifest, Staged, Staging};
 
 /// What was unpacked: the archive's paths outside `checkpoint/` (files and directories) and

@@ -4,8 +4,8 @@
 
 use super::pages::{Pages, Piece};
 use super::server::{FaultServer, FaultServerError};
-use crate::criu::pageserver::PAGE_SIZE as PAGE;
 use crate::linux::uffd::FillError;
+use crate::pages::PAGE_SIZE as PAGE;
 use crate::store::{Ask, ChunkData};
 use tracing::debug;
 

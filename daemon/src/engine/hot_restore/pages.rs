@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::criu::pageserver::PAGE_SIZE as PAGE;
+use crate::pages::PAGE_SIZE as PAGE;
 use crate::store::LazyMemory;
 
 /// An image range that lives `delta` bytes away from its image address.

@@ -29,9 +29,9 @@ use tracing::{debug, info};
 use super::control::Control;
 use super::pages::Pages;
 use crate::criu::lazy_socket::{Announcement, LazyListener, LazySocketError, RestoreConnection};
-use crate::criu::pageserver::PAGE_SIZE as PAGE;
 use crate::engine::lock;
 use crate::linux::uffd::{Event, Userfaultfd};
+use crate::pages::PAGE_SIZE as PAGE;
 use crate::store::{Ask, ChunkReader, LazyFetchError};
 
 /// Chunks after a faulted one that are asked for at once.
