@@ -55,7 +55,6 @@ pub use workloads::Workload;
 
 use crate::criu::{CriuOps, CriuVersion, NetworkLock};
 use crate::cuda::GpuCheckpointer;
-use crate::linux::cgroup::WorkloadCgroup;
 use crate::linux::reaper::Reaper;
 use crate::store::Store;
 use host::Host;
@@ -196,7 +195,7 @@ impl Engine {
     /// Removes the cgroup of a workload whose tree is gone (CRIU recreates it on restore).
     fn release_cgroup(&self, workload: &str) {
         if let Some(path) = self.registry.get(workload).and_then(|w| w.cgroup) {
-            WorkloadCgroup { path }.remove_if_empty();
+            self.host.remove_empty_cgroup(&path);
         }
     }
 

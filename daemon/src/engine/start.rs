@@ -16,9 +16,7 @@ use super::{Engine, EngineConfig, GpuActivity, StartError, dump};
 use crate::criu::{Criu, CriuOps, CriuVersion, MIN_VERSION, NetworkLock, support};
 use crate::cuda::nvml::Nvml;
 use crate::cuda::{CudaDriver, CudaError, GpuCheckpointer};
-use crate::linux::cgroup::WorkloadCgroup;
 use crate::linux::reaper::Reaper;
-use crate::linux::uffd::{self, Userfaultfd};
 use crate::store::{StagingBudget, Store};
 
 /// What CRIU can do on this node, found at start.
@@ -121,7 +119,7 @@ impl Engine {
     /// kept them out of the registry (a tree with a pid namespace of its own has new pids).
     fn adopt_restored(&self) {
         for w in self.registry.all().into_iter().filter(|w| !self.host.is_running(w.pid)) {
-            let Some(pid) = w.cgroup.and_then(|path| WorkloadCgroup { path }.root_process()) else {
+            let Some(pid) = w.cgroup.and_then(|path| self.host.cgroup_root(&path)) else {
                 continue;
             };
             match self.registry.update(&w.name, |w| w.pid = pid) {
@@ -209,9 +207,7 @@ async fn probe_criu(
         (Err(why), _) => warn!(reason = %why, "trees holding network sockets will be refused"),
         (_, Err(why)) => warn!(reason = %why, "trees holding TCP connections will be refused"),
     }
-    let served_memory = Userfaultfd::open(uffd::EVENT_FEATURES)
-        .map(drop)
-        .map_err(|e| format!("this kernel gives no userfaultfd with fork, remap and unmap events ({e})"));
+    let served_memory = host.userfaultfd_events();
     if let Err(why) = &served_memory {
         warn!(reason = %why, "lazy restores will be refused; eager ones restore from image files");
     }

@@ -2,6 +2,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io;
+use std::path::Path;
 use std::sync::Mutex;
 
 use nix::sys::signal::Signal;
@@ -167,6 +168,16 @@ impl Host for FakeHost {
     fn leave_repair(&self, _pids: &[i32], _reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>) {
         *self.repairs.lock().unwrap() += 1;
         (Vec::new(), Vec::new())
+    }
+
+    fn cgroup_root(&self, _path: &Path) -> Option<i32> {
+        None
+    }
+
+    fn remove_empty_cgroup(&self, _path: &Path) {}
+
+    fn userfaultfd_events(&self) -> Result<(), String> {
+        Ok(())
     }
 
     fn cpu_flags(&self) -> std::collections::BTreeSet<String> {

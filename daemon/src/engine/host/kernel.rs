@@ -3,13 +3,16 @@
 
 use std::collections::HashSet;
 use std::io;
+use std::path::Path;
 
 use nix::sys::signal::Signal;
 
 use super::{Host, Usage};
 use crate::engine::inspect::{self, TreeInfo};
 use crate::engine::sockets::{self, Connection, TreeSockets};
+use crate::linux::cgroup::WorkloadCgroup;
 use crate::linux::proc::{self, ProcStat};
+use crate::linux::uffd::{self, Userfaultfd};
 
 /// The real kernel.
 #[derive(Debug, Default, Clone, Copy)]
@@ -113,6 +116,20 @@ impl Host for LinuxHost {
 
     fn leave_repair(&self, pids: &[i32], reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>) {
         sockets::leave_repair(pids, reuse_addr)
+    }
+
+    fn cgroup_root(&self, path: &Path) -> Option<i32> {
+        WorkloadCgroup { path: path.to_path_buf() }.root_process()
+    }
+
+    fn remove_empty_cgroup(&self, path: &Path) {
+        WorkloadCgroup { path: path.to_path_buf() }.remove_if_empty();
+    }
+
+    fn userfaultfd_events(&self) -> Result<(), String> {
+        Userfaultfd::open(uffd::EVENT_FEATURES)
+            .map(drop)
+            .map_err(|e| format!("this kernel gives no userfaultfd with fork, remap and unmap events ({e})"))
     }
 
     fn cpu_flags(&self) -> std::collections::BTreeSet<String> {

@@ -11,6 +11,7 @@ pub(super) mod fake;
 
 use std::collections::HashSet;
 use std::io;
+use std::path::Path;
 
 pub use kernel::LinuxHost;
 use nix::sys::signal::Signal;
@@ -66,6 +67,14 @@ pub trait Host: Send + Sync {
     fn sockets(&self, pids: &[i32]) -> TreeSockets;
     /// Takes the TCP sockets of `pids` out of repair mode (see `sockets::leave_repair`).
     fn leave_repair(&self, pids: &[i32], reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>);
+    /// The root process of the tree in the workload cgroup at `path` (the one whose parent is
+    /// outside it), if the cgroup holds one.
+    fn cgroup_root(&self, path: &Path) -> Option<i32>;
+    /// Removes the workload cgroup at `path` if it is empty (a busy or missing one is left).
+    fn remove_empty_cgroup(&self, path: &Path);
+    /// Whether this kernel gives a userfaultfd with the events CRIU's lazy restore needs
+    /// (fork, remap and unmap), and if not why.
+    fn userfaultfd_events(&self) -> Result<(), String>;
     /// The CPU's user-space instruction-set extensions (see `proc::cpu_isa_flags`).
     fn cpu_flags(&self) -> std::collections::BTreeSet<String>;
     /// This node's name and kernel release, for manifests.
