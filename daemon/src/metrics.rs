@@ -19,8 +19,6 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tracing::{debug, info};
 
-use crate::engine::{CheckpointError, CheckpointOutcome, RestoreError, RestoreOutcome};
-
 type Results = Family<Vec<(String, String)>, Counter>;
 
 /// The metrics; cheap to update from any thread.
@@ -99,43 +97,64 @@ fn result(label: &str) -> Vec<(String, String)> {
     vec![("result".into(), label.into())]
 }
 
+/// What a checkpoint that became durable measured.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CheckpointSample {
+    pub frozen_ms: u64,
+    pub durable_ms: u64,
+    /// GPU lock, checkpoint and restore together (0: no GPU phase).
+    pub gpu_ms: u64,
+    pub bytes_total: u64,
+    pub bytes_uploaded: u64,
+}
+
+/// What a restore that ended with its tree running measured.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RestoreSample {
+    pub first_run_ms: u64,
+    pub resident_ms: u64,
+}
+
+/// A failed job, as the metrics count it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The store failed it.
+    Store,
+    Other,
+}
+
 impl Metrics {
-    pub fn checkpoint_done(&self, done: &Result<CheckpointOutcome, CheckpointError>) {
+    pub fn checkpoint_done(&self, done: Result<CheckpointSample, Failure>) {
         match done {
-            Ok(o) => {
-                let s = &o.stats;
+            Ok(s) => {
                 self.checkpoints.get_or_create(&result("ok")).inc();
                 self.frozen.observe(s.frozen_ms as f64 / 1e3);
                 self.durable.observe(s.durable_ms as f64 / 1e3);
-                let gpu_ms = s.gpu_lock_ms + s.gpu_checkpoint_ms + s.gpu_restore_ms;
-                if gpu_ms > 0 {
-                    self.gpu.observe(gpu_ms as f64 / 1e3);
+                if s.gpu_ms > 0 {
+                    self.gpu.observe(s.gpu_ms as f64 / 1e3);
                 }
                 self.bytes_uploaded.inc_by(s.bytes_uploaded);
                 self.bytes_deduplicated.inc_by(s.bytes_total.saturating_sub(s.bytes_uploaded));
             }
-            Err(e) => {
-                self.checkpoints.get_or_create(&result("failed")).inc();
-                if matches!(e, CheckpointError::Store { .. }) {
-                    self.store_errors.inc();
-                }
-            }
+            Err(failure) => self.failed(&self.checkpoints, failure),
         }
     }
 
-    pub fn restore_done(&self, done: &Result<RestoreOutcome, RestoreError>) {
+    pub fn restore_done(&self, done: Result<RestoreSample, Failure>) {
         match done {
-            Ok(o) => {
+            Ok(s) => {
                 self.restores.get_or_create(&result("ok")).inc();
-                self.first_run.observe(o.stats.first_run_ms as f64 / 1e3);
-                self.resident.observe(o.stats.resident_ms as f64 / 1e3);
+                self.first_run.observe(s.first_run_ms as f64 / 1e3);
+                self.resident.observe(s.resident_ms as f64 / 1e3);
             }
-            Err(e) => {
-                self.restores.get_or_create(&result("failed")).inc();
-                if matches!(e, RestoreError::Store(_)) {
-                    self.store_errors.inc();
-                }
-            }
+            Err(failure) => self.failed(&self.restores, failure),
+        }
+    }
+
+    fn failed(&self, jobs: &Results, failure: Failure) {
+        jobs.get_or_create(&result("failed")).inc();
+        if failure == Failure::Store {
+            self.store_errors.inc();
         }
     }
 
@@ -219,28 +238,20 @@ async fn answer(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::CheckpointStats;
 
     #[test]
     fn outcomes_are_counted_and_timed() {
         let m = Metrics::default();
-        let stats = CheckpointStats {
+        let ok = CheckpointSample {
             frozen_ms: 120,
             durable_ms: 900,
             bytes_total: 1000,
             bytes_uploaded: 300,
-            ..Default::default()
+            gpu_ms: 0,
         };
-        let ok = CheckpointOutcome {
-            id: "x".into(),
-            workload: "w".into(),
-            pid: 1,
-            left_running: true,
-            durable: true,
-            stats,
-        };
-        m.checkpoint_done(&Ok(ok));
-        m.checkpoint_done(&Err(CheckpointError::NoSuchProcess(5)));
+        m.checkpoint_done(Ok(ok));
+        m.checkpoint_done(Err(Failure::Other));
+        m.restore_done(Err(Failure::Store));
         m.reclaim("woken");
         let text = m.render();
         for line in [
@@ -250,6 +261,8 @@ mod tests {
             "stasis_uploaded_bytes_total 300",
             "stasis_deduplicated_bytes_total 700",
             "stasis_idle_reclaims_total{result=\"woken\"} 1",
+            "stasis_restores_total{result=\"failed\"} 1",
+            "stasis_store_errors_total 1",
         ] {
             assert!(text.lines().any(|l| l == line), "{line:?} missing from:\n{text}");
         }

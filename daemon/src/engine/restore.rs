@@ -30,6 +30,7 @@ use super::{Caller, Engine, ProgressFn, ProgressUpdate, RestoreError, lock};
 use crate::criu::RestoreSpec;
 use crate::cuda::GpuUuid;
 use crate::linux::{init_program, pty};
+use crate::metrics::{Failure, Metrics, RestoreSample};
 use crate::store::{LazyMemory, Manifest, MemoryMode};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -137,7 +138,7 @@ impl Engine {
         }
         let this = self.clone();
         let job = async move { this.restore_job(params, progress).await };
-        let joined = self.tracked("restore", job, crate::metrics::Metrics::restore_done).await;
+        let joined = self.tracked("restore", job, record_restore).await;
         joined.map_err(RestoreError::panicked("restore job"))?
     }
 
@@ -637,4 +638,13 @@ impl Drop for Restored {
             (self.kill)();
         }
     }
+}
+
+/// Counts a restore's result in the metrics.
+fn record_restore(metrics: &Metrics, done: &Result<RestoreOutcome, RestoreError>) {
+    metrics.restore_done(match done {
+        Ok(o) => Ok(RestoreSample { first_run_ms: o.stats.first_run_ms, resident_ms: o.stats.resident_ms }),
+        Err(RestoreError::Store(_)) => Err(Failure::Store),
+        Err(_) => Err(Failure::Other),
+    });
 }

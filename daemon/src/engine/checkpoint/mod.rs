@@ -27,6 +27,7 @@ use super::inspect::TreeInfo;
 use super::workloads::{Workload, derived_name};
 use super::{CheckpointCost, CheckpointError, Engine, ProgressFn, ProgressUpdate};
 use crate::criu::{DumpSpec, NetworkLock};
+use crate::metrics::{CheckpointSample, Failure, Metrics};
 use crate::pages::PageSink;
 use crate::store::{DumpPages, Staging};
 use rollback::Hold;
@@ -178,7 +179,7 @@ impl Engine {
         }
         let this = self.clone();
         let job = async move { this.checkpoint_job(params, progress).await };
-        let joined = self.tracked("checkpoint", job, crate::metrics::Metrics::checkpoint_done).await;
+        let joined = self.tracked("checkpoint", job, record_checkpoint).await;
         joined.map_err(CheckpointError::panicked("checkpoint job"))?
     }
 
@@ -549,4 +550,19 @@ impl Job {
             stats,
         }
     }
+}
+
+/// Counts a checkpoint's result in the metrics.
+fn record_checkpoint(metrics: &Metrics, done: &Result<CheckpointOutcome, CheckpointError>) {
+    metrics.checkpoint_done(match done {
+        Ok(o) => Ok(CheckpointSample {
+            frozen_ms: o.stats.frozen_ms,
+            durable_ms: o.stats.durable_ms,
+            gpu_ms: o.stats.gpu_lock_ms + o.stats.gpu_checkpoint_ms + o.stats.gpu_restore_ms,
+            bytes_total: o.stats.bytes_total,
+            bytes_uploaded: o.stats.bytes_uploaded,
+        }),
+        Err(CheckpointError::Store { .. }) => Err(Failure::Store),
+        Err(_) => Err(Failure::Other),
+    });
 }
