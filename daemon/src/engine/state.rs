@@ -135,14 +135,35 @@ impl WorkDir {
 }
 
 impl Drop for WorkDir {
+    /// Removes the directory before returning (a caller may count on it being gone). Images
+    /// of a large tree take a while to remove: on a worker of tokio's multi-threaded runtime
+    /// the removal blocks in place, its other tasks handed to another worker meanwhile.
     fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.path);
+        let remove = || {
+            let _ = fs::remove_dir_all(&self.path);
+        };
+        match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(remove),
+            _ => remove(),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_work_directory_is_gone_once_dropped_on_any_thread_of_the_runtime() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::open(dir.path()).unwrap();
+        let (on_worker, on_blocking) = (state.new_work_dir("a").unwrap(), state.new_work_dir("b").unwrap());
+        let paths = [on_worker.path().to_path_buf(), on_blocking.path().to_path_buf()];
+        std::fs::write(paths[0].join("pages.img"), b"x").unwrap();
+        tokio::spawn(async move { drop(on_worker) }).await.unwrap();
+        tokio::task::spawn_blocking(move || drop(on_blocking)).await.unwrap();
+        assert!(paths.iter().all(|p| !p.exists()), "{paths:?}");
+    }
 
     #[test]
     fn restore_scratch_goes_to_memory_when_it_fits_and_is_cleaned() {
