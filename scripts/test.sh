@@ -5,7 +5,8 @@
 # usable one (and Debian 13's CRIU 4.1 under .stasis/criu-4.1, for the test of a CRIU too old
 # for this kernel's sockets), moto's S3 server, a Jupyter kernel with its client (ipykernel,
 # jupyter_client) and numpy (PyPI) in a virtual environment under .stasis/venv, Debian's
-# redis-server and iptables, Podman with runc and busybox-static (the interop tests' container
+# redis-server and iptables, the compatibility corpus's programs (PostgreSQL, nginx, memcached,
+# tmux, Node.js, sqlite3), Podman with runc and busybox-static (the interop tests' container
 # engine and image), Debian unstable's checkpointctl under .stasis/checkpointctl, and Debian 13's
 # containerd 1.7 (CRI and NRI; the Kubernetes tests' runtime) under .stasis/containerd, with
 # the pod bundle (CRIU as opted-in containers run it) under .stasis/pod-bundle.
@@ -35,6 +36,16 @@ export STASIS_VENV_PYTHON=$root/.stasis/venv/bin/python
 # that one is stopped and disabled.
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
+# The compatibility corpus (tests/tests/corpus/): PostgreSQL (and psql), nginx, memcached, tmux,
+# Node.js and sqlite3; their packages' services are stopped and disabled like redis's.
+compgen -G '/usr/lib/postgresql/*/bin/postgres' >/dev/null || missing+=(postgresql)
+command -v psql >/dev/null || missing+=(postgresql-client)
+command -v nginx >/dev/null || missing+=(nginx-light)
+command -v memcached >/dev/null || missing+=(memcached)
+command -v tmux >/dev/null || missing+=(tmux)
+command -v node >/dev/null || missing+=(nodejs)
+command -v sqlite3 >/dev/null || missing+=(sqlite3)
+command -v setpriv >/dev/null || missing+=(util-linux)
 command -v iptables >/dev/null || missing+=(iptables)
 command -v podman >/dev/null || missing+=(podman)
 command -v runc >/dev/null || missing+=(runc)
@@ -45,7 +56,9 @@ command -v curl >/dev/null || missing+=(curl)
 if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  { systemctl disable --now redis-server || service redis-server stop; } >/dev/null 2>&1 || true
+  for service in redis-server postgresql nginx memcached; do
+    { systemctl disable --now "$service" || service "$service" stop; } >/dev/null 2>&1 || true
+  done
 fi
 # The engine reaches the kernel only through its seam (Host), so its unit tests run on fakes.
 scripts/check-seams.sh

@@ -70,3 +70,41 @@ pub(crate) fn read_body(r: &mut impl BufRead, lines: &[String], no_body: bool) -
     r.read_exact(&mut body)?;
     Ok(body)
 }
+
+/// A client's HTTP/1.1 connection to a server on loopback, kept open between requests (the
+/// idle connection a checkpoint finds and a restore must bring back).
+pub struct HttpConn(std::io::BufReader<TcpStream>);
+
+impl HttpConn {
+    pub fn connect(port: u16) -> std::io::Result<HttpConn> {
+        let stream = TcpStream::connect(("127.0.0.1", port))?;
+        stream.set_read_timeout(Some(crate::TIMEOUT))?;
+        Ok(HttpConn(std::io::BufReader::new(stream)))
+    }
+
+    /// Sends `method path` with `body` and reads the answer: its status code and its body
+    /// (as its Content-Length frames it).
+    pub fn request(&mut self, method: &str, path: &str, body: &[u8]) -> std::io::Result<(u16, Vec<u8>)> {
+        use std::io::Write;
+        let head =
+            format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}\r\n\r\n", body.len());
+        let stream = self.0.get_mut();
+        stream.write_all(head.as_bytes())?;
+        stream.write_all(body)?;
+        let closed = || std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "connection closed");
+        let (_, lines) = read_head(&mut self.0)?.ok_or_else(closed)?;
+        let code = lines.first().and_then(|l| l.split_whitespace().nth(1)?.parse().ok());
+        let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, format!("status line {lines:?}"));
+        let code = code.ok_or_else(bad)?;
+        Ok((code, read_body(&mut self.0, &lines, method == "HEAD")?))
+    }
+
+    /// A `GET path` that must answer 200; its body.
+    pub fn get(&mut self, path: &str) -> Vec<u8> {
+        match self.request("GET", path, &[]) {
+            Ok((200, body)) => body,
+            Ok((code, body)) => panic!("GET {path}: {code} {}", String::from_utf8_lossy(&body)),
+            Err(e) => panic!("GET {path}: {e}"),
+        }
+    }
+}

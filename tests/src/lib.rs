@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 pub mod containerd;
+pub mod corpus;
 mod daemon;
 pub mod disk;
 mod http;
@@ -20,12 +21,14 @@ mod peer;
 pub mod podman;
 pub mod procfs;
 pub mod proxy;
+pub mod resp;
 pub mod s3;
 mod workload;
 
 use std::path::{Path, PathBuf};
 
 pub use daemon::{Daemon, DaemonOptions, pid_of};
+pub use http::HttpConn;
 pub use logs::{complete_lines, expect_within, numbered, wait_for};
 pub use peer::EchoPeer;
 pub use workload::Workload;
@@ -139,6 +142,34 @@ pub fn http_get(port: u16) -> Result<String, String> {
     let mut answer = String::new();
     conn.read_to_string(&mut answer).map_err(|e| e.to_string())?;
     answer.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).ok_or(answer)
+}
+
+/// The path of program `name` as Debian installs it (`/usr/bin`, `/usr/sbin`), else the first
+/// on `PATH`; `None` when it is not installed.
+pub fn installed(name: &str) -> Option<String> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    ["/usr/bin", "/usr/sbin"]
+        .into_iter()
+        .map(PathBuf::from)
+        .chain(std::env::split_paths(&path))
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+        .map(|p| p.to_string_lossy().into_owned())
+}
+
+/// `n` pseudo-random bytes (xorshift64 from `seed`): no store compresses or deduplicates them.
+pub fn noise(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = 0x9e37_79b9_7f4a_7c15 ^ (seed + 1);
+    let mut out: Vec<u8> = (0..n.div_ceil(8))
+        .flat_map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_le_bytes()
+        })
+        .collect();
+    out.truncate(n);
+    out
 }
 
 /// The command line running workload script `script` with `args`.

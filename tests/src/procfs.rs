@@ -164,7 +164,13 @@ pub fn kill9(pid: i32) {
 /// The proportional set size of `pid` in KiB (`Pss` of /proc/PID/smaps_rollup: each page
 /// counted divided by how many processes map it), `None` when there is no such process.
 pub fn pss_kib(pid: i32) -> Option<u64> {
+    rollup_kib(pid, "Pss")
+}
+
+/// Field `field` of /proc/PID/smaps_rollup in KiB (`Pss`, `Pss_Anon`, `Pss_File`,
+/// `Pss_Shmem`, `Rss`, ...), `None` when there is no such process or field.
+pub fn rollup_kib(pid: i32, field: &str) -> Option<u64> {
     let rollup = fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
-    let line = rollup.lines().find(|l| l.starts_with("Pss:"))?;
+    let line = rollup.lines().find(|l| l.strip_prefix(field).is_some_and(|rest| rest.starts_with(':')))?;
     line.split_whitespace().nth(1)?.parse().ok()
 }

@@ -7,11 +7,10 @@
 
 #![forbid(unsafe_code)]
 
-use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
 use std::time::Instant;
 
 use serde_json::Value;
+use stasis_tests::resp::{self, Client, Reply, status};
 use stasis_tests::{Daemon, TIMEOUT, expect_within, procfs, skip_unless_ready};
 
 /// Keys `DEBUG POPULATE` creates, 1000 bytes each.
@@ -19,95 +18,9 @@ const KEYS: u64 = 300_000;
 /// Populated keys overwritten with 256 KiB of pseudo-random bytes each.
 const DISTINCT: u64 = 16;
 
-/// A reply in redis's protocol (RESP2).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-enum Reply {
-    Status(String),
-    Error(String),
-    Int(i64),
-    Bulk(Option<Vec<u8>>),
-    Array(Vec<Reply>),
-}
-
-/// One client connection to redis.
-struct Client(BufReader<TcpStream>);
-
-impl Client {
-    fn connect(port: u16) -> io::Result<Client> {
-        let stream = TcpStream::connect(("127.0.0.1", port))?;
-        stream.set_read_timeout(Some(TIMEOUT))?;
-        Ok(Client(BufReader::new(stream)))
-    }
-
-    /// Sends one command and reads its reply.
-    fn try_call(&mut self, args: &[&[u8]]) -> io::Result<Reply> {
-        let mut request = format!("*{}\r\n", args.len()).into_bytes();
-        for arg in args {
-            request.extend(format!("${}\r\n", arg.len()).bytes());
-            request.extend(*arg);
-            request.extend(b"\r\n");
-        }
-        self.0.get_mut().write_all(&request)?;
-        self.read_reply()
-    }
-
-    /// [`Client::try_call`], panicking on I/O errors and on error replies.
-    fn call(&mut self, args: &[&[u8]]) -> Reply {
-        let what = String::from_utf8_lossy(args[0]);
-        match self.try_call(args) {
-            Ok(Reply::Error(e)) => panic!("redis refused {what}: {e}"),
-            Ok(reply) => reply,
-            Err(e) => panic!("redis {what}: {e}"),
-        }
-    }
-
-    /// A command made of words without spaces, e.g. `DEBUG POPULATE 10 key 1000`.
-    fn cmd(&mut self, words: &str) -> Reply {
-        self.call(&words.split_whitespace().map(str::as_bytes).collect::<Vec<_>>())
-    }
-
-    fn read_reply(&mut self) -> io::Result<Reply> {
-        let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_owned());
-        let mut line = String::new();
-        self.0.read_line(&mut line)?;
-        let line =
-            line.strip_suffix("\r\n").ok_or_else(|| bad("reply line without CRLF (connection closed?)"))?;
-        let rest = line.get(1..).unwrap_or_default();
-        let number = || rest.parse::<i64>().map_err(|_| bad(&format!("not a number: {line}")));
-        Ok(match line.chars().next() {
-            Some('+') => Reply::Status(rest.to_owned()),
-            Some('-') => Reply::Error(rest.to_owned()),
-            Some(':') => Reply::Int(number()?),
-            Some('$') => match usize::try_from(number()?) {
-                Err(_) => Reply::Bulk(None),
-                Ok(len) => {
-                    let mut data = vec![0; len + 2];
-                    self.0.read_exact(&mut data)?;
-                    data.truncate(len);
-                    Reply::Bulk(Some(data))
-                }
-            },
-            Some('*') => Reply::Array((0..number()?).map(|_| self.read_reply()).collect::<io::Result<_>>()?),
-            _ => return Err(bad(&format!("unknown reply: {line}"))),
-        })
-    }
-}
-
-fn status(text: &str) -> Reply {
-    Reply::Status(text.to_owned())
-}
-
-/// The 256 KiB value of distinctive key `i`: xorshift64 output, so no store compresses it.
+/// The 256 KiB value of distinctive key `i`: pseudo-random, so no store compresses it.
 fn distinct_value(i: u64) -> Vec<u8> {
-    let mut x = 0x9e37_79b9_7f4a_7c15 ^ (i + 1);
-    (0..32 * 1024)
-        .flat_map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x.to_le_bytes()
-        })
-        .collect()
+    stasis_tests::noise(i, 256 << 10)
 }
 
 /// What must survive: the key count, redis's digest of the whole dataset, and 1000 populated
@@ -148,12 +61,7 @@ impl Drop for KillOnDrop {
 
 /// Debian's `/usr/bin/redis-server` (or the first on `PATH`); scripts/test.sh installs it.
 fn redis_server() -> String {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::iter::once("/usr/bin".into())
-        .chain(std::env::split_paths(&path))
-        .map(|dir| dir.join("redis-server"))
-        .find(|p| p.exists())
-        .map(|p| p.to_string_lossy().into_owned())
+    resp::redis_server()
         .expect("redis-server is not installed: run scripts/test.sh, or apt-get install redis-server")
 }
 
