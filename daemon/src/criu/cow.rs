@@ -10,7 +10,7 @@
 //! the child's images do not hold dropped. What memory is shared after a restore therefore
 //! depends on which pages the parent's mapping holds when the child is forked.
 
-use stasis_proto::criu::{MmLayout, VmaLayout};
+use stasis_proto::criu::refs::{Mm, Vma};
 
 /// CRIU's status bits of a mapping (`VMA_AREA_*`) this needs.
 const VMA_AREA_REGULAR: u32 = 1 << 0;
@@ -33,11 +33,11 @@ const TASK_SIZE: u64 = (1 << 56) - 0x1000;
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Layout {
     exe_file_id: u32,
-    vmas: Vec<VmaLayout>,
+    vmas: Vec<Vma>,
 }
 
-impl From<MmLayout> for Layout {
-    fn from(mm: MmLayout) -> Layout {
+impl From<Mm> for Layout {
+    fn from(mm: Mm) -> Layout {
         let mut vmas = mm.vmas;
         vmas.retain(|v| v.status & VMA_AREA_GUARD == 0);
         vmas.sort_by_key(|v| v.start);
@@ -70,7 +70,7 @@ impl Layout {
 
 /// Whether CRIU's restore lets a child's mapping `vma` take over its parent's `pvma` (which
 /// starts where it does).
-fn cow_pair(vma: &VmaLayout, pvma: &VmaLayout) -> bool {
+fn cow_pair(vma: &Vma, pvma: &Vma) -> bool {
     let (flags, pflags) = (vma.flags, pvma.flags);
     vma.end == pvma.end
         && private(vma)
@@ -81,7 +81,7 @@ fn cow_pair(vma: &VmaLayout, pvma: &VmaLayout) -> bool {
 }
 
 /// Whether a mapping is private memory CRIU maps before forking the children.
-fn private(vma: &VmaLayout) -> bool {
+fn private(vma: &Vma) -> bool {
     let status = vma.status;
     let regular = status & VMA_AREA_REGULAR != 0
         && status & (VMA_ANON_PRIVATE | VMA_FILE_PRIVATE) != 0
@@ -96,12 +96,12 @@ mod tests {
     const ANON: u32 = VMA_AREA_REGULAR | VMA_ANON_PRIVATE;
     const PRIVATE: u32 = 0x02;
 
-    fn vma(start: u64, end: u64, flags: u32, status: u32, shmid: u64) -> VmaLayout {
-        VmaLayout { start, end, shmid, flags, status }
+    fn vma(start: u64, end: u64, flags: u32, status: u32, shmid: u64) -> Vma {
+        Vma { start, end, shmid, flags, status }
     }
 
-    fn layout(exe: u32, vmas: Vec<VmaLayout>) -> Layout {
-        MmLayout { exe_file_id: Some(exe), vmas }.into()
+    fn layout(exe: u32, vmas: Vec<Vma>) -> Layout {
+        Mm { exe_file_id: Some(exe), vmas }.into()
     }
 
     #[test]

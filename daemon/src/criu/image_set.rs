@@ -22,11 +22,12 @@ use prost::Message;
 use stasis_proto::criu::PstreeEntry;
 use stasis_proto::criu::refs::{Core, MemfdInode, Mm};
 
-use super::images::{INVENTORY_FILE, PSTREE_MAGIC, TYPE_SHMEM, TYPE_TASK, entries, pagemap_file_name};
+use super::images::{
+    INVENTORY_FILE, MM_MAGIC, PSTREE_MAGIC, TYPE_SHMEM, TYPE_TASK, entries, pagemap_file_name,
+};
 
-const CORE_MAGIC: u32 = 0x5505_3847;
-const MM_MAGIC: u32 = 0x5749_2820;
-const MEMFD_INODE_MAGIC: u32 = 0x4845_3499;
+pub(super) const CORE_MAGIC: u32 = 0x5505_3847;
+pub(super) const MEMFD_INODE_MAGIC: u32 = 0x4845_3499;
 const PSTREE_FILE: &str = "pstree.img";
 const MEMFD_FILE: &str = "memfd.img";
 /// The task state of a zombie in its core image.

@@ -8,13 +8,12 @@ use prost::Message;
 use stasis_proto::criu::PstreeEntry;
 use stasis_proto::criu::refs::{Core, MemfdInode, Mm, TaskCore, Vma};
 
-use super::image_set::{ImageSetError, MissingImage, check, check_dir, image_names, read_by_check};
+use super::image_set::{
+    CORE_MAGIC, ImageSetError, MEMFD_INODE_MAGIC, MissingImage, check, check_dir, image_names, read_by_check,
+};
 use super::images::tests::write_inventory;
-use super::images::{IMG_COMMON_MAGIC, PSTREE_MAGIC, push};
+use super::images::{IMG_COMMON_MAGIC, MM_MAGIC, PSTREE_MAGIC, push};
 
-const CORE_MAGIC: u32 = 0x5505_3847;
-const MM_MAGIC: u32 = 0x5749_2820;
-const MEMFD_INODE_MAGIC: u32 = 0x4845_3499;
 const ANON_SHARED: u32 = (1 << 8) | 1;
 const SYSV_SHARED: u32 = ANON_SHARED | (1 << 10);
 
@@ -35,8 +34,14 @@ fn core(state: u32) -> Vec<u8> {
 }
 
 fn mm(vmas: &[(u64, u64, u32)]) -> Vec<u8> {
-    let vmas = vmas.iter().map(|&(start, shmid, status)| Vma { start, end: start + 0x1000, shmid, status });
-    image(MM_MAGIC, &[Mm { vmas: vmas.collect() }])
+    let vmas = vmas.iter().map(|&(start, shmid, status)| Vma {
+        start,
+        end: start + 0x1000,
+        shmid,
+        flags: 0x21,
+        status,
+    });
+    image(MM_MAGIC, &[Mm { exe_file_id: None, vmas: vmas.collect() }])
 }
 
 /// The images CRIU writes beside the pages it sends for a tree of one live process `pid`,

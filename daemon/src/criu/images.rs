@@ -9,7 +9,8 @@ use std::io::{self, Write};
 use std::path::Path;
 
 use prost::Message;
-use stasis_proto::criu::{InventoryEntry, MmLayout, PagemapEntry, PagemapHead, PstreeEntry};
+use stasis_proto::criu::refs::Mm;
+use stasis_proto::criu::{InventoryEntry, PagemapEntry, PagemapHead, PstreeEntry};
 
 use super::cow::Layout;
 use crate::pages::PageRun;
@@ -17,7 +18,7 @@ use crate::pages::PageRun;
 pub(super) const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
 const PAGEMAP_MAGIC: u32 = 0x5608_4025;
 pub(super) const PSTREE_MAGIC: u32 = 0x5027_3030;
-const MM_MAGIC: u32 = 0x5749_2820;
+pub(super) const MM_MAGIC: u32 = 0x5749_2820;
 pub(super) const TYPE_TASK: u64 = 1;
 pub(super) const TYPE_SHMEM: u64 = 2;
 
@@ -140,7 +141,7 @@ pub fn mm_file_name(pid: u32) -> String {
 pub fn read_mm(data: &[u8]) -> io::Result<Layout> {
     let bodies = entries(data, MM_MAGIC, "mm")?;
     let [body] = bodies.as_slice() else { return Err(invalid("mm")("not one entry".into())) };
-    MmLayout::decode(*body).map(Layout::from).map_err(|e| invalid("mm")(e.to_string()))
+    Mm::decode(*body).map(Layout::from).map_err(|e| invalid("mm")(e.to_string()))
 }
 
 /// The bodies of the messages in an image with magic `magic` (after the common magic).
