@@ -22,7 +22,9 @@ table=$(cat "${files[@]}" | jq -s -r '
     [$rows[] | select(.mode == $mode and .start != "plain CRIU")] as $s
     | if ($s | length) == 0 then "not run"
       elif all($s[]; .result == "restored" and .pss_within_bound) then "✓"
-      elif any($s[]; .result == "failed") then "✗ fails"
+      elif any($s[]; .result == "failed") then
+        (if any($rows[]; .mode == $mode and .start == "plain CRIU" and .result == "restored")
+         then "✗ fails (plain CRIU restores it)" else "✗ fails, not refused up front (plain CRIU fails too)" end)
       elif any($s[]; .result == "refused") then "refused"
       else "✗ memory" end;
   def plain($rows):
@@ -33,8 +35,8 @@ table=$(cat "${files[@]}" | jq -s -r '
     | if length == 0 then "" else "; plain CRIU: " + join(", ") end;
   def memory($rows):
     [$rows[] | select(.start != "plain CRIU" and .result == "restored")
-      | "\(.mode) \(.pss_before_kib | mib)→\(.pss_after_kib | mib)"]
-    | if length == 0 then "" else "; PSS MiB before→after: " + join(", ") end;
+      | "\(.mode) \(.held_before_kib | mib)→\(.held_after_kib | mib)"]
+    | if length == 0 then "" else "; anonymous and shared PSS, MiB before→after (stasis run): " + join(", ") end;
   "| program | eviction | left running | lazy | notes |",
   "|---|---|---|---|---|",
   (group_by(.program)[] as $rows
