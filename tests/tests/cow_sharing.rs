@@ -21,7 +21,9 @@ const TOLERANCE: f64 = 0.05;
 
 /// Starts the pre-fork tree and waits until every process of it is ready.
 fn start_tree(d: &Daemon) -> Workload {
-    let argv = python_workload("cow_tree.py", &[&SHARED_MIB.to_string(), &CHILDREN.to_string()]);
+    // Children that rewrite nothing: every page stays shared with the parent.
+    let processes = (CHILDREN + 1).to_string();
+    let argv = python_workload("twins.py", &[&SHARED_MIB.to_string(), &processes, "0"]);
     let w = d.run("cow", &argv);
     expect_within(TIMEOUT * 3, "every process of the tree to be ready", || {
         (w.lines().iter().filter(|l| l.starts_with("ready ")).count() == CHILDREN + 1).then_some(())

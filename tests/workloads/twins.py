@@ -1,7 +1,8 @@
-"""Processes with the same memory layout: holds argv[1] MiB of random memory and forks
-argv[2] - 1 children (default: one); each child rewrites the first MiB of its copy. Each prints
-`ready <pid>` and, on SIGUSR2, `checksum <pid> <sha256 of its buffer>`; the parent passes
-SIGUSR2 on to its children."""
+"""A forked tree with one memory layout: the parent holds argv[1] MiB of random memory and
+forks argv[2] - 1 children (default: one); each child rewrites the first argv[3] MiB of its
+copy (default 1; 0 leaves every page shared copy-on-write with the parent, as a pre-fork
+server's workers do). Each process prints `ready <pid>` and, on SIGUSR2,
+`checksum <pid> <sha256 of its buffer>`; the parent passes SIGUSR2 on to its children."""
 import hashlib
 import os
 import signal
@@ -9,12 +10,15 @@ import sys
 import time
 
 buf = bytearray(os.urandom(int(sys.argv[1]) << 20))
+processes = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+rewrite = (int(sys.argv[3]) if len(sys.argv) > 3 else 1) << 20
 children = []
-for _ in range(int(sys.argv[2]) - 1 if len(sys.argv) > 2 else 1):
+for _ in range(processes - 1):
     child = os.fork()
     if child == 0:
         children = []
-        buf[: 1 << 20] = os.urandom(1 << 20)
+        if rewrite:
+            buf[:rewrite] = os.urandom(rewrite)
         break
     children.append(child)
 pending = []
