@@ -4,12 +4,12 @@
 //! which compare each of their pages with the parent's and keep the equal ones shared (see
 //! [`crate::criu::cow`]). Memory put in place through a userfaultfd (stasisd's fault server,
 //! or CRIU's lazy-pages daemon) cannot be: the tree exists before its memory does, and a page
-//! copied into one process is that process's alone. So the chunks a child shares with its
-//! parent (at the same address, in memory the child inherits, with the same content) stay in
-//! CRIU's images, the parent's and the child's alike, and CRIU's restore puts them in place
-//! and shares them; the rest is left to the store. A lazy restore thus brings shared memory in
-//! before the tree runs. Sharing is found at chunk granularity: a chunk the child changed any
-//! page of goes to the child alone, where CRIU would still share its unchanged pages.
+//! copied into one process is that process's alone. So the chunks a child may share with its
+//! parent (in memory the child inherits, where the parent holds memory too: chunks that
+//! overlap, however each was cut) stay in CRIU's images, the parent's and the child's alike, and CRIU's restore puts them in
+//! place and compares them page by page, sharing every page the child did not change since
+//! the fork, as it would after a dump to files; the rest is left to the store. A lazy restore
+//! thus brings a forked tree's inherited memory in before the tree runs.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
@@ -56,16 +56,29 @@ impl SharedChunks {
         Ok(shared)
     }
 
-    /// Adds the chunks `child` (task `pid`) holds in `inherited` memory with the same content
-    /// as `parent` (task `ppid`) at the same address: the child's and the parent's.
+    /// Adds the chunks `child` (task `pid`) holds in `inherited` memory that overlap chunks of
+    /// `parent` (task `ppid`), equal or not (CRIU's restore shares the pages that are equal):
+    /// the child's and the parent's.
     fn add(&mut self, pid: u64, ppid: u64, child: &Chunks, parent: &Chunks, inherited: &[(u64, u64)]) {
         for &(start, end) in inherited {
             // A chunk that begins before the mapping may reach into it.
             let from = child.range(..start).next_back().map_or(start, |(addr, _)| *addr);
-            for (addr, found) in child.range(from..end) {
-                if addr + u64::from(found.0) > start && parent.get(addr) == Some(found) {
-                    self.0.insert((pid, *addr));
-                    self.0.insert((ppid, *addr));
+            for (&addr, &(len, _)) in child.range(from..end) {
+                let child_end = addr + u64::from(len);
+                if child_end <= start {
+                    continue;
+                }
+                // The parent's chunks that overlap this one: those starting before its end
+                // and ending after its start.
+                let first = parent.range(..addr).next_back().map_or(addr, |(a, _)| *a);
+                let overlapping: Vec<u64> = parent
+                    .range(first..child_end)
+                    .filter(|(a, (l, _))| **a + u64::from(*l) > addr)
+                    .map(|(a, _)| *a)
+                    .collect();
+                if !overlapping.is_empty() {
+                    self.0.insert((pid, addr));
+                    self.0.extend(overlapping.into_iter().map(|a| (ppid, a)));
                 }
             }
         }
@@ -101,21 +114,26 @@ mod tests {
     }
 
     #[test]
-    fn equal_chunks_in_inherited_memory_are_shared() {
+    fn chunks_overlapping_the_parents_in_inherited_memory_are_left_to_crius_page_comparison() {
         let parent = chunks(&[(0x10000, 0x10000, b"a"), (0x20000, 0x10000, b"b"), (0x30000, 0x8000, b"c")]);
         let child = chunks(&[
             (0x10000, 0x10000, b"a"),
-            // Written since the fork.
+            // Written since the fork (some of its pages, or all: CRIU compares them).
             (0x20000, 0x10000, b"x"),
-            // Cut elsewhere: not the same chunk.
+            // Cut shorter (the parent's pages run on further).
             (0x30000, 0x4000, b"c"),
+            // Where the parent holds nothing.
             (0x50000, 0x10000, b"a"),
         ]);
         let mut shared = SharedChunks::default();
         shared.add(2, 1, &child, &parent, &[(0x18000, 0x40000), (0x50000, 0x60000)]);
         let mut found: Vec<(u64, u64)> = shared.0.iter().copied().collect();
         found.sort();
-        assert_eq!(found, vec![(1, 0x10000), (2, 0x10000)], "the chunk reaching into the mapping");
+        assert_eq!(
+            found,
+            vec![(1, 0x10000), (1, 0x20000), (1, 0x30000), (2, 0x10000), (2, 0x20000), (2, 0x30000)],
+            "the chunk reaching into the mapping, the one written since the fork, the one cut shorter"
+        );
         let mut none = SharedChunks::default();
         none.add(2, 1, &child, &parent, &[]);
         assert!(none.0.is_empty(), "nothing inherited, nothing shared");
