@@ -56,7 +56,9 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
     let mut masters = BTreeSet::new();
     let mut slaves = BTreeSet::new();
     let mut refusals = Vec::new();
+    let caller = unsupported::Caller::this_process();
     for &pid in &pids {
+        refusals.extend(unsupported::resource_limits(pid, caller));
         let mapped = proc::mapped_paths(pid);
         options.link_remap |= mapped.iter().any(|p| p.ends_with(DELETED));
         refusals.extend(unsupported::mappings(pid, &mapped));

@@ -8,11 +8,14 @@
 //!   process's reach, CRIU's included;
 //! - a process sharing its address space with another process (a `vfork`ed child that has
 //!   not yet called `exec`, which keeps its parent suspended; `clone(CLONE_VM)` without
-//!   threads): CRIU dumps one address space per process.
+//!   threads): CRIU dumps one address space per process;
+//! - a process of another user, when stasisd lacks CAP_SYS_RESOURCE (a root in some
+//!   containers and VMs): CRIU reads every process's resource limits with prlimit(2), which
+//!   the kernel allows across users only with that capability.
 
 use std::path::Path;
 
-use crate::linux::proc::ProcStat;
+use crate::linux::proc::{self, ProcStat};
 use crate::linux::sys;
 
 /// Why CRIU cannot checkpoint what descriptor `fd` of process `pid` points to (`target`, as
@@ -52,6 +55,50 @@ pub fn shared_address_space(pid: i32, pids: &[i32]) -> Option<String> {
     ))
 }
 
+/// Who stasisd (and the CRIU it runs) is, as prlimit(2) judges it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caller {
+    pub uid: u32,
+    pub gid: u32,
+    /// Whether it holds CAP_SYS_RESOURCE.
+    pub sys_resource: bool,
+}
+
+/// `CAP_SYS_RESOURCE` in capability.h.
+const CAP_SYS_RESOURCE: u32 = 24;
+
+impl Caller {
+    /// This process.
+    pub fn this_process() -> Caller {
+        Caller {
+            uid: nix::unistd::getuid().as_raw(),
+            gid: nix::unistd::getgid().as_raw(),
+            sys_resource: proc::has_capability(CAP_SYS_RESOURCE),
+        }
+    }
+}
+
+/// Why CRIU, run by `caller`, cannot read the resource limits of process `pid`, if it cannot:
+/// its real, effective and saved user and group ids are not all the caller's, and the caller
+/// lacks CAP_SYS_RESOURCE.
+pub fn resource_limits(pid: i32, caller: Caller) -> Option<String> {
+    if caller.sys_resource {
+        return None;
+    }
+    let (uids, gids) = (proc::uids(pid).ok()?, proc::gids(pid).ok()?);
+    let own = |ids: [u32; 4], id: u32| ids[..3].iter().all(|&i| i == id);
+    if own(uids, caller.uid) && own(gids, caller.gid) {
+        return None;
+    }
+    Some(format!(
+        "{} runs as uid {} (gid {}), and stasisd lacks CAP_SYS_RESOURCE, without which CRIU cannot read \
+         another user's resource limits (prlimit); give stasisd that capability",
+        process(pid),
+        uids[1],
+        gids[1]
+    ))
+}
+
 /// `memfd_secret`'s files, named `secretmem` in a mount of their own: `/secretmem (deleted)`.
 fn is_secret_memory(path: &str) -> bool {
     path.starts_with("/secretmem")
@@ -83,6 +130,18 @@ mod tests {
         assert_eq!(descriptor(me, 8, Path::new("/tmp/secretmemory.txt")), None);
         assert!(mappings(me, &["/usr/lib/libc.so.6".into(), "/secretmem (deleted)".into()]).is_some());
         assert_eq!(mappings(me, &["/usr/lib/libc.so.6".into()]), None);
+    }
+
+    #[test]
+    fn another_users_process_is_refused_only_without_cap_sys_resource() {
+        let me = std::process::id() as i32;
+        let (uid, gid) = (nix::unistd::getuid().as_raw(), nix::unistd::getgid().as_raw());
+        let plain = Caller { uid, gid, sys_resource: false };
+        assert_eq!(resource_limits(me, plain), None, "its own process");
+        let other = Caller { uid: uid + 1, ..plain };
+        let why = resource_limits(me, other).unwrap();
+        assert!(why.contains(&format!("runs as uid {uid} (gid {gid}), and stasisd lacks CAP_SYS_RESOURCE")), "{why}");
+        assert_eq!(resource_limits(me, Caller { sys_resource: true, ..other }), None);
     }
 
     #[test]

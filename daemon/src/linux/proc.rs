@@ -165,14 +165,32 @@ pub fn children(pid: i32) -> io::Result<Vec<i32>> {
 
 /// The real, effective, saved and file-system user ids of `pid`.
 pub fn uids(pid: i32) -> io::Result<[u32; 4]> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status"))?;
-    parse_uids(&status).ok_or_else(|| io::Error::other(format!("no Uid line in /proc/{pid}/status")))
+    ids(pid, "Uid")
 }
 
-fn parse_uids(status: &str) -> Option<[u32; 4]> {
-    let line = field_of(status, "Uid")?;
+/// The real, effective, saved and file-system group ids of `pid`.
+pub fn gids(pid: i32) -> io::Result<[u32; 4]> {
+    ids(pid, "Gid")
+}
+
+/// The four ids of `pid`'s `Uid` or `Gid` line.
+fn ids(pid: i32, key: &str) -> io::Result<[u32; 4]> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status"))?;
+    parse_ids(&status, key).ok_or_else(|| io::Error::other(format!("no {key} line in /proc/{pid}/status")))
+}
+
+fn parse_ids(status: &str, key: &str) -> Option<[u32; 4]> {
+    let line = field_of(status, key)?;
     let ids: Vec<u32> = line.split_whitespace().map(str::parse).collect::<Result<_, _>>().ok()?;
     ids.try_into().ok()
+}
+
+/// Whether this process holds capability number `cap` (`CAP_*` of capability.h) in its
+/// effective set.
+pub fn has_capability(cap: u32) -> bool {
+    let status = fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let effective = field_of(&status, "CapEff").and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok());
+    effective.is_some_and(|set| set & (1 << cap) != 0)
 }
 
 /// The pids of `pid` in each pid namespace it belongs to, outermost (this one's) first: its
@@ -381,14 +399,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn uids_are_read_from_status() {
-        assert_eq!(
-            parse_uids("Name:\tx\nUid:\t1000\t1000\t0\t1000\nGid:\t1\t1\t1\t1\n"),
-            Some([1000, 1000, 0, 1000])
-        );
-        assert_eq!(parse_uids("Name:\tx\n"), None);
-        let me = nix::unistd::getuid().as_raw();
-        assert_eq!(uids(std::process::id() as i32).unwrap()[0], me);
+    fn uids_and_gids_are_read_from_status() {
+        let status = "Name:\tx\nUid:\t1000\t1000\t0\t1000\nGid:\t1\t1\t2\t1\n";
+        assert_eq!(parse_ids(status, "Uid"), Some([1000, 1000, 0, 1000]));
+        assert_eq!(parse_ids(status, "Gid"), Some([1, 1, 2, 1]));
+        assert_eq!(parse_ids("Name:\tx\n", "Uid"), None);
+        let me = std::process::id() as i32;
+        assert_eq!(uids(me).unwrap()[0], nix::unistd::getuid().as_raw());
+        assert_eq!(gids(me).unwrap()[0], nix::unistd::getgid().as_raw());
+        // CAP_CHOWN (0): root here has it; CAP_SYS_RESOURCE (24) may be missing on this VM.
+        assert_eq!(has_capability(0), nix::unistd::geteuid().is_root());
     }
 
     #[test]
