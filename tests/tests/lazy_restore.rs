@@ -87,7 +87,8 @@ fn lazy_restore_over_s3(
     argv: &[String],
 ) -> (Daemon, i32, std::process::Child, BufReader<std::process::ChildStderr>) {
     // A small cache, so the prefetcher cannot have everything before the test interferes.
-    let args = ["--store-retry-secs", "2", "--lazy-timeout-secs", "3", "--lazy-cache-mib", "8"];
+    // A store request may take 10 s (moto is slow on a busy machine: 8 MiB parts take seconds).
+    let args = ["--store-retry-secs", "10", "--lazy-timeout-secs", "3", "--lazy-cache-mib", "8"];
     let d = Daemon::start_with(&s3.daemon_options_at(port, "lazy", &args));
     let w = d.run("lazy", argv);
     w.wait_line_after(0, "the workload's `ready`", |l| l == "ready");

@@ -45,7 +45,7 @@ use super::host::Host;
 use super::{Engine, ProgressFn, ProgressUpdate, lock};
 use crate::criu::RunningCriu;
 use crate::criu::images::read_pstree;
-use crate::criu::lazy_socket::LazyListener;
+use crate::criu::lazy_socket::{LazyListener, LazySocketError};
 use crate::store::{FetchSettings, LazyFetch, LazyMemory, Manifest};
 
 /// How long a failed restore waits to learn whether serving its memory failed first.
@@ -223,10 +223,13 @@ impl LazySession {
 
     /// Why serving memory failed, if it did: when CRIU's restore fails because serving its
     /// pages failed (and the serving side killed the tree), that is the reason to report, not
-    /// CRIU's "killed by signal 9". Waits a moment for the serving side to finish.
+    /// CRIU's "killed by signal 9". CRIU closing its lazy-pages connection early is no such
+    /// reason: it follows from CRIU's own failure, which its log tells. Waits a moment for the
+    /// serving side to finish.
     pub(super) async fn serve_failure(&mut self) -> Option<LazyError> {
         match tokio::time::timeout(SERVE_END_WAIT, &mut self.server).await {
-            Ok(Ok(Err(e))) if !matches!(e, FaultServerError::Stopped) => Some(LazyError::Serve(Box::new(e))),
+            Ok(Ok(Err(FaultServerError::Stopped | FaultServerError::Protocol(LazySocketError::Closed(_))))) => None,
+            Ok(Ok(Err(e))) => Some(LazyError::Serve(Box::new(e))),
             _ => None,
         }
     }
