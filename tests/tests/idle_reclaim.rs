@@ -100,7 +100,7 @@ fn a_wake_while_the_store_is_down_fails_clearly_and_a_later_one_works() {
     skip_unless_ready!();
     let Some(s3) = S3Server::start() else { return };
     let proxy = TcpProxy::start(s3.port);
-    let options: DaemonOptions = s3.daemon_options_at(proxy.port, "idle", &["--store-retry-secs", "2"]);
+    let options: DaemonOptions = s3.daemon_options_at(proxy.port, "idle", &["--store-retry-secs", "5"]);
     let d = Daemon::start_with(&options);
     let name = d.workload_name("web");
     let (port, pid) = http_server(&d, &name, "32", "2s");

@@ -17,7 +17,7 @@ use stasis_tests::{Daemon, TIMEOUT, expect_within, procfs, python_workload, skip
 fn checkpoints_go_through_a_real_s3_server_and_a_dead_one_leaves_the_job_running() {
     skip_unless_ready!();
     let Some(s3) = S3Server::start() else { return };
-    let d = Daemon::start_with(&s3.daemon_options("tenant-a", &["--store-retry-secs", "2"]));
+    let d = Daemon::start_with(&s3.daemon_options("tenant-a", &["--store-retry-secs", "5"]));
 
     let mut w = d.run("counter", &python_workload("counter.py", &[]));
     w.wait_number("count ", 5);
