@@ -10,7 +10,7 @@ use object_store::gcp::GoogleCloudStorageBuilder;
 use object_store::local::LocalFileSystem;
 use object_store::memory::InMemory;
 use object_store::path::Path as ObjPath;
-use object_store::{ObjectStore, RetryConfig};
+use object_store::{BackoffConfig, ObjectStore, RetryConfig};
 use url::Url;
 
 use super::credentials;
@@ -64,8 +64,14 @@ pub enum OpenStoreError {
 /// a reset) ends it before the [`Deadline`] around the backend cuts it at `bound`, as it cuts
 /// a hung one. A checkpoint that evicts its tree keeps it stopped while storing: a dead store
 /// must fail in bounded time.
+///
+/// A pause between tries is at most an eighth of `bound`: an error seen just before three
+/// quarters of it is followed by one last try, whose own error then ends the request before
+/// the deadline. With object_store's default (pauses growing to 15 s) that try came after the
+/// deadline, which then hid the store's error behind a time-out.
 fn retry_config(bound: Duration) -> RetryConfig {
-    RetryConfig { max_retries: usize::MAX, retry_timeout: bound * 3 / 4, backoff: Default::default() }
+    let backoff = BackoffConfig { max_backoff: bound / 8, ..Default::default() };
+    RetryConfig { max_retries: usize::MAX, retry_timeout: bound * 3 / 4, backoff }
 }
 
 /// `backend` with each request (retries included) ended at `bound`.
@@ -133,6 +139,18 @@ mod tests {
 
     fn retry() -> Duration {
         Duration::from_secs(1)
+    }
+
+    #[test]
+    fn the_last_try_of_a_refused_request_comes_before_the_deadline() {
+        for secs in [1, 2, 5, 30] {
+            let bound = Duration::from_secs(secs);
+            let retry = retry_config(bound);
+            // The last error that allows another try, the longest pause, and room for that try.
+            let last_try = retry.retry_timeout + retry.backoff.max_backoff;
+            assert!(last_try + bound / 8 <= bound, "{bound:?}: the last try starts at {last_try:?}");
+            assert!(retry.backoff.init_backoff <= retry.backoff.max_backoff, "{bound:?}");
+        }
     }
 
     #[test]
