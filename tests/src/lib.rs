@@ -7,10 +7,13 @@
 
 #![forbid(unsafe_code)]
 
+pub mod azurite;
 pub mod containerd;
 pub mod corpus;
 mod daemon;
 pub mod disk;
+mod emulator;
+pub mod gcs;
 mod http;
 pub mod http_faults;
 pub mod imds;
