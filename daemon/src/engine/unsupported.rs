@@ -140,7 +140,10 @@ mod tests {
         assert_eq!(resource_limits(me, plain), None, "its own process");
         let other = Caller { uid: uid + 1, ..plain };
         let why = resource_limits(me, other).unwrap();
-        assert!(why.contains(&format!("runs as uid {uid} (gid {gid}), and stasisd lacks CAP_SYS_RESOURCE")), "{why}");
+        assert!(
+            why.contains(&format!("runs as uid {uid} (gid {gid}), and stasisd lacks CAP_SYS_RESOURCE")),
+            "{why}"
+        );
         assert_eq!(resource_limits(me, Caller { sys_resource: true, ..other }), None);
     }
 

@@ -228,7 +228,9 @@ impl LazySession {
     /// serving side to finish.
     pub(super) async fn serve_failure(&mut self) -> Option<LazyError> {
         match tokio::time::timeout(SERVE_END_WAIT, &mut self.server).await {
-            Ok(Ok(Err(FaultServerError::Stopped | FaultServerError::Protocol(LazySocketError::Closed(_))))) => None,
+            Ok(Ok(Err(
+                FaultServerError::Stopped | FaultServerError::Protocol(LazySocketError::Closed(_)),
+            ))) => None,
             Ok(Ok(Err(e))) => Some(LazyError::Serve(Box::new(e))),
             _ => None,
         }
