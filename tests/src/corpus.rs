@@ -132,6 +132,10 @@ pub struct Case {
     pub note: &'static str,
     /// Sets the program up in `dir` (empty, its own); `Err(why)` when it is not installed.
     pub set_up: fn(&Path) -> Result<Box<dyn Program>, String>,
+    /// Modes that plain CRIU cannot restore either and that stasis cannot yet refuse up front,
+    /// with the reason (issue 24's open gaps): their failure is reported, not failed on, as
+    /// long as plain CRIU fails too. Stasis restoring one is fine.
+    pub known_gaps: &'static [(Mode, &'static str)],
 }
 
 impl Case {
@@ -170,7 +174,14 @@ impl Case {
                 report.row("plain CRIU", mode, plain);
             }
             if let Err(why) = report::judge(&outcome, plain.as_ref()) {
-                failures.push(format!("{} ({}), {}: {why}", self.program, stasis.start_name(), mode.name()));
+                let known = self.known_gaps.iter().find(|(m, _)| *m == mode).map(|(_, gap)| gap);
+                let failing = format!("{} ({}), {}: {why}", self.program, stasis.start_name(), mode.name());
+                match known {
+                    Some(gap) if plain.as_ref().is_some_and(|p| !p.within_bound()) => {
+                        eprintln!("known gap, not failed on: {failing} ({gap})");
+                    }
+                    _ => failures.push(failing),
+                }
             }
         }
         assert!(failures.is_empty(), "the corpus fails:\n{}", failures.join("\n"));

@@ -8,6 +8,7 @@
 
 #![forbid(unsafe_code)]
 
+mod fork_pool;
 mod memcached;
 mod nginx;
 mod node;

@@ -10,6 +10,7 @@ const CASE: Case = Case {
     program: "nginx",
     note: "master and two workers serving a 4 MiB file; an idle keep-alive connection used after the restore",
     set_up: Nginx::set_up,
+    known_gaps: &[],
 };
 
 const FILE_BYTES: usize = 4 << 20;

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use stasis_tests::corpus::{Case, Phase, Program, Tree};
+use stasis_tests::corpus::{Case, Mode, Phase, Program, Tree};
 use stasis_tests::resp::{self, Client, Reply, status};
 use stasis_tests::{TIMEOUT, expect_within, free_port, noise, skip_unless_ready};
 
@@ -11,6 +11,11 @@ const CASE: Case = Case {
     program: "Redis",
     note: "25 MiB; a BGSAVE child in flight at the checkpoint finishes its save after the restore",
     set_up: Redis::set_up,
+    known_gaps: &[(
+        Mode::LeftRunning,
+        "the save child writes its temp file on after the checkpoint; CRIU restores it only at the size it had \
+         (plain CRIU: 'File ... has bad size'); not foreseeable when the checkpoint is taken",
+    )],
 };
 
 /// Keys `DEBUG POPULATE` creates, 1000 bytes each.

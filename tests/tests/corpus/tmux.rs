@@ -5,13 +5,18 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use stasis_tests::corpus::{Case, Phase, Program, Tree};
+use stasis_tests::corpus::{Case, Mode, Phase, Program, Tree};
 use stasis_tests::{TIMEOUT, expect_within, installed, skip_unless_ready};
+
+/// CRIU refuses tmux's terminals mid-dump ("ctty inheritance detected"), plain CRIU too;
+/// stasis does not yet recognise the case before freezing the tree.
+const TTY_GAP: &str = "CRIU: 'ctty inheritance detected' mid-dump, plain CRIU too; not yet refused up front";
 
 const CASE: Case = Case {
     program: "tmux",
     note: "a shell in a pane running a loop that answers typed lines; 50,000 lines of history",
     set_up: Tmux::set_up,
+    known_gaps: &[(Mode::Eviction, TTY_GAP), (Mode::LeftRunning, TTY_GAP), (Mode::Lazy, TTY_GAP)],
 };
 
 const HISTORY: u64 = 50_000;
