@@ -7,7 +7,7 @@
 # (Azure; npm), a Jupyter kernel with its client (ipykernel,
 # jupyter_client) and numpy (PyPI) in a virtual environment under .stasis/venv, Debian's
 # redis-server and iptables, the compatibility corpus's programs (PostgreSQL, nginx, memcached,
-# tmux, Node.js, sqlite3), Podman with runc and busybox-static (the interop tests' container
+# tmux, Node.js, sqlite3, a JRE), Podman with runc and busybox-static (the interop tests' container
 # engine and image), Debian unstable's checkpointctl under .stasis/checkpointctl, and Debian 13's
 # containerd 1.7 (CRI and NRI; the Kubernetes tests' runtime) under .stasis/containerd, with
 # the pod bundle (CRIU as opted-in containers run it) under .stasis/pod-bundle.
@@ -46,7 +46,8 @@ export STASIS_VENV_PYTHON=$root/.stasis/venv/bin/python
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 # The compatibility corpus (tests/tests/corpus/): PostgreSQL (and psql), nginx, memcached, tmux,
-# Node.js and sqlite3; their packages' services are stopped and disabled like redis's.
+# Node.js, sqlite3 and a JRE (default-jre-headless); their packages' services are stopped and
+# disabled like redis's.
 compgen -G '/usr/lib/postgresql/*/bin/postgres' >/dev/null || missing+=(postgresql)
 command -v psql >/dev/null || missing+=(postgresql-client)
 command -v nginx >/dev/null || missing+=(nginx-light)
@@ -54,6 +55,7 @@ command -v memcached >/dev/null || missing+=(memcached)
 command -v tmux >/dev/null || missing+=(tmux)
 command -v node >/dev/null || missing+=(nodejs)
 command -v sqlite3 >/dev/null || missing+=(sqlite3)
+command -v java >/dev/null || missing+=(default-jre-headless)
 command -v setpriv >/dev/null || missing+=(util-linux)
 command -v iptables >/dev/null || missing+=(iptables)
 command -v podman >/dev/null || missing+=(podman)

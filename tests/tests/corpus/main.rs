@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 mod fork_pool;
+mod jvm;
 mod memcached;
 mod nginx;
 mod node;
