@@ -5,7 +5,7 @@ use std::path::Path;
 
 use nix::sys::signal::Signal;
 use stasis_tests::corpus::{Case, Mode, Phase, Program, Tree};
-use stasis_tests::{TIMEOUT, complete_lines, expect_within, procfs, python_workload, skip_unless_ready};
+use stasis_tests::{TIMEOUT, complete_lines, expect_within, procfs, python_workload};
 
 const CASE: Case = Case {
     program: "multiprocessing fork pool",
@@ -21,17 +21,7 @@ const CASE: Case = Case {
 const MIB: u64 = 200;
 const WORKERS: usize = 3;
 
-#[test]
-fn under_stasis_run() {
-    skip_unless_ready!();
-    CASE.under_stasis_run();
-}
-
-#[test]
-fn by_pid() {
-    skip_unless_ready!();
-    CASE.by_pid();
-}
+case_tests!(CASE);
 
 struct ForkPool {
     /// The digest of the memory as the parent built it.

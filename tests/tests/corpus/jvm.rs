@@ -7,9 +7,7 @@ use std::net::TcpStream;
 use std::path::Path;
 
 use stasis_tests::corpus::{Case, Phase, Program, Tree};
-use stasis_tests::{
-    TIMEOUT, complete_lines, expect_within, free_port, installed, skip_unless_ready, workload_script,
-};
+use stasis_tests::{TIMEOUT, complete_lines, expect_within, free_port, installed, workload_script};
 
 const CASE: Case = Case {
     program: "JVM, 200 threads",
@@ -21,17 +19,7 @@ const CASE: Case = Case {
 const THREADS: u64 = 200;
 const HEAP_MIB: u64 = 64;
 
-#[test]
-fn under_stasis_run() {
-    skip_unless_ready!();
-    CASE.under_stasis_run();
-}
-
-#[test]
-fn by_pid() {
-    skip_unless_ready!();
-    CASE.by_pid();
-}
+case_tests!(CASE);
 
 struct Jvm {
     java: String,

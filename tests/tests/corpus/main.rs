@@ -8,6 +8,24 @@
 
 #![forbid(unsafe_code)]
 
+/// The two tests of a case: started under `stasis run` and checkpointed by workload name, and
+/// started outside stasis and checkpointed by pid.
+macro_rules! case_tests {
+    ($case:expr) => {
+        #[test]
+        fn under_stasis_run() {
+            stasis_tests::skip_unless_ready!();
+            $case.under_stasis_run();
+        }
+
+        #[test]
+        fn by_pid() {
+            stasis_tests::skip_unless_ready!();
+            $case.by_pid();
+        }
+    };
+}
+
 mod fork_pool;
 mod jvm;
 mod memcached;

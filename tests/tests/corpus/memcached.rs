@@ -6,7 +6,7 @@ use std::net::TcpStream;
 use std::path::Path;
 
 use stasis_tests::corpus::{Case, Phase, Program, Tree};
-use stasis_tests::{TIMEOUT, expect_within, free_port, installed, noise, skip_unless_ready};
+use stasis_tests::{TIMEOUT, expect_within, free_port, installed, noise};
 
 const CASE: Case = Case {
     program: "memcached",
@@ -19,17 +19,7 @@ const CASE: Case = Case {
 const ITEMS: u64 = 20_000;
 const ITEM_BYTES: usize = 1000;
 
-#[test]
-fn under_stasis_run() {
-    skip_unless_ready!();
-    CASE.under_stasis_run();
-}
-
-#[test]
-fn by_pid() {
-    skip_unless_ready!();
-    CASE.by_pid();
-}
+case_tests!(CASE);
 
 /// A client connection speaking memcached's text protocol.
 struct Conn(BufReader<TcpStream>);

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use stasis_tests::corpus::{Case, Phase, Program, Tree};
-use stasis_tests::{HttpConn, TIMEOUT, expect_within, free_port, installed, noise, skip_unless_ready};
+use stasis_tests::{HttpConn, TIMEOUT, expect_within, free_port, installed, noise};
 
 const CASE: Case = Case {
     program: "nginx",
@@ -15,17 +15,7 @@ const CASE: Case = Case {
 
 const FILE_BYTES: usize = 4 << 20;
 
-#[test]
-fn under_stasis_run() {
-    skip_unless_ready!();
-    CASE.under_stasis_run();
-}
-
-#[test]
-fn by_pid() {
-    skip_unless_ready!();
-    CASE.by_pid();
-}
+case_tests!(CASE);
 
 struct Nginx {
     bin: String,

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use stasis_tests::corpus::{Case, Phase, Program, Tree};
-use stasis_tests::{HttpConn, free_port, installed, noise, skip_unless_ready, workload_script};
+use stasis_tests::{HttpConn, free_port, installed, noise, workload_script};
 
 const CASE: Case = Case {
     program: "Node.js HTTP server",
@@ -17,17 +17,7 @@ const CASE: Case = Case {
 const VALUES: u64 = 96;
 const VALUE_BYTES: usize = 256 << 10;
 
-#[test]
-fn under_stasis_run() {
-    skip_unless_ready!();
-    CASE.under_stasis_run();
-}
-
-#[test]
-fn by_pid() {
-    skip_unless_ready!();
-    CASE.by_pid();
-}
+case_tests!(CASE);
 
 struct Node {
     bin: String,

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use stasis_tests::corpus::{Case, Phase, Program, Tree};
-use stasis_tests::{TIMEOUT, expect_within, free_port, skip_unless_ready};
+use stasis_tests::{TIMEOUT, expect_within, free_port};
 use tempfile::TempDir;
 
 const CASE: Case = Case {
@@ -20,17 +20,7 @@ const CASE: Case = Case {
 
 const ROWS: u64 = 100_000;
 
-#[test]
-fn under_stasis_run() {
-    skip_unless_ready!();
-    CASE.under_stasis_run();
-}
-
-#[test]
-fn by_pid() {
-    skip_unless_ready!();
-    CASE.by_pid();
-}
+case_tests!(CASE);
 
 /// The directory of Debian's PostgreSQL programs (`/usr/lib/postgresql/<version>/bin`), the
 /// newest version's.

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use stasis_tests::corpus::{Case, Mode, Phase, Program, Tree};
 use stasis_tests::resp::{self, Client, Reply, status};
-use stasis_tests::{TIMEOUT, expect_within, free_port, noise, skip_unless_ready};
+use stasis_tests::{TIMEOUT, expect_within, free_port, noise};
 
 const CASE: Case = Case {
     program: "Redis",
@@ -24,17 +24,7 @@ const KEYS: u64 = 20_000;
 /// it at work.
 const SAVE_DELAY_US: u64 = 400;
 
-#[test]
-fn under_stasis_run() {
-    skip_unless_ready!();
-    CASE.under_stasis_run();
-}
-
-#[test]
-fn by_pid() {
-    skip_unless_ready!();
-    CASE.by_pid();
-}
+case_tests!(CASE);
 
 struct Redis {
     bin: String,

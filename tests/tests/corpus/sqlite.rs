@@ -7,9 +7,7 @@ use std::process::Command;
 
 use nix::sys::signal::Signal;
 use stasis_tests::corpus::{Case, Phase, Program, Tree};
-use stasis_tests::{
-    TIMEOUT, complete_lines, expect_within, installed, numbered, procfs, python_workload, skip_unless_ready,
-};
+use stasis_tests::{TIMEOUT, complete_lines, expect_within, installed, numbered, procfs, python_workload};
 
 const CASE: Case = Case {
     program: "SQLite writer",
@@ -20,17 +18,7 @@ const CASE: Case = Case {
 
 const ROWS: u64 = 20_000;
 
-#[test]
-fn under_stasis_run() {
-    skip_unless_ready!();
-    CASE.under_stasis_run();
-}
-
-#[test]
-fn by_pid() {
-    skip_unless_ready!();
-    CASE.by_pid();
-}
+case_tests!(CASE);
 
 struct Sqlite {
     cli: String,

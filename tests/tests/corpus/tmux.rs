@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use stasis_tests::corpus::{Case, Mode, Phase, Program, Tree};
-use stasis_tests::{TIMEOUT, expect_within, installed, skip_unless_ready};
+use stasis_tests::{TIMEOUT, expect_within, installed};
 
 /// CRIU refuses tmux's terminals mid-dump ("ctty inheritance detected"), plain CRIU too;
 /// stasis does not yet recognise the case before freezing the tree.
@@ -22,17 +22,7 @@ const CASE: Case = Case {
 const HISTORY: u64 = 50_000;
 const MARKER: &str = "corpus-marker-31337";
 
-#[test]
-fn under_stasis_run() {
-    skip_unless_ready!();
-    CASE.under_stasis_run();
-}
-
-#[test]
-fn by_pid() {
-    skip_unless_ready!();
-    CASE.by_pid();
-}
+case_tests!(CASE);
 
 struct Tmux {
     bin: String,
