@@ -35,16 +35,18 @@ impl Deadline {
 
 /// `future`'s result, or a timeout error once `bound` has passed.
 async fn within<T>(bound: Duration, future: impl Future<Output = Result<T>>) -> Result<T> {
-    match tokio::time::timeout(bound, future).await {
-        Ok(result) => result,
-        Err(_) => Err(object_store::Error::Generic {
-            store: "stasis",
-            source: format!(
-                "no answer within {} s, retries included: timed out (--store-retry-secs bounds each store request)",
-                bound.as_secs_f64()
-            )
-            .into(),
-        }),
+    tokio::time::timeout(bound, future).await.unwrap_or_else(|_| Err(timed_out(bound)))
+}
+
+/// The error of a call that did not end within `bound`.
+fn timed_out(bound: Duration) -> object_store::Error {
+    object_store::Error::Generic {
+        store: "stasis",
+        source: format!(
+            "no answer within {} s, retries included: timed out (--store-retry-secs bounds each store request)",
+            bound.as_secs_f64()
+        )
+        .into(),
     }
 }
 
@@ -105,7 +107,7 @@ impl ObjectStore for Deadline {
             match tokio::time::timeout(bound, stream.next()).await {
                 Ok(Some(item)) => Some((item, Some(stream))),
                 Ok(None) => None,
-                Err(_) => Some((within(Duration::ZERO, std::future::pending()).await, None)),
+                Err(_) => Some((Err(timed_out(bound)), None)),
             }
         })
         .boxed()
@@ -204,7 +206,11 @@ mod tests {
         assert_eq!(started.elapsed(), Duration::from_secs(2));
         assert!(err.to_string().contains("no answer within 2 s, retries included: timed out"), "{err}");
         assert!(store.get(&key).await.is_err());
-        assert!(store.list(None).next().await.unwrap().is_err());
+        let listed = store.list(None).next().await.unwrap().unwrap_err();
+        assert!(
+            listed.to_string().contains("no answer within 2 s"),
+            "a listing names the bound too: {listed}"
+        );
         assert!(store.put_multipart(&key).await.is_err());
         assert_eq!(started.elapsed(), Duration::from_secs(8));
     }
