@@ -88,14 +88,6 @@ pub fn open(url: &str, bound: Duration) -> Result<(Arc<dyn ObjectStore>, ObjPath
     let parsed = Url::parse(url).map_err(|source| OpenStoreError::BadUrl { url: url.into(), source })?;
     let backend_err = |source| OpenStoreError::Backend { url: url.into(), source };
     let prefix = || ObjPath::from(parsed.path().trim_matches('/'));
-    if let Some(cloud) = credentials::cloud_of(parsed.scheme()) {
-        let home = std::env::var_os("HOME").map(std::path::PathBuf::from);
-        let why =
-            credentials::missing(cloud, |name| std::env::var(name).ok(), home.as_deref(), Cloud::detect());
-        if let Some(why) = why {
-            return Err(OpenStoreError::NoCredentials { url: url.into(), why });
-        }
-    }
     match parsed.scheme() {
         "file" => {
             let dir = parsed.path();
@@ -105,31 +97,40 @@ pub fn open(url: &str, bound: Duration) -> Result<(Arc<dyn ObjectStore>, ObjPath
             Ok((Arc::new(fs), ObjPath::default()))
         }
         "memory" => Ok((Arc::new(InMemory::new()), prefix())),
-        "s3" | "s3a" => {
-            let s3 = AmazonS3Builder::from_env()
-                .with_url(url)
-                .with_retry(retry.clone())
-                .build()
-                .map_err(backend_err)?;
-            Ok((bounded(Arc::new(s3), bound), prefix()))
+        scheme => {
+            let Some(cloud) = credentials::cloud_of(scheme) else {
+                return Err(OpenStoreError::UnsupportedScheme(scheme.into()));
+            };
+            let home = std::env::var_os("HOME").map(std::path::PathBuf::from);
+            let env = |name: &str| std::env::var(name).ok();
+            if let Some(why) = credentials::missing(cloud, env, home.as_deref(), Cloud::detect()) {
+                return Err(OpenStoreError::NoCredentials { url: url.into(), why });
+            }
+            let backend: Arc<dyn ObjectStore> = match cloud {
+                Cloud::Aws => Arc::new(
+                    AmazonS3Builder::from_env()
+                        .with_url(url)
+                        .with_retry(retry)
+                        .build()
+                        .map_err(backend_err)?,
+                ),
+                Cloud::Gcp => Arc::new(
+                    GoogleCloudStorageBuilder::from_env()
+                        .with_url(url)
+                        .with_retry(retry)
+                        .build()
+                        .map_err(backend_err)?,
+                ),
+                Cloud::Azure => Arc::new(
+                    MicrosoftAzureBuilder::from_env()
+                        .with_url(url)
+                        .with_retry(retry)
+                        .build()
+                        .map_err(backend_err)?,
+                ),
+            };
+            Ok((bounded(backend, bound), prefix()))
         }
-        "gs" => {
-            let gcs = GoogleCloudStorageBuilder::from_env()
-                .with_url(url)
-                .with_retry(retry.clone())
-                .build()
-                .map_err(backend_err)?;
-            Ok((bounded(Arc::new(gcs), bound), prefix()))
-        }
-        "az" | "azure" | "abfs" | "abfss" => {
-            let az = MicrosoftAzureBuilder::from_env()
-                .with_url(url)
-                .with_retry(retry.clone())
-                .build()
-                .map_err(backend_err)?;
-            Ok((bounded(Arc::new(az), bound), prefix()))
-        }
-        other => Err(OpenStoreError::UnsupportedScheme(other.into())),
     }
 }
 
