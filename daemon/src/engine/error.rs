@@ -276,26 +276,27 @@ impl RestoreError {
 
     /// The error of `what`, a task or thread that ended without its result.
     pub(super) fn panicked(what: &'static str) -> impl Fn(tokio::task::JoinError) -> Self {
-        move |e| Self::Panicked { what, how: how_it_ended(&e) }
+        move |e| Self::Panicked { what, how: how_it_ended(e) }
     }
 }
 
 impl CheckpointError {
     /// The error of `what`, a task or thread that ended without its result.
     pub(super) fn panicked(what: &'static str) -> impl Fn(tokio::task::JoinError) -> Self {
-        move |e| Self::Panicked { what, how: how_it_ended(&e) }
+        move |e| Self::Panicked { what, how: how_it_ended(e) }
     }
 }
 
 /// How a task that gave no result ended: `panicked: <its message>`, or `was cancelled`.
-pub(super) fn how_it_ended(e: &tokio::task::JoinError) -> String {
-    if e.is_cancelled() {
-        return "was cancelled".into();
-    }
-    // JoinError's Display is "task <id> panicked with message \"...\"".
-    let text = e.to_string();
-    match text.split_once(" panicked with message ") {
-        Some((_, message)) => format!("panicked: {}", message.trim_matches('"')),
+fn how_it_ended(e: tokio::task::JoinError) -> String {
+    let Ok(payload) = e.try_into_panic() else { return "was cancelled".into() };
+    // A panic's payload is its message: a &str for a literal, a String for a formatted one.
+    match payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+    {
+        Some(message) => format!("panicked: {message}"),
         None => "panicked".into(),
     }
 }
