@@ -68,11 +68,15 @@ fn an_eviction_does_not_wait_for_a_parent_that_reaps_late() {
     skip_unless_ready!();
     let d = Daemon::start();
     // A job whose parent (this test, for now) does not reap it: killed, it stays a zombie.
+    // It leads a session of its own (setsid(1) execs in place, keeping the pid), and has stdio
+    // of its own: the test runner's session leader may sit outside this pid namespace and its
+    // stdio be a CI agent's socket (as on CI), neither of which CRIU can record.
     let out = d.dir().join("counter.out");
-    let argv = python_workload("counter.py", &[]);
-    let mut job = std::process::Command::new(&argv[0])
-        .args(&argv[1..])
+    let mut job = std::process::Command::new("setsid")
+        .args(python_workload("counter.py", &[]))
+        .stdin(std::process::Stdio::null())
         .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
     let pid = job.id() as i32;
