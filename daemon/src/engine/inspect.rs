@@ -55,6 +55,9 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
     // Pseudo-terminal masters the tree holds (by slave number), and the slaves it holds.
     let mut masters = BTreeSet::new();
     let mut slaves = BTreeSet::new();
+    // The pseudo-terminals each process holds either side of, and who holds /dev/tty.
+    let mut ptys: HashMap<i32, BTreeSet<u32>> = HashMap::new();
+    let mut tty_holders = BTreeSet::new();
     let mut refusals = Vec::new();
     let caller = unsupported::Caller::this_process();
     for &pid in &pids {
@@ -75,14 +78,19 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
             options.file_locks |= info.holds_lock;
             if fdinfo::is_pty_master(path) {
                 masters.extend(info.tty_index);
+                ptys.entry(pid).or_default().extend(info.tty_index);
             } else if let Some(index) = fdinfo::pty_slave_index(path) {
                 slaves.insert((index, target.clone()));
+                ptys.entry(pid).or_default().insert(index);
+            } else if path == "/dev/tty" {
+                tty_holders.insert(pid);
             }
             if target.is_absolute() {
                 open_files.insert(target);
             }
         }
     }
+    refusals.extend(tty_holders.iter().filter_map(|&pid| unsupported::terminal_reopened(pid, &pids, &ptys)));
     for (index, slave) in slaves {
         // A terminal whose master is outside the tree: restore gives the job a new one. A pair
         // the tree holds both sides of is the tree's own, restored as it was.

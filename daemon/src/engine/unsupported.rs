@@ -11,8 +11,14 @@
 //!   threads): CRIU dumps one address space per process;
 //! - a process of another user, when stasisd lacks CAP_SYS_RESOURCE (a root in some
 //!   containers and VMs): CRIU reads every process's resource limits with prlimit(2), which
-//!   the kernel allows across users only with that capability.
+//!   the kernel allows across users only with that capability;
+//! - `/dev/tty` held open by a process whose controlling terminal CRIU cannot tie back to it:
+//!   CRIU restores `/dev/tty` through the first descriptor of that pseudo-terminal (slave or
+//!   master) it dumps, and only when that descriptor is the same process's and the terminal's
+//!   foreground group is its session's (tmux's server holds the master of the terminal its
+//!   shell opened `/dev/tty` on: "ctty inheritance detected").
 
+use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 
 use crate::linux::proc::{self, ProcStat};
@@ -99,6 +105,55 @@ pub fn resource_limits(pid: i32, caller: Caller) -> Option<String> {
     ))
 }
 
+/// Why CRIU cannot restore the `/dev/tty` that process `pid` holds, if it cannot. `order` is
+/// the tree in CRIU's dump order (see `proc::process_tree`) and `ptys` the pseudo-terminals
+/// (by slave number) each process holds a slave or master descriptor of.
+pub fn terminal_reopened(pid: i32, order: &[i32], ptys: &HashMap<i32, BTreeSet<u32>>) -> Option<String> {
+    let stat = ProcStat::read(pid).ok()?;
+    // Without a controlling terminal, or in a session the tree does not lead (a shell's job,
+    // whose terminal is the shell's), CRIU does not tie /dev/tty to one of the tree's ttys.
+    if stat.tty_nr == 0 || !order.contains(&stat.session) {
+        return None;
+    }
+    let holds = format!("{} holds /dev/tty", process(pid));
+    let why = " (CRIU: \"ctty inheritance detected\")";
+    let Some(index) = pty_number(stat.tty_nr) else {
+        return Some(format!(
+            "{holds}, and its controlling terminal is not a pseudo-terminal; CRIU restores /dev/tty only \
+             through one the tree holds{why}"
+        ));
+    };
+    if stat.tpgid != stat.session {
+        return Some(format!(
+            "{holds} while process group {} is in the foreground of its terminal /dev/pts/{index}, not its \
+             session's ({}); CRIU restores /dev/tty only for a session in its terminal's foreground{why}",
+            stat.tpgid, stat.session
+        ));
+    }
+    let first = order.iter().copied().find(|p| ptys.get(p).is_some_and(|held| held.contains(&index)));
+    match first {
+        Some(first) if first == pid => None,
+        Some(first) => Some(format!(
+            "{holds}, and {} holds its terminal /dev/pts/{index} (or its master) before it in CRIU's dump \
+             order; CRIU restores /dev/tty only through the first such descriptor, and only for its own \
+             process{why}",
+            process(first)
+        )),
+        None => Some(format!(
+            "{holds}, and no process of the tree holds its terminal /dev/pts/{index} or its master; CRIU \
+             restores /dev/tty only through one the tree holds{why}"
+        )),
+    }
+}
+
+/// The slave number of a pseudo-terminal from its device number as /proc/PID/stat gives it
+/// (`tty_nr`), if it is one: devpts numbers its slaves as minors of major 136.
+fn pty_number(tty_nr: i32) -> Option<u32> {
+    let dev = tty_nr as u32;
+    let (major, minor) = ((dev >> 8) & 0xfff, (dev & 0xff) | ((dev >> 12) & 0xf_ff00));
+    (major == 136).then_some(minor)
+}
+
 /// `memfd_secret`'s files, named `secretmem` in a mount of their own: `/secretmem (deleted)`.
 fn is_secret_memory(path: &str) -> bool {
     path.starts_with("/secretmem")
@@ -145,6 +200,47 @@ mod tests {
             "{why}"
         );
         assert_eq!(resource_limits(me, Caller { sys_resource: true, ..other }), None);
+    }
+
+    #[test]
+    fn pseudo_terminal_numbers_come_from_the_device_number() {
+        assert_eq!(pty_number(34816), Some(0), "136:0, /dev/pts/0");
+        assert_eq!(pty_number((136 << 8) | 5), Some(5));
+        assert_eq!(pty_number((136 << 8) | (1 << 20)), Some(256), "minor 256's high bits");
+        assert_eq!(pty_number(0x0400), None, "4:0, /dev/tty0");
+    }
+
+    #[test]
+    fn dev_tty_is_refused_unless_its_process_holds_its_terminal_first() {
+        // A session leader with a pseudo-terminal of its own as its controlling terminal, and
+        // /dev/tty open.
+        let script = "import os, fcntl, termios, time\n\
+                      os.setsid(); m, s = os.openpty(); fcntl.ioctl(s, termios.TIOCSCTTY, 0)\n\
+                      os.open('/dev/tty', os.O_RDWR); print(os.ttyname(s), flush=True); time.sleep(30)\n";
+        let mut child = std::process::Command::new("python3")
+            .args(["-c", script])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line)
+            .unwrap();
+        let pid = child.id() as i32;
+        let index: u32 = line.trim().strip_prefix("/dev/pts/").unwrap().parse().unwrap();
+        let other = pid + 100_000;
+        let held = |holders: &[i32]| holders.iter().map(|&p| (p, BTreeSet::from([index]))).collect();
+        let own = terminal_reopened(pid, &[pid], &held(&[pid]));
+        let other_first = terminal_reopened(pid, &[other, pid], &held(&[other, pid]));
+        let nobody = terminal_reopened(pid, &[pid], &HashMap::new());
+        let outside_session = terminal_reopened(pid, &[other], &held(&[other]));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(own, None, "its own terminal, held by itself first");
+        let why = other_first.unwrap();
+        assert!(why.contains(&format!("process {other} holds its terminal /dev/pts/{index}")), "{why}");
+        assert!(why.contains("ctty inheritance"), "{why}");
+        assert!(nobody.unwrap().contains("no process of the tree holds"));
+        assert_eq!(outside_session, None, "a session led from outside the tree is a shell's job");
     }
 
     #[test]

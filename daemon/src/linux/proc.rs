@@ -18,6 +18,8 @@ pub struct ProcStat {
     pub pgrp: i32,
     pub session: i32,
     pub tty_nr: i32,
+    /// The foreground process group of its controlling terminal (-1 without one).
+    pub tpgid: i32,
     /// When the process started, in clock ticks since boot: with the pid, it names one process
     /// (a pid can be reused, this pair cannot).
     pub start_time: Option<u64>,
@@ -47,11 +49,12 @@ impl ProcStat {
         let pgrp = num()?;
         let session = num()?;
         let tty_nr = num()?;
-        // Field 8 is tpgid, 9 the flags; 10 to 21 (minflt .. itrealvalue) are skipped; 22 is
-        // the start time.
-        let flags = rest.nth(1).and_then(|f| f.parse().ok());
+        let tpgid = num()?;
+        // Field 9 is the flags; 10 to 21 (minflt .. itrealvalue) are skipped; 22 is the start
+        // time.
+        let flags = rest.next().and_then(|f| f.parse().ok());
         let start_time = rest.nth(12).and_then(|t| t.parse().ok());
-        Some(Self { pid, comm, state, ppid, pgrp, session, tty_nr, start_time, flags })
+        Some(Self { pid, comm, state, ppid, pgrp, session, tty_nr, tpgid, start_time, flags })
     }
 
     /// A zombie or dead task: it holds its pid but runs no more.
@@ -76,18 +79,18 @@ pub fn is_running(pid: i32) -> bool {
     ProcStat::read(pid).is_ok_and(|s| !s.is_dead())
 }
 
-/// The root and all its descendants, in breadth-first order.
+/// The root and all its descendants, depth first, each process before its children and
+/// children in the kernel's order (its threads' `children` files): the order in which CRIU
+/// walks, and dumps, a tree.
 pub fn process_tree(root: i32) -> io::Result<Vec<i32>> {
-    let mut seen = vec![root];
-    let mut next = 0;
-    while next < seen.len() {
-        let pid = seen[next];
-        next += 1;
-        for child in children(pid)? {
-            if !seen.contains(&child) {
-                seen.push(child);
-            }
+    let mut seen = Vec::new();
+    let mut stack = vec![root];
+    while let Some(pid) = stack.pop() {
+        if seen.contains(&pid) {
+            continue;
         }
+        seen.push(pid);
+        stack.extend(children(pid)?.into_iter().rev());
     }
     Ok(seen)
 }
@@ -425,10 +428,11 @@ mod tests {
 
     #[test]
     fn stat_parses_names_with_spaces_and_parens() {
-        let s = ProcStat::parse("42 (my (odd) prog) S 1 42 42 34816 0 4194560 0").unwrap();
+        let s = ProcStat::parse("42 (my (odd) prog) S 1 42 42 34816 43 4194560 0").unwrap();
         assert_eq!(s.pid, 42);
         assert_eq!(s.comm, "my (odd) prog");
-        assert_eq!((s.state, s.ppid, s.pgrp, s.session, s.tty_nr), ('S', 1, 42, 42, 34816));
+        assert_eq!((s.state, s.ppid, s.pgrp, s.session, s.tty_nr, s.tpgid), ('S', 1, 42, 42, 34816, 43));
+        assert_eq!(s.flags, Some(4194560));
         assert_eq!(s.start_time, None, "a short line has no start time");
         let me = ProcStat::read(std::process::id() as i32).unwrap();
         assert!(me.start_time.is_some_and(|t| t > 0));
@@ -437,6 +441,34 @@ mod tests {
         assert!(ProcStat::read(2).unwrap().is_kernel_thread());
         assert!(!s.is_dead());
         assert!(ProcStat::parse("garbage").is_none());
+    }
+
+    #[test]
+    fn a_tree_is_listed_depth_first_as_criu_dumps_it() {
+        // The shell forks a subshell (which forks a sleep), then a sleep of its own.
+        let mut root = std::process::Command::new("sh")
+            .args(["-c", "(sleep 30; true) & sleep 30; true"])
+            .spawn()
+            .unwrap();
+        let pid = root.id() as i32;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut tree = process_tree(pid).unwrap();
+        while tree.len() < 4 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            tree = process_tree(pid).unwrap();
+        }
+        let stats: Vec<(String, i32)> =
+            tree.iter().map(|&p| ProcStat::read(p).map(|s| (s.comm, s.ppid)).unwrap_or_default()).collect();
+        for &p in tree.iter().rev() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p), nix::sys::signal::Signal::SIGKILL);
+        }
+        root.wait().unwrap();
+        let parents = [0, pid, tree[1], pid];
+        let expected: Vec<(String, i32)> =
+            ["sh", "sh", "sleep", "sleep"].iter().zip(parents).map(|(c, p)| (c.to_string(), p)).collect();
+        let mut got = stats;
+        got[0].1 = 0;
+        assert_eq!(got, expected, "the subshell's child follows the subshell: {tree:?}");
     }
 
     #[test]
