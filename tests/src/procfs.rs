@@ -59,16 +59,14 @@ pub fn is_namespace_init(pid: i32) -> bool {
 }
 
 /// The process running a workload's command, given the root of its tree: the root, or, where
-/// the root is the init of the workload's own pid namespace (stasis-init), the init's child.
+/// the root is the init of the workload's own pid namespace (stasis-init), the init's child
+/// (waited for: the init forks it after `stasis run` has answered).
 pub fn command_of(root: i32) -> i32 {
     if !is_namespace_init(root) {
         return root;
     }
-    let children = children(root);
-    match children.iter().next() {
-        Some(&child) if children.len() == 1 => child,
-        _ => panic!("the namespace init {root} has children {children:?}, not one"),
-    }
+    let only_child = || Some(children(root)).filter(|c| c.len() == 1).and_then(|c| c.into_iter().next());
+    crate::expect_within(crate::TIMEOUT, &format!("the namespace init {root} to have one child"), only_child)
 }
 
 /// Whether `pid` is a live process: it exists and is neither a zombie nor dead.

@@ -151,7 +151,12 @@ fn a_group_member_acts_only_on_its_own_and_others_cannot_connect() {
             .map(|u| u.split_whitespace().map(str::to_owned).collect::<Vec<_>>())
     };
     let mine = user.uid.to_string();
-    assert_eq!(uid_of(procfs::command_of(pid)), Some(vec![mine.clone(); 4]), "the workload runs as the user");
+    // stasis-init forks the command as root and drops to the user before exec: wait for that
+    // (a workload left running as root times out here).
+    let command = procfs::command_of(pid);
+    expect_within(TIMEOUT, "the workload to run as the user", || {
+        (uid_of(command) == Some(vec![mine.clone(); 4])).then_some(())
+    });
     // Someone outside the group cannot even connect.
     let out = as_user(&d, &cli, "nobody", "nogroup", &["status"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
