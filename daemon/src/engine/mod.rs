@@ -26,6 +26,7 @@ mod restore;
 #[cfg(test)]
 mod rollback_tests;
 mod run;
+mod slots;
 mod sockets;
 mod start;
 mod state;
@@ -45,6 +46,7 @@ pub use error::{CheckpointError, PolicyError, QueryError, RestoreError, RunError
 pub use evacuate::plan::CheckpointCost;
 pub use evacuate::{EvacuateParams, Evacuation};
 pub use hot_restore::LazyError;
+use idle::GpuWatch;
 pub use idle::{GpuActivity, IdleSettings, IdleState, Thresholds};
 pub use ids::{now_unix_ms, valid_checkpoint_id};
 pub use query::{CheckpointList, CheckpointSummary, StatusReport, WorkloadReport};
@@ -137,19 +139,14 @@ pub struct Engine {
     /// The NVIDIA driver's checkpoint API, when a driver is installed.
     gpu: Option<Arc<dyn GpuCheckpointer>>,
     /// Which processes use a GPU (NVML), when a driver is installed.
-    gpu_activity: Option<Arc<dyn GpuActivity>>,
-    /// Idle reclaim: the monitor's clocks, reclaims and wakers under way.
-    idle: idle::IdleBook,
+    gpu_activity: Option<GpuWatch>,
     idle_settings: IdleSettings,
     metrics: Arc<crate::metrics::Metrics>,
-    /// Periodic checkpoints: when each last started.
-    schedule: periodic::Schedule,
     /// How long a preemption notice gives on this cloud, when notices are watched.
     notice_window: Option<std::time::Duration>,
-    /// Workloads an evacuation is checkpointing, and whether it evicts them (see `evacuate`).
-    evacuating: std::sync::Mutex<HashMap<String, bool>>,
-    /// One job at a time per workload.
-    workload_locks: KeyedLocks<String>,
+    /// What is under way for each workload: its job, idle reclaim, periodic checkpoints and
+    /// evacuation (see `slots.rs`).
+    workloads: slots::Slots,
     /// Dumps of trees whose namespace inits share a working directory (copies of one
     /// checkpoint) run one at a time: CRIU mounts a /proc in it, under one name.
     init_dir_locks: KeyedLocks<std::path::PathBuf>,
@@ -209,7 +206,8 @@ impl Engine {
         &self.jobs
     }
 
-    async fn lock_workload(&self, name: &str) -> tokio::sync::OwnedMutexGuard<()> {
-        hold(&self.workload_locks, name.to_string()).await
+    /// Waits for the turn of workload `name` to run a job: one at a time per workload.
+    async fn lock_workload(&self, name: &str) -> slots::JobTurn<'_> {
+        self.workloads.job_turn(name).await
     }
 }

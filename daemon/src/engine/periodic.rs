@@ -5,21 +5,28 @@
 //! The idle monitor's tick drives them: a workload whose interval has passed since its last
 //! periodic checkpoint started gets the next one, unless one is still under way.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
-use super::{Caller, CheckpointParams, Engine, PolicyError, Target, Workload, lock};
+use super::{Caller, CheckpointParams, Engine, PolicyError, Target, Workload};
 
-/// When each workload's last periodic checkpoint started, which are under way, and whose
-/// interval is shortened to fit the notice window.
+/// One workload's periodic checkpoints: its part of the workload's slot (see `slots.rs`).
 #[derive(Debug, Default)]
-pub(super) struct Schedule {
-    last: Mutex<HashMap<String, Instant>>,
-    running: Mutex<HashSet<String>>,
-    pub(super) fitted: Mutex<HashMap<String, Duration>>,
+pub(super) struct PeriodicSlot {
+    /// When the last one started; kept while they are due.
+    last: Option<Instant>,
+    /// One is under way.
+    running: bool,
+    /// Its interval, when shortened to fit the notice window (see `evacuate`).
+    pub(super) fitted: Option<Duration>,
+}
+
+impl PeriodicSlot {
+    pub(super) fn is_empty(&self) -> bool {
+        self.last.is_none() && !self.running && self.fitted.is_none()
+    }
 }
 
 impl Engine {
@@ -33,7 +40,7 @@ impl Engine {
         self.own_workload(name, caller)?;
         let every_ms = every.map(|d| d.as_millis() as u64);
         self.registry.update(name, |w| w.checkpoint_every_ms = every_ms).map_err(PolicyError::Registry)?;
-        lock(&self.schedule.last).insert(name.to_owned(), Instant::now());
+        self.workloads.with(name, |slot| slot.periodic.last = Some(Instant::now()));
         info!(workload = name, checkpoint_every_ms = ?every_ms, "periodic checkpoints set");
         Ok(())
     }
@@ -49,16 +56,25 @@ impl Engine {
         for w in workloads {
             let due = w.checkpoint_every_ms.filter(|_| w.reclaimed.is_none() && self.tree_runs(w));
             let Some(every_ms) = due else {
-                lock(&self.schedule.last).remove(&w.name);
-                lock(&self.schedule.fitted).remove(&w.name);
+                self.workloads.with(&w.name, |slot| {
+                    slot.periodic.last = None;
+                    slot.periodic.fitted = None;
+                });
                 continue;
             };
             let every = self.fitted_interval(w, Duration::from_millis(every_ms), spot);
-            let started = *lock(&self.schedule.last).entry(w.name.clone()).or_insert(now);
-            if now.duration_since(started) < every || !lock(&self.schedule.running).insert(w.name.clone()) {
+            let start = self.workloads.with(&w.name, |slot| {
+                let schedule = &mut slot.periodic;
+                let started = *schedule.last.get_or_insert(now);
+                if now.duration_since(started) < every || std::mem::replace(&mut schedule.running, true) {
+                    return false;
+                }
+                schedule.last = Some(now);
+                true
+            });
+            if !start {
                 continue;
             }
-            lock(&self.schedule.last).insert(w.name.clone(), now);
             let (engine, name) = (self.clone(), w.name.clone());
             self.jobs.spawn(async move {
                 let params = CheckpointParams {
@@ -72,7 +88,7 @@ impl Engine {
                     Ok(o) => info!(workload = %name, checkpoint = %o.id, "periodic checkpoint stored"),
                     Err(e) => warn!(workload = %name, error = %crate::error_chain(&e), "periodic checkpoint failed; the next is due after the interval"),
                 }
-                lock(&engine.schedule.running).remove(&name);
+                engine.workloads.with(&name, |slot| slot.periodic.running = false);
             });
         }
     }

@@ -236,7 +236,7 @@ impl Engine {
                 .map(|w| WorkloadReport {
                     running: w.reclaimed.is_none() && self.tree_runs(&w),
                     idle: self.idle_state(&w),
-                    fitted_every: super::lock(&self.schedule.fitted).get(&w.name).copied(),
+                    fitted_every: self.workloads.read(&w.name, |slot| slot.periodic.fitted).flatten(),
                     workload: w,
                 })
                 .collect(),

@@ -99,7 +99,9 @@ impl Engine {
                 loop {
                     let next = lock(&queue).pop_front();
                     let Some((candidate, estimate)) = next else { break };
-                    if leave_running && lock(&engine.evacuating).get(&candidate.name) == Some(&true) {
+                    let evicting =
+                        engine.workloads.read(&candidate.name, |slot| slot.evacuation == Some(true));
+                    if leave_running && evicting == Some(true) {
                         // A preemption took it over meanwhile: its eviction comes instead.
                         continue;
                     }
@@ -198,10 +200,9 @@ impl Engine {
         };
         let rounds = spot.div_ceil(PARALLEL).max(1) as u32;
         let fitted = plan::fitting_interval(&self.candidate(w), every, window / 2 / rounds);
-        let mut shown = lock(&self.schedule.fitted);
-        if fitted == every {
-            shown.remove(&w.name);
-        } else if shown.insert(w.name.clone(), fitted) != Some(fitted) {
+        let shown = (fitted != every).then_some(fitted);
+        let before = self.workloads.with(&w.name, |slot| std::mem::replace(&mut slot.periodic.fitted, shown));
+        if shown.is_some() && before != shown {
             info!(workload = %w.name, every_ms = every.as_millis() as u64, fitted_ms = fitted.as_millis() as u64, window_ms = window.as_millis() as u64, "periodic interval shortened to fit the notice window");
         }
         fitted
@@ -211,27 +212,27 @@ impl Engine {
     /// evacuation's claim stands, except that an eviction also queues behind a checkpoint left
     /// running (a rebalance's): the machine goes all the same, and the delta is smaller then.
     fn claim(&self, name: &str, evict: bool) -> bool {
-        let mut claims = lock(&self.evacuating);
-        match claims.get(name) {
-            Some(&evicting) if evicting || !evict => false,
+        self.workloads.with(name, |slot| match slot.evacuation {
+            Some(evicting) if evicting || !evict => false,
             _ => {
-                claims.insert(name.to_owned(), evict);
+                slot.evacuation = Some(evict);
                 true
             }
-        }
+        })
     }
 
     /// Ends the claim on `name` (an eviction's claim outlives a rebalance's it replaced).
     fn release(&self, name: &str, evict: bool) {
-        let mut claims = lock(&self.evacuating);
-        if claims.get(name) == Some(&evict) {
-            claims.remove(name);
-        }
+        self.workloads.with(name, |slot| {
+            if slot.evacuation == Some(evict) {
+                slot.evacuation = None;
+            }
+        });
     }
 
     /// Whether an evacuation is under way (periodic checkpoints wait meanwhile).
     pub(super) fn is_evacuating(&self) -> bool {
-        !lock(&self.evacuating).is_empty()
+        self.workloads.any(|slot| slot.evacuation.is_some())
     }
 }
 

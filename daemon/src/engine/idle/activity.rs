@@ -8,10 +8,14 @@
 //! 16 bytes a second), one that runs a cell or receives a request does not.
 
 use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use tracing::warn;
 
 use crate::cuda::nvml::Nvml;
 use crate::engine::host::Host;
+use crate::engine::{lock, now_unix_ms};
 
 /// Which processes used a GPU lately.
 pub trait GpuActivity: Send + Sync {
@@ -23,6 +27,31 @@ pub trait GpuActivity: Send + Sync {
 impl GpuActivity for Nvml {
     fn active_since(&self, since_us: u64) -> Result<HashSet<u32>, String> {
         Nvml::active_since(self, since_us).map_err(|e| e.to_string())
+    }
+}
+
+/// A [`GpuActivity`] asked, at each tick, for what happened since it was asked before.
+pub struct GpuWatch {
+    source: Arc<dyn GpuActivity>,
+    /// When it was last asked (microseconds since the epoch).
+    asked_us: Mutex<Option<u64>>,
+}
+
+impl GpuWatch {
+    pub fn new(source: Arc<dyn GpuActivity>) -> GpuWatch {
+        GpuWatch { source, asked_us: Mutex::new(None) }
+    }
+
+    /// The processes that used a GPU since the last question (the first covers one `tick`);
+    /// none when it cannot tell.
+    pub fn active(&self, tick: Duration) -> HashSet<u32> {
+        let now_us = now_unix_ms() * 1000;
+        let tick_us = tick.as_micros() as u64;
+        let since = lock(&self.asked_us).replace(now_us).unwrap_or(now_us.saturating_sub(tick_us));
+        self.source.active_since(since).unwrap_or_else(|why| {
+            warn!(reason = %why, "cannot read GPU activity; idle workloads are judged by CPU and reads");
+            HashSet::new()
+        })
     }
 }
 

@@ -17,18 +17,18 @@ mod tests;
 mod uses;
 mod wake;
 
-use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use activity::IdleClock;
-pub use activity::{GpuActivity, Thresholds};
+pub use activity::{GpuActivity, GpuWatch, Thresholds};
 
-use super::{Caller, Engine, PolicyError, Workload, lock};
+use super::slots::Slot;
+use super::{Caller, Engine, PolicyError, Workload};
 
 /// A reclaimed workload: what waking it needs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,21 +73,26 @@ pub enum IdleState {
     Unwatched,
 }
 
-/// The idle monitor's bookkeeping.
+/// Where one workload stands with idle reclaim: its part of the workload's slot (see
+/// `slots.rs`).
 #[derive(Default)]
-pub(super) struct IdleBook {
-    clocks: Mutex<HashMap<String, IdleClock>>,
-    reclaiming: Mutex<HashSet<String>>,
-    waking: Mutex<HashSet<String>>,
-    wakers: Mutex<HashMap<String, wake::Waker>>,
-    /// When GPU activity was last asked for (microseconds since the epoch).
-    gpu_asked_us: Mutex<Option<u64>>,
+pub(super) struct IdleSlot {
+    /// Since when it is idle; kept while it runs with an idle policy.
+    clock: Option<IdleClock>,
+    reclaiming: bool,
+    waking: bool,
+    /// What waits for its next use while it is reclaimed.
+    waker: Option<wake::Waker>,
 }
 
-impl IdleBook {
-    /// The workload was used just now (started, restored, woken): its idle time starts over.
-    fn restart_clock(&self, name: &str) {
-        lock(&self.clocks).insert(name.to_owned(), IdleClock::new(Instant::now()));
+impl IdleSlot {
+    pub(super) fn is_empty(&self) -> bool {
+        self.clock.is_none() && !self.reclaiming && !self.waking && self.waker.is_none()
+    }
+
+    /// The workload was used just now (started, restored or woken): its idle time starts over.
+    fn restart_clock(&mut self) {
+        self.clock = Some(IdleClock::new(Instant::now()));
     }
 }
 
@@ -97,7 +102,7 @@ impl Engine {
         self.own_workload(name, caller)?;
         let after_ms = after.map(|d| d.as_millis() as u64);
         self.registry.update(name, |w| w.idle_after_ms = after_ms).map_err(PolicyError::Registry)?;
-        self.idle.restart_clock(name);
+        self.workloads.with(name, |slot| slot.idle.restart_clock());
         info!(workload = name, idle_after_ms = ?after_ms, "idle policy set");
         Ok(())
     }
@@ -113,18 +118,16 @@ impl Engine {
 
     /// Where workload `w` stands with idle reclaim.
     pub fn idle_state(&self, w: &Workload) -> IdleState {
-        let name = w.name.as_str();
-        if lock(&self.idle.waking).contains(name) {
-            IdleState::Waking
-        } else if w.reclaimed.is_some() {
-            IdleState::Reclaimed
-        } else if lock(&self.idle.reclaiming).contains(name) {
-            IdleState::Reclaiming
-        } else {
-            match lock(&self.idle.clocks).get(name) {
-                Some(clock) => IdleState::Watched(clock.idle_for(Instant::now())),
-                None => IdleState::Unwatched,
-            }
+        let now = Instant::now();
+        let seen = |slot: &Slot| {
+            (slot.idle.waking, slot.idle.reclaiming, slot.idle.clock.as_ref().map(|c| c.idle_for(now)))
+        };
+        match self.workloads.read(&w.name, seen).unwrap_or_default() {
+            (true, _, _) => IdleState::Waking,
+            _ if w.reclaimed.is_some() => IdleState::Reclaimed,
+            (_, true, _) => IdleState::Reclaiming,
+            (_, _, Some(idle)) => IdleState::Watched(idle),
+            (_, _, None) => IdleState::Unwatched,
         }
     }
 
@@ -153,37 +156,29 @@ impl Engine {
         });
     }
 
-    /// The processes that used a GPU since the last tick (none without NVML).
-    fn gpu_active(&self) -> HashSet<u32> {
-        let Some(gpu) = &self.gpu_activity else { return HashSet::new() };
-        let now_us = super::now_unix_ms() * 1000;
-        let tick_us = self.idle_settings.tick.as_micros() as u64;
-        let since = lock(&self.idle.gpu_asked_us).replace(now_us).unwrap_or(now_us.saturating_sub(tick_us));
-        gpu.active_since(since).unwrap_or_else(|why| {
-            warn!(reason = %why, "cannot read GPU activity; idle workloads are judged by CPU and reads");
-            HashSet::new()
-        })
-    }
-
     /// Samples every watched workload; starts the reclaim of those idle long enough.
-    fn idle_tick(self: &Arc<Self>, workloads: &[Workload]) {
+    pub(super) fn idle_tick(self: &Arc<Self>, workloads: &[Workload]) {
         let limits = self.idle_settings.thresholds;
         let mut gpu_active = None;
         for w in workloads {
             let watched = w.idle_after_ms.filter(|_| w.reclaimed.is_none() && self.host.is_running(w.pid));
             let Some(after_ms) = watched else {
-                lock(&self.idle.clocks).remove(&w.name);
+                self.workloads.with(&w.name, |slot| slot.idle.clock = None);
                 continue;
             };
-            let gpu_active = gpu_active.get_or_insert_with(|| self.gpu_active());
+            let gpu_active = gpu_active.get_or_insert_with(|| {
+                let tick = self.idle_settings.tick;
+                self.gpu_activity.as_ref().map(|gpu| gpu.active(tick)).unwrap_or_default()
+            });
             let sample = activity::sample(self.host.as_ref(), &self.host.trees(&[w.pid]), gpu_active);
-            let idle = lock(&self.idle.clocks)
-                .entry(w.name.clone())
-                .or_insert_with(|| IdleClock::new(sample.at))
-                .observe(sample, limits);
-            if idle < Duration::from_millis(after_ms) || !lock(&self.idle.reclaiming).insert(w.name.clone()) {
-                continue;
-            }
+            let reclaim = self.workloads.with(&w.name, |slot| {
+                let idle =
+                    slot.idle.clock.get_or_insert_with(|| IdleClock::new(sample.at)).observe(sample, limits);
+                let due = idle >= Duration::from_millis(after_ms);
+                // Not twice at once.
+                (due && !std::mem::replace(&mut slot.idle.reclaiming, true)).then_some(idle)
+            });
+            let Some(idle) = reclaim else { continue };
             info!(workload = %w.name, idle_ms = idle.as_millis() as u64, "workload idle; reclaiming it");
             let (engine, name) = (self.clone(), w.name.clone());
             self.jobs.spawn(async move {
@@ -196,8 +191,10 @@ impl Engine {
                     }
                 };
                 engine.metrics.reclaim(outcome);
-                lock(&engine.idle.reclaiming).remove(&name);
-                engine.idle.restart_clock(&name);
+                engine.workloads.with(&name, |slot| {
+                    slot.idle.reclaiming = false;
+                    slot.idle.restart_clock();
+                });
             });
         }
     }

@@ -22,7 +22,6 @@ use tracing::{debug, info, warn};
 
 use super::Reclaimed;
 use super::uses::UseWatch;
-use crate::engine::lock;
 use crate::engine::{
     Caller, Engine, PolicyError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget,
 };
@@ -65,7 +64,7 @@ impl Engine {
         reclaimed: Reclaimed,
     ) -> mpsc::UnboundedSender<WakeReply> {
         let (requests, asked) = mpsc::unbounded_channel();
-        lock(&self.idle.wakers).insert(name.to_owned(), Waker { requests: requests.clone() });
+        self.workloads.with(name, |slot| slot.idle.waker = Some(Waker { requests: requests.clone() }));
         tokio::spawn(wait_and_wake(Arc::downgrade(self), name.to_owned(), reclaimed, asked));
         requests
     }
@@ -75,7 +74,8 @@ impl Engine {
     pub async fn wake(self: &Arc<Self>, name: &str, caller: Caller) -> Result<RestoreOutcome, PolicyError> {
         let w = self.own_workload(name, caller)?;
         let Some(reclaimed) = w.reclaimed else { return Err(PolicyError::NotReclaimed(name.into())) };
-        let waker = lock(&self.idle.wakers).get(name).map(|w| w.requests.clone());
+        let waker =
+            self.workloads.read(name, |slot| slot.idle.waker.as_ref().map(|w| w.requests.clone())).flatten();
         let requests = match waker {
             Some(requests) => requests,
             None => self.arm_waker(name, reclaimed),
@@ -152,9 +152,9 @@ async fn wait_and_wake(
         };
         let started = Instant::now();
         let Some(engine) = engine.upgrade() else { return };
-        lock(&engine.idle.waking).insert(name.clone());
+        engine.workloads.with(&name, |slot| slot.idle.waking = true);
         let woken = engine.restore_reclaimed(&name, &reclaimed).await;
-        lock(&engine.idle.waking).remove(&name);
+        engine.workloads.with(&name, |slot| slot.idle.waking = false);
         engine.metrics.reclaim(if woken.is_ok() { "woken" } else { "wake_failed" });
         while let Ok(reply) = asked.try_recv() {
             replies.push(reply);
@@ -164,8 +164,10 @@ async fn wait_and_wake(
                 // The restored tree's listeners take new connections from here.
                 drop(hold);
                 info!(workload = %name, pid = outcome.pid, wake_ms = started.elapsed().as_millis() as u64, relayed = accepted.len(), "reclaimed workload runs again");
-                lock(&engine.idle.wakers).remove(&name);
-                engine.idle.restart_clock(&name);
+                engine.workloads.with(&name, |slot| {
+                    slot.idle.waker = None;
+                    slot.idle.restart_clock();
+                });
                 for (stream, addr) in accepted {
                     tokio::spawn(relay(stream, addr));
                 }
