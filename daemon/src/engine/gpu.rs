@@ -195,13 +195,13 @@ impl Engine {
         pids: &[i32],
         progress: &ProgressFn,
     ) -> Result<Option<Suspended>, CheckpointError> {
-        let candidates = self.host.cuda_candidates(pids);
+        let candidates = self.deps.host.cuda_candidates(pids);
         if candidates.is_empty() {
             return Ok(None);
         }
-        let gpu = self.gpu.clone().ok_or_else(|| GpuError::NoDriver(candidates.clone()))?;
+        let gpu = self.deps.gpu.clone().ok_or_else(|| GpuError::NoDriver(candidates.clone()))?;
         progress(ProgressUpdate { phase: "gpu checkpoint", done: 0, total: 0 });
-        let host = self.host.clone();
+        let host = self.deps.host.clone();
         let suspended = tokio::task::spawn_blocking(move || {
             let (users, others): (Vec<i32>, Vec<i32>) =
                 candidates.into_iter().partition(|p| gpu.state(*p).is_ok_and(|s| s.is_some()));
@@ -226,7 +226,7 @@ impl Engine {
 
     /// Puts device memory back and unlocks CUDA; returns how long it took.
     pub(super) async fn resume_gpu(&self, pids: &[i32]) -> Result<u64, CheckpointError> {
-        let (Some(gpu), false) = (self.gpu.clone(), pids.is_empty()) else { return Ok(0) };
+        let (Some(gpu), false) = (self.deps.gpu.clone(), pids.is_empty()) else { return Ok(0) };
         let pids = pids.to_vec();
         let took = tokio::task::spawn_blocking(move || resume(&gpu, &pids))
             .await

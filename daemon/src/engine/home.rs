@@ -88,11 +88,12 @@ impl Engine {
         caller: Caller,
         with_cgroup: bool,
     ) -> Result<Home, (&'static str, io::Error)> {
-        let log_path = self.state.log_file(name);
+        let log_path = self.deps.state.log_file(name);
         let log = open_log(&log_path, caller).map_err(|e| ("its log file", e))?;
         let cgroup = match v2_root().filter(|_| with_cgroup) {
             Some(root) => Some(
-                WorkloadCgroup::create(&root, self.store.node_tag(), name).map_err(|e| ("its cgroup", e))?,
+                WorkloadCgroup::create(&root, self.deps.store.node_tag(), name)
+                    .map_err(|e| ("its cgroup", e))?,
             ),
             None => None,
         };

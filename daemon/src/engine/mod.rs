@@ -19,6 +19,7 @@ mod hot_restore;
 mod idle;
 mod ids;
 mod inspect;
+mod parts;
 mod periodic;
 pub mod pods;
 mod query;
@@ -35,7 +36,6 @@ mod store_faults;
 mod unsupported;
 mod workloads;
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -46,7 +46,6 @@ pub use error::{CheckpointError, PolicyError, QueryError, RestoreError, RunError
 pub use evacuate::plan::CheckpointCost;
 pub use evacuate::{EvacuateParams, Evacuation};
 pub use hot_restore::LazyError;
-use idle::GpuWatch;
 pub use idle::{GpuActivity, IdleSettings, IdleState, Thresholds};
 pub use ids::{now_unix_ms, valid_checkpoint_id};
 pub use query::{CheckpointList, CheckpointSummary, StatusReport, WorkloadReport};
@@ -55,12 +54,10 @@ pub use run::{Pids, RunOutcome, RunParams};
 use tokio_util::task::TaskTracker;
 pub use workloads::Workload;
 
-use crate::criu::{CriuOps, CriuVersion, NetworkLock};
-use crate::cuda::GpuCheckpointer;
-use crate::linux::reaper::Reaper;
-use crate::store::Store;
-use host::Host;
-use state::StateDir;
+use crate::criu::NetworkLock;
+use parts::{Deps, Settings, Shared};
+use slots::Slots;
+use start::CriuSupport;
 use workloads::Registry;
 
 /// What the engine needs to start.
@@ -110,55 +107,21 @@ pub type ProgressFn = Arc<dyn Fn(ProgressUpdate) + Send + Sync>;
 
 /// The checkpoint/restore engine of one node.
 pub struct Engine {
-    criu: Arc<dyn CriuOps>,
-    /// The kernel, as the jobs see it.
-    host: Arc<dyn Host>,
-    criu_version: CriuVersion,
-    /// Whether this CRIU can dump network sockets on this kernel (`Err(why)` if not).
-    network_sockets: Result<(), String>,
-    /// How established TCP connections are locked during dumps (`Err(why)` if no way is).
-    network_lock: Result<NetworkLock, String>,
-    /// Whether stasisd can put restored memory in place itself (`Err(why)` if not).
-    served_memory: Result<(), String>,
-    /// Whether eager restores have stasisd put memory in place (else CRIU reads image files).
-    eager_served: bool,
-    /// The network locks evictions left on this node.
-    left_locks: sockets::LeftLocks,
-    store: Store,
-    state: StateDir,
+    /// What it drives: CRIU, the kernel, the GPU, the store, the state directory, the reaper.
+    deps: Deps,
+    /// What CRIU and the kernel can do on this node, found at start.
+    support: CriuSupport,
+    /// How it is set (from `EngineConfig`).
+    settings: Settings,
+    /// The workloads it knows, persisted in the state directory.
     registry: Registry,
-    reaper: Reaper,
-    jobs: TaskTracker,
-    /// Staged page bytes all dumps together may hold in memory.
-    staging: crate::store::StagingBudget,
-    /// The buffers of evictions' pages on their way to the store (see `store/stream.rs`).
-    blocks: crate::store::BlockPool,
-    keep_last: Option<usize>,
-    gc_grace: std::time::Duration,
-    lazy: crate::store::FetchSettings,
-    /// The NVIDIA driver's checkpoint API, when a driver is installed.
-    gpu: Option<Arc<dyn GpuCheckpointer>>,
-    /// Which processes use a GPU (NVML), when a driver is installed.
-    gpu_activity: Option<GpuWatch>,
-    idle_settings: IdleSettings,
-    metrics: Arc<crate::metrics::Metrics>,
-    /// How long a preemption notice gives on this cloud, when notices are watched.
-    notice_window: Option<std::time::Duration>,
     /// What is under way for each workload: its job, idle reclaim, periodic checkpoints and
     /// evacuation (see `slots.rs`).
-    workloads: slots::Slots,
-    /// Dumps of trees whose namespace inits share a working directory (copies of one
-    /// checkpoint) run one at a time: CRIU mounts a /proc in it, under one name.
-    init_dir_locks: KeyedLocks<std::path::PathBuf>,
-}
-
-/// A lock per key, made on first use.
-type KeyedLocks<K> = tokio::sync::Mutex<HashMap<K, Arc<tokio::sync::Mutex<()>>>>;
-
-/// The lock of `key` in `locks`, held.
-async fn hold<K: std::hash::Hash + Eq>(locks: &KeyedLocks<K>, key: K) -> tokio::sync::OwnedMutexGuard<()> {
-    let lock = locks.lock().await.entry(key).or_default().clone();
-    lock.lock_owned().await
+    workloads: Slots,
+    /// What all jobs share: memory budgets, network locks left behind, locks across workloads.
+    shared: Shared,
+    jobs: TaskTracker,
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// `m` locked; a poisoned lock is taken as it is (its holder panicked, the data is still
@@ -192,7 +155,7 @@ impl Engine {
     /// Removes the cgroup of a workload whose tree is gone (CRIU recreates it on restore).
     fn release_cgroup(&self, workload: &str) {
         if let Some(path) = self.registry.get(workload).and_then(|w| w.cgroup) {
-            self.host.remove_empty_cgroup(&path);
+            self.deps.host.remove_empty_cgroup(&path);
         }
     }
 

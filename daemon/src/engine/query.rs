@@ -118,7 +118,7 @@ impl Engine {
     /// Checkpoints in the store, oldest first, optionally of one workload only.
     /// A caller other than root sees its own checkpoints only (and no unreadable ones).
     pub async fn list(&self, workload: Option<&str>, caller: Caller) -> Result<CheckpointList, QueryError> {
-        let listing = self.store.listing().await?;
+        let listing = self.deps.store.listing().await?;
         let checkpoints = listing
             .manifests
             .iter()
@@ -142,7 +142,7 @@ impl Engine {
         if !valid_checkpoint_id(id) {
             return Err(QueryError::BadId(id.into()));
         }
-        let manifest = self.store.manifest(id).await?;
+        let manifest = self.deps.store.manifest(id).await?;
         if !caller.owns(manifest.owner_uid) {
             return Err(QueryError::NotYours(id.into()));
         }
@@ -164,7 +164,7 @@ impl Engine {
         if let Some(w) = waiting {
             return Err(QueryError::Reclaimed { id: id.into(), workload: w.name });
         }
-        self.store.delete(id).await?;
+        self.deps.store.delete(id).await?;
         tracing::info!(checkpoint = %id, "checkpoint deleted");
         Ok(())
     }
@@ -176,7 +176,7 @@ impl Engine {
             return Err(QueryError::RootOnly("garbage collection"));
         }
         let retention = keep_last.map(|keep_last| Retention { keep_last });
-        Ok(self.store.gc(retention, self.gc_grace, false, GC_WAIT).await?)
+        Ok(self.deps.store.gc(retention, self.settings.gc_grace, false, GC_WAIT).await?)
     }
 
     /// Verifies the store (root's alone: it reads every user's checkpoints).
@@ -184,7 +184,7 @@ impl Engine {
         if caller != Caller::Root {
             return Err(QueryError::RootOnly("checking the store"));
         }
-        Ok(self.store.check(read_data).await?)
+        Ok(self.deps.store.check(read_data).await?)
     }
 
     /// The retention policy, run after each checkpoint; failures are logged, not returned:
@@ -192,9 +192,11 @@ impl Engine {
     /// checkpoint's caller would wait with it): busy now, it runs after the next checkpoint.
     pub(super) async fn apply_retention(&self) {
         // During an evacuation the evictions need the store to themselves.
-        let Some(keep_last) = self.keep_last.filter(|_| !self.is_evacuating()) else { return };
+        let Some(keep_last) = self.settings.keep_last.filter(|_| !self.is_evacuating()) else { return };
         let retention = Some(Retention { keep_last });
-        if let Err(e) = self.store.gc(retention, self.gc_grace, false, std::time::Duration::ZERO).await {
+        if let Err(e) =
+            self.deps.store.gc(retention, self.settings.gc_grace, false, std::time::Duration::ZERO).await
+        {
             tracing::warn!(error = %e, "retention policy failed; the next checkpoint retries");
         }
     }
@@ -203,10 +205,10 @@ impl Engine {
     pub fn status(&self, caller: Caller) -> StatusReport {
         StatusReport {
             daemon_version: env!("CARGO_PKG_VERSION").into(),
-            criu_version: self.criu_version.to_string(),
-            criu_path: self.criu.path().display().to_string(),
-            kernel: self.host.kernel_release(),
-            gpu_support: match &self.gpu {
+            criu_version: self.support.version.to_string(),
+            criu_path: self.deps.criu.path().display().to_string(),
+            kernel: self.deps.host.kernel_release(),
+            gpu_support: match &self.deps.gpu {
                 Some(gpu) => match gpu.gpus() {
                     Ok(gpus) => format!(
                         "available: CUDA {} driver API, {} GPU(s){}",
@@ -218,13 +220,13 @@ impl Engine {
                 },
                 None => "unavailable: no NVIDIA driver (CPU-only trees are checkpointed)".into(),
             },
-            store_url: self.store.url().into(),
-            state_dir: self.state.root().display().to_string(),
-            socket_support: match &self.network_sockets {
+            store_url: self.deps.store.url().into(),
+            state_dir: self.deps.state.root().display().to_string(),
+            socket_support: match &self.support.network_sockets {
                 Ok(()) => "supported (TCP, UDP, Unix, packet and netlink sockets)".into(),
                 Err(why) => format!("network sockets unsupported: {why}"),
             },
-            network_lock: match &self.network_lock {
+            network_lock: match &self.support.network_lock {
                 Ok(lock) => lock.name().into(),
                 Err(why) => format!("none ({why}); trees with established TCP connections are refused"),
             },

@@ -145,8 +145,9 @@ impl Engine {
     pub(super) async fn find_manifest(&self, target: &RestoreTarget) -> Result<Manifest, RestoreError> {
         match target {
             RestoreTarget::Checkpoint(id) if !valid_checkpoint_id(id) => Err(RestoreError::BadId(id.clone())),
-            RestoreTarget::Checkpoint(id) => Ok(self.store.manifest(id).await?),
+            RestoreTarget::Checkpoint(id) => Ok(self.deps.store.manifest(id).await?),
             RestoreTarget::Workload(name) => self
+                .deps
                 .store
                 .manifests()
                 .await?
@@ -189,11 +190,14 @@ impl Engine {
         let preflight = self.preflight(&manifest, &params.gpu_map, params.tcp_close).await?;
         let lazy = params.lazy;
         let bytes = manifest.stats.map(|s| s.bytes_total).unwrap_or_default();
-        let work =
-            self.state.new_restore_dir(bytes).map_err(RestoreError::local("restore scratch directory"))?;
+        let work = self
+            .deps
+            .state
+            .new_restore_dir(bytes)
+            .map_err(RestoreError::local("restore scratch directory"))?;
         // Packs stay out of garbage collection's reach until every page is in.
-        let commit_guard = self.store.begin_commit().await?;
-        if let (true, Err(why)) = (lazy, &self.served_memory) {
+        let commit_guard = self.deps.store.begin_commit().await?;
+        if let (true, Err(why)) = (lazy, &self.support.served_memory) {
             let source = LazyError::Start(std::io::Error::other(why.clone()));
             return Err(RestoreError::LazyStart { id: manifest.id.clone(), lazy, source });
         }
@@ -212,7 +216,7 @@ impl Engine {
         let (pid, session) =
             self.run_criu(&manifest, &placement, work.path(), params.tcp_close, session, &progress).await?;
         // CRIU is done with the tree by now: no CRIU to kill with it.
-        let kill = tree_killer(self.host.clone(), roots.clone(), Default::default());
+        let kill = tree_killer(self.deps.host.clone(), roots.clone(), Default::default());
         let mut restored = Restored { kill, armed: true };
         let pid = match &placement {
             // CRIU named the root as the container sees it.
@@ -265,7 +269,7 @@ impl Engine {
         if existing.as_ref().is_some_and(|w| w.reclaimed.is_some()) {
             return Err(RestoreError::Reclaimed(name.to_owned()));
         }
-        let runs = existing.as_ref().is_some_and(|w| self.host.is_running(w.pid));
+        let runs = existing.as_ref().is_some_and(|w| self.deps.host.is_running(w.pid));
         if caller != Caller::Root && is_container_name(name) {
             let why = "names beginning with k8s. are Kubernetes containers', and root's";
             return Err(RestoreError::BadName { name: name.to_owned(), why });
@@ -299,8 +303,13 @@ impl Engine {
         if !manifest.own_pid_namespace {
             return pids.to_vec();
         }
-        let now: Vec<(i32, Option<i32>)> =
-            self.host.trees(&[root]).into_iter().map(|p| (p, self.host.pid_inside(p, root))).collect();
+        let now: Vec<(i32, Option<i32>)> = self
+            .deps
+            .host
+            .trees(&[root])
+            .into_iter()
+            .map(|p| (p, self.deps.host.pid_inside(p, root)))
+            .collect();
         let inside = |pid: &i32| {
             let at = manifest.pids.iter().position(|p| p == pid)?;
             let ns_pid = *manifest.ns_pids.get(at)?;
@@ -323,7 +332,7 @@ impl Engine {
         // of this host's.
         let busy = match manifest.own_pid_namespace || manifest.pod.is_some() {
             true => Vec::new(),
-            false => self.reaper.wait_gone(&manifest.pids, PIDS_FREE_WAIT).await,
+            false => self.deps.reaper.wait_gone(&manifest.pids, PIDS_FREE_WAIT).await,
         };
         if !busy.is_empty() {
             return Err(RestoreError::PidsInUse { id, pids: busy });
@@ -331,7 +340,7 @@ impl Engine {
         let warnings = sockets::check_restore(&manifest.sockets, tcp_close)
             .map_err(|reason| RestoreError::Sockets { id: id.clone(), reason })?;
         if needs_network_support(&manifest.sockets)
-            && let Err(why) = &self.network_sockets
+            && let Err(why) = &self.support.network_sockets
         {
             let reason = format!("the checkpoint holds network sockets, and {why}");
             return Err(RestoreError::Sockets { id, reason });
@@ -339,7 +348,7 @@ impl Engine {
         for warning in &warnings {
             warn!(checkpoint = %id, warning = %warning, "the restored tree will notice");
         }
-        if let Some(reason) = compat::mismatch(manifest, &self.host.cpu_flags(), self.criu_version) {
+        if let Some(reason) = compat::mismatch(manifest, &self.deps.host.cpu_flags(), self.support.version) {
             return Err(RestoreError::Incompatible { id, reason });
         }
         if manifest.pod.is_some() && !manifest.gpu_pids.is_empty() {
@@ -366,12 +375,12 @@ impl Engine {
             let progress = progress.clone();
             Arc::new(move |done, total| progress(ProgressUpdate { phase: "download", done, total }))
         };
-        let mode = match (lazy, self.eager_served) {
+        let mode = match (lazy, self.settings.eager_served) {
             (true, _) => MemoryMode::Lazy { eager: &manifest.gpu_host_memory },
             (false, true) => MemoryMode::Lazy { eager: &[] },
             (false, false) => MemoryMode::Eager,
         };
-        Ok(self.store.materialize_as(manifest, dir, mode, report).await?)
+        Ok(self.deps.store.materialize_as(manifest, dir, mode, report).await?)
     }
 
     /// Lets CRIU restore the tree from `dir` (its memory put in place through `session`);
@@ -393,7 +402,7 @@ impl Engine {
             Placement::Home(home) => replacement_files(manifest, home, &tree.external).map(|files| {
                 (files, home.cgroup_in_hierarchy().filter(|_| !manifest.cgroup.is_empty()), None)
             }),
-            Placement::Container(c) => pods::prepare_restore(manifest, c, &self.reaper)
+            Placement::Container(c) => pods::prepare_restore(manifest, c, &self.deps.reaper)
                 .await
                 .map(|(files, enter)| (files, None, Some(enter)))
                 .map_err(RestoreError::local("entering the container")),
@@ -426,7 +435,7 @@ impl Engine {
                 Some(pre_resume) => pre_resume(criu),
                 None => Ok(()),
             };
-        let criu = self.criu.clone();
+        let criu = self.deps.criu.clone();
         let restored = tokio::task::spawn_blocking(move || criu.restore(&spec, &mut on_notify))
             .await
             .map_err(RestoreError::panicked("restore thread"))
@@ -507,7 +516,7 @@ impl Engine {
             return Ok(0);
         }
         let id = manifest.id.clone();
-        let Some(gpu) = self.gpu.clone() else {
+        let Some(gpu) = self.deps.gpu.clone() else {
             return Err(RestoreError::Gpu { id, source: GpuError::NoDriver(manifest.gpu_pids.clone()) });
         };
         progress(ProgressUpdate { phase: "gpu restore", done: 0, total: 0 });
@@ -528,7 +537,7 @@ impl Engine {
             return Ok(Vec::new());
         }
         let id = manifest.id.clone();
-        let gpu = self.gpu.as_ref().ok_or_else(|| RestoreError::Gpu {
+        let gpu = self.deps.gpu.as_ref().ok_or_else(|| RestoreError::Gpu {
             id: id.clone(),
             source: GpuError::NoDriver(manifest.gpu_pids.clone()),
         })?;

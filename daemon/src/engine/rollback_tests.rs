@@ -9,8 +9,10 @@ use nix::sys::signal::Signal;
 use tempfile::TempDir;
 
 use super::host::fake::FakeHost;
+use super::idle::GpuWatch;
 use super::inspect::TreeInfo;
-use super::start::{CriuSupport, Parts};
+use super::parts::Deps;
+use super::start::CriuSupport;
 use super::state::StateDir;
 use super::workloads::Registry;
 use super::{
@@ -98,24 +100,24 @@ pub(super) fn rig_with(mut criu: FakeCriu, gpu: FakeGpu, extras: Extras) -> Rig 
         notice_window: Some(Duration::from_secs(30)),
     };
     let state = StateDir::open(&config.state_dir).unwrap();
-    let parts = Parts {
+    let support = CriuSupport {
+        version: criu.version,
+        network_sockets: Ok(()),
+        network_lock: Ok(NetworkLock::Nftables),
+        served_memory: Ok(()),
+    };
+    let registry = Registry::load(&state.registry_file()).unwrap();
+    let deps = Deps {
         criu: criu.clone(),
-        support: CriuSupport {
-            version: criu.version,
-            network_sockets: Ok(()),
-            network_lock: Ok(NetworkLock::Nftables),
-            served_memory: Ok(()),
-        },
         host: host.clone(),
         gpu: Some(gpu.clone()),
-        gpu_activity: extras.gpu_activity,
+        gpu_activity: extras.gpu_activity.map(GpuWatch::new),
         store: extras.store.unwrap_or_else(|| Store::open(&config.store_url, config.store_retry).unwrap()),
-        registry: Registry::load(&state.registry_file()).unwrap(),
         state,
         // A reaper that reaps nothing: a real one would take the exits of other tests' children.
         reaper: Reaper::default(),
     };
-    let engine = Arc::new(Engine::assemble(parts, &config));
+    let engine = Arc::new(Engine::assemble(deps, support, registry, &config));
     Rig { engine, host, criu, gpu, dir }
 }
 

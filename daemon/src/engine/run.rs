@@ -76,7 +76,7 @@ impl Engine {
         let own_pids = match params.pids {
             Pids::Own => true,
             Pids::Host => false,
-            Pids::Default => self.gpu.is_none(),
+            Pids::Default => self.deps.gpu.is_none(),
         };
         if params.pids == Pids::Default && !own_pids {
             info!(workload = %name, "GPU node: the workload runs with stasisd's pids (CUDA needs them)");
@@ -138,7 +138,7 @@ impl Engine {
             if existing.reclaimed.is_some() {
                 return Err(RunError::Reclaimed(name));
             }
-            if self.host.is_running(existing.pid) {
+            if self.deps.host.is_running(existing.pid) {
                 return Err(RunError::AlreadyRunning { name, pid: existing.pid });
             }
         }

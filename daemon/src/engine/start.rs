@@ -5,19 +5,20 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use super::host::{Host, LinuxHost};
+use super::idle::GpuWatch;
+use super::parts::Deps;
 use super::sockets::{LeftLocks, SWEEP_EVERY};
 use super::state::StateDir;
 use super::workloads::Registry;
-use super::{Engine, EngineConfig, GpuActivity, StartError, dump};
+use super::{Engine, EngineConfig, GpuActivity, StartError};
 use crate::criu::{Criu, CriuOps, CriuVersion, MIN_VERSION, NetworkLock, support};
 use crate::cuda::nvml::Nvml;
 use crate::cuda::{CudaDriver, CudaError, GpuCheckpointer};
 use crate::linux::reaper::Reaper;
-use crate::store::{StagingBudget, Store};
+use crate::store::Store;
 
 /// What CRIU can do on this node, found at start.
 #[derive(Debug, Clone)]
@@ -30,19 +31,6 @@ pub(super) struct CriuSupport {
     /// Whether stasisd can put restored memory in place itself (userfaultfd with the events
     /// CRIU's lazy restore needs): lazy restores need it, eager ones use it when they can.
     pub served_memory: Result<(), String>,
-}
-
-/// Everything an engine is made of.
-pub(super) struct Parts {
-    pub criu: Arc<dyn CriuOps>,
-    pub support: CriuSupport,
-    pub host: Arc<dyn Host>,
-    pub gpu: Option<Arc<dyn GpuCheckpointer>>,
-    pub gpu_activity: Option<Arc<dyn GpuActivity>>,
-    pub store: Store,
-    pub state: StateDir,
-    pub registry: Registry,
-    pub reaper: Reaper,
 }
 
 impl Engine {
@@ -67,56 +55,22 @@ impl Engine {
         let registry = Registry::load(&state.registry_file()).map_err(state_err(&state.registry_file()))?;
         let reaper = Reaper::start().map_err(StartError::Reaper)?;
         let gpu = load_gpu();
-        let gpu_activity = gpu.as_ref().and_then(|_| load_nvml());
-        let parts = Parts { criu, support, host, gpu, gpu_activity, store, state, registry, reaper };
-        let engine = Engine::assemble(parts, &config);
+        let gpu_activity = gpu.as_ref().and_then(|_| load_nvml()).map(GpuWatch::new);
+        let deps = Deps { criu, host, gpu, gpu_activity, store, state, reaper };
+        let engine = Engine::assemble(deps, support, registry, &config);
         engine.recover().await;
-        sweep_left_locks(engine.left_locks.clone(), config.network_lock_keep);
-        info!(criu = %engine.criu.path().display(), version = %engine.criu_version, store = %config.store_url, "engine ready");
+        sweep_left_locks(engine.shared.left_locks.clone(), config.network_lock_keep);
+        info!(criu = %engine.deps.criu.path().display(), version = %engine.support.version, store = %config.store_url, "engine ready");
         let engine = Arc::new(engine);
         engine.start_monitor();
         Ok(engine)
     }
 
-    /// An engine of `parts` with the settings of `config`.
-    pub(super) fn assemble(parts: Parts, config: &EngineConfig) -> Engine {
-        let Parts { criu, support, host, gpu, gpu_activity, store, state, registry, reaper } = parts;
-        let staging_limit =
-            config.staging_limit.unwrap_or_else(|| dump::default_staging_limit(host.as_ref()));
-        Engine {
-            criu,
-            host,
-            criu_version: support.version,
-            network_sockets: support.network_sockets,
-            network_lock: support.network_lock,
-            eager_served: support.served_memory.is_ok() && !config.eager_from_files,
-            served_memory: support.served_memory,
-            left_locks: LeftLocks::at(state.netlocks_dir()),
-            store,
-            state,
-            registry,
-            reaper,
-            jobs: TaskTracker::new(),
-            staging: StagingBudget::new(staging_limit),
-            blocks: Default::default(),
-            gpu,
-            gpu_activity: gpu_activity.map(super::GpuWatch::new),
-            keep_last: config.keep_last,
-            gc_grace: config.gc_grace,
-            lazy: config.lazy,
-            idle_settings: config.idle,
-            metrics: Default::default(),
-            notice_window: config.notice_window,
-            workloads: Default::default(),
-            init_dir_locks: Default::default(),
-        }
-    }
-
     /// Takes back the trees that a restore had put in their workload's cgroup when a crash
     /// kept them out of the registry (a tree with a pid namespace of its own has new pids).
     fn adopt_restored(&self) {
-        for w in self.registry.all().into_iter().filter(|w| !self.host.is_running(w.pid)) {
-            let Some(pid) = w.cgroup.and_then(|path| self.host.cgroup_root(&path)) else {
+        for w in self.registry.all().into_iter().filter(|w| !self.deps.host.is_running(w.pid)) {
+            let Some(pid) = w.cgroup.and_then(|path| self.deps.host.cgroup_root(&path)) else {
                 continue;
             };
             match self.registry.update(&w.name, |w| w.pid = pid) {
@@ -131,7 +85,7 @@ impl Engine {
     /// Removes work directories, cgroups of workloads that are gone, and the packs of uploads
     /// that a crash interrupted.
     async fn recover(&self) {
-        match self.store.clear_own_leases().await {
+        match self.deps.store.clear_own_leases().await {
             Ok(0) => {}
             Ok(n) => info!(leases = n, "cleared store leases a previous run left"),
             Err(e) => {
@@ -140,20 +94,20 @@ impl Engine {
         }
         self.recover_held().await;
         self.adopt_restored();
-        for w in self.registry.all().iter().filter(|w| !self.host.is_running(w.pid)) {
+        for w in self.registry.all().iter().filter(|w| !self.deps.host.is_running(w.pid)) {
             self.release_cgroup(&w.name);
         }
-        if let Err(e) = self.state.clear_work() {
+        if let Err(e) = self.deps.state.clear_work() {
             warn!(error = %e, "cannot clear old work directories");
         }
-        let interrupted = self.state.inflight().unwrap_or_default();
+        let interrupted = self.deps.state.inflight().unwrap_or_default();
         if interrupted.is_empty() {
             return;
         }
-        match self.store.gc(None, self.gc_grace, true, std::time::Duration::ZERO).await {
+        match self.deps.store.gc(None, self.settings.gc_grace, true, std::time::Duration::ZERO).await {
             Ok(report) => {
                 info!(checkpoints = ?interrupted, packs = report.packs_deleted, "removed data of interrupted checkpoints");
-                interrupted.iter().for_each(|id| self.state.clear_inflight(id));
+                interrupted.iter().for_each(|id| self.deps.state.clear_inflight(id));
             }
             Err(e) => {
                 warn!(error = %e, "cannot remove data of interrupted checkpoints; the next start retries")

@@ -35,7 +35,7 @@ impl Engine {
             return Err(ArchiveError::BadId(id.into()));
         }
         check_new_path(path)?;
-        let manifest = self.store.manifest(id).await?;
+        let manifest = self.deps.store.manifest(id).await?;
         let files = self.write_archive(&manifest, path, compression).await?;
         let bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or_default();
         info!(checkpoint = %id, path = %path.display(), bytes, "checkpoint exported");
@@ -51,10 +51,10 @@ impl Engine {
         compression: Compression,
     ) -> Result<Vec<String>, ArchiveError> {
         let dir = format!("export-{}", manifest.id);
-        let work = self.state.new_work_dir(&dir).map_err(ArchiveError::local("work directory"))?;
+        let work = self.deps.state.new_work_dir(&dir).map_err(ArchiveError::local("work directory"))?;
         let images = work.path().to_path_buf();
         let quiet: crate::store::Progress = Arc::new(|_, _| {});
-        let materialized = self.store.materialize_as(manifest, &images, MemoryMode::Eager, quiet).await;
+        let materialized = self.deps.store.materialize_as(manifest, &images, MemoryMode::Eager, quiet).await;
         let files = match materialized {
             Ok(_) => {
                 let (out, written) = (path.to_path_buf(), manifest.clone());

@@ -56,11 +56,12 @@ impl Engine {
         }
         let id = checkpoint_id(now_unix_ms());
         let work = self
+            .deps
             .state
             .new_work_dir(&format!("import-{id}"))
             .map_err(ArchiveError::local("work directory"))?;
         let (dir, archive, spill) = (work.path().join("x"), path.to_path_buf(), work.path().join("spill"));
-        let staging = Staging::new(&self.staging, &spill);
+        let staging = Staging::new(&self.shared.staging, &spill);
         let unpacked = tokio::task::spawn_blocking(move || {
             let unpacked = unpack(&archive, &dir)?;
             let staged = stage_memory(&dir.join(IMAGES_DIR), staging)?;
@@ -108,16 +109,17 @@ impl Engine {
             return Err(ArchiveError::BadWorkload(name));
         }
         let kept = keep_files(dir, &unpacked)?;
-        let guard = self.store.begin_commit().await?;
+        let guard = self.deps.store.begin_commit().await?;
         let quiet: crate::store::Progress = Arc::new(|_, _| {});
-        let stored = self.store.store_dump(DumpPages::Staged(Arc::new(staged)), &images, &[], quiet).await?;
+        let stored =
+            self.deps.store.store_dump(DumpPages::Staged(Arc::new(staged)), &images, &[], quiet).await?;
         let mut manifest = match unpacked.stasis {
             Some(own) => own,
             None => Manifest {
                 root_pid: pids.first().map_or(0, |p| p.0 as i32),
                 pids: pids.iter().map(|p| p.0 as i32).collect(),
                 command: unpacked.spec.process.args.clone(),
-                node: self.host.node_name(),
+                node: self.deps.host.node_name(),
                 archive: Some(ArchiveInfo {
                     engine: engine.into(),
                     paths: unpacked.paths.clone(),
@@ -143,7 +145,7 @@ impl Engine {
             chunks_new: stored.chunks.chunks_new,
             ..Default::default()
         });
-        self.store.commit(&manifest, &guard).await?;
+        self.deps.store.commit(&manifest, &guard).await?;
         info!(checkpoint = %id, workload = %name, engine, archive = %path.display(), "archive imported");
         Ok(ImportOutcome {
             id: id.into(),

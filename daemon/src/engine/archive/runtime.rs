@@ -36,6 +36,7 @@ impl Engine {
             return Err(RestoreError::Incompatible { id, reason: restorable(engine) });
         };
         let work = self
+            .deps
             .state
             .new_work_dir(&format!("container-{id}"))
             .map_err(RestoreError::local("work directory"))?;
@@ -77,7 +78,7 @@ impl Engine {
     async fn run_podman(&self, podman: &Path, args: &[String]) -> Result<String, String> {
         let mut cmd = Command::new(podman);
         cmd.args(args);
-        match self.reaper.run_output(cmd).await {
+        match self.deps.reaper.run_output(cmd).await {
             Ok((ExitKind::Exited(0), stdout, _)) => {
                 Ok(stdout.lines().last().unwrap_or_default().trim().to_owned())
             }

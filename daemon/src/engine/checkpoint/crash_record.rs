@@ -99,7 +99,7 @@ impl Engine {
     /// Settles the trees a crashed stasisd held (see the module's documentation). Runs at
     /// start, before work directories are cleared.
     pub(in crate::engine) async fn recover_held(&self) {
-        let dir = self.state.held_dir();
+        let dir = self.deps.state.held_dir();
         for record in HeldTree::all(&dir) {
             let held = match record {
                 Ok(held) => held,
@@ -121,23 +121,23 @@ impl Engine {
         // Settling the tree under it would fail (CUDA's restore of a traced process does),
         // so wait for it to let go first.
         let deadline = std::time::Instant::now() + CRIU_LETS_GO;
-        while !self.host.traced(&held.alive(self.host.as_ref())).is_empty() {
+        while !self.deps.host.traced(&held.alive(self.deps.host.as_ref())).is_empty() {
             if std::time::Instant::now() >= deadline {
                 warn!(checkpoint = %held.id, "the tree is still traced; settling it all the same");
                 break;
             }
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
-        let pids = held.alive(self.host.as_ref());
+        let pids = held.alive(self.deps.host.as_ref());
         if pids.is_empty() {
             return;
         }
-        match self.store.manifest(&held.id).await {
+        match self.deps.store.manifest(&held.id).await {
             Ok(_) => {
                 info!(checkpoint = %held.id, ?pids, "completing an eviction a crash interrupted: killing the tree");
-                self.host.signal(&self.host.trees(&pids), Signal::SIGKILL);
+                self.deps.host.signal(&self.deps.host.trees(&pids), Signal::SIGKILL);
                 if held.network_lock.as_deref() == Some(NetworkLock::Nftables.name())
-                    && let Err(e) = self.left_locks.record(&held.images)
+                    && let Err(e) = self.shared.left_locks.record(&held.images)
                 {
                     warn!(checkpoint = %held.id, error = %e, "cannot record the eviction's network lock; it stays");
                 }
@@ -154,7 +154,7 @@ impl Engine {
         let reuse_addr: HashSet<u64> = held.reuse_addr.iter().copied().collect();
         // Every process with CUDA loaded is asked for its state and put back from it.
         let tree = HeldProcesses {
-            gpu_pids: self.host.cuda_candidates(&pids),
+            gpu_pids: self.deps.host.cuda_candidates(&pids),
             pids,
             stopped_before: &held.stopped_before,
             reuse_addr: &reuse_addr,

@@ -186,13 +186,13 @@ impl Engine {
     fn resolve_target(&self, target: &Target) -> Result<(String, i32), CheckpointError> {
         match target {
             Target::Pid(pid) => {
-                if !self.host.is_running(*pid) {
+                if !self.deps.host.is_running(*pid) {
                     return Err(CheckpointError::NoSuchProcess(*pid));
                 }
                 let name = match self.registry.by_pid(*pid) {
                     Some(w) => w.name,
                     None => {
-                        let program = self.host.command(*pid).ok().and_then(|c| c.into_iter().next());
+                        let program = self.deps.host.command(*pid).ok().and_then(|c| c.into_iter().next());
                         derived_name(&program.unwrap_or_default(), &pid.to_string())
                     }
                 };
@@ -207,7 +207,7 @@ impl Engine {
                         .map_err(|source| CheckpointError::Container { workload: w.name.clone(), source })?;
                     return Ok((w.name, root));
                 }
-                if !self.host.is_running(w.pid) {
+                if !self.deps.host.is_running(w.pid) {
                     return Err(CheckpointError::NotRunning { workload: w.name, pid: w.pid });
                 }
                 Ok((w.name, w.pid))
@@ -228,6 +228,7 @@ impl Engine {
         let created_unix_ms = now_unix_ms();
         let id = checkpoint_id(created_unix_ms);
         let work = self
+            .deps
             .state
             .new_work_dir(&id)
             .map_err(|source| CheckpointError::Local { what: "work directory", source })?;
@@ -266,13 +267,14 @@ impl Engine {
     /// Inspects the tree of `pid` and refuses, before anything touches it, what cannot be
     /// dumped.
     fn prepare_tree(&self, workload: &str, pid: i32, caller: Caller) -> Result<TreeInfo, CheckpointError> {
-        if !self.host.is_running(pid) {
+        if !self.deps.host.is_running(pid) {
             return Err(CheckpointError::NoSuchProcess(pid));
         }
-        if let Some(what) = self.host.untouchable(pid) {
+        if let Some(what) = self.deps.host.untouchable(pid) {
             return Err(CheckpointError::Untouchable { pid, reason: format!("it is {what}") });
         }
-        let mut tree = self.host.inspect(pid).map_err(|source| CheckpointError::Inspect { pid, source })?;
+        let mut tree =
+            self.deps.host.inspect(pid).map_err(|source| CheckpointError::Inspect { pid, source })?;
         if caller != Caller::Root && tree.uids.iter().any(|&uid| uid != caller.uid()) {
             return Err(CheckpointError::NotYours { pid, uids: tree.uids.iter().copied().collect() });
         }
@@ -280,20 +282,22 @@ impl Engine {
             return Err(CheckpointError::Untouchable { pid, reason });
         }
         // A tree holding stasisd (its parent shell's, say) would have stasisd freeze itself.
-        if let Some((held, what)) = tree.pids.iter().find_map(|&p| Some((p, self.host.untouchable(p)?))) {
+        if let Some((held, what)) = tree.pids.iter().find_map(|&p| Some((p, self.deps.host.untouchable(p)?)))
+        {
             return Err(CheckpointError::Untouchable {
                 pid,
                 reason: format!("its tree holds process {held}, {what}"),
             });
         }
-        if let Some(why) = self.host.unrecordable_session(pid) {
+        if let Some(why) = self.deps.host.unrecordable_session(pid) {
             return Err(CheckpointError::Untouchable { pid, reason: format!("it is {why}") });
         }
-        if let Some(reason) = tree.sockets.refusal(&self.network_sockets, &self.network_lock) {
+        if let Some(reason) = tree.sockets.refusal(&self.support.network_sockets, &self.support.network_lock)
+        {
             return Err(CheckpointError::Sockets { workload: workload.into(), reason });
         }
         if tree.options.tcp_established {
-            tree.options.network_lock = self.network_lock.as_ref().ok().copied();
+            tree.options.network_lock = self.support.network_lock.as_ref().ok().copied();
         }
         Ok(tree)
     }
@@ -313,8 +317,8 @@ impl Engine {
         }
         // A tree that runs on is frozen only while CRIU copies its pages into staging (made
         // ready before it is frozen); they are stored once it runs again.
-        let mut staging = Staging::new(&self.staging, &images.join(SPILL_FILE));
-        staging.reserve(self.host.resident_bytes(&tree.pids));
+        let mut staging = Staging::new(&self.shared.staging, &images.join(SPILL_FILE));
+        staging.reserve(self.deps.host.resident_bytes(&tree.pids));
         let (timing, staging) = self.dump_tree(job, tree, images, progress, staging).await?;
         let staged =
             staging.finish().map_err(|source| CheckpointError::Local { what: "page staging", source })?;
@@ -340,14 +344,14 @@ impl Engine {
         // The commit guard comes first: once CRIU sends, the chunker must be taking blocks.
         // Blocks come from the daemon's shared pool, and a chunker waiting for a guard (behind
         // a garbage collection that waits for a dump's guard) would hold them from that dump.
-        let guard = match self.store.begin_commit().await {
+        let guard = match self.deps.store.begin_commit().await {
             Ok(guard) => guard,
             Err(e) => {
                 self.settle_store(&job.id, false);
                 return Err(store_err(e));
             }
         };
-        let (sink, source) = crate::store::stream(&self.blocks);
+        let (sink, source) = crate::store::stream(&self.shared.blocks);
         let dumping = async {
             let (timing, sink) = self.dump_tree(job, tree, images, progress, sink).await?;
             sink.finish().map_err(|source| CheckpointError::Local { what: "page stream", source })?;
@@ -383,7 +387,7 @@ impl Engine {
         progress(ProgressUpdate { phase: "dump", done: 0, total: 0 });
         let _init_dir = match &tree.init_dir {
             Some(dir) => {
-                let held = super::hold(&self.init_dir_locks, dir.clone()).await;
+                let held = super::parts::hold(&self.shared.init_dir_locks, dir.clone()).await;
                 if let Err(e) = crate::criu::parasite::clear_leftovers(dir) {
                     warn!(workload = %job.workload, dir = %dir.display(), error = %e, "cannot clear what an interrupted dump left; the dump may fail");
                 }
@@ -394,7 +398,7 @@ impl Engine {
         let (pid, enter) = match self.registry.get(&job.workload).and_then(|w| w.container) {
             None => (job.pid, None),
             Some(c) => {
-                let inner = self.host.pid_inside(job.pid, c.init_pid).unwrap_or(job.pid);
+                let inner = self.deps.host.pid_inside(job.pid, c.init_pid).unwrap_or(job.pid);
                 let enter = super::pods::enter(&c, false)
                     .map_err(|source| CheckpointError::Local { what: "entering the container", source })?;
                 (inner, Some(enter))
@@ -409,7 +413,7 @@ impl Engine {
             page_server_fd: None,
             enter,
         };
-        let (criu, version) = (self.criu.clone(), self.criu_version);
+        let (criu, version) = (self.deps.criu.clone(), self.support.version);
         let dumped = tokio::task::spawn_blocking(move || dump::dump(criu.as_ref(), version, spec, sink))
             .await
             .map_err(CheckpointError::panicked("dump thread"))?;
@@ -434,21 +438,21 @@ impl Engine {
         if !job.leave_running
             && locked
             && job.reclaim.is_none()
-            && let Err(e) = self.left_locks.record(images)
+            && let Err(e) = self.shared.left_locks.record(images)
         {
             warn!(checkpoint = %job.id, error = %e, "cannot record the eviction's network lock; it stays");
         }
         if !job.leave_running {
-            self.host.signal(&self.tree_now(tree), Signal::SIGKILL);
+            self.deps.host.signal(&self.tree_now(tree), Signal::SIGKILL);
             // Dead is enough: a root whose parent (a shell, say) reaps it late stays a zombie.
-            let left = self.reaper.wait_dead(&tree.pids, KILL_WAIT).await;
+            let left = self.deps.reaper.wait_dead(&tree.pids, KILL_WAIT).await;
             if left.is_empty() {
                 self.release_cgroup(&job.workload);
             } else {
                 warn!(checkpoint = %job.id, pids = ?left, "evicted processes still present (not our children?)");
             }
         }
-        crash_record::HeldTree::clear(&self.state.held_dir(), &job.id);
+        crash_record::HeldTree::clear(&self.deps.state.held_dir(), &job.id);
         stats.total_ms = ms(job.started.elapsed());
         self.remember_checkpoint(&job.workload, job.pid, tree, &job.id, &stats);
         info!(checkpoint = %job.id, workload = %job.workload, ?stats, "checkpoint stored");
@@ -465,9 +469,9 @@ impl Engine {
             .pids
             .iter()
             .copied()
-            .filter(|&pid| tree.started.get(&pid).is_none_or(|&t| self.host.start_time(pid) == Some(t)))
+            .filter(|&pid| tree.started.get(&pid).is_none_or(|&t| self.deps.host.start_time(pid) == Some(t)))
             .collect();
-        self.host.trees(&same)
+        self.deps.host.trees(&same)
     }
 
     fn remember_checkpoint(

@@ -39,7 +39,7 @@ pub(super) struct Hold<'a> {
 impl<'a> Hold<'a> {
     /// Takes hold of `tree` for checkpoint `id`; call before anything touches it.
     pub fn new(engine: &'a Engine, id: &str, tree: &'a TreeInfo, images: &'a Path) -> Hold<'a> {
-        let stopped_before = engine.host.stopped(&tree.pids);
+        let stopped_before = engine.deps.host.stopped(&tree.pids);
         let record = HeldTree::new(id, tree, &stopped_before, images);
         let hold = Hold {
             engine,
@@ -56,7 +56,7 @@ impl<'a> Hold<'a> {
     }
 
     fn save_record(&self) {
-        if let Err(e) = self.record.save(&self.engine.state.held_dir()) {
+        if let Err(e) = self.record.save(&self.engine.deps.state.held_dir()) {
             warn!(checkpoint = %self.record.id, error = %e, "cannot record the held tree; a crash now would leave it held");
         }
     }
@@ -77,7 +77,7 @@ impl<'a> Hold<'a> {
     /// must not have the next start settle it.
     pub async fn runs_again(&mut self) -> Result<u64, CheckpointError> {
         let took = self.resume_gpu().await?;
-        HeldTree::clear(&self.engine.state.held_dir(), &self.record.id);
+        HeldTree::clear(&self.engine.deps.state.held_dir(), &self.record.id);
         Ok(took)
     }
 
@@ -136,7 +136,7 @@ impl<'a> Hold<'a> {
         for problem in &problems {
             warn!(problem = %problem, "rollback incomplete");
         }
-        HeldTree::clear(&self.engine.state.held_dir(), &self.record.id);
+        HeldTree::clear(&self.engine.deps.state.held_dir(), &self.record.id);
         problems
     }
 }
@@ -162,11 +162,11 @@ impl Engine {
     /// dumping it), its processes continued, its CUDA state put back. Returns what could not
     /// be undone.
     pub(super) async fn give_tree_back(&self, tree: HeldProcesses<'_>) -> Vec<String> {
-        let (host, pids, reuse) = (self.host.clone(), tree.pids.clone(), tree.reuse_addr.clone());
+        let (host, pids, reuse) = (self.deps.host.clone(), tree.pids.clone(), tree.reuse_addr.clone());
         let repaired = tokio::task::spawn_blocking(move || host.leave_repair(&pids, &reuse)).await;
         let (reopened, mut problems) =
             repaired.unwrap_or_else(|e| (Vec::new(), vec![format!("the connection rollback failed: {e}")]));
-        problems.extend(sockets::unlock(&reopened, tree.images, tree.lock, &self.reaper).await);
+        problems.extend(sockets::unlock(&reopened, tree.images, tree.lock, &self.deps.reaper).await);
         self.continue_stopped(&tree.pids, tree.stopped_before);
         if let Err(e) = self.resume_gpu(&tree.gpu_pids).await {
             problems.push(crate::error_chain(&e));
@@ -176,8 +176,9 @@ impl Engine {
 
     /// Continues every process of `pids` that is stopped now but was not `before`.
     fn continue_stopped(&self, pids: &[i32], before: &[i32]) {
-        let stopped: Vec<i32> = self.host.stopped(pids).into_iter().filter(|p| !before.contains(p)).collect();
-        self.host.signal(&stopped, Signal::SIGCONT);
+        let stopped: Vec<i32> =
+            self.deps.host.stopped(pids).into_iter().filter(|p| !before.contains(p)).collect();
+        self.deps.host.signal(&stopped, Signal::SIGCONT);
     }
 }
 
@@ -185,7 +186,7 @@ impl Drop for Hold<'_> {
     fn drop(&mut self) {
         if !self.settled {
             error!(pids = ?self.tree.pids, "checkpoint ended without settling its tree; continuing it");
-            self.engine.continue_stopped(&self.engine.host.trees(&self.tree.pids), &self.stopped_before);
+            self.engine.continue_stopped(&self.engine.deps.host.trees(&self.tree.pids), &self.stopped_before);
         }
     }
 }

@@ -51,7 +51,7 @@ impl Engine {
         let id = dumped.id;
         self.begin_storing(id, dumped.tree, images)?;
         let committed = async {
-            let guard = self.store.begin_commit().await?;
+            let guard = self.deps.store.begin_commit().await?;
             let stored = self.store_pages(pages, images, progress).await?;
             self.commit_checkpoint(dumped, &guard, stored).await
         }
@@ -68,7 +68,8 @@ impl Engine {
         tree: &TreeInfo,
         images: &Path,
     ) -> Result<(), CheckpointError> {
-        self.state
+        self.deps
+            .state
             .mark_inflight(id)
             .map_err(|source| CheckpointError::Local { what: "in-flight marker", source })?;
         // The tree's stasis-init travels with it (see `linux::init_program`).
@@ -95,7 +96,7 @@ impl Engine {
             let progress = progress.clone();
             Arc::new(move |done, total| progress(ProgressUpdate { phase: "upload", done, total }))
         };
-        self.store.store_dump(pages, images, &[LOG_FILE, SPILL_FILE], report).await
+        self.deps.store.store_dump(pages, images, &[LOG_FILE, SPILL_FILE], report).await
     }
 
     /// Commits the manifest of a stored dump.
@@ -106,7 +107,7 @@ impl Engine {
         stored: StoredDump,
     ) -> Result<CheckpointStats, StoreError> {
         let stats = stats(&dumped, &stored);
-        self.store.commit(&self.manifest(&dumped, stored, stats), guard).await?;
+        self.deps.store.commit(&self.manifest(&dumped, stored, stats), guard).await?;
         Ok(stats)
     }
 
@@ -114,7 +115,7 @@ impl Engine {
     /// what the attempt uploaded.
     pub(super) fn settle_store(&self, id: &str, committed: bool) {
         match committed {
-            true => self.state.clear_inflight(id),
+            true => self.deps.state.clear_inflight(id),
             false => self.remove_orphans(id),
         }
     }
@@ -125,7 +126,7 @@ impl Engine {
     /// tree must not wait for it.
     fn remove_orphans(&self, id: &str) {
         let (store, state, grace, id) =
-            (self.store.clone(), self.state.clone(), self.gc_grace, id.to_string());
+            (self.deps.store.clone(), self.deps.state.clone(), self.settings.gc_grace, id.to_string());
         tokio::spawn(async move {
             match store.gc(None, grace, true, std::time::Duration::from_secs(60)).await {
                 Ok(report) => {
@@ -147,9 +148,9 @@ impl Engine {
             id: d.id.into(),
             workload: d.workload.into(),
             created_unix_ms: d.created_unix_ms,
-            node: self.host.node_name(),
-            kernel: self.host.kernel_release(),
-            criu_version: self.criu_version.to_string(),
+            node: self.deps.host.node_name(),
+            kernel: self.deps.host.kernel_release(),
+            criu_version: self.support.version.to_string(),
             root_pid: d.tree.pids[0],
             pids: d.tree.pids.clone(),
             command: d.tree.command.clone(),
@@ -160,11 +161,11 @@ impl Engine {
             gpu_pids: gpu.map(|g| g.pids.clone()).unwrap_or_default(),
             gpus: gpu.map(|g| g.devices.clone()).unwrap_or_default(),
             gpu_host_memory: gpu.map(|g| g.host_memory.clone()).unwrap_or_default(),
-            cuda_driver: self.gpu.as_ref().map(|g| g.driver_version()).unwrap_or_default(),
+            cuda_driver: self.deps.gpu.as_ref().map(|g| g.driver_version()).unwrap_or_default(),
             stats: Some(stored_stats(&stats)),
             sockets: d.tree.sockets.records.clone(),
             owner_uid: owner_of(&d.tree.uids),
-            cpu_flags: self.host.cpu_flags().into_iter().collect(),
+            cpu_flags: self.deps.host.cpu_flags().into_iter().collect(),
             own_pid_namespace: !d.tree.ns_pids.is_empty(),
             ns_pids: d.tree.ns_pids.clone(),
             log_file: (record.log_path)

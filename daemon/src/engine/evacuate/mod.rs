@@ -141,7 +141,7 @@ impl Engine {
                 let checkpoint = Some(reclaimed.checkpoint.clone());
                 let durable_unix_ms = Some(base.notice_unix_ms);
                 durable.push(Evacuation { workload: w.name, checkpoint, durable_unix_ms, ..base.clone() });
-            } else if self.host.is_running(w.pid) && self.claim(&w.name, evict) {
+            } else if self.deps.host.is_running(w.pid) && self.claim(&w.name, evict) {
                 candidates.push(self.candidate(&w));
             }
         }
@@ -150,7 +150,7 @@ impl Engine {
 
     /// Workload `w` as the planner sees it: its tree's memory now and its last checkpoint.
     fn candidate(&self, w: &Workload) -> Candidate {
-        let resident = self.host.resident_bytes(&self.host.trees(&[w.pid]));
+        let resident = self.deps.host.resident_bytes(&self.deps.host.trees(&[w.pid]));
         Candidate { name: w.name.clone(), resident, last: w.last_cost }
     }
 
@@ -195,7 +195,7 @@ impl Engine {
     /// within its share of the window (half of it, split among the rounds `spot` workloads
     /// take `PARALLEL` at a time).
     pub(super) fn fitted_interval(&self, w: &Workload, every: Duration, spot: usize) -> Duration {
-        let Some(window) = self.notice_window.filter(|_| w.spot && w.last_cost.is_some()) else {
+        let Some(window) = self.settings.notice_window.filter(|_| w.spot && w.last_cost.is_some()) else {
             return every;
         };
         let rounds = spot.div_ceil(PARALLEL).max(1) as u32;

@@ -126,7 +126,7 @@ impl Engine {
         hold: bool,
     ) -> Result<LazySession, LazyError> {
         let criu = RunningCriu::default();
-        let kill = tree_killer(self.host.clone(), roots.clone(), criu.clone());
+        let kill = tree_killer(self.deps.host.clone(), roots.clone(), criu.clone());
         let pstree = std::fs::read(dir.join("pstree.img")).and_then(|data| read_pstree(&data));
         let processes = pstree.map_err(LazyError::Start)?.len();
         let listener = LazyListener::bind(dir).map_err(LazyError::Start)?;
@@ -135,15 +135,19 @@ impl Engine {
         // An eager restore puts chunks in place as fast as they arrive: a little cache keeps
         // the store busy; a lazy one holds more, ahead of the tree's faults.
         let settings = match hold {
-            true => FetchSettings { cache_bytes: self.lazy.cache_bytes.min(EAGER_CACHE_BYTES), ..self.lazy },
-            false => self.lazy,
+            true => FetchSettings {
+                cache_bytes: self.settings.lazy.cache_bytes.min(EAGER_CACHE_BYTES),
+                ..self.settings.lazy
+            },
+            false => self.settings.lazy,
         };
         // A lazy restore fetches only what faults ask for until CRIU is done: the tree's first
         // run comes first.
         let (chunks, fetch) =
-            self.store.start_lazy_fetch(memory, settings, hold).map_err(LazyError::Start)?;
+            self.deps.store.start_lazy_fetch(memory, settings, hold).map_err(LazyError::Start)?;
         let armed = Arc::new(AtomicBool::new(false));
-        let server = FaultServer::new(listener, processes, chunks, self.lazy.timeout, control.clone());
+        let server =
+            FaultServer::new(listener, processes, chunks, self.settings.lazy.timeout, control.clone());
         let server = {
             let (armed, kill) = (armed.clone(), kill.clone());
             tokio::task::spawn_blocking(move || {

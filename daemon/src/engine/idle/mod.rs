@@ -141,7 +141,7 @@ impl Engine {
             }
         }
         let engine = Arc::downgrade(self);
-        let tick = self.idle_settings.tick;
+        let tick = self.settings.idle.tick;
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(tick).await;
@@ -158,19 +158,21 @@ impl Engine {
 
     /// Samples every watched workload; starts the reclaim of those idle long enough.
     pub(super) fn idle_tick(self: &Arc<Self>, workloads: &[Workload]) {
-        let limits = self.idle_settings.thresholds;
+        let limits = self.settings.idle.thresholds;
         let mut gpu_active = None;
         for w in workloads {
-            let watched = w.idle_after_ms.filter(|_| w.reclaimed.is_none() && self.host.is_running(w.pid));
+            let watched =
+                w.idle_after_ms.filter(|_| w.reclaimed.is_none() && self.deps.host.is_running(w.pid));
             let Some(after_ms) = watched else {
                 self.workloads.with(&w.name, |slot| slot.idle.clock = None);
                 continue;
             };
             let gpu_active = gpu_active.get_or_insert_with(|| {
-                let tick = self.idle_settings.tick;
-                self.gpu_activity.as_ref().map(|gpu| gpu.active(tick)).unwrap_or_default()
+                let tick = self.settings.idle.tick;
+                self.deps.gpu_activity.as_ref().map(|gpu| gpu.active(tick)).unwrap_or_default()
             });
-            let sample = activity::sample(self.host.as_ref(), &self.host.trees(&[w.pid]), gpu_active);
+            let sample =
+                activity::sample(self.deps.host.as_ref(), &self.deps.host.trees(&[w.pid]), gpu_active);
             let reclaim = self.workloads.with(&w.name, |slot| {
                 let idle =
                     slot.idle.clock.get_or_insert_with(|| IdleClock::new(sample.at)).observe(sample, limits);

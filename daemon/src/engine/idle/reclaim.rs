@@ -25,7 +25,7 @@ impl Engine {
     /// during the reclaim and runs on.
     pub(super) async fn reclaim(self: &Arc<Self>, name: &str) -> Result<Option<Reclaimed>, CheckpointError> {
         let w = self.registry.get(name).ok_or_else(|| CheckpointError::UnknownWorkload(name.into()))?;
-        let surveyed = self.host.sockets(&self.host.trees(&[w.pid]));
+        let surveyed = self.deps.host.sockets(&self.deps.host.trees(&[w.pid]));
         let WakePoints { listeners, ports, connections } = wake_points(&surveyed.records);
         let used = Arc::new(AtomicBool::new(false));
         let watching = watch_uses(name, &ports, &connections, used.clone());

@@ -98,7 +98,7 @@ impl Engine {
     /// Returns the workload's name.
     pub fn register_container(&self, r: Registration) -> Result<String, PodError> {
         let name = r.identity.workload_name().map_err(PodError::BadIdentity)?;
-        if !self.host.is_running(r.container.init_pid) {
+        if !self.deps.host.is_running(r.container.init_pid) {
             return Err(PodError::NoInit(r.container.init_pid));
         }
         // A restored tree is handed to its pid namespace's init, which must be stasis-pod.
@@ -157,13 +157,13 @@ impl Engine {
     pub(super) fn tree_runs(&self, w: &Workload) -> bool {
         match &w.container {
             Some(c) => self.container_tree_root(w, c).is_ok(),
-            None => self.host.is_running(w.pid),
+            None => self.deps.host.is_running(w.pid),
         }
     }
 
     /// The root of container workload `w`'s tree: its init's only child.
     pub(super) fn container_tree_root(&self, w: &Workload, c: &ContainerRef) -> Result<i32, PodError> {
-        if !self.host.is_running(c.init_pid) {
+        if !self.deps.host.is_running(c.init_pid) {
             return Err(PodError::NoInit(c.init_pid));
         }
         match proc::children(c.init_pid).unwrap_or_default()[..] {
@@ -191,7 +191,7 @@ impl Engine {
             let root = self
                 .container_tree_root(&w, c)
                 .map_err(|source| CheckpointError::Container { workload: w.name.clone(), source })?;
-            let resident = self.host.resident_bytes(&self.host.trees(&[root]));
+            let resident = self.deps.host.resident_bytes(&self.deps.host.trees(&[root]));
             let candidate = Candidate { name: w.name.clone(), resident, last: w.last_cost };
             let needs = estimate(&candidate, super::now_unix_ms());
             if needs > left {

@@ -1,0 +1,115 @@
+//! What an engine is made of, besides its workloads: what it drives ([`Deps`]), how it is set
+//! ([`Settings`]) and what all its jobs share ([`Shared`]); and the engine assembled from
+//! them with what CRIU and the kernel can do on this node (`start::CriuSupport`).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::task::TaskTracker;
+
+use super::host::Host;
+use super::idle::GpuWatch;
+use super::sockets::LeftLocks;
+use super::start::CriuSupport;
+use super::state::StateDir;
+use super::workloads::Registry;
+use super::{Engine, EngineConfig, IdleSettings, dump};
+use crate::criu::CriuOps;
+use crate::cuda::GpuCheckpointer;
+use crate::linux::reaper::Reaper;
+use crate::store::{BlockPool, FetchSettings, StagingBudget, Store};
+
+/// What the engine drives, and where it keeps its data.
+pub(super) struct Deps {
+    pub criu: Arc<dyn CriuOps>,
+    /// The kernel, as the jobs see it.
+    pub host: Arc<dyn Host>,
+    /// The NVIDIA driver's checkpoint API, when a driver is installed.
+    pub gpu: Option<Arc<dyn GpuCheckpointer>>,
+    /// Which processes use a GPU (NVML), when a driver is installed.
+    pub gpu_activity: Option<GpuWatch>,
+    pub store: Store,
+    pub state: StateDir,
+    pub reaper: Reaper,
+}
+
+/// How the engine is set.
+pub(super) struct Settings {
+    /// Checkpoints kept per workload by the retention policy; `None` keeps all.
+    pub keep_last: Option<usize>,
+    /// Unreferenced packs younger than this are left alone by garbage collection.
+    pub gc_grace: Duration,
+    /// How lazy restores fetch memory.
+    pub lazy: FetchSettings,
+    /// Whether eager restores have stasisd put memory in place (else CRIU reads image files).
+    pub eager_served: bool,
+    /// How idle workloads are told from busy ones.
+    pub idle: IdleSettings,
+    /// How long a preemption notice gives on this cloud, when notices are watched.
+    pub notice_window: Option<Duration>,
+}
+
+/// What all jobs share.
+pub(super) struct Shared {
+    /// Staged page bytes all dumps together may hold in memory.
+    pub staging: StagingBudget,
+    /// The buffers of evictions' pages on their way to the store (see `store/stream.rs`).
+    pub blocks: BlockPool,
+    /// The network locks evictions left on this node.
+    pub left_locks: LeftLocks,
+    /// Dumps of trees whose namespace inits share a working directory (copies of one
+    /// checkpoint) run one at a time: CRIU mounts a /proc in it, under one name.
+    pub init_dir_locks: KeyedLocks<PathBuf>,
+}
+
+/// A lock per key, made on first use.
+pub(super) type KeyedLocks<K> = tokio::sync::Mutex<HashMap<K, Arc<tokio::sync::Mutex<()>>>>;
+
+/// The lock of `key` in `locks`, held.
+pub(super) async fn hold<K: std::hash::Hash + Eq>(
+    locks: &KeyedLocks<K>,
+    key: K,
+) -> tokio::sync::OwnedMutexGuard<()> {
+    let lock = locks.lock().await.entry(key).or_default().clone();
+    lock.lock_owned().await
+}
+
+impl Engine {
+    /// An engine of `deps` and `registry`, on a node that can do what `support` says, with
+    /// the settings of `config`.
+    pub(super) fn assemble(
+        deps: Deps,
+        support: CriuSupport,
+        registry: Registry,
+        config: &EngineConfig,
+    ) -> Engine {
+        let staging_limit =
+            config.staging_limit.unwrap_or_else(|| dump::default_staging_limit(deps.host.as_ref()));
+        let settings = Settings {
+            keep_last: config.keep_last,
+            gc_grace: config.gc_grace,
+            lazy: config.lazy,
+            eager_served: support.served_memory.is_ok() && !config.eager_from_files,
+            idle: config.idle,
+            notice_window: config.notice_window,
+        };
+        let shared = Shared {
+            staging: StagingBudget::new(staging_limit),
+            blocks: Default::default(),
+            left_locks: LeftLocks::at(deps.state.netlocks_dir()),
+            init_dir_locks: Default::default(),
+        };
+        Engine {
+            deps,
+            support,
+            settings,
+            registry,
+            workloads: Default::default(),
+            shared,
+            jobs: TaskTracker::new(),
+            metrics: Default::default(),
+        }
+    }
+}
