@@ -5,8 +5,13 @@ use std::io;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::PathBuf;
 use std::process::Command;
+use std::time::{Duration, Instant};
 
+use super::proc::{self, ProcStat};
 use super::reaper::{ExitKind, Reaper};
+
+/// How long a restore waits for processes that hold pids its tree needs to exit.
+const TAKEN_PID_WAIT: Duration = Duration::from_secs(5);
 
 /// The `cgroup.procs` file, in every hierarchy mounted here, of the cgroups `pid` is in: what
 /// a process writes itself into to join them all (one file on a pure v2 host, one per
@@ -56,20 +61,47 @@ pub fn ensure_tmp(pid: i32) -> io::Result<()> {
 
 /// Has the pid namespace whose init is `init` hand out pids above `highest` from now on, so
 /// that neither CRIU (which runs in it) nor anything started meanwhile takes a pid a restored
-/// process needs. The kernel's `ns_last_pid` applies to the writer's pid namespace, so a
-/// process forked into it writes it (through this host's /proc, where it is writable). Run
-/// through stasisd's `reaper`, which alone waits for children.
-pub async fn reserve_pids(reaper: &Reaper, init: i32, highest: i32) -> io::Result<()> {
+/// process needs, and waits (a while) until none of the pids in `needed` is in use there: a
+/// process started before (a startup probe's exec) may hold one, which CRIU's fork would
+/// then fail on ("File exists"). The kernel's `ns_last_pid` applies to the writer's pid
+/// namespace, so a process forked into it writes it (through this host's /proc, where it is
+/// writable). Run through stasisd's `reaper`, which alone waits for children.
+pub async fn reserve_pids(reaper: &Reaper, init: i32, highest: i32, needed: &[i32]) -> io::Result<()> {
     let mut cmd = Command::new("nsenter");
     cmd.args(["--target", &init.to_string(), "--pid", "--", "/bin/sh", "-c"])
         .arg(format!("echo {highest} > /proc/sys/kernel/ns_last_pid"));
     match reaper.run(cmd).await? {
-        (ExitKind::Exited(0), _) => Ok(()),
-        (how, stderr) => Err(io::Error::other(format!(
-            "setting the next pid in process {init}'s namespace failed ({how}): {}",
-            stderr.trim()
-        ))),
+        (ExitKind::Exited(0), _) => {}
+        (how, stderr) => {
+            return Err(io::Error::other(format!(
+                "setting the next pid in process {init}'s namespace failed ({how}): {}",
+                stderr.trim()
+            )));
+        }
     }
+    let deadline = Instant::now() + TAKEN_PID_WAIT;
+    loop {
+        let Some((inner, host)) = taken(init, needed)? else { return Ok(()) };
+        if Instant::now() >= deadline {
+            let comm = ProcStat::read(host).map(|s| s.comm).unwrap_or_default();
+            return Err(io::Error::other(format!(
+                "pid {inner} in the container, which the restored tree needs, has been taken by process \
+                 {host} ({comm}) for over {} s",
+                TAKEN_PID_WAIT.as_secs()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A process of the pid namespace whose init is `init` (not the init) holding one of the
+/// pids `needed` there: that pid and its host pid.
+fn taken(init: i32, needed: &[i32]) -> io::Result<Option<(i32, i32)>> {
+    let namespace = pid_namespace(init)?;
+    Ok(proc::all_pids()
+        .into_iter()
+        .filter(|&pid| pid != init && pid_namespace(pid).ok() == Some(namespace))
+        .find_map(|pid| Some((proc::pid_inside(pid, init).filter(|inner| needed.contains(inner))?, pid))))
 }
 
 /// The inode of `pid`'s pid namespace: equal for two processes of one container.
@@ -92,6 +124,26 @@ mod tests {
 36 25 0:31 / /sys/fs/cgroup/systemd rw,nosuid - cgroup cgroup rw,xattr,name=systemd
 40 25 0:35 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid - cgroup cgroup rw,cpu,cpuacct
 41 25 0:36 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory";
+
+    #[test]
+    fn a_process_holding_a_needed_pid_in_the_namespace_is_found() {
+        // A pid namespace whose init (sh, pid 1 there) has one child, a sleep (pid 2 there).
+        let mut unshare = Command::new("unshare")
+            .args(["--pid", "--fork", "--kill-child", "sh", "-c", "sleep 30 & wait"])
+            .spawn()
+            .unwrap();
+        let found = (0..250).find_map(|_| {
+            std::thread::sleep(Duration::from_millis(20));
+            let init = *proc::children(unshare.id() as i32).ok()?.first()?;
+            let sleep = *proc::children(init).ok()?.first()?;
+            Some((init, sleep, taken(init, &[2, 5]).ok()?, taken(init, &[3, 5]).ok()?))
+        });
+        unshare.kill().unwrap();
+        unshare.wait().unwrap();
+        let (init, sleep, needed, free) = found.expect("the namespace's init and its child");
+        assert_eq!(needed, Some((2, sleep)), "the sleep holds pid 2 under init {init}");
+        assert_eq!(free, None, "nothing holds 3 or 5, and the init itself does not count");
+    }
 
     #[test]
     fn each_hierarchy_is_found_by_its_controllers() {

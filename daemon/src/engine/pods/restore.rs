@@ -107,7 +107,7 @@ pub(in crate::engine) async fn prepare_restore(
 ) -> std::io::Result<(Vec<(String, OwnedFd)>, Enter)> {
     let pod = manifest.pod.clone().unwrap_or_default();
     let highest = pod.inner_pids.iter().copied().chain([pod.highest_inner_tid, 1]).max().unwrap_or(1);
-    container::reserve_pids(reaper, c.init_pid, highest).await?;
+    container::reserve_pids(reaper, c.init_pid, highest, &pod.inner_pids).await?;
     Ok((stdio_of(c.init_pid, &pod.stdio)?, enter(c, true)?))
 }
 
