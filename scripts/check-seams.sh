@@ -20,7 +20,7 @@ pure=(
   'net::SocketKind'      # an enum of socket kinds and their names
   'port_watch::MAX_PORTS' # a constant
   'uffd::FillError'      # an error type
-  'reaper::'             # the reaper is injected (start.rs Parts); Reaper::default() reaps nothing,
+  'reaper::'             # the reaper is injected (parts.rs Deps); Reaper::default() reaps nothing,
                          # which is what the unit tests run the engine with
   'durable_file::'       # writes of stasisd's own state files (registry, records), atomically;
   'private_dir::'        # unit tests give the engine a state directory in a tempdir
