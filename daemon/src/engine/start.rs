@@ -162,7 +162,35 @@ async fn probe_criu(
     if let Err(why) = &served_memory {
         warn!(reason = %why, "lazy restores will be refused; eager ones restore from image files");
     }
+    log_kernel_features(host, &served_memory, &network_lock);
     Ok(CriuSupport { version, network_sockets, network_lock, served_memory })
+}
+
+/// Logs what of the kernel stasisd found, one line: userfaultfd with its fork, remap and unmap
+/// events (served and lazy restores), soft-dirty tracking, pidfd_getfd (looking at a tree's
+/// sockets) and the TCP network lock; then, for each one missing, why.
+fn log_kernel_features(
+    host: &dyn Host,
+    served_memory: &Result<(), String>,
+    lock: &Result<NetworkLock, String>,
+) {
+    let soft_dirty = host.soft_dirty();
+    let pidfd = host.pidfd_getfd();
+    let has = |found: &Result<(), String>| if found.is_ok() { "yes" } else { "no" };
+    info!(
+        kernel = %host.kernel_release(),
+        userfaultfd_events = has(served_memory),
+        soft_dirty = has(&soft_dirty),
+        pidfd_getfd = has(&pidfd),
+        network_lock = lock.as_ref().map_or("none", |lock| lock.name()),
+        "kernel features"
+    );
+    if let Err(why) = &soft_dirty {
+        info!(reason = %why, "no soft-dirty tracking");
+    }
+    if let Err(why) = &pidfd {
+        warn!(reason = %why, "stasisd cannot copy a tree's socket descriptors to inspect them");
+    }
 }
 
 /// Runs `f` on CRIU in a blocking thread.

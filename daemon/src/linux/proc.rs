@@ -383,6 +383,25 @@ pub fn kernel_release() -> String {
         .unwrap_or_else(|_| "unknown".into())
 }
 
+/// Whether this kernel tracks soft-dirty pages (`CONFIG_MEM_SOFT_DIRTY`), which CRIU's memory
+/// tracking needs: a page just mapped and written reads soft-dirty (bit 55 of its
+/// /proc/self/pagemap entry) only where the kernel has it.
+pub fn soft_dirty() -> Result<(), String> {
+    use std::os::unix::fs::FileExt;
+    let mut page = memmap2::MmapMut::map_anon(1).map_err(|e| format!("cannot map a page to probe: {e}"))?;
+    page[0] = 1;
+    let page_size =
+        nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE).ok().flatten().unwrap_or(4096) as u64;
+    let mut entry = [0u8; 8];
+    fs::File::open("/proc/self/pagemap")
+        .and_then(|pagemap| pagemap.read_exact_at(&mut entry, page.as_ptr() as u64 / page_size * 8))
+        .map_err(|e| format!("cannot read /proc/self/pagemap: {e}"))?;
+    match u64::from_le_bytes(entry) >> 55 & 1 {
+        1 => Ok(()),
+        _ => Err("this kernel does not track soft-dirty pages (CONFIG_MEM_SOFT_DIRTY is off)".into()),
+    }
+}
+
 /// This machine's host name.
 pub fn node_name() -> String {
     nix::sys::utsname::uname()
@@ -412,6 +431,30 @@ mod tests {
         assert_eq!(gids(me).unwrap()[0], nix::unistd::getgid().as_raw());
         // CAP_CHOWN (0): root here has it; CAP_SYS_RESOURCE (24) may be missing on this VM.
         assert_eq!(has_capability(0), nix::unistd::geteuid().is_root());
+    }
+
+    /// The probe agrees with the kernel's configuration where the kernel publishes it
+    /// (/proc/config.gz, or /boot/config-RELEASE): this machine's 6.18 has soft-dirty off;
+    /// Debian's kernels have it on (scripts/kernel-matrix.sh shows stasisd's answer there).
+    #[test]
+    fn soft_dirty_probe_agrees_with_the_kernel_config() {
+        use std::io::Read;
+        let found = soft_dirty();
+        let config = fs::File::open("/proc/config.gz")
+            .and_then(|f| {
+                let mut text = String::new();
+                flate2::read::GzDecoder::new(f).read_to_string(&mut text).map(|_| text)
+            })
+            .or_else(|_| fs::read_to_string(format!("/boot/config-{}", kernel_release())));
+        match config {
+            Ok(text) if text.lines().any(|l| l == "CONFIG_MEM_SOFT_DIRTY=y") => assert_eq!(found, Ok(())),
+            Ok(_) => assert!(found.as_ref().is_err_and(|e| e.contains("CONFIG_MEM_SOFT_DIRTY")), "{found:?}"),
+            // No configuration to compare with: the probe still answers, without an I/O error.
+            Err(_) => assert!(
+                found.as_ref().is_ok() || found.as_ref().is_err_and(|e| e.contains("CONFIG_MEM")),
+                "{found:?}"
+            ),
+        }
     }
 
     #[test]

@@ -109,6 +109,13 @@ pub fn copy_fd_of(pid: i32, fd: i32) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(copy as i32) })
 }
 
+/// Whether this kernel has pidfd_open(2) and pidfd_getfd(2) (Linux 5.6), which stasisd uses to
+/// look at a tree's sockets: copies a descriptor of its own.
+pub fn pidfd_getfd_works() -> io::Result<()> {
+    let file = std::fs::File::open("/dev/null")?;
+    copy_fd_of(std::process::id() as i32, file.as_raw_fd()).map(drop)
+}
+
 /// The address family of a socket (`SO_DOMAIN`), which also answers for families whose
 /// sockets have no name to ask for (AF_ALG).
 pub fn socket_domain(socket: BorrowedFd<'_>) -> io::Result<i32> {

@@ -180,6 +180,14 @@ impl Host for FakeHost {
         Ok(())
     }
 
+    fn soft_dirty(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn pidfd_getfd(&self) -> Result<(), String> {
+        Ok(())
+    }
+
     fn cpu_flags(&self) -> std::collections::BTreeSet<String> {
         self.cpu_flags.lock().unwrap().clone()
     }

@@ -132,6 +132,15 @@ impl Host for LinuxHost {
             .map_err(|e| format!("this kernel gives no userfaultfd with fork, remap and unmap events ({e})"))
     }
 
+    fn soft_dirty(&self) -> Result<(), String> {
+        proc::soft_dirty()
+    }
+
+    fn pidfd_getfd(&self) -> Result<(), String> {
+        crate::linux::sys::pidfd_getfd_works()
+            .map_err(|e| format!("pidfd_getfd(2) fails ({e}; it needs Linux 5.6)"))
+    }
+
     fn cpu_flags(&self) -> std::collections::BTreeSet<String> {
         proc::cpu_isa_flags()
     }

@@ -75,6 +75,11 @@ pub trait Host: Send + Sync {
     /// Whether this kernel gives a userfaultfd with the events CRIU's lazy restore needs
     /// (fork, remap and unmap), and if not why.
     fn userfaultfd_events(&self) -> Result<(), String>;
+    /// Whether this kernel tracks soft-dirty pages (CRIU's memory tracking needs it), and if
+    /// not why.
+    fn soft_dirty(&self) -> Result<(), String>;
+    /// Whether stasisd can copy a descriptor of another process (pidfd_getfd), and if not why.
+    fn pidfd_getfd(&self) -> Result<(), String>;
     /// The CPU's user-space instruction-set extensions (see `proc::cpu_isa_flags`).
     fn cpu_flags(&self) -> std::collections::BTreeSet<String>;
     /// This node's name and kernel release, for manifests.
