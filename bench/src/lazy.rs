@@ -167,7 +167,7 @@ impl LazyResults {
         let mut out = format!(
             "lazy restore: workload {} MiB ({} MiB of pages in the checkpoint), store: {}, prefetch {}, \
              eager restore `{}`; {} round(s), eager and lazy alternating, medians shown; checksums \
-             identical after every restore; working set: the {:.0} MiB rewritten before the checkpoint\n\n",
+             identical after every restore; working set: {:.0} MiB {}\n\n",
             args.rss_mib,
             self.bytes_total >> 20,
             self.store,
@@ -175,6 +175,11 @@ impl LazyResults {
             self.eager_restore,
             self.rounds.len(),
             args.rss_mib as f64 * args.dirty,
+            match args.working_set.as_str() {
+                "first" =>
+                    "from the start of its memory, read in order (mostly not rewritten since the checkpoint before)",
+                _ => "rewritten before the checkpoint",
+            },
         );
         out.push_str("| measure | lazy | eager restore, ms | ratio | ratio per round | target | |\n");
         out.push_str("|---|---|---|---|---|---|---|\n");

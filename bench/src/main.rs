@@ -94,6 +94,11 @@ pub struct Args {
     /// heap memory and anonymous mappings, as a Python or PyTorch process does.
     #[arg(long)]
     pub churn: bool,
+    /// What the lazy mode's workload reads right after a --no-wait restore: `rewritten` (the
+    /// blocks rewritten before the checkpoint: fresh in it) or `first` (as much memory from
+    /// the start of its range, in order: mostly not written since the checkpoint before).
+    #[arg(long, default_value = "rewritten", value_parser = ["rewritten", "first"])]
+    pub working_set: String,
     /// stasisd's staging bound, MiB [default: stasisd's own, a quarter of RAM].
     #[arg(long)]
     pub staging_mib: Option<u64>,

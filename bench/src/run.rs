@@ -87,6 +87,7 @@ pub fn start_workload(d: &Daemon, args: &Args) -> anyhow::Result<(i32, PathBuf)>
         format!("--zero={}", args.zero()),
         format!("--dirty={}", args.dirty),
         format!("--dirty-block-kib={}", args.dirty_block_kib),
+        format!("--working-set={}", args.working_set),
     ];
     let churn = args.churn.then(|| "--churn".to_string());
     // In stasisd's pid namespace: the peer pipeline restores the same pids, and both ways are

@@ -9,8 +9,10 @@
 //! `--churn` it also behaves like a Python or PyTorch process between two checkpoints: 4 KiB
 //! writes scattered over its memory, new and freed heap allocations (small ones from the brk
 //! heap, large ones as anonymous mappings that come and go). On each
-//! SIGUSR2 it reads all of its memory and prints `checksum <hex>`; on each SIGHUP it reads the
-//! blocks it rewrites (its working set) and prints `touched <ms>`, the time that took.
+//! SIGUSR2 it reads all of its memory and prints `checksum <hex>`; on each SIGHUP it reads its
+//! working set and prints `touched <ms>`, the time that took: the blocks it rewrites, or with
+//! `--working-set first` as much memory from the start of its range, read in order (model
+//! weights or a read-mostly table: memory it mostly did not write since the last checkpoint).
 #![forbid(unsafe_code)]
 
 use std::io::Write;
@@ -47,6 +49,10 @@ struct Args {
     /// Also scatter 4 KiB writes and allocate and free heap memory on each SIGUSR1.
     #[arg(long)]
     churn: bool,
+    /// What SIGHUP reads: `rewritten` (the blocks SIGUSR1 rewrites) or `first` (as many bytes
+    /// from the start of the memory, in order).
+    #[arg(long, default_value = "rewritten", value_parser = ["rewritten", "first"])]
+    working_set: String,
 }
 
 /// The granularity at which written memory is counted: the store's chunk windows.
@@ -192,9 +198,12 @@ fn main() -> anyhow::Result<()> {
     for signal in signals.forever() {
         if signal == SIGHUP {
             let started = std::time::Instant::now();
-            let sum = (0..dirty_blocks)
-                .flat_map(|i| memory[working_set(i)..working_set(i) + block].iter().step_by(PAGE))
-                .fold(0u8, |a, b| a ^ b);
+            let sum = match args.working_set.as_str() {
+                "first" => memory[..dirty_blocks * block].iter().step_by(PAGE).fold(0u8, |a, b| a ^ b),
+                _ => (0..dirty_blocks)
+                    .flat_map(|i| memory[working_set(i)..working_set(i) + block].iter().step_by(PAGE))
+                    .fold(0u8, |a, b| a ^ b),
+            };
             std::hint::black_box(sum);
             println!("touched {}", started.elapsed().as_millis());
             std::io::stdout().flush()?;

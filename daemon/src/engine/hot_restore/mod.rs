@@ -34,6 +34,7 @@ mod control;
 mod fill;
 mod guard;
 mod pages;
+mod read_ahead;
 mod server;
 
 use control::Control;

@@ -28,14 +28,13 @@ use tracing::{debug, info};
 
 use super::control::Control;
 use super::pages::Pages;
+use super::read_ahead::ReadAhead;
 use crate::criu::lazy_socket::{Announcement, LazyListener, LazySocketError, RestoreConnection};
 use crate::engine::lock;
 use crate::linux::uffd::{Event, Userfaultfd};
 use crate::pages::PAGE_SIZE as PAGE;
-use crate::store::{Ask, ChunkReader, LazyFetchError};
+use crate::store::{Ask, CHUNK, ChunkReader, LazyFetchError};
 
-/// Chunks after a faulted one that are asked for at once.
-const READ_AHEAD: usize = 15;
 /// Longest wait in poll: deadlines are checked this often.
 const IDLE_WAIT: Duration = Duration::from_millis(250);
 /// Wait in poll while a copy waits for a mapping change's event.
@@ -89,6 +88,14 @@ pub(super) struct Task {
     /// Chunks asked for after a fault, put in place as soon as they arrive: image address,
     /// index.
     pub ahead: VecDeque<(u64, usize)>,
+    /// How many chunks to ask for after its next fault.
+    pub read_ahead: ReadAhead,
+}
+
+impl Task {
+    fn new(pid: i32, uffd: Userfaultfd, pages: Pages) -> Task {
+        Task { pid, uffd, pages, gone: false, ahead: VecDeque::new(), read_ahead: ReadAhead::default() }
+    }
 }
 
 /// A fault not answered yet: what the page holds is decided when it is answered, since the
@@ -234,7 +241,7 @@ impl FaultServer {
                     let uffd = Userfaultfd::from_fd(uffd).map_err(FaultServerError::Poll)?;
                     let pages = Pages::new(self.chunks.memory(), pid as u64);
                     debug!(pid, bytes = pages.bytes_left(), "userfaultfd of a restored process");
-                    self.add_task(Task { pid, uffd, pages, gone: false, ahead: VecDeque::new() });
+                    self.add_task(Task::new(pid, uffd, pages));
                 }
                 Announcement::Zombie { pid } => debug!(pid, "a zombie of the restored tree"),
                 Announcement::Finished => self.finished = true,
@@ -287,16 +294,18 @@ impl FaultServer {
             let pid = self.tasks[t].pid;
             info!(pid, "a restored process forked while its memory was arriving");
             let pages = self.tasks[t].pages.forked();
-            self.add_task(Task { pid, uffd: child, pages, gone: false, ahead: VecDeque::new() });
+            self.add_task(Task::new(pid, child, pages));
         }
         for event in others {
-            let pages = &mut self.tasks[t].pages;
+            let Task { pages, read_ahead, .. } = &mut self.tasks[t];
             match event {
                 Event::PageFault { address } => {
                     let page = address & !(PAGE - 1);
                     if let Some((addr, i)) = pages.fault(page) {
                         self.chunks.get(i, Ask::Urgent).map_err(FaultServerError::Fetch)?;
-                        let next: Vec<(u64, usize)> = pages.chunks_from(addr + 1).take(READ_AHEAD).collect();
+                        let window = read_ahead.window_for(addr, CHUNK as u64);
+                        let next: Vec<(u64, usize)> = pages.chunks_from(addr + 1).take(window).collect();
+                        read_ahead.asked(addr, next.last().map_or(addr, |&(at, _)| at));
                         for &(_, j) in &next {
                             self.chunks.get(j, Ask::Soon).map_err(FaultServerError::Fetch)?;
                         }

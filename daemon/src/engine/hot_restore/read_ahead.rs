@@ -1,0 +1,101 @@
+//! How far ahead of a fault the fault server asks for memory, per process: a window that
+//! doubles while the faults walk memory upwards (each lands a little past what the window
+//! before brought in, as a sequential or strided read does) and falls back to its least on a
+//! fault anywhere else, as the kernel's file read-ahead does. A job reading a large region it
+//! did not write since the last checkpoint (model weights, a read-mostly table), which the
+//! fresh-first prefetch does not bring early, thus gets it in ever larger requests; random
+//! faults ask for no more than before.
+
+/// Chunks asked for after a fault that follows no walk (64 KiB each: about 1 MiB).
+pub(super) const LEAST: usize = 15;
+/// The most chunks asked for at once (32 MiB); the prefetch cache bounds what is held.
+pub(super) const MOST: usize = 512;
+
+/// One process's read-ahead.
+#[derive(Debug, Clone)]
+pub(super) struct ReadAhead {
+    window: usize,
+    /// The last fault's image address and the address of the last chunk asked for after it.
+    last: Option<(u64, u64)>,
+}
+
+impl Default for ReadAhead {
+    fn default() -> Self {
+        ReadAhead { window: LEAST, last: None }
+    }
+}
+
+impl ReadAhead {
+    /// How many chunks to ask for after a fault in the chunk at image address `chunk`: the
+    /// window, doubled if this fault continues a walk.
+    pub(super) fn window_for(&mut self, chunk: u64, chunk_len: u64) -> usize {
+        let walking = self.last.is_some_and(|(fault, reach)| {
+            // Past the last fault, and within one more window of what it brought in.
+            let slack = self.window as u64 * chunk_len;
+            chunk > fault && chunk <= reach.saturating_add(slack)
+        });
+        self.window = if walking { (self.window * 2).min(MOST) } else { LEAST };
+        self.window
+    }
+
+    /// Records the fault at `chunk` and the last chunk asked for after it (`reach`; the fault's
+    /// own when none was).
+    pub(super) fn asked(&mut self, chunk: u64, reach: u64) {
+        self.last = Some((chunk, reach.max(chunk)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHUNK: u64 = 64 << 10;
+
+    /// Faults at each of `chunks` (image addresses), each asking for its window of
+    /// consecutive chunks; the windows.
+    fn walk(ra: &mut ReadAhead, chunks: &[u64]) -> Vec<usize> {
+        chunks
+            .iter()
+            .map(|&at| {
+                let window = ra.window_for(at, CHUNK);
+                ra.asked(at, at + window as u64 * CHUNK);
+                window
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_sequential_read_doubles_the_window_up_to_the_most() {
+        let mut ra = ReadAhead::default();
+        // Each fault lands just past what the one before brought in.
+        let mut at = 0;
+        let mut faults = Vec::new();
+        for _ in 0..10 {
+            faults.push(at);
+            let window = ra.clone().window_for(at, CHUNK) as u64;
+            at += (window + 1) * CHUNK;
+        }
+        let windows = walk(&mut ra, &faults);
+        assert_eq!(windows[..7], [LEAST, 30, 60, 120, 240, 480, MOST]);
+        assert!(windows[7..].iter().all(|&w| w == MOST));
+    }
+
+    #[test]
+    fn a_strided_read_within_a_window_of_the_last_counts_as_a_walk() {
+        let mut ra = ReadAhead::default();
+        // Every 1.5 MiB: past the 1 MiB the first fault brings, within one more window.
+        let faults: Vec<u64> = (0..4).map(|i| i * 24 * CHUNK).collect();
+        assert_eq!(walk(&mut ra, &faults), [LEAST, 30, 60, 120]);
+    }
+
+    #[test]
+    fn a_fault_elsewhere_falls_back_to_the_least() {
+        let mut ra = ReadAhead::default();
+        assert_eq!(walk(&mut ra, &[0, 16 * CHUNK, 47 * CHUNK]), [LEAST, 30, 60]);
+        // Backwards, then far ahead: random.
+        assert_eq!(walk(&mut ra, &[CHUNK]), [LEAST]);
+        assert_eq!(walk(&mut ra, &[1 << 40]), [LEAST]);
+        // The same chunk again (another page of it) is no walk either.
+        assert_eq!(walk(&mut ra, &[1 << 40]), [LEAST]);
+    }
+}
