@@ -1,0 +1,627 @@
+#!/usr/bin/env bash
+# The kernel matrix: runs an end-to-end subset of stasis on Debian's kernels, each booted in a
+# qemu virtual machine, and prints a table (kernel, test, result).
+#
+# Usage: scripts/kernel-matrix.sh [SERIES...]     SERIES: 5.10 (bullseye), 6.1 (bookworm),
+#                                                 6.12 (trixie); default: all three
+#        scripts/kernel-matrix.sh --fetch [SERIES...]   only fetch the kernels
+# Environment: KM_CASES (the cases to run, space-separated; default all: counter tcp lazy
+# incremental idle shm), KM_MEM (guest MiB, 1536), KM_SMP (guest CPUs, 2), KM_TIMEOUT (seconds
+# per kernel, 1800), KM_REFRESH=1 (fetch the kernels again), KM_RESULTS (the table's file,
+# default .stasis/kernel-matrix/results.txt).
+#
+# What it installs: qemu-system-x86 from Debian with apt-get when qemu-system-x86_64 is missing
+# (the only system package); for each series the newest generic `amd64-unsigned` kernel image
+# package of its Debian suite, fetched with apt-get download (a private sources list and lists
+# directory) and unpacked with dpkg -x under .stasis/kernel-matrix/kernels/SERIES (nothing goes
+# into the host's /boot or /lib/modules); busybox-static from bookworm the same way when
+# /bin/busybox is not a static binary. It needs a built tree (`cargo build --workspace`: it
+# runs target/debug/stasisd, stasis, stasis-init, stasis-lazy-guard) and CRIU
+# (scripts/setup-criu.sh, run here when .stasis/criu is missing).
+#
+# How: the guest boots under TCG (`-accel tcg`: KVM guests hang on the VMs this was written
+# on) with an initramfs made here: a static busybox, the modules the kernel package has for
+# virtio, 9p, nf_tables and sock_diag (CRIU needs the last two), and an /init that loads them,
+# mounts this machine's root file system read-only over virtio 9p and switch_roots into it,
+# running this script again (`--guest`) as the guest's pid 1. That mounts /proc, /sys, /dev,
+# cgroup2, tmpfs on /run, /tmp and /dev/shm, brings up loopback, starts stasisd with its state
+# and file store on the tmpfs, and runs each case (`--case NAME`, driving the stasis CLI and the
+# Python workloads of tests/workloads), then powers off. The guest writes results on its
+# serial console as `KMRESULT case result`; this side reads them from the console log (kept in
+# .stasis/kernel-matrix/console-SERIES.log, with each case's log and stasisd's on failure).
+#
+# The cases, each checking what the workload does afterwards:
+#   counter      a counter evicted and restored counts on: every number once, in order
+#   tcp          a server with an established connection to a peer outside its tree, evicted
+#                and restored: the peer's one connection carries on (every echo, in order) and
+#                the listener answers
+#   lazy         a process holding 8 MiB, evicted and restored lazily: it ticks on, its
+#                memory's checksum unchanged
+#   incremental  a checkpoint left running, then an eviction that uploads little of the same
+#                memory; the restore ticks on with the same checksum; `stasis check --read-data`
+#   idle         an idle HTTP server reclaimed, then woken by a plain request that it answers
+#                with its next hit count and the same memory checksum
+#   shm          a parent and forked child sharing memory, evicted and restored: same
+#                checksums, and a write by one is still seen by the other
+set -euo pipefail
+
+self=$(realpath "$0")
+# The guest runs a copy of this script and of the binaries, made at the start of the run (see
+# snapshot), so that a rebuild or an edit in the checkout meanwhile does not reach it.
+root=${KM_ROOT:-$(cd "$(dirname "$self")/.." && pwd)}
+bin=${KM_BIN:-$root/target/debug}
+all_cases="counter tcp lazy incremental idle shm"
+
+# ---------------------------------------------------------------------------------------------
+# Inside the guest: one case (run by the guest's pid 1 as a separate process, so that `set -e`
+# and `fail` end the case, not the machine).
+# ---------------------------------------------------------------------------------------------
+
+fail() {
+  echo "REASON: $*" >&2
+  exit 1
+}
+
+st() { "$bin/stasis" --socket "$KM_STATE/stasisd.sock" "$@"; }
+
+# Runs the CLI; prints its stdout; on failure ends the case with its error.
+cli() {
+  local out
+  if ! out=$(st "$@" 2>"$KM_STATE/cli.err"); then
+    fail "stasis $1: $(tr '\n' ' ' <"$KM_STATE/cli.err" | tail -c 400)"
+  fi
+  printf '%s\n' "$out"
+}
+
+# json FIELD.PATH: a field of the JSON object on stdin (dots separate keys).
+json() {
+  python3 -c '
+import json, sys
+v = json.load(sys.stdin)
+for k in sys.argv[1].split("."):
+    v = v[k]
+print(json.dumps(v) if isinstance(v, (dict, list, bool)) or v is None else v)' "$1"
+}
+
+# workload NAME FIELD: a field of workload NAME in `stasis status --json`.
+workload() {
+  cli status --json | python3 -c '
+import json, sys
+for w in json.load(sys.stdin)["workloads"]:
+    if w["name"] == sys.argv[1]:
+        print(w.get(sys.argv[2], ""))' "$1" "$2"
+}
+
+# wait_for SECONDS WHAT COMMAND...: polls COMMAND until it succeeds (COMMAND's arguments are
+# expanded once, by the caller: what must be read afresh is read by COMMAND).
+wait_for() {
+  local secs=$1 what=$2
+  shift 2
+  local deadline=$((SECONDS + secs))
+  until "$@" >/dev/null 2>&1; do
+    [ $SECONDS -lt $deadline ] || fail "no $what within ${secs}s"
+    sleep 0.5
+  done
+}
+
+# numbers LOG PREFIX: the numbers of the lines `PREFIX<n>...` of LOG, one a line.
+numbers() { sed -n "s/^$2\([0-9][0-9]*\).*/\1/p" "$1"; }
+last_number() { numbers "$1" "$2" | tail -n 1; }
+reached() { [ "$(last_number "$1" "$2")" -ge "$3" ] 2>/dev/null; }
+
+# consecutive LOG PREFIX: every number of LOG's PREFIX lines is the one before plus one.
+consecutive() {
+  numbers "$1" "$2" | awk -v what="$2" '
+    NR > 1 && $1 != prev + 1 { print "after " what prev " comes " what $1; bad = 1; exit }
+    { prev = $1 } END { exit bad }'
+}
+
+gone() { ! kill -0 "$1" 2>/dev/null; }
+in_state() { [ "$(workload "$1" state)" = "$2" ]; }
+lines_at_least() { [ "$(grep -c "$2" "$1")" -ge "$3" ]; }
+
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+http_get() {
+  python3 -c '
+import sys, urllib.request
+print(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/", timeout=float(sys.argv[2])).read().decode().strip())' "$1" "${2:-30}"
+}
+
+# start NAME [run options] -- COMMAND...: starts a workload; sets pid and log.
+start() {
+  local name=$1
+  shift
+  local out
+  out=$(cli run --workload "$name" --json "$@")
+  pid=$(json pid <<<"$out")
+  log=$(workload "$name" log_path)
+  [ -n "$log" ] || fail "no log path for $name"
+}
+
+# evict NAME: checkpoints NAME (an eviction); sets ck (its JSON); waits for the tree to go.
+evict() {
+  ck=$(cli checkpoint --workload "$1" --json)
+  [ "$(json left_running <<<"$ck")" = false ] || fail "eviction left the tree running: $ck"
+  wait_for 60 "end of the evicted tree (pid $pid)" gone "$pid"
+}
+
+# restore NAME [options]: restores NAME's latest checkpoint; sets r (its JSON) and pid.
+restore() {
+  local name=$1
+  shift
+  r=$(cli restore --workload "$name" --json "$@")
+  pid=$(json pid <<<"$r")
+  kill -0 "$pid" 2>/dev/null || fail "restored pid $pid is not running"
+}
+
+py=/usr/bin/python3
+workloads=$root/tests/workloads
+
+case_counter() {
+  start counter -- "$py" -u "$workloads/counter.py"
+  wait_for 120 "10 counts" reached "$log" "count " 10
+  evict counter
+  local last
+  last=$(last_number "$log" "count ")
+  sleep 1
+  [ "$(last_number "$log" "count ")" = "$last" ] || fail "the evicted counter went on counting"
+  restore counter
+  wait_for 120 "counts past $last after the restore" reached "$log" "count " $((last + 10))
+  consecutive "$log" "count " || fail "counts not consecutive: $(consecutive "$log" "count ")"
+  echo "counted to $last, evicted, restored, counted on to $(last_number "$log" "count ")"
+}
+
+case_tcp() {
+  local network_lock
+  network_lock=$(cli status --json | json network_lock)
+  echo "network lock: $network_lock"
+  # The peer: an echo server outside the tree, counting the connections it accepts.
+  local peer_log=$KM_STATE/peer.log
+  "$py" -u -c '
+import socket
+s = socket.create_server(("127.0.0.1", 0))
+print("port", s.getsockname()[1], flush=True)
+n = 0
+while True:
+    c, _ = s.accept()
+    n += 1
+    print("accepted", n, flush=True)
+    f = c.makefile("rwb")
+    for line in f:
+        f.write(line)
+        f.flush()
+    print("closed", flush=True)
+' >"$peer_log" 2>&1 &
+  wait_for 60 "peer to listen" grep -q '^port ' "$peer_log"
+  local peer_port http_port
+  peer_port=$(sed -n 's/^port //p' "$peer_log")
+  http_port=$(free_port)
+  start tcp -- "$py" -u "$workloads/net.py" --peer "$peer_port" --http "$http_port" --hold-mib 1
+  wait_for 120 "10 echoes from the peer" reached "$log" "echo " 10
+  local before
+  before=$(http_get "$http_port" | sed -n 's/^tick //p')
+  [ -n "$before" ] || fail "the listener did not answer before the checkpoint"
+  evict tcp
+  local last
+  last=$(last_number "$log" "echo ")
+  restore tcp
+  wait_for 120 "echoes past $last after the restore" reached "$log" "echo " $((last + 10))
+  ! grep -q '^peer lost' "$log" || fail "$(grep '^peer lost' "$log" | head -n 1)"
+  consecutive "$log" "echo " || fail "echoes not consecutive: $(consecutive "$log" "echo ")"
+  [ "$(grep -c '^accepted' "$peer_log")" = 1 ] || fail "the peer saw $(grep -c '^accepted' "$peer_log") connections"
+  ! grep -q '^closed' "$peer_log" || fail "the peer's connection was closed"
+  local after
+  after=$(http_get "$http_port" | sed -n 's/^tick //p')
+  [ "${after:-0}" -gt "$before" ] || fail "the restored listener answered tick '$after' (before: $before)"
+  echo "echo $last before the eviction, $(last_number "$log" "echo ") after; one connection; listener tick $before -> $after"
+}
+
+# sums LOG: the distinct checksums of LOG's `tick N ok SUM` lines.
+sums() { sed -n 's/^tick [0-9]* ok //p' "$1" | sort -u; }
+
+case_lazy() {
+  start lazy -- "$py" -u "$workloads/net.py" --hold-mib 8
+  wait_for 120 "5 ticks" reached "$log" "tick " 5
+  evict lazy
+  local last
+  last=$(last_number "$log" "tick ")
+  restore lazy --lazy
+  [ "$(json stats.lazy <<<"$r")" = true ] || fail "the restore was not lazy: $r"
+  wait_for 120 "ticks past $last after the lazy restore" reached "$log" "tick " $((last + 5))
+  consecutive "$log" "tick " || fail "ticks not consecutive: $(consecutive "$log" "tick ")"
+  [ "$(sums "$log" | wc -l)" = 1 ] || fail "the memory's checksum changed: $(sums "$log" | tr '\n' ' ')"
+  echo "tick $last before, $(last_number "$log" "tick ") after a lazy restore; checksum $(sums "$log")"
+}
+
+case_incremental() {
+  start incr -- "$py" -u "$workloads/net.py" --hold-mib 8
+  wait_for 120 "5 ticks" reached "$log" "tick " 5
+  local ck1
+  ck1=$(cli checkpoint --workload incr --leave-running --json)
+  wait_for 60 "ticks after the first checkpoint" reached "$log" "tick " $(($(last_number "$log" "tick ") + 3))
+  evict incr
+  local total new
+  total=$(json stats.chunks_total <<<"$ck")
+  new=$(json stats.chunks_new <<<"$ck")
+  echo "first: $(json stats.chunks_new <<<"$ck1") of $(json stats.chunks_total <<<"$ck1") chunks new; second: $new of $total"
+  [ "$total" -ge 128 ] || fail "the second checkpoint holds only $total chunks (8 MiB are 128)"
+  [ $((new * 4)) -lt "$total" ] || fail "the second checkpoint uploaded $new of $total chunks"
+  local last
+  last=$(last_number "$log" "tick ")
+  restore incr
+  wait_for 120 "ticks past $last after the restore" reached "$log" "tick " $((last + 5))
+  consecutive "$log" "tick " || fail "ticks not consecutive: $(consecutive "$log" "tick ")"
+  [ "$(sums "$log" | wc -l)" = 1 ] || fail "the memory's checksum changed: $(sums "$log" | tr '\n' ' ')"
+  cli check --read-data >/dev/null
+  echo "second checkpoint: $new of $total chunks new; restored, ticks on to $(last_number "$log" "tick "); store checks clean"
+}
+
+case_idle() {
+  local port
+  port=$(free_port)
+  start idle --idle-after 3s -- "$py" -u "$workloads/http_counter.py" "$port" 8
+  wait_for 120 "the server to listen" grep -q '^ready' "$log"
+  local first
+  first=$(http_get "$port" 120)
+  echo "before: $first"
+  case $first in "hits "[0-9]*" sum "*) ;; *) fail "unexpected answer '$first'" ;; esac
+  wait_for 180 "reclaim" in_state idle reclaimed
+  wait_for 60 "end of the reclaimed server" gone "$pid"
+  local woken
+  woken=$(http_get "$port" 240) || fail "the request to the reclaimed server got no answer"
+  echo "after: $woken"
+  local hits=${first#hits }
+  hits=${hits%% *}
+  [ "$woken" = "hits $((hits + 1)) sum ${first##* sum }" ] || fail "woken server answered '$woken' after '$first'"
+}
+
+# shm_pids: sets parent and child, the pids (here) of shared_memory.py's two processes.
+shm_pids() {
+  parent=$(cat /proc/"$pid"/task/*/children | tr ' ' '\n' | grep . | head -n 1)
+  [ -n "$parent" ] || fail "no process under the workload's init $pid"
+  # The workload's pid may be its command itself (no pid namespace of its own).
+  if ! grep -q shared_memory /proc/"$parent"/cmdline 2>/dev/null; then
+    child=$parent
+    parent=$pid
+  else
+    child=$(cat /proc/"$parent"/task/*/children | tr ' ' '\n' | grep . | head -n 1)
+  fi
+  [ -n "$child" ] || fail "shared_memory.py has no child"
+}
+
+case_shm() {
+  start shm -- "$py" -u "$workloads/shared_memory.py" KMMARK
+  wait_for 120 "both processes ready" lines_at_least "$log" '^ready' 2
+  local parent child
+  shm_pids
+  kill -USR2 "$parent"
+  wait_for 60 "checksums" lines_at_least "$log" '^sums' 2
+  local before
+  before=$(sed -n 's/^sums [0-9]* //p' "$log" | sort -u)
+  [ "$(wc -l <<<"$before")" = 1 ] || fail "parent and child differ before the checkpoint: $before"
+  evict shm
+  restore shm
+  shm_pids
+  kill -USR2 "$parent"
+  wait_for 60 "checksums after the restore" lines_at_least "$log" '^sums' 4
+  local after
+  after=$(sed -n 's/^sums [0-9]* //p' "$log" | sort -u)
+  [ "$after" = "$before" ] || fail "checksums after the restore: $(tr '\n' ' ' <<<"$after")(before: $before)"
+  kill -USR1 "$parent"
+  wait_for 60 "the child to see the parent's write" grep -q '^seen' "$log"
+  local marked seen zeros
+  zeros=$(sed -n 's/^zeros //p' "$log")
+  marked=$(sed -n 's/^marked //p' "$log")
+  seen=$(sed -n 's/^seen //p' "$log")
+  [ "$marked" != "$zeros" ] || fail "the parent's write changed nothing"
+  [ "$seen" = "$marked" ] || fail "the child does not see the parent's write: '$seen', parent '$marked'"
+  echo "checksum $before kept by parent $parent and child $child; shared mappings still shared"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Inside the guest: pid 1.
+# ---------------------------------------------------------------------------------------------
+
+guest_mounts() {
+  mountpoint -q /proc || mount -t proc proc /proc
+  mountpoint -q /sys || mount -t sysfs sysfs /sys
+  mountpoint -q /dev || mount -t devtmpfs devtmpfs /dev
+  mkdir -p /dev/pts /dev/shm
+  mount -t devpts -o newinstance,ptmxmode=0666 devpts /dev/pts
+  mount -t tmpfs -o mode=1777 tmpfs /dev/shm
+  mount -t tmpfs -o mode=0755 tmpfs /run
+  mount -t tmpfs -o mode=1777 tmpfs /tmp
+  mount -t tmpfs -o mode=1777 tmpfs /var/tmp
+  mount -t cgroup2 cgroup2 /sys/fs/cgroup
+  ip link set lo up
+}
+
+guest_main() {
+  export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp LANG=C.UTF-8
+  export PYTHONDONTWRITEBYTECODE=1 NO_COLOR=1
+  set +e
+  guest_mounts
+  export KM_STATE=/tmp/km
+  mkdir -p "$KM_STATE"
+  local kernel
+  kernel=$(uname -r)
+  echo "KMINFO kernel $kernel"
+  echo "KMINFO modules: $(cut -d' ' -f1 /proc/modules | sort | tr '\n' ' ')"
+  local criu=$root/.stasis/criu/bin/criu
+  echo "KMINFO criu check: $("$criu" check 2>&1 | tail -n 1)"
+  for feature in uffd-noncoop mem_dirty_track pidfd_store; do
+    echo "KMINFO criu feature $feature: $("$criu" check --feature "$feature" 2>&1 | tail -n 1)"
+  done
+  "$bin/stasisd" --socket "$KM_STATE/stasisd.sock" --state-dir "$KM_STATE/state" \
+    --store "file://$KM_STATE/store" --criu "$criu" --gc-grace-secs 0 \
+    >"$KM_STATE/stasisd.log" 2>&1 &
+  local started=$SECONDS
+  until st status >/dev/null 2>&1 || [ $((SECONDS - started)) -gt 180 ]; do sleep 1; done
+  grep -a -e 'engine::start' -e ERROR "$KM_STATE/stasisd.log" | sed 's/^/KMINFO stasisd: /'
+  local cases
+  cases=$(sed -n 's/.*km\.cases=\([^ ]*\).*/\1/p' /proc/cmdline | tr , ' ')
+  for c in ${cases:-$all_cases}; do
+    local t0=$SECONDS result
+    if ! st status >/dev/null 2>&1; then
+      result="fail: stasisd is not serving"
+    else
+      timeout 900 bash "$self" --case "$c" >"$KM_STATE/case-$c.log" 2>&1
+      local rc=$?
+      if [ $rc = 0 ]; then
+        result="pass ($((SECONDS - t0)) s)"
+      else
+        local reason
+        reason=$(sed -n 's/^REASON: //p' "$KM_STATE/case-$c.log" | tail -n 1)
+        [ $rc != 124 ] || reason="timed out after 900 s${reason:+; $reason}"
+        [ -n "$reason" ] || reason=$(grep . "$KM_STATE/case-$c.log" | tail -n 1)
+        result="fail: $reason"
+      fi
+      sed "s/^/KMLOG $c: /" "$KM_STATE/case-$c.log"
+      if [ $rc != 0 ]; then
+        tail -n 40 "$KM_STATE/stasisd.log" | sed "s/^/KMLOG $c stasisd: /"
+      fi
+    fi
+    echo "KMRESULT $c $result"
+  done
+  echo "KMDONE"
+  sync
+  echo o >/proc/sysrq-trigger
+  sleep 60
+}
+
+# ---------------------------------------------------------------------------------------------
+# On this machine: fetch, build, boot, report.
+# ---------------------------------------------------------------------------------------------
+
+km_dir=$root/.stasis/kernel-matrix
+
+# apt_suite SUITE ARGS...: apt-get/apt-cache options of a private sources list for SUITE.
+apt_opts() {
+  local dir=$km_dir/apt/$1
+  echo -o "Dir::Etc::SourceList=$dir/sources.list" -o "Dir::Etc::SourceParts=-" \
+    -o "Dir::State::Lists=$dir/lists" -o "Dir::Cache::Archives=$dir/debs" -o "APT::Get::List-Cleanup=0" -o "APT::Sandbox::User=root"
+}
+
+apt_update() {
+  local dir=$km_dir/apt/$1
+  mkdir -p "$dir/lists/partial" "$dir/debs/partial"
+  echo "deb http://deb.debian.org/debian $1 main" >"$dir/sources.list"
+  # shellcheck disable=SC2046
+  apt-get $(apt_opts "$1") -qq update >&2
+}
+
+# fetch_deb SUITE PACKAGE DEST: downloads PACKAGE from SUITE and unpacks it into DEST.
+fetch_deb() {
+  local dir=$km_dir/apt/$1
+  rm -f "$dir"/debs/*.deb
+  # shellcheck disable=SC2046
+  (cd "$dir/debs" && apt-get $(apt_opts "$1") -qq download "$2" >&2)
+  mkdir -p "$3"
+  dpkg -x "$dir"/debs/*.deb "$3"
+  rm -f "$dir"/debs/*.deb
+}
+
+suite_of() {
+  case $1 in
+    5.10) echo bullseye ;;
+    6.1) echo bookworm ;;
+    6.12) echo trixie ;;
+    *) echo "kernel-matrix: unknown series $1 (5.10, 6.1 or 6.12)" >&2; return 1 ;;
+  esac
+}
+
+# fetch_kernel SERIES: unpacks the newest amd64-unsigned kernel of SERIES (once).
+fetch_kernel() {
+  local series=$1 suite dest=$km_dir/kernels/$1
+  suite=$(suite_of "$series")
+  if [ -f "$dest/.package" ] && [ -z "${KM_REFRESH:-}" ]; then return; fi
+  apt_update "$suite"
+  local pattern pkg
+  pattern="^linux-image-${series//./\\.}[.0-9]*[-+][-+0-9a-z]*-amd64-unsigned\$"
+  # shellcheck disable=SC2046
+  pkg=$(apt-cache $(apt_opts "$suite") pkgnames linux-image- | grep -E "$pattern" | grep -v -e cloud -e '-rt-' |
+    sort -V | tail -n 1)
+  [ -n "$pkg" ] || { echo "kernel-matrix: no $pattern in $suite" >&2; return 1; }
+  echo "kernel-matrix: fetching $pkg from $suite" >&2
+  rm -rf "$dest.tmp"
+  fetch_deb "$suite" "$pkg" "$dest.tmp"
+  echo "$pkg" >"$dest.tmp/.package"
+  rm -rf "$dest" && mv "$dest.tmp" "$dest"
+}
+
+# busybox_static: the path of a statically linked busybox (fetched when the system's is not).
+busybox_static() {
+  if [ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1; then
+    echo /bin/busybox
+    return
+  fi
+  local dest=$km_dir/busybox
+  if [ ! -x "$dest/bin/busybox" ]; then
+    apt_update bookworm
+    rm -rf "$dest"
+    fetch_deb bookworm busybox-static "$dest"
+  fi
+  echo "$dest/bin/busybox"
+}
+
+# The modules the guest loads from its initramfs, by name (their dependencies come along).
+# Built-in ones (and ones this kernel does not have) are skipped.
+guest_modules="virtio_pci virtio_blk 9pnet_virtio 9p crc32c_generic
+unix_diag inet_diag tcp_diag udp_diag raw_diag netlink_diag packet_diag af_packet_diag
+nf_tables nf_tables_inet nft_ct nft_counter nft_reject_inet nft_chain_route_ipv4
+nft_chain_route_ipv6 nft_compat nft_nat nft_chain_nat nft_fib_inet nft_limit nft_hash
+nft_set_hash nft_set_rbtree nft_set_bitmap nft_meta nft_socket"
+
+# modinfo_depends KO: the modules KO depends on, from its .modinfo: those it links against and
+# those it asks for before itself ("softdep=pre:", where they are module names).
+modinfo_depends() {
+  strings -n 3 "$1" | sed -n -e 's/^depends=//p' -e 's/^softdep=pre: *\([^:]*\).*/\1/p' | tr ', ' '\n\n' | grep . || true
+}
+
+# build_initramfs SERIES OUT: the guest's initramfs for the kernel of SERIES.
+build_initramfs() {
+  local kdir=$km_dir/kernels/$1 out=$2 work
+  work=$(mktemp -d)
+  local moddir
+  moddir=$( (find "$kdir/lib/modules" "$kdir/usr/lib/modules" -mindepth 1 -maxdepth 1 -type d 2>/dev/null || true) |
+    head -n 1)
+  [ -n "$moddir" ] || { echo "kernel-matrix: no modules in $kdir" >&2; return 1; }
+  mkdir -p "$work/bin" "$work/proc" "$work/sys" "$work/dev" "$work/newroot" "$work/modules"
+  cp "$(busybox_static)" "$work/bin/busybox"
+  # name (with _ for -) -> path of every module of the package
+  local index=$work/index
+  find "$moddir" -name '*.ko*' |
+    awk '{ n = $0; sub(".*/", "", n); sub("[.]ko.*$", "", n); gsub("-", "_", n); print n, $0 }' >"$index"
+  local -A seen=()
+  : >"$work/modules.load"
+  add_module() {
+    local name=${1//-/_} path
+    [ -n "$name" ] && [ -z "${seen[$name]:-}" ] || return 0
+    seen[$name]=1
+    path=$(awk -v n="$name" '$1 == n { print $2; exit }' "$index")
+    [ -n "$path" ] || return 0
+    local ko=$work/modules/$name.ko
+    case $path in
+      *.xz) xz -dc "$path" >"$ko" ;;
+      *.zst) zstd -qdc "$path" >"$ko" ;;
+      *.gz) gzip -dc "$path" >"$ko" ;;
+      *) cp "$path" "$ko" ;;
+    esac
+    local dep
+    for dep in $(modinfo_depends "$ko"); do add_module "$dep"; done
+    echo "$name.ko" >>"$work/modules.load"
+  }
+  local m
+  for m in $guest_modules; do add_module "$m"; done
+  cat >"$work/init" <<'INIT'
+#!/bin/busybox sh
+/bin/busybox --install -s /bin
+export PATH=/bin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+for m in $(cat /modules.load); do
+  insmod /modules/$m 2>/insmod.err || echo "KMINFO insmod $m: $(cat /insmod.err)"
+done
+repo=$(sed -n 's/.*km\.repo=\([^ ]*\).*/\1/p' /proc/cmdline)
+if ! mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose,msize=512000 hostroot /newroot; then
+  echo "KMRESULT boot fail: cannot mount the host's root over 9p"
+  echo o >/proc/sysrq-trigger
+fi
+mount -o move /proc /newroot/proc
+mount -o move /sys /newroot/sys
+mount -o move /dev /newroot/dev
+exec switch_root /newroot /usr/bin/env KM_ROOT="$repo" KM_BIN="$repo/.stasis/kernel-matrix/bin" \
+  /bin/bash "$repo/.stasis/kernel-matrix/bin/kernel-matrix.sh" --guest
+INIT
+  chmod +x "$work/init"
+  (cd "$work" && rm -f index && find . | "$work/bin/busybox" cpio -o -H newc 2>/dev/null | gzip -1) >"$out"
+  echo "kernel-matrix: initramfs with $(wc -l <"$work/modules.load") modules" >&2
+  rm -rf "$work"
+}
+
+# run_kernel SERIES: boots SERIES's kernel and runs the cases; appends its rows to $table.
+run_kernel() {
+  local series=$1 kdir=$km_dir/kernels/$1
+  local vmlinuz
+  vmlinuz=$(find "$kdir/boot" -name 'vmlinuz-*' | head -n 1)
+  local release=${vmlinuz##*/vmlinuz-}
+  local initrd=$km_dir/initrd-$series.cpio.gz console=$km_dir/console-$series.log
+  build_initramfs "$series" "$initrd"
+  local cases=${KM_CASES:-$all_cases}
+  echo "kernel-matrix: booting $release (console: $console)" >&2
+  local t0=$SECONDS rc=0
+  timeout "${KM_TIMEOUT:-1800}" qemu-system-x86_64 -accel tcg,thread=multi -M pc -cpu max \
+    -smp "${KM_SMP:-2}" -m "${KM_MEM:-1536}" -display none -monitor none -no-reboot \
+    -serial "file:$console" -nic none \
+    -kernel "$vmlinuz" -initrd "$initrd" \
+    -append "console=ttyS0 loglevel=3 panic=-1 km.repo=$root km.cases=${cases// /,}" \
+    -virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap" \
+    </dev/null || rc=$?
+  echo "kernel-matrix: $release done in $((SECONDS - t0)) s (qemu exit $rc)" >&2
+  tr -d '\r' <"$console" | grep -a '^KMINFO' | sed "s/^KMINFO /  [$release] /" >&2 || true
+  local c result
+  for c in $cases; do
+    result=$(tr -d '\r' <"$console" | sed -n "s/^KMRESULT $c //p" | tail -n 1)
+    if [ -z "$result" ]; then
+      result=$(tr -d '\r' <"$console" | sed -n 's/^KMRESULT boot //p' | tail -n 1)
+      [ -n "$result" ] || { [ $rc = 124 ] && result="fail: not reached (the guest timed out)"; } ||
+        result="fail: not reached (see $console)"
+    fi
+    printf '| %s | %s | %s |\n' "$release" "$c" "$result" >>"$table"
+  done
+}
+
+host_main() {
+  [ "$(id -u)" = 0 ] || { echo "kernel-matrix: run as root (CRIU in the guest runs as its root)" >&2; exit 1; }
+  local series_list=("$@")
+  [ ${#series_list[@]} -gt 0 ] || series_list=(5.10 6.1 6.12)
+  for s in "${series_list[@]}"; do suite_of "$s" >/dev/null; done
+  if ! command -v qemu-system-x86_64 >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-system-x86 >/dev/null
+  fi
+  [ -x "$root/.stasis/criu/bin/criu" ] || "$root/scripts/setup-criu.sh" >/dev/null
+  local b
+  for b in stasisd stasis stasis-init stasis-lazy-guard; do
+    [ -x "$root/target/debug/$b" ] || { echo "kernel-matrix: build first (cargo build --workspace): no target/debug/$b" >&2; exit 1; }
+  done
+  mkdir -p "$km_dir"
+  exec 9>"$km_dir/lock"
+  flock -n 9 || { echo "kernel-matrix: another run holds $km_dir/lock" >&2; exit 1; }
+  # What the guest runs, copied now (stasisd finds stasis-init and the lazy guard beside it).
+  rm -rf "$km_dir/bin" && mkdir -p "$km_dir/bin"
+  cp "$self" "$km_dir/bin/kernel-matrix.sh"
+  for b in stasisd stasis stasis-init stasis-lazy-guard; do cp "$root/target/debug/$b" "$km_dir/bin/"; done
+  table=$(mktemp)
+  for s in "${series_list[@]}"; do
+    fetch_kernel "$s"
+    run_kernel "$s"
+  done
+  local results=${KM_RESULTS:-$km_dir/results.txt}
+  {
+    echo "Kernel matrix, $(date -u '+%Y-%m-%d %H:%M UTC'), $(git -C "$root" rev-parse --short HEAD 2>/dev/null), qemu TCG"
+    echo
+    echo "| kernel | test | result |"
+    echo "|---|---|---|"
+    cat "$table"
+  } | tee "$results"
+  rm -f "$table"
+  ! grep -q '| fail' "$results"
+}
+
+case ${1:-} in
+  --guest) guest_main ;;
+  --fetch)
+    shift
+    for s in "${@:-5.10 6.1 6.12}"; do fetch_kernel "$s"; done
+    ;;
+  --case)
+    export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+    "case_$2"
+    ;;
+  *) host_main "$@" ;;
+esac
