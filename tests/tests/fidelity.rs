@@ -1,8 +1,9 @@
 //! Kernel features ordinary programs use, checkpointed and restored as plain CRIU would: an
 //! open-file-description lock (which /proc/locks shows without a pid) is seen and held again
 //! after the restore; a pseudo-terminal whose both sides the tree holds (tmux, screen,
-//! expect) is the tree's own, restored as it was rather than swapped for a new terminal; an
-//! evicted tree whose parent reaps it late counts as gone once it is dead.
+//! expect) is the tree's own, restored as it was rather than swapped for a new terminal, and so
+//! is /dev/tty opened on it by the session it controls; an evicted tree whose parent reaps it
+//! late counts as gone once it is dead.
 
 #![forbid(unsafe_code)]
 
@@ -61,6 +62,30 @@ fn a_pseudo_terminal_the_tree_holds_both_sides_of_is_restored_as_its_own() {
         numbers.windows(2).all(|p| p[1] == p[0] + 1),
         "the exchange over the terminal goes on where it stopped (up to {after}): {numbers:?}"
     );
+}
+
+#[test]
+fn dev_tty_on_a_terminal_the_tree_owns_is_restored_for_its_session_leader_and_child() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let mut w = d.run("tty-owner", &python_workload("tty_owner.py", &[]));
+    w.wait_number("tty parent ", 3);
+    w.wait_number("tty child ", 3);
+    // Only the first process to hold /dev/tty in CRIU's order is checked: its child, which
+    // holds it too, is not refused for the terminal its parent holds first.
+    evict_and_restore(&d, &mut w);
+    for who in ["tty parent ", "tty child "] {
+        let before = w.last_number(who).unwrap();
+        w.wait_number(who, before + 5);
+    }
+    let root = procfs::command_of(w.pid);
+    let holds_tty = |pid: i32| {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .flatten()
+            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t == std::path::Path::new("/dev/tty")))
+    };
+    assert!(holds_tty(root), "the restored session leader holds /dev/tty again");
 }
 
 #[test]

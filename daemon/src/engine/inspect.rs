@@ -55,9 +55,10 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
     // Pseudo-terminal masters the tree holds (by slave number), and the slaves it holds.
     let mut masters = BTreeSet::new();
     let mut slaves = BTreeSet::new();
-    // The pseudo-terminals each process holds either side of, and who holds /dev/tty.
-    let mut ptys: HashMap<i32, BTreeSet<u32>> = HashMap::new();
-    let mut tty_holders = BTreeSet::new();
+    // The pseudo-terminal ends each process holds, and the first (in dump order) to hold
+    // /dev/tty.
+    let mut ptys: HashMap<i32, BTreeSet<unsupported::PtyEnd>> = HashMap::new();
+    let mut tty_holder = None;
     let mut refusals = Vec::new();
     let caller = unsupported::Caller::this_process();
     for &pid in &pids {
@@ -78,19 +79,19 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
             options.file_locks |= info.holds_lock;
             if fdinfo::is_pty_master(path) {
                 masters.extend(info.tty_index);
-                ptys.entry(pid).or_default().extend(info.tty_index);
+                ptys.entry(pid).or_default().extend(info.tty_index.map(|index| (index, true)));
             } else if let Some(index) = fdinfo::pty_slave_index(path) {
                 slaves.insert((index, target.clone()));
-                ptys.entry(pid).or_default().insert(index);
+                ptys.entry(pid).or_default().insert((index, false));
             } else if path == "/dev/tty" {
-                tty_holders.insert(pid);
+                tty_holder = tty_holder.or(Some(pid));
             }
             if target.is_absolute() {
                 open_files.insert(target);
             }
         }
     }
-    refusals.extend(tty_holders.iter().filter_map(|&pid| unsupported::terminal_reopened(pid, &pids, &ptys)));
+    refusals.extend(tty_holder.and_then(|holder| unsupported::terminal_reopened(holder, &pids, &ptys)));
     for (index, slave) in slaves {
         // A terminal whose master is outside the tree: restore gives the job a new one. A pair
         // the tree holds both sides of is the tree's own, restored as it was.

@@ -12,11 +12,11 @@
 //! - a process of another user, when stasisd lacks CAP_SYS_RESOURCE (a root in some
 //!   containers and VMs): CRIU reads every process's resource limits with prlimit(2), which
 //!   the kernel allows across users only with that capability;
-//! - `/dev/tty` held open by a process whose controlling terminal CRIU cannot tie back to it:
-//!   CRIU restores `/dev/tty` through the first descriptor of that pseudo-terminal (slave or
-//!   master) it dumps, and only when that descriptor is the same process's and the terminal's
-//!   foreground group is its session's (tmux's server holds the master of the terminal its
-//!   shell opened `/dev/tty` on: "ctty inheritance detected").
+//! - `/dev/tty` held open where CRIU cannot tie it back to a terminal of the tree: CRIU restores
+//!   it only through the first descriptor of its holder's controlling terminal that it dumps,
+//!   when that is the holder's own and the terminal's foreground group is its session's (tmux's
+//!   server holds the master of the terminal its shell opened `/dev/tty` on; a job of an
+//!   outside shell has the shell's terminal): "ctty inheritance detected".
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
@@ -105,17 +105,26 @@ pub fn resource_limits(pid: i32, caller: Caller) -> Option<String> {
     ))
 }
 
-/// Why CRIU cannot restore the `/dev/tty` that process `pid` holds, if it cannot. `order` is
-/// the tree in CRIU's dump order (see `proc::process_tree`) and `ptys` the pseudo-terminals
-/// (by slave number) each process holds a slave or master descriptor of.
-pub fn terminal_reopened(pid: i32, order: &[i32], ptys: &HashMap<i32, BTreeSet<u32>>) -> Option<String> {
-    let stat = ProcStat::read(pid).ok()?;
-    // Without a controlling terminal, or in a session the tree does not lead (a shell's job,
-    // whose terminal is the shell's), CRIU does not tie /dev/tty to one of the tree's ttys.
-    if stat.tty_nr == 0 || !order.contains(&stat.session) {
+/// One end of a pseudo-terminal a process holds: its number (`/dev/pts/N`), and whether it is
+/// the master.
+pub type PtyEnd = (u32, bool);
+
+/// Why CRIU cannot restore the tree's `/dev/tty`, if it cannot. CRIU records `/dev/tty` once,
+/// as the first process in its dump order to hold it (`holder`) sees it, and ties it to the
+/// first descriptor of that process's controlling terminal it dumps: a master, or a slave
+/// held by a process whose controlling terminal it is. `order` is the tree in CRIU's dump
+/// order (see `proc::process_tree`), `ptys` the ends each process holds.
+pub fn terminal_reopened(
+    holder: i32,
+    order: &[i32],
+    ptys: &HashMap<i32, BTreeSet<PtyEnd>>,
+) -> Option<String> {
+    let stat = ProcStat::read(holder).ok()?;
+    // It lost its controlling terminal after opening /dev/tty: left to CRIU.
+    if stat.tty_nr == 0 {
         return None;
     }
-    let holds = format!("{} holds /dev/tty", process(pid));
+    let holds = format!("{} holds /dev/tty", process(holder));
     let why = " (CRIU: \"ctty inheritance detected\")";
     let Some(index) = pty_number(stat.tty_nr) else {
         return Some(format!(
@@ -123,6 +132,14 @@ pub fn terminal_reopened(pid: i32, order: &[i32], ptys: &HashMap<i32, BTreeSet<u
              through one the tree holds{why}"
         ));
     };
+    let holds_end = |p: i32, end: PtyEnd| ptys.get(&p).is_some_and(|held| held.contains(&end));
+    if !order.iter().any(|&p| holds_end(p, (index, true))) {
+        return Some(format!(
+            "{holds}, and its terminal /dev/pts/{index} is outside the tree (its master is a shell's or a \
+             terminal emulator's): the restored tree gets a new terminal, to which CRIU cannot tie \
+             /dev/tty{why}"
+        ));
+    }
     if stat.tpgid != stat.session {
         return Some(format!(
             "{holds} while process group {} is in the foreground of its terminal /dev/pts/{index}, not its \
@@ -130,19 +147,18 @@ pub fn terminal_reopened(pid: i32, order: &[i32], ptys: &HashMap<i32, BTreeSet<u
             stat.tpgid, stat.session
         ));
     }
-    let first = order.iter().copied().find(|p| ptys.get(p).is_some_and(|held| held.contains(&index)));
+    let controls = |p: i32| ProcStat::read(p).is_ok_and(|s| s.tty_nr == stat.tty_nr);
+    let first = order
+        .iter()
+        .copied()
+        .find(|&p| holds_end(p, (index, true)) || (holds_end(p, (index, false)) && controls(p)));
     match first {
-        Some(first) if first == pid => None,
-        Some(first) => Some(format!(
-            "{holds}, and {} holds its terminal /dev/pts/{index} (or its master) before it in CRIU's dump \
-             order; CRIU restores /dev/tty only through the first such descriptor, and only for its own \
-             process{why}",
+        Some(first) if first != holder => Some(format!(
+            "{holds}, and {} holds its terminal /dev/pts/{index} before it in CRIU's dump order; CRIU \
+             restores /dev/tty only through the first such descriptor, and only for its own process{why}",
             process(first)
         )),
-        None => Some(format!(
-            "{holds}, and no process of the tree holds its terminal /dev/pts/{index} or its master; CRIU \
-             restores /dev/tty only through one the tree holds{why}"
-        )),
+        _ => None,
     }
 }
 
@@ -226,21 +242,27 @@ mod tests {
         std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line)
             .unwrap();
         let pid = child.id() as i32;
-        let index: u32 = line.trim().strip_prefix("/dev/pts/").unwrap().parse().unwrap();
+        let n: u32 = line.trim().strip_prefix("/dev/pts/").unwrap().parse().unwrap();
+        // Not a process: what it holds does not control the terminal.
         let other = pid + 100_000;
-        let held = |holders: &[i32]| holders.iter().map(|&p| (p, BTreeSet::from([index]))).collect();
-        let own = terminal_reopened(pid, &[pid], &held(&[pid]));
-        let other_first = terminal_reopened(pid, &[other, pid], &held(&[other, pid]));
-        let nobody = terminal_reopened(pid, &[pid], &HashMap::new());
-        let outside_session = terminal_reopened(pid, &[other], &held(&[other]));
+        let held = |list: &[(i32, &[PtyEnd])]| -> HashMap<i32, BTreeSet<PtyEnd>> {
+            list.iter().map(|&(p, ends)| (p, ends.iter().copied().collect())).collect()
+        };
+        let both: &[PtyEnd] = &[(n, true), (n, false)];
+        let own = terminal_reopened(pid, &[pid], &held(&[(pid, both)]));
+        let master_first =
+            terminal_reopened(pid, &[other, pid], &held(&[(other, &[(n, true)]), (pid, both)]));
+        let slave_first =
+            terminal_reopened(pid, &[other, pid], &held(&[(other, &[(n, false)]), (pid, both)]));
+        let external = terminal_reopened(pid, &[pid], &held(&[(pid, &[(n, false)])]));
         child.kill().unwrap();
         child.wait().unwrap();
         assert_eq!(own, None, "its own terminal, held by itself first");
-        let why = other_first.unwrap();
-        assert!(why.contains(&format!("process {other} holds its terminal /dev/pts/{index}")), "{why}");
+        let why = master_first.unwrap();
+        assert!(why.contains(&format!("process {other} holds its terminal /dev/pts/{n}")), "{why}");
         assert!(why.contains("ctty inheritance"), "{why}");
-        assert!(nobody.unwrap().contains("no process of the tree holds"));
-        assert_eq!(outside_session, None, "a session led from outside the tree is a shell's job");
+        assert_eq!(slave_first, None, "a slave that is not its holder's controlling terminal does not count");
+        assert!(external.unwrap().contains("outside the tree"), "a terminal whose master is elsewhere");
     }
 
     #[test]
