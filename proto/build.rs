@@ -38,7 +38,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     builder.compile_protos(
         &[
             "proto/stasis/v1/stasis.proto",
-            "proto/stasis/v1/manifest.proto",
+            "proto/stasis/store/v1/manifest.proto",
             "proto/criu/rpc.proto",
             "proto/criu/pagemap.proto",
             "proto/criu/refs.proto",

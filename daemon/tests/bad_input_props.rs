@@ -15,7 +15,7 @@ use stasis_daemon::criu::pageserver::{HeaderLayout, serve};
 use stasis_daemon::store::crypto::{Cipher, StoreKey};
 use stasis_daemon::store::envelope::{self, MANIFEST, PACK_INDEX};
 use stasis_daemon::store::{Manifest, MemoryMode, Staging, Store};
-use stasis_proto::stasis::v1::{ChunkRef, FileImage, MemoryImage, PackEntry, PackIndex, PageRun};
+use stasis_proto::stasis::store::v1::{ChunkRef, FileImage, MemoryImage, PackEntry, PackIndex, PageRun};
 
 const DECODER_CASES: u32 = 100_000;
 

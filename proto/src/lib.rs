@@ -1,4 +1,5 @@
-//! Generated protobuf code: the `stasis.v1` gRPC API, the checkpoint manifest, our own
+//! Generated protobuf code: the `stasis.v1` gRPC API, the store's format (`stasis.store.v1`:
+//! the checkpoint manifest and pack indexes, versioned apart from the API), our own
 //! definitions of the CRIU RPC messages stasisd exchanges with `criu swrk`, of the part of
 //! Kubernetes' CRI that drives a container runtime, and of NRI's plugin protocol; and the
 //! connection to a gRPC server on a Unix socket.
@@ -8,11 +9,18 @@
 pub use prost;
 pub use tonic;
 
-/// The `stasis.v1` API and manifest messages; those the CLI prints as JSON also derive
-/// `serde::Serialize` (see build.rs).
 pub mod stasis {
+    /// The `stasis.v1` API messages; those the CLI prints as JSON also derive
+    /// `serde::Serialize` (see build.rs).
     pub mod v1 {
         tonic::include_proto!("stasis.v1");
+    }
+
+    /// What the store holds: the checkpoint manifest and pack indexes (`stasis.store.v1`).
+    pub mod store {
+        pub mod v1 {
+            tonic::include_proto!("stasis.store.v1");
+        }
     }
 }
 

@@ -198,13 +198,13 @@ fn archives_that_are_not_checkpoints_or_reach_outside_are_refused() {
 }
 
 /// The stasis manifest inside an uncompressed archive, unpacked into `dir`.
-fn archived_manifest(archive: &Path, dir: &Path) -> stasis_proto::stasis::v1::Manifest {
+fn archived_manifest(archive: &Path, dir: &Path) -> stasis_proto::stasis::store::v1::Manifest {
     use stasis_proto::prost::Message as _;
     std::fs::create_dir_all(dir).unwrap();
     let status = Command::new("tar").arg("-C").arg(dir).arg("-xf").arg(archive).status();
     assert!(status.is_ok_and(|s| s.success()), "unpacking {}", archive.display());
     let bytes = std::fs::read(dir.join("stasis-manifest.pb")).expect("the archive's stasis manifest");
-    stasis_proto::stasis::v1::Manifest::decode(bytes.as_slice()).expect("a manifest")
+    stasis_proto::stasis::store::v1::Manifest::decode(bytes.as_slice()).expect("a manifest")
 }
 
 #[test]

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeSet;
 
-use stasis_proto::stasis::v1::Manifest;
+use stasis_proto::stasis::store::v1::Manifest;
 
 use crate::criu::CriuVersion;
 

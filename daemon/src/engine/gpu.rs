@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
-use stasis_proto::stasis::v1::{AddressRange, GpuDevice};
+use stasis_proto::stasis::store::v1::{AddressRange, GpuDevice};
 
 use super::host::Host;
 use super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};

@@ -5,7 +5,7 @@
 
 use std::collections::HashSet;
 
-use stasis_proto::stasis::v1::GpuDevice;
+use stasis_proto::stasis::store::v1::GpuDevice;
 
 use crate::cuda::{GpuInfo, GpuUuid, format_uuid};
 

@@ -51,7 +51,7 @@ impl From<&Manifest> for CheckpointSummary {
 }
 
 /// What an imported checkpoint's archive was: its engine, container and image.
-fn imported_from(a: &stasis_proto::stasis::v1::ArchiveInfo) -> String {
+fn imported_from(a: &stasis_proto::stasis::store::v1::ArchiveInfo) -> String {
     let details: Vec<String> = [("container", &a.container), ("image", &a.image)]
         .into_iter()
         .filter(|(_, v)| !v.is_empty())

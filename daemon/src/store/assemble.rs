@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::{StreamExt, TryStreamExt};
-use stasis_proto::stasis::v1::{ChunkRef, Codec, FileImage, MemoryImage};
+use stasis_proto::stasis::store::v1::{ChunkRef, Codec, FileImage, MemoryImage};
 
 use super::cow::SharedChunks;
 use super::crypto::{Cipher, chunk_id};
@@ -20,7 +20,7 @@ use super::lazy_memory::{LazyChunk, LazyMemory};
 use super::{Manifest, Progress, Store, StoreError};
 use crate::criu::images::{pagemap_file_name, pages_file_name, task_of, write_pagemap};
 use crate::pages::{PE_LAZY, PageRun};
-use stasis_proto::stasis::v1::AddressRange;
+use stasis_proto::stasis::store::v1::AddressRange;
 
 /// Packs one restore fetches at the same time.
 const PACKS_IN_FLIGHT: usize = 8;

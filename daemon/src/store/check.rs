@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use stasis_proto::stasis::v1::{ChunkRef, Manifest};
+use stasis_proto::stasis::store::v1::{ChunkRef, Manifest};
 
 use super::assemble::decode_chunk;
 use super::index::{ChunkHash, ChunkLoc};

@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use rayon::prelude::*;
-use stasis_proto::stasis::v1::{ChunkRef, Codec, PackEntry, PackIndex};
+use stasis_proto::stasis::store::v1::{ChunkRef, Codec, PackEntry, PackIndex};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use super::crypto::{Cipher, chunk_id};

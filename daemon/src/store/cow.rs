@@ -14,7 +14,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
-use stasis_proto::stasis::v1::MemoryImage;
+use stasis_proto::stasis::store::v1::MemoryImage;
 use tracing::debug;
 
 use super::image_runs::{chunk_addresses, image_runs};

@@ -121,7 +121,7 @@ pub fn decode<M: Message + Default>(
 
 #[cfg(test)]
 mod tests {
-    use stasis_proto::stasis::v1::Manifest;
+    use stasis_proto::stasis::store::v1::Manifest;
 
     use super::*;
 

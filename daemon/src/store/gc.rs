@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
-use stasis_proto::stasis::v1::{Manifest, PackIndex};
+use stasis_proto::stasis::store::v1::{Manifest, PackIndex};
 use tracing::{info, warn};
 
 use super::chunks::FinishedPack;
@@ -206,7 +206,7 @@ impl Store {
     async fn repack(
         &self,
         pack: &str,
-        live: Vec<stasis_proto::stasis::v1::PackEntry>,
+        live: Vec<stasis_proto::stasis::store::v1::PackEntry>,
     ) -> Result<(), StoreError> {
         let key = self.pack_key(pack);
         let ranges: Vec<_> = live.iter().map(|e| e.offset..e.offset + u64::from(e.stored_len)).collect();
@@ -288,7 +288,7 @@ mod tests {
     #[test]
     fn retention_never_drops_the_newest_restorable_checkpoint_for_unrestorable_ones() {
         let import = |id: &str, at: u64| Manifest {
-            archive: Some(stasis_proto::stasis::v1::ArchiveInfo {
+            archive: Some(stasis_proto::stasis::store::v1::ArchiveInfo {
                 engine: "cri-o".into(),
                 ..Default::default()
             }),

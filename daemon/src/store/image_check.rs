@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use stasis_proto::stasis::v1::FileImage;
+use stasis_proto::stasis::store::v1::FileImage;
 
 use super::assemble::{decode_chunk, locate};
 use super::index::{ChunkHash, ChunkLoc};

@@ -1,7 +1,7 @@
 //! A memory image's runs with the chunks that hold their pages, and the parts of a run that
 //! go one way or the other when a restore splits memory between CRIU's images and the store.
 
-use stasis_proto::stasis::v1::{ChunkRef, MemoryImage};
+use stasis_proto::stasis::store::v1::{ChunkRef, MemoryImage};
 
 use crate::pages::{PAGE_SIZE, PageRun};
 
@@ -112,8 +112,8 @@ mod tests {
         let image = MemoryImage {
             dst_id: 0x701,
             runs: vec![
-                stasis_proto::stasis::v1::PageRun { vaddr: 0x10000, nr_pages: 17, flags: PE_PRESENT },
-                stasis_proto::stasis::v1::PageRun { vaddr: 0x40000, nr_pages: 4, flags: 0 },
+                stasis_proto::stasis::store::v1::PageRun { vaddr: 0x10000, nr_pages: 17, flags: PE_PRESENT },
+                stasis_proto::stasis::store::v1::PageRun { vaddr: 0x40000, nr_pages: 4, flags: 0 },
             ],
             chunks: vec![chunk(0x10000, 1), chunk(0x1000, 2)],
         };

@@ -4,7 +4,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 
-use stasis_proto::stasis::v1::{Codec, PackEntry, PackIndex};
+use stasis_proto::stasis::store::v1::{Codec, PackEntry, PackIndex};
 
 pub type ChunkHash = [u8; 32];
 

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use stasis_proto::stasis::v1::AddressRange;
+use stasis_proto::stasis::store::v1::AddressRange;
 
 use super::{
     Ask, ChunkData, ChunkReader, FetchSettings, LazyFetch, LazyFetchError, LazyMemory, Manifest, MemoryMode,

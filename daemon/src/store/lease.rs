@@ -352,8 +352,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (a, _) = nodes(dir.path());
         let guard = a.begin_commit().await.unwrap();
-        let manifest =
-            stasis_proto::stasis::v1::Manifest { id: "20261123-000000-abcdef".into(), ..Default::default() };
+        let manifest = stasis_proto::stasis::store::v1::Manifest {
+            id: "20261123-000000-abcdef".into(),
+            ..Default::default()
+        };
         // Renewals that kept failing for most of a TTL.
         *guard.lease.holds_until.lock().unwrap() = Instant::now() - Duration::from_secs(1);
         let err = a.commit(&manifest, &guard).await.unwrap_err();

@@ -10,7 +10,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 
-use stasis_proto::stasis::v1::{MemoryImage, PageRun as StoredRun};
+use stasis_proto::stasis::store::v1::{MemoryImage, PageRun as StoredRun};
 
 use super::chunks::{ChunkWriter, UploaderGone, WindowCutter};
 use super::staging::Staged;

@@ -52,7 +52,7 @@ pub use gc::{GcReport, Retention};
 pub use lazy_memory::LazyMemory;
 pub use prefetch::{Ask, ChunkData, ChunkReader, FetchSettings, LazyFetch, LazyFetchError};
 pub use staging::{Staged, Staging, StagingBudget};
-pub use stasis_proto::stasis::v1::{Manifest, PodInfo};
+pub use stasis_proto::stasis::store::v1::{Manifest, PodInfo};
 pub use stream::{BlockPool, StreamSink, StreamSource, stream};
 pub use upload::{DumpPages, StoredDump};
 

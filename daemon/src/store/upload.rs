@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use object_store::PutPayload;
 use object_store::path::Path as ObjPath;
-use stasis_proto::stasis::v1::{ChunkRef, FileImage, MemoryImage};
+use stasis_proto::stasis::store::v1::{ChunkRef, FileImage, MemoryImage};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tracing::warn;

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use stasis_proto::stasis::v1::{DumpOptions, StoredStats};
+use stasis_proto::stasis::store::v1::{DumpOptions, StoredStats};
 use tracing::{info, warn};
 
 use super::super::dump::SPILL_FILE;

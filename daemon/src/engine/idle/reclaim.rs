@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use stasis_proto::stasis::v1::SocketRecord;
+use stasis_proto::stasis::store::v1::SocketRecord;
 use tracing::{info, warn};
 
 use super::Reclaimed;

@@ -20,7 +20,7 @@ use std::collections::{HashMap, HashSet};
 pub use left_locks::{LeftLocks, SWEEP_EVERY};
 pub use restore_check::check_restore;
 pub use rollback::{Connection, leave_repair, unlock};
-use stasis_proto::stasis::v1::SocketRecord;
+use stasis_proto::stasis::store::v1::SocketRecord;
 use tracing::debug;
 
 use crate::criu::NetworkLock;

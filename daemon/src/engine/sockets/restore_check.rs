@@ -4,7 +4,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 
-use stasis_proto::stasis::v1::SocketRecord;
+use stasis_proto::stasis::store::v1::SocketRecord;
 
 use super::{describe, is_connection};
 use crate::linux::net::{self, SocketKind, SocketTable};
