@@ -81,7 +81,9 @@ pub async fn reserve_pids(reaper: &Reaper, init: i32, highest: i32, needed: &[i3
     }
     let deadline = Instant::now() + TAKEN_PID_WAIT;
     loop {
-        let Some((inner, host)) = taken(init, needed)? else { return Ok(()) };
+        let wanted = needed.to_vec();
+        let scan = tokio::task::spawn_blocking(move || taken(init, &wanted)).await;
+        let Some((inner, host)) = scan.map_err(io::Error::other)?? else { return Ok(()) };
         if Instant::now() >= deadline {
             let comm = ProcStat::read(host).map(|s| s.comm).unwrap_or_default();
             return Err(io::Error::other(format!(
@@ -94,14 +96,15 @@ pub async fn reserve_pids(reaper: &Reaper, init: i32, highest: i32, needed: &[i3
     }
 }
 
-/// A process of the pid namespace whose init is `init` (not the init) holding one of the
-/// pids `needed` there: that pid and its host pid.
+/// A task (process or thread) of the pid namespace whose init is `init` (not the init)
+/// holding one of the pids `needed` there: that pid and its host pid.
 fn taken(init: i32, needed: &[i32]) -> io::Result<Option<(i32, i32)>> {
     let namespace = pid_namespace(init)?;
     Ok(proc::all_pids()
         .into_iter()
         .filter(|&pid| pid != init && pid_namespace(pid).ok() == Some(namespace))
-        .find_map(|pid| Some((proc::pid_inside(pid, init).filter(|inner| needed.contains(inner))?, pid))))
+        .flat_map(proc::threads)
+        .find_map(|tid| Some((proc::pid_inside(tid, init).filter(|inner| needed.contains(inner))?, tid))))
 }
 
 /// The inode of `pid`'s pid namespace: equal for two processes of one container.
@@ -126,23 +129,42 @@ mod tests {
 41 25 0:36 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory";
 
     #[test]
-    fn a_process_holding_a_needed_pid_in_the_namespace_is_found() {
-        // A pid namespace whose init (sh, pid 1 there) has one child, a sleep (pid 2 there).
+    fn a_task_holding_a_needed_pid_in_the_namespace_is_found() {
+        // A pid namespace whose init (sh, pid 1 there) has one child, python (pid 2 there),
+        // which started a thread (pid 3 there). Debian's python: a wrapper (pyenv's) would
+        // take pids there first.
+        let script = "import threading, time\n\
+                      threading.Thread(target=time.sleep, args=(30,)).start(); print(flush=True); time.sleep(30)";
         let mut unshare = Command::new("unshare")
-            .args(["--pid", "--fork", "--kill-child", "sh", "-c", "sleep 30 & wait"])
+            .args([
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "sh",
+                "-c",
+                &format!("/usr/bin/python3 -c '{script}' & wait"),
+            ])
+            .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let found = (0..250).find_map(|_| {
-            std::thread::sleep(Duration::from_millis(20));
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(unshare.stdout.take().unwrap()), &mut line)
+            .unwrap();
+        let found = (|| {
             let init = *proc::children(unshare.id() as i32).ok()?.first()?;
-            let sleep = *proc::children(init).ok()?.first()?;
-            Some((init, sleep, taken(init, &[2, 5]).ok()?, taken(init, &[3, 5]).ok()?))
-        });
+            let python = *proc::children(init).ok()?.first()?;
+            let scan = |needed: &[i32]| taken(init, needed).ok();
+            Some((init, python, scan(&[2, 5])?, scan(&[3])?, scan(&[4, 5])?))
+        })();
         unshare.kill().unwrap();
         unshare.wait().unwrap();
-        let (init, sleep, needed, free) = found.expect("the namespace's init and its child");
-        assert_eq!(needed, Some((2, sleep)), "the sleep holds pid 2 under init {init}");
-        assert_eq!(free, None, "nothing holds 3 or 5, and the init itself does not count");
+        let (init, python, process, thread, free) = found.expect("the namespace's init and its child");
+        assert_eq!(process, Some((2, python)), "python holds pid 2 under init {init}");
+        assert!(
+            thread.is_some_and(|(inner, tid)| inner == 3 && tid != python),
+            "its thread holds 3: {thread:?}"
+        );
+        assert_eq!(free, None, "nothing holds 4 or 5, and the init itself does not count");
     }
 
     #[test]
