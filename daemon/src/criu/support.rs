@@ -61,6 +61,20 @@ fn kernel_version(release: &str) -> Option<(u32, u32)> {
     Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
 }
 
+/// Whether CRIU can dump, on `kernel`, a process that registered restartable sequences
+/// (glibc 2.35 and later register one for every thread): it reads the registration with
+/// PTRACE_GET_RSEQ_CONFIGURATION, which Linux has from 5.13 on. `Err(why)` where it cannot
+/// (CRIU then fails the dump: "has rseq but kernel lacks get_rseq_conf feature").
+pub fn rseq_dumpable(kernel: &str) -> Result<(), String> {
+    match kernel_version(kernel) {
+        Some(version) if version < (5, 13) => Err(format!(
+            "kernel {kernel} lacks PTRACE_GET_RSEQ_CONFIGURATION (Linux 5.13), without which CRIU cannot dump \
+             a process that registered rseq (glibc 2.35 and later do)"
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// The lock to use: `forced` if given and available; else nftables when this CRIU was built
 /// with it and the kernel has it (no program needed), else iptables when its programs are
 /// installed. `Err(why)` when none of those is available.
@@ -109,6 +123,15 @@ mod tests {
         assert!(network_sockets(v(4, 1), "6.15.9-arch1").is_ok());
         assert!(network_sockets(v(4, 0), "5.10.0-32-amd64").is_ok());
         assert!(network_sockets(v(3, 17), "weird").is_ok());
+    }
+
+    #[test]
+    fn rseq_is_dumpable_from_linux_5_13() {
+        assert!(rseq_dumpable("5.10.0-32-amd64").unwrap_err().contains("PTRACE_GET_RSEQ_CONFIGURATION"));
+        assert!(rseq_dumpable("5.12.19").is_err());
+        assert_eq!(rseq_dumpable("5.13.0"), Ok(()));
+        assert_eq!(rseq_dumpable("6.1.0-50-amd64"), Ok(()));
+        assert_eq!(rseq_dumpable("6.18.44-fc-v657"), Ok(()));
     }
 
     #[test]

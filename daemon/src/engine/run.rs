@@ -15,6 +15,7 @@ use tracing::info;
 use super::home::new_init_dir;
 use super::workloads::{Workload, derived_name, is_container_name, valid_name};
 use super::{Caller, Engine, RunError};
+use crate::criu::support;
 use crate::linux::sys::{ChildSetup, spawn};
 
 /// What to start.
@@ -81,10 +82,14 @@ impl Engine {
         if params.pids == Pids::Default && !own_pids {
             info!(workload = %name, "GPU node: the workload runs with stasisd's pids (CUDA needs them)");
         }
-        let env = workload_env(&params);
+        let mut env = workload_env(&params);
+        let no_rseq = support::rseq_dumpable(&self.deps.host.kernel_release()).is_err();
+        if no_rseq {
+            without_rseq(&mut env);
+        }
         let init = own_pids.then(|| InitSetup::new(&env)).transpose().map_err(setup_err("its init"))?;
-        let mut cmd =
-            command_for(&params, &env, [stdout, log], init.as_ref()).map_err(setup_err("its init"))?;
+        let mut cmd = command_for(&params, &env, [stdout, log], init.as_ref(), no_rseq)
+            .map_err(setup_err("its init"))?;
         let setup = ChildSetup {
             new_session: true,
             cgroup_procs: procs.iter().map(|f| f.as_raw_fd()).collect(),
@@ -205,6 +210,7 @@ fn command_for(
     env: &[(String, String)],
     [stdout, stderr]: [File; 2],
     init: Option<&InitSetup>,
+    no_rseq: bool,
 ) -> std::io::Result<Command> {
     let mut cmd = match init {
         None => {
@@ -222,8 +228,12 @@ fn command_for(
         }
         Some(init) => {
             let mut cmd = Command::new(crate::linux::init_program::install()?);
-            cmd.env_clear()
-                .args(["--report-fd", &init.write.as_raw_fd().to_string()])
+            cmd.env_clear();
+            if no_rseq {
+                // The init is in the tree too, and links glibc.
+                cmd.env("GLIBC_TUNABLES", NO_RSEQ);
+            }
+            cmd.args(["--report-fd", &init.write.as_raw_fd().to_string()])
                 .args(["--env-fd", &init.env.as_raw_fd().to_string()])
                 .arg("--dir")
                 .arg(&init.dir);
@@ -247,6 +257,20 @@ const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/s
 /// The environment a workload starts with. Never stasisd's own, which can hold the store's key
 /// and credentials: stasisd's PATH, the HOME, USER and LOGNAME of whom the workload runs as,
 /// then the variables the caller gave (which may replace those).
+/// glibc's tunable that keeps it from registering restartable sequences.
+const NO_RSEQ: &str = "glibc.pthread.rseq=0";
+
+/// Asks glibc not to register restartable sequences (`glibc.pthread.rseq=0`), on kernels where
+/// CRIU cannot dump a process that did (see `support::rseq_dumpable`); other tunables the
+/// caller gave are kept, and a rseq setting of the caller's wins.
+fn without_rseq(env: &mut Vec<(String, String)>) {
+    match env.iter_mut().find(|(key, _)| key == "GLIBC_TUNABLES") {
+        Some((_, value)) if value.contains("glibc.pthread.rseq=") => {}
+        Some((_, value)) => *value = format!("{value}:{NO_RSEQ}"),
+        None => env.push(("GLIBC_TUNABLES".into(), NO_RSEQ.into())),
+    }
+}
+
 fn workload_env(params: &RunParams) -> Vec<(String, String)> {
     let path = std::env::var("PATH").unwrap_or_else(|_| DEFAULT_PATH.into());
     let mut env = vec![("PATH".to_string(), path)];
@@ -260,4 +284,26 @@ fn workload_env(params: &RunParams) -> Vec<(String, String)> {
         env.push((key.clone(), value.clone()));
     }
     env
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_rseq;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn rseq_is_turned_off_keeping_the_callers_tunables() {
+        let mut plain = env(&[("PATH", "/bin")]);
+        without_rseq(&mut plain);
+        assert_eq!(plain, env(&[("PATH", "/bin"), ("GLIBC_TUNABLES", "glibc.pthread.rseq=0")]));
+        let mut other = env(&[("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")]);
+        without_rseq(&mut other);
+        assert_eq!(other, env(&[("GLIBC_TUNABLES", "glibc.malloc.arena_max=2:glibc.pthread.rseq=0")]));
+        let mut own = env(&[("GLIBC_TUNABLES", "glibc.pthread.rseq=1")]);
+        without_rseq(&mut own);
+        assert_eq!(own, env(&[("GLIBC_TUNABLES", "glibc.pthread.rseq=1")]));
+    }
 }

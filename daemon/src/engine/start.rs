@@ -168,7 +168,8 @@ async fn probe_criu(
 
 /// Logs what of the kernel stasisd found, one line: userfaultfd with its fork, remap and unmap
 /// events (served and lazy restores), soft-dirty tracking, pidfd_getfd (looking at a tree's
-/// sockets) and the TCP network lock; then, for each one missing, why.
+/// sockets), whether CRIU can dump rseq registrations, and the TCP network lock; then, for each
+/// one missing, why.
 fn log_kernel_features(
     host: &dyn Host,
     served_memory: &Result<(), String>,
@@ -176,17 +177,26 @@ fn log_kernel_features(
 ) {
     let soft_dirty = host.soft_dirty();
     let pidfd = host.pidfd_getfd();
+    let rseq = support::rseq_dumpable(&host.kernel_release());
     let has = |found: &Result<(), String>| if found.is_ok() { "yes" } else { "no" };
     info!(
         kernel = %host.kernel_release(),
         userfaultfd_events = has(served_memory),
         soft_dirty = has(&soft_dirty),
         pidfd_getfd = has(&pidfd),
+        rseq_dump = has(&rseq),
         network_lock = lock.as_ref().map_or("none", |lock| lock.name()),
         "kernel features"
     );
     if let Err(why) = &soft_dirty {
         info!(reason = %why, "no soft-dirty tracking");
+    }
+    if let Err(why) = &rseq {
+        warn!(
+            reason = %why,
+            "workloads started by `stasis run` get GLIBC_TUNABLES=glibc.pthread.rseq=0; other trees whose \
+             glibc registered rseq fail to dump"
+        );
     }
     if let Err(why) = &pidfd {
         warn!(reason = %why, "stasisd cannot copy a tree's socket descriptors to inspect them");
