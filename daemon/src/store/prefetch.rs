@@ -36,6 +36,11 @@ use super::{Store, StoreError};
 /// one together; on a store far away that is what keeps a working set from arriving a few
 /// chunks per round trip.
 const BATCH_BYTES: u64 = 16 << 20;
+/// Of the chunks asked for ahead of faults, how much may ride in a batch that a fault waits
+/// for: a batch's chunks are ready only once all of it has arrived, so more would hold the
+/// fault back (a process walking its memory asks for up to 32 MiB ahead). The rest go in
+/// batches of their own.
+const SOON_WITH_URGENT: u64 = 1 << 20;
 /// Batches fetched at the same time...
 const BATCHES_IN_FLIGHT: usize = 4;
 /// ...and prefetch batches, while a batch something waits for is under way.
@@ -369,14 +374,22 @@ fn next_batch(
 ) -> (Vec<usize>, bool) {
     let chunks = &shared.memory.chunks;
     let mut st = shared.lock();
-    let (mut batch, mut bytes) = (Vec::new(), 0u64);
+    let (mut batch, mut bytes, mut urgent_bytes) = (Vec::new(), 0u64, 0u64);
     while bytes < BATCH_BYTES {
         let room = st.held + bytes < capacity;
-        let next = st.urgent.pop_front().or_else(|| if room { st.soon.pop_front() } else { None });
+        // Behind chunks a fault waits for, only a little of what was asked for ahead.
+        let soon_fits = urgent_bytes == 0 || bytes - urgent_bytes < SOON_WITH_URGENT;
+        let (next, urgent) = match st.urgent.pop_front() {
+            Some(i) => (Some(i), true),
+            None if room && soon_fits => (st.soon.pop_front(), false),
+            None => (None, false),
+        };
         let Some(i) = next else { break };
         if matches!(st.slots[i], Slot::Absent) && !st.released[i] {
             st.slots[i] = Slot::Fetching;
-            bytes += u64::from(chunks[i].len);
+            let len = u64::from(chunks[i].len);
+            bytes += len;
+            urgent_bytes += if urgent { len } else { 0 };
             batch.push(i);
         }
     }
