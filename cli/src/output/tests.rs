@@ -2,9 +2,10 @@
 //! nesting and value types, as derived from the API messages.
 
 use serde_json::{Value, json};
+use stasis_proto::stasis::store::v1::CheckpointStats;
 use stasis_proto::stasis::v1::{
-    CheckpointInfo, CheckpointResult, CheckpointStats, GcResponse, ListResponse, RestoreResult, RestoreStats,
-    RunResponse, StatusResponse, WorkloadStatus,
+    CheckpointInfo, CheckpointResult, GcResponse, ListResponse, RestoreResult, RestoreStats, RunResponse,
+    StatusResponse, WorkloadStatus,
 };
 
 use super::*;

@@ -5,6 +5,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
+use stasis_proto::stasis::store::v1::CheckpointStats;
 use stasis_proto::stasis::v1::stasis_server::{Stasis, StasisServer};
 use stasis_proto::stasis::v1::*;
 use stasis_proto::tonic::{self, Request, Response, Status};

@@ -40,7 +40,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 pub use access::Caller;
-pub(crate) use checkpoint::convert_stats;
 pub use checkpoint::{AnswerWhen, CheckpointOutcome, CheckpointParams, CheckpointStats, EarlyAnswer, Target};
 pub use error::{CheckpointError, PolicyError, QueryError, RestoreError, RunError, StartError};
 pub use evacuate::plan::CheckpointCost;

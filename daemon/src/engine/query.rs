@@ -44,7 +44,7 @@ impl From<&Manifest> for CheckpointSummary {
             files: image_names(m),
             criu_options: super::checkpoint::tree_options(&m.options.clone().unwrap_or_default()).describe(),
             sockets: m.sockets.iter().map(super::sockets::describe).collect(),
-            stats: m.stats.as_ref().map(super::checkpoint::stats_of).unwrap_or_default(),
+            stats: m.stats.unwrap_or_default(),
             imported_from: m.archive.as_ref().map(imported_from).unwrap_or_default(),
         }
     }

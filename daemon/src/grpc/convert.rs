@@ -248,7 +248,7 @@ impl From<ProgressUpdate> for pb::Progress {
 impl From<CheckpointOutcome> for pb::CheckpointResult {
     fn from(o: CheckpointOutcome) -> Self {
         Self {
-            stats: Some(api_stats(&o.stats)),
+            stats: Some(o.stats),
             id: o.id,
             workload: o.workload,
             pid: o.pid,
@@ -283,7 +283,7 @@ impl From<RestoreOutcome> for pb::RestoreResult {
 impl From<CheckpointSummary> for pb::CheckpointInfo {
     fn from(c: CheckpointSummary) -> Self {
         Self {
-            stats: Some(api_stats(&c.stats)),
+            stats: Some(c.stats),
             id: c.id,
             workload: c.workload,
             pid: c.pid,
@@ -403,11 +403,6 @@ impl From<CheckReport> for pb::CheckResponse {
             notes: r.notes,
         }
     }
-}
-
-/// The API's message for a checkpoint's stats.
-fn api_stats(s: &crate::engine::CheckpointStats) -> pb::CheckpointStats {
-    crate::engine::convert_stats!(s => pb::CheckpointStats)
 }
 
 #[cfg(test)]

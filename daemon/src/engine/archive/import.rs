@@ -138,7 +138,7 @@ impl Engine {
         manifest.parent_id.clear();
         manifest.files = stored.files;
         manifest.memory = stored.memory;
-        manifest.stats = Some(stasis_proto::stasis::store::v1::StoredStats {
+        manifest.stats = Some(crate::engine::CheckpointStats {
             bytes_total: stored.chunks.bytes_total,
             bytes_uploaded: stored.bytes_uploaded,
             chunks_total: stored.chunks.chunks_total,

@@ -31,8 +31,8 @@ use crate::metrics::{CheckpointSample, Failure, Metrics};
 use crate::pages::PageSink;
 use crate::store::{DumpPages, Staging};
 use rollback::Hold;
+pub(in crate::engine) use store::tree_options;
 use store::{DumpTiming, Dumped};
-pub(in crate::engine) use store::{stats_of, tree_options};
 
 /// Which tree to checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -84,59 +84,9 @@ impl std::fmt::Debug for CheckpointParams {
     }
 }
 
-/// `$to` with every field of `$from`, for the three types that hold a checkpoint's stats (the
-/// engine's, the API's and the manifest's), which have the same fields.
-macro_rules! convert_stats {
-    ($from:expr => $($to:ident)::+) => {
-        $($to)::+ {
-            frozen_ms: $from.frozen_ms,
-            total_ms: $from.total_ms,
-            bytes_total: $from.bytes_total,
-            dump_ms: $from.dump_ms,
-            store_ms: $from.store_ms,
-            durable_ms: $from.durable_ms,
-            bytes_uploaded: $from.bytes_uploaded,
-            chunks_total: $from.chunks_total,
-            chunks_new: $from.chunks_new,
-            chunks_zero: $from.chunks_zero,
-            gpu_lock_ms: $from.gpu_lock_ms,
-            gpu_checkpoint_ms: $from.gpu_checkpoint_ms,
-            gpu_restore_ms: $from.gpu_restore_ms,
-            gpu_bytes: $from.gpu_bytes,
-        }
-    };
-}
-pub(crate) use convert_stats;
-
-/// Timings and sizes of one checkpoint. The API and the manifest each have a message of their
-/// own for it; the conversions are at those edges (`grpc/convert.rs`, `store.rs` here).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CheckpointStats {
-    /// How long CRIU kept the tree frozen.
-    pub frozen_ms: u64,
-    /// From request until the job ended (after `durable_ms`: killing an evicted tree, the
-    /// registry, retention).
-    pub total_ms: u64,
-    /// Bytes of memory and images in the checkpoint.
-    pub bytes_total: u64,
-    pub dump_ms: u64,
-    pub store_ms: u64,
-    /// From request until the manifest was committed.
-    pub durable_ms: u64,
-    /// Bytes written to the store (new chunks, compressed, and pack indexes).
-    pub bytes_uploaded: u64,
-    pub chunks_total: u64,
-    /// Chunks the store did not hold yet.
-    pub chunks_new: u64,
-    /// All-zero chunks, recorded but never stored.
-    pub chunks_zero: u64,
-    pub gpu_lock_ms: u64,
-    pub gpu_checkpoint_ms: u64,
-    /// Putting CUDA state back (a tree that runs on).
-    pub gpu_restore_ms: u64,
-    /// Device memory moved into host memory.
-    pub gpu_bytes: u64,
-}
+/// Timings and sizes of one checkpoint: the store's message, which the manifest keeps and the
+/// API reports as they are.
+pub use stasis_proto::stasis::store::v1::CheckpointStats;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckpointOutcome {

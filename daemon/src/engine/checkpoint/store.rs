@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use stasis_proto::stasis::store::v1::{DumpOptions, StoredStats};
+use stasis_proto::stasis::store::v1::DumpOptions;
 use tracing::{info, warn};
 
 use super::super::dump::SPILL_FILE;
@@ -13,7 +13,7 @@ use super::super::gpu::Suspended;
 use super::super::ids::ms;
 use super::super::inspect::TreeInfo;
 use super::super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
-use super::{CheckpointStats, convert_stats};
+use super::CheckpointStats;
 use crate::criu::{LOG_FILE, NetworkLock, TreeOptions};
 use crate::engine::access::owner_of;
 use crate::linux::{cgroup, init_program};
@@ -162,7 +162,7 @@ impl Engine {
             gpus: gpu.map(|g| g.devices.clone()).unwrap_or_default(),
             gpu_host_memory: gpu.map(|g| g.host_memory.clone()).unwrap_or_default(),
             cuda_driver: self.deps.gpu.as_ref().map(|g| g.driver_version()).unwrap_or_default(),
-            stats: Some(stored_stats(&stats)),
+            stats: Some(stats),
             sockets: d.tree.sockets.records.clone(),
             owner_uid: owner_of(&d.tree.uids),
             cpu_flags: self.deps.host.cpu_flags().into_iter().collect(),
@@ -199,16 +199,6 @@ fn stats(d: &Dumped<'_>, stored: &StoredDump) -> CheckpointStats {
         dump_ms: ms(timing.dump_done - timing.started),
         store_ms: ms(timing.dump_done.elapsed()),
     }
-}
-
-/// The manifest's record of `s`.
-fn stored_stats(s: &CheckpointStats) -> StoredStats {
-    convert_stats!(s => StoredStats)
-}
-
-/// The stats a manifest recorded.
-pub(in crate::engine) fn stats_of(s: &StoredStats) -> CheckpointStats {
-    convert_stats!(s => CheckpointStats)
 }
 
 fn dump_options(t: &TreeOptions) -> DumpOptions {
