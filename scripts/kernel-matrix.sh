@@ -64,11 +64,14 @@ fail() {
 
 st() { "$bin/stasis" --socket "$KM_STATE/stasisd.sock" "$@"; }
 
-# Runs the CLI; prints its stdout; on failure ends the case with its error.
+# Runs the CLI; prints its stdout; on failure ends the case with its error (its first line,
+# and CRIU's first error where it quotes CRIU's log).
 cli() {
-  local out
-  if ! out=$(st "$@" 2>"$KM_STATE/cli.err"); then
-    fail "stasis $1: $(tr '\n' ' ' <"$KM_STATE/cli.err" | tail -c 400)"
+  local out err=$KM_STATE/cli.err
+  if ! out=$(st "$@" 2>"$err"); then
+    local criu_error
+    criu_error=$(grep -m 1 -o 'Error (criu.*' "$err" || true)
+    fail "stasis $1: $(head -n 1 "$err" | cut -c 1-200)${criu_error:+ [CRIU: $criu_error]}"
   fi
   printf '%s\n' "$out"
 }
@@ -398,7 +401,7 @@ guest_main() {
 
 km_dir=$root/.stasis/kernel-matrix
 
-# apt_suite SUITE ARGS...: apt-get/apt-cache options of a private sources list for SUITE.
+# apt_opts SUITE: the apt-get/apt-cache options of a private sources list for SUITE.
 apt_opts() {
   local dir=$km_dir/apt/$1
   echo -o "Dir::Etc::SourceList=$dir/sources.list" -o "Dir::Etc::SourceParts=-" \

@@ -90,6 +90,6 @@ cargo fmt --all -- --check
 cargo build --workspace --all-targets
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 cargo test --workspace --no-fail-fast -- --test-threads=2
-# The end-to-end subset on Debian 12's kernel (6.1) in a qemu guest under TCG: 6 min 44 s on
-# this 2-core VM (2026-11-26). 5.10 and 6.12 run on demand: scripts/kernel-matrix.sh 5.10 6.12.
+# The end-to-end subset on Debian 12's kernel (6.1) in a qemu guest under TCG: 7 to 9 minutes
+# on this 2-core VM (2026-11-26). 5.10 and 6.12 run on demand: scripts/kernel-matrix.sh 5.10 6.12.
 scripts/kernel-matrix.sh 6.1
