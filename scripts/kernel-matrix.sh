@@ -69,9 +69,11 @@ st() { "$bin/stasis" --socket "$KM_STATE/stasisd.sock" "$@"; }
 cli() {
   local out err=$KM_STATE/cli.err
   if ! out=$(st "$@" 2>"$err"); then
-    local criu_error
+    local first criu_error
+    first=$(head -n 1 "$err")
     criu_error=$(grep -m 1 -o 'Error (criu.*' "$err" || true)
-    fail "stasis $1: $(head -n 1 "$err" | cut -c 1-200)${criu_error:+ [CRIU: $criu_error]}"
+    case $first in *"$criu_error"*) criu_error= ;; esac
+    fail "stasis $1: $(cut -c 1-300 <<<"$first")${criu_error:+ [CRIU: $criu_error]}"
   fi
   printf '%s\n' "$out"
 }
