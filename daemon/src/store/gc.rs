@@ -306,4 +306,31 @@ mod tests {
         assert_eq!(expired(&all, Retention { keep_last: 1 }), vec!["a1", "a2"]);
         assert!(expired(&all, Retention { keep_last: 3 }).is_empty());
     }
+
+    #[tokio::test]
+    async fn a_chunk_in_two_packs_stays_found_when_one_of_them_goes() {
+        use stasis_proto::stasis::store::v1::PackEntry;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::in_dir(dir.path());
+        let hash = [7u8; 32];
+        let pack = |id: &str| FinishedPack {
+            data: b"abcd".to_vec(),
+            index: PackIndex {
+                pack: id.into(),
+                entries: vec![PackEntry { hash: hash.to_vec(), offset: 0, stored_len: 4, len: 4, codec: 0 }],
+            },
+            _slot: None,
+        };
+        // The chunk's noted home is the first pack; a second holds it too (a repack's copy).
+        store.upload_pack(pack("first")).await.unwrap();
+        store.upload_pack(pack("second")).await.unwrap();
+        // Another node's collection deletes the first.
+        for key in [store.pack_index_key("first"), store.pack_key("first")] {
+            store.backend.delete(&key).await.unwrap();
+        }
+        store.refresh_index().await.unwrap();
+        let chunk = ChunkHash::try_from(hash.as_slice()).unwrap();
+        let found = store.index.get(&chunk).map(|loc| loc.pack.to_string());
+        assert_eq!(found.as_deref(), Some("second"), "the chunk is still known, in the pack that holds it");
+    }
 }

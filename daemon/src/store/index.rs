@@ -78,6 +78,13 @@ impl ChunkIndex {
         self.read().packs.iter().cloned().collect()
     }
 
+    /// Forgets every pack and chunk.
+    pub fn clear(&self) {
+        let mut inner = self.write();
+        inner.chunks.clear();
+        inner.packs.clear();
+    }
+
     /// Forgets a pack and the chunks located in it.
     pub fn remove_pack(&self, pack: &str) {
         let mut inner = self.write();

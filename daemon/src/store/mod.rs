@@ -302,8 +302,11 @@ impl Store {
     /// waits for another node while holding what this node's collection waits for.
     pub async fn begin_commit(&self) -> Result<CommitGuard, StoreError> {
         let lease = self.use_lease().await?;
-        self.refresh_index().await?;
+        // The index is brought up to date under the local lock: a refresh while this node's
+        // collection moves chunks between packs could note a chunk's old pack as its home, and
+        // forget it once that pack is deleted.
         let local = self.gc_lock.clone().read_owned().await;
+        self.refresh_index().await?;
         Ok(CommitGuard { _local: local, lease })
     }
 
@@ -324,8 +327,11 @@ impl Store {
     async fn refresh_index_from(&self, metas: &[object_store::ObjectMeta]) -> Result<(), StoreError> {
         let listed: std::collections::HashSet<&str> =
             metas.iter().filter_map(|m| m.location.filename()?.strip_suffix(".idx")).collect();
-        for gone in self.index.packs().into_iter().filter(|p| !listed.contains(&**p)) {
-            self.index.remove_pack(&gone);
+        if self.index.packs().iter().any(|p| !listed.contains(&**p)) {
+            // A chunk may be in several packs (a repack copies it, two commits may each store
+            // it) and the index keeps one of its locations: when a pack goes, the chunks it
+            // was the noted home of are still in others, so every pack is read again.
+            self.index.clear();
         }
         for meta in metas {
             let Some(pack) = meta.location.filename().and_then(|f| f.strip_suffix(".idx")) else { continue };
