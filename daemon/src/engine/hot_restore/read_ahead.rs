@@ -26,16 +26,17 @@ impl Default for ReadAhead {
 }
 
 impl ReadAhead {
-    /// How many chunks to ask for after a fault in the chunk at image address `chunk`: the
-    /// window, doubled if this fault continues a walk.
-    pub(super) fn window_for(&mut self, chunk: u64, chunk_len: u64) -> usize {
-        let walking = self.last.is_some_and(|(fault, reach)| {
+    /// How many chunks to ask for after a fault in the chunk at image address `chunk` (the
+    /// window, doubled if this fault continues a walk), and up to which address they were
+    /// asked for already (by the fault before, on a walk; else none past `chunk`).
+    pub(super) fn window_for(&mut self, chunk: u64, chunk_len: u64) -> (usize, u64) {
+        let walk = self.last.filter(|&(fault, reach)| {
             // Past the last fault, and within one more window of what it brought in.
             let slack = self.window as u64 * chunk_len;
             chunk > fault && chunk <= reach.saturating_add(slack)
         });
-        self.window = if walking { (self.window * 2).min(MOST) } else { LEAST };
-        self.window
+        self.window = if walk.is_some() { (self.window * 2).min(MOST) } else { LEAST };
+        (self.window, walk.map_or(chunk, |(_, reach)| reach))
     }
 
     /// Records the fault at `chunk` and the last chunk asked for after it (`reach`; the fault's
@@ -57,7 +58,7 @@ mod tests {
         chunks
             .iter()
             .map(|&at| {
-                let window = ra.window_for(at, CHUNK);
+                let (window, _) = ra.window_for(at, CHUNK);
                 ra.asked(at, at + window as u64 * CHUNK);
                 window
             })
@@ -72,7 +73,7 @@ mod tests {
         let mut faults = Vec::new();
         for _ in 0..10 {
             faults.push(at);
-            let window = ra.clone().window_for(at, CHUNK) as u64;
+            let window = ra.clone().window_for(at, CHUNK).0 as u64;
             at += (window + 1) * CHUNK;
         }
         let windows = walk(&mut ra, &faults);
@@ -86,6 +87,15 @@ mod tests {
         // Every 1.5 MiB: past the 1 MiB the first fault brings, within one more window.
         let faults: Vec<u64> = (0..4).map(|i| i * 24 * CHUNK).collect();
         assert_eq!(walk(&mut ra, &faults), [LEAST, 30, 60, 120]);
+    }
+
+    #[test]
+    fn a_walk_skips_what_the_fault_before_asked_for() {
+        let mut ra = ReadAhead::default();
+        assert_eq!(ra.window_for(0, CHUNK), (LEAST, 0), "nothing asked for before");
+        ra.asked(0, 15 * CHUNK);
+        assert_eq!(ra.window_for(16 * CHUNK, CHUNK), (30, 15 * CHUNK));
+        assert_eq!(ra.window_for(1 << 40, CHUNK), (LEAST, 1 << 40), "elsewhere: all of it anew");
     }
 
     #[test]

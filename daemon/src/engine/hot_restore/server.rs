@@ -303,9 +303,12 @@ impl FaultServer {
                     let page = address & !(PAGE - 1);
                     if let Some((addr, i)) = pages.fault(page) {
                         self.chunks.get(i, Ask::Urgent).map_err(FaultServerError::Fetch)?;
-                        let window = read_ahead.window_for(addr, CHUNK as u64);
-                        let next: Vec<(u64, usize)> = pages.chunks_from(addr + 1).take(window).collect();
-                        read_ahead.asked(addr, next.last().map_or(addr, |&(at, _)| at));
+                        let (window, asked_through) = read_ahead.window_for(addr, CHUNK as u64);
+                        let ahead: Vec<(u64, usize)> = pages.chunks_from(addr + 1).take(window).collect();
+                        read_ahead.asked(addr, ahead.last().map_or(addr, |&(at, _)| at));
+                        // On a walk, the chunks the fault before asked for are on their way.
+                        let next: Vec<(u64, usize)> =
+                            ahead.into_iter().filter(|&(at, _)| at > asked_through).collect();
                         for &(_, j) in &next {
                             self.chunks.get(j, Ask::Soon).map_err(FaultServerError::Fetch)?;
                         }
