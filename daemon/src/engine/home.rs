@@ -9,9 +9,10 @@ use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use super::host::Host;
 use super::{Caller, Engine};
-use crate::linux::cgroup::{self, WorkloadCgroup, v2_root};
 
 /// A workload's log and cgroup, made ready for a tree to move in.
 ///
@@ -21,7 +22,10 @@ pub(super) struct Home {
     pub log_path: PathBuf,
     /// The log, opened for appending.
     pub log: File,
-    pub cgroup: Option<WorkloadCgroup>,
+    /// The cgroup's path.
+    pub cgroup: Option<PathBuf>,
+    /// Where the cgroup is.
+    host: Arc<dyn Host>,
 }
 
 /// Where the inits of workloads with a pid namespace of their own work, one directory each
@@ -67,21 +71,27 @@ fn create_init_dir(dir: &Path) -> io::Result<()> {
 impl Home {
     /// The cgroup's path within the v2 hierarchy, as CRIU names it.
     pub fn cgroup_in_hierarchy(&self) -> Option<String> {
-        cgroup::hierarchy_path(&self.cgroup.as_ref()?.path)
+        self.host.cgroup_in_hierarchy(self.cgroup.as_ref()?)
+    }
+
+    /// A new terminal whose output goes to the log: what a restored tree gets for one it had.
+    pub fn terminal(&self) -> io::Result<std::os::fd::OwnedFd> {
+        self.host.terminal_to_log(&self.log_path)
     }
 }
 
 impl Drop for Home {
     fn drop(&mut self) {
         if let Some(cgroup) = &self.cgroup {
-            cgroup.remove_if_empty();
+            self.host.remove_empty_cgroup(cgroup);
         }
     }
 }
 
 impl Engine {
     /// The home of workload `name`, its log owned by `caller`; with `with_cgroup`, a cgroup
-    /// too, where the host has a v2 hierarchy. On failure, what could not be made.
+    /// too, where the host has a v2 hierarchy. On failure, what could not be made (and nothing
+    /// made stays).
     pub(super) fn home(
         &self,
         name: &str,
@@ -90,14 +100,12 @@ impl Engine {
     ) -> Result<Home, (&'static str, io::Error)> {
         let log_path = self.deps.state.log_file(name);
         let log = open_log(&log_path, caller).map_err(|e| ("its log file", e))?;
-        let cgroup = match v2_root().filter(|_| with_cgroup) {
-            Some(root) => Some(
-                WorkloadCgroup::create(&root, self.deps.store.node_tag(), name)
-                    .map_err(|e| ("its cgroup", e))?,
-            ),
-            None => None,
+        let host = self.deps.host.clone();
+        let cgroup = match with_cgroup {
+            true => host.create_cgroup(self.deps.store.node_tag(), name).map_err(|e| ("its cgroup", e))?,
+            false => None,
         };
-        Ok(Home { log_path, log, cgroup })
+        Ok(Home { log_path, log, cgroup, host })
     }
 }
 

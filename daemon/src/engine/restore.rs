@@ -29,7 +29,6 @@ use super::workloads::{Workload, is_container_name, valid_name};
 use super::{Caller, Engine, ProgressFn, ProgressUpdate, RestoreError, lock};
 use crate::criu::RestoreSpec;
 use crate::cuda::GpuUuid;
-use crate::linux::{init_program, pty};
 use crate::metrics::{Failure, Metrics, RestoreSample};
 use crate::store::{LazyMemory, Manifest, MemoryMode};
 
@@ -202,7 +201,7 @@ impl Engine {
             return Err(RestoreError::LazyStart { id: manifest.id.clone(), lazy, source });
         }
         let (bytes_fetched, memory) = self.fetch_images(&manifest, work.path(), lazy, &progress).await?;
-        init_program::install_from(work.path())
+        (self.deps.host.install_init_programs(work.path()))
             .map_err(RestoreError::local("the checkpoint's stasis-init"))?;
         let fetched = Instant::now();
         let roots = initial_roots(&manifest);
@@ -564,7 +563,7 @@ impl Engine {
     }
 
     fn record_restore(&self, manifest: &Manifest, home: &Home, name: &str, pid: i32) -> std::io::Result<()> {
-        let cgroup = home.cgroup.as_ref().map(|c| c.path.clone());
+        let cgroup = home.cgroup.clone();
         // A copy (`--as`) gets a record of its own, even over an old one of that name.
         if name == manifest.workload && self.registry.get(name).is_some() {
             return self.registry.update(name, |w| {
@@ -605,8 +604,8 @@ fn replacement_files(
 ) -> Result<Vec<(String, OwnedFd)>, RestoreError> {
     let mut files: Vec<(String, OwnedFd)> = external
         .iter()
-        .filter(|k| pty::is_tty_key(k))
-        .map(|key| Ok((key.clone(), pty::terminal_to_log(&home.log_path)?)))
+        .filter(|k| crate::linux::pty::is_tty_key(k))
+        .map(|key| Ok((key.clone(), home.terminal()?)))
         .collect::<std::io::Result<_>>()
         .map_err(RestoreError::local("terminal"))?;
     if let Some(path) = manifest.log_file.strip_prefix('/') {

@@ -16,7 +16,7 @@ use super::home::new_init_dir;
 use super::workloads::{Workload, derived_name, is_container_name, valid_name};
 use super::{Caller, Engine, RunError};
 use crate::criu::support;
-use crate::linux::sys::{ChildSetup, spawn};
+use crate::linux::sys::ChildSetup;
 
 /// What to start.
 #[derive(Debug, Clone, Default)]
@@ -70,8 +70,10 @@ impl Engine {
             move |source| RunError::Setup { workload, what, source }
         };
         let home = self.home(&name, params.caller, true).map_err(|(what, e)| setup_err(what)(e))?;
-        let procs =
-            home.cgroup.as_ref().map(|c| c.open_procs()).transpose().map_err(setup_err("its cgroup"))?;
+        let procs = (home.cgroup.as_deref())
+            .map(|c| self.deps.host.open_cgroup_procs(c))
+            .transpose()
+            .map_err(setup_err("its cgroup"))?;
         let log = home.log.try_clone().map_err(setup_err("its log file"))?;
         let stdout = log.try_clone().map_err(setup_err("its log file"))?;
         let own_pids = match params.pids {
@@ -87,23 +89,25 @@ impl Engine {
         if no_rseq {
             without_rseq(&mut env);
         }
-        let init = own_pids.then(|| InitSetup::new(&env)).transpose().map_err(setup_err("its init"))?;
-        let mut cmd = command_for(&params, &env, [stdout, log], init.as_ref(), no_rseq)
+        let init = own_pids
+            .then(|| InitSetup::new(self.deps.host.init_program()?, &env))
+            .transpose()
             .map_err(setup_err("its init"))?;
+        let mut cmd = command_for(&params, &env, [stdout, log], init.as_ref(), no_rseq);
         let setup = ChildSetup {
             new_session: true,
             cgroup_procs: procs.iter().map(|f| f.as_raw_fd()).collect(),
             keep_fds: init.iter().flat_map(|i| [i.write.as_raw_fd(), i.env.as_raw_fd()]).collect(),
             new_pid_ns: own_pids,
         };
-        let spawned = spawn(&mut cmd, setup);
+        let spawned = self.deps.host.spawn(&mut cmd, setup);
         // The reaper collects its exit status; nothing here waits for it.
         let pid = match (spawned, init) {
             (Err(source), init) => {
                 init.into_iter().for_each(InitSetup::abandon);
                 return Err(RunError::Spawn { program, source });
             }
-            (Ok(child), None) => child.id() as i32,
+            (Ok(pid), None) => pid,
             (Ok(_), Some(init)) => init.reported_pid().map_err(setup_err("its init"))?,
         };
         self.registry
@@ -113,7 +117,7 @@ impl Engine {
                 command: params.argv,
                 managed: true,
                 log_path: Some(home.log_path.clone()),
-                cgroup: home.cgroup.as_ref().map(|c| c.path.clone()),
+                cgroup: home.cgroup.clone(),
                 idle_after_ms: params.idle_after.map(|d| d.as_millis() as u64),
                 checkpoint_every_ms: params.checkpoint_every.map(|d| d.as_millis() as u64),
                 owner_uid: params.caller.uid(),
@@ -153,16 +157,17 @@ impl Engine {
 
 /// What `stasis-init` is given: the pipe it reports the namespace init's pid on, the
 /// command's environment (in a memory file, so that nothing of it is in the init's own
-/// environment or command line), and the init's own working directory.
+/// environment or command line), and the init's own working directory; and where it is.
 struct InitSetup {
     read: OwnedFd,
     write: OwnedFd,
     env: File,
     dir: PathBuf,
+    program: PathBuf,
 }
 
 impl InitSetup {
-    fn new(env: &[(String, String)]) -> std::io::Result<Self> {
+    fn new(program: PathBuf, env: &[(String, String)]) -> std::io::Result<Self> {
         let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
         let mut env_file = File::from(nix::sys::memfd::memfd_create(
             c"stasis-init-env",
@@ -172,7 +177,7 @@ impl InitSetup {
             env_file.write_all(format!("{key}={value}\0").as_bytes())?;
         }
         env_file.rewind()?;
-        Ok(Self { read, write, env: env_file, dir: new_init_dir()? })
+        Ok(Self { read, write, env: env_file, dir: new_init_dir()?, program })
     }
 
     /// The pid `stasis-init` reports for the namespace's init (it writes it, then exits).
@@ -211,7 +216,7 @@ fn command_for(
     [stdout, stderr]: [File; 2],
     init: Option<&InitSetup>,
     no_rseq: bool,
-) -> std::io::Result<Command> {
+) -> Command {
     let mut cmd = match init {
         None => {
             let mut cmd = Command::new(&params.argv[0]);
@@ -227,7 +232,7 @@ fn command_for(
             cmd
         }
         Some(init) => {
-            let mut cmd = Command::new(crate::linux::init_program::install()?);
+            let mut cmd = Command::new(&init.program);
             cmd.env_clear();
             if no_rseq {
                 // The init is in the tree too, and links glibc.
@@ -248,7 +253,7 @@ fn command_for(
         }
     };
     cmd.stdin(Stdio::null()).stdout(stdout).stderr(stderr);
-    Ok(cmd)
+    cmd
 }
 
 /// Where a workload's programs are looked for when stasisd has no PATH of its own.

@@ -154,22 +154,22 @@ impl Engine {
             kept,
             bytes_total: stored.chunks.bytes_total,
             bytes_uploaded: stored.bytes_uploaded,
-            restore: restorable(engine),
+            restore: self.restorable(engine),
         })
     }
-}
 
-/// How a checkpoint from an archive of `engine` can be restored on this node.
-pub(super) fn restorable(engine: &str) -> String {
-    match engine {
-        "stasis" => "stasis restore, as any checkpoint".into(),
-        "podman" if crate::linux::find_program("podman").is_some() => {
-            "stasis restore hands it to podman (`podman container restore --import`)".into()
+    /// How a checkpoint from an archive of `engine` can be restored on this node.
+    pub(super) fn restorable(&self, engine: &str) -> String {
+        match engine {
+            "stasis" => "stasis restore, as any checkpoint".into(),
+            "podman" if self.deps.host.find_program("podman").is_some() => {
+                "stasis restore hands it to podman (`podman container restore --import`)".into()
+            }
+            other => format!(
+                "not here: a container of {other} is restored by its runtime, which stasis cannot drive \
+                 on this node; `stasis export` gives the archive back for it"
+            ),
         }
-        other => format!(
-            "not here: a container of {other} is restored by its runtime, which stasis cannot drive on \
-             this node; `stasis export` gives the archive back for it"
-        ),
     }
 }
 

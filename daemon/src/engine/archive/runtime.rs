@@ -10,7 +10,6 @@ use std::time::Instant;
 use tracing::info;
 
 use super::Compression;
-use super::import::restorable;
 use crate::engine::ids::ms;
 use crate::engine::restore::{RestoreOutcome, RestoreStats};
 use crate::engine::workloads::valid_name;
@@ -31,9 +30,9 @@ impl Engine {
             return Err(RestoreError::BadName { name: name.into(), why: "it is not a valid container name" });
         }
         let engine = manifest.archive.as_ref().map(|a| a.engine.as_str()).unwrap_or_default();
-        let podman = crate::linux::find_program("podman").filter(|_| engine == "podman");
+        let podman = self.deps.host.find_program("podman").filter(|_| engine == "podman");
         let Some(podman) = podman else {
-            return Err(RestoreError::Incompatible { id, reason: restorable(engine) });
+            return Err(RestoreError::Incompatible { id, reason: self.restorable(engine) });
         };
         let work = self
             .deps

@@ -16,7 +16,6 @@ use super::super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
 use super::CheckpointStats;
 use crate::criu::{LOG_FILE, NetworkLock, TreeOptions};
 use crate::engine::access::owner_of;
-use crate::linux::{cgroup, init_program};
 use crate::store::{CommitGuard, DumpPages, Manifest, StoreError, StoredDump};
 
 /// A tree CRIU has dumped, about to be stored as checkpoint `id`.
@@ -74,7 +73,7 @@ impl Engine {
             .map_err(|source| CheckpointError::Local { what: "in-flight marker", source })?;
         // The tree's stasis-init travels with it (see `linux::init_program`).
         if let Some((exe, name)) =
-            tree.init_program.as_ref().and_then(|e| Some((e, init_program::name_of(e)?)))
+            tree.init_program.as_ref().and_then(|e| Some((e, crate::linux::init_program::name_of(e)?)))
         {
             std::fs::copy(exe, images.join(name)).map_err(|source| {
                 self.settle_store(id, false);
@@ -172,7 +171,9 @@ impl Engine {
                 .filter(|log| d.tree.open_files.contains(log))
                 .map(|log| log.display().to_string())
                 .unwrap_or_default(),
-            cgroup: record.cgroup.as_deref().and_then(cgroup::hierarchy_path).unwrap_or_default(),
+            cgroup: (record.cgroup.as_deref())
+                .and_then(|c| self.deps.host.cgroup_in_hierarchy(c))
+                .unwrap_or_default(),
             init_dir: d.tree.init_dir.as_ref().map(|dir| dir.display().to_string()).unwrap_or_default(),
             archive: None,
             pod: record.container.as_ref().map(|c| super::super::pods::pod_info(d.workload, c, d.tree)),

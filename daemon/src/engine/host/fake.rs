@@ -1,8 +1,11 @@
 //! A kernel of made-up processes that records what it is asked to do.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::fs::File;
 use std::io;
-use std::path::Path;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::Mutex;
 
 use nix::sys::signal::Signal;
@@ -10,6 +13,10 @@ use nix::sys::signal::Signal;
 use super::{Host, Usage};
 use crate::engine::inspect::TreeInfo;
 use crate::engine::sockets::{Connection, TreeSockets};
+use crate::linux::sys::ChildSetup;
+
+/// Where the fake's cgroup v2 hierarchy is.
+const CGROUP_ROOT: &str = "/fake/cgroup";
 
 /// Address ranges, `[start, end)`.
 type Ranges = Vec<(u64, u64)>;
@@ -37,6 +44,15 @@ pub struct FakeHost {
     pub private_ranges: Mutex<HashMap<i32, VecDeque<Ranges>>>,
     /// What each process has used so far (nothing, for those not listed).
     pub usage: Mutex<HashMap<i32, Usage>>,
+    /// The workload cgroups that exist, and the processes in each.
+    pub cgroups: Mutex<HashMap<PathBuf, Vec<i32>>>,
+    /// The cgroups whose `cgroup.procs` was opened since the last spawn: the next child
+    /// joins them.
+    pub joining: Mutex<Vec<PathBuf>>,
+    /// Every command spawned: its program and arguments.
+    pub spawned: Mutex<Vec<Vec<String>>>,
+    /// The methods that fail (by name), with `EACCES`.
+    pub failing: Mutex<HashSet<&'static str>>,
 }
 
 impl FakeHost {
@@ -46,6 +62,19 @@ impl FakeHost {
         host.running.lock().unwrap().extend(info.pids.iter().copied());
         host.trees.lock().unwrap().insert(info.pids[0], info);
         host
+    }
+
+    /// Makes method `name` fail from now on.
+    pub fn fail(&self, name: &'static str) {
+        self.failing.lock().unwrap().insert(name);
+    }
+
+    /// `EACCES` if method `name` fails.
+    fn check(&self, name: &'static str) -> io::Result<()> {
+        match self.failing.lock().unwrap().contains(name) {
+            true => Err(io::Error::from_raw_os_error(libc::EACCES)),
+            false => Ok(()),
+        }
     }
 
     pub fn signals_of(&self, signal: Signal) -> Vec<i32> {
@@ -174,7 +203,61 @@ impl Host for FakeHost {
         None
     }
 
-    fn remove_empty_cgroup(&self, _path: &Path) {}
+    fn remove_empty_cgroup(&self, path: &Path) {
+        let running = self.running.lock().unwrap();
+        self.cgroups.lock().unwrap().retain(|p, pids| p != path || pids.iter().any(|p| running.contains(p)));
+    }
+
+    fn create_cgroup(&self, daemon: &str, workload: &str) -> io::Result<Option<PathBuf>> {
+        self.check("create_cgroup")?;
+        let path = Path::new(CGROUP_ROOT).join("stasis").join(daemon).join(workload);
+        self.cgroups.lock().unwrap().entry(path.clone()).or_default();
+        Ok(Some(path))
+    }
+
+    fn cgroup_in_hierarchy(&self, path: &Path) -> Option<String> {
+        Some(format!("/{}", path.strip_prefix(CGROUP_ROOT).ok()?.display()))
+    }
+
+    fn open_cgroup_procs(&self, path: &Path) -> io::Result<File> {
+        self.check("open_cgroup_procs")?;
+        self.joining.lock().unwrap().push(path.to_path_buf());
+        File::options().write(true).open("/dev/null")
+    }
+
+    /// Starts the tree the fake holds (the one of the lowest root): the child is its root.
+    fn spawn(&self, cmd: &mut Command, _setup: ChildSetup) -> io::Result<i32> {
+        let joining = std::mem::take(&mut *self.joining.lock().unwrap());
+        self.check("spawn")?;
+        let argv = std::iter::once(cmd.get_program()).chain(cmd.get_args());
+        self.spawned.lock().unwrap().push(argv.map(|a| a.to_string_lossy().into_owned()).collect());
+        let trees = self.trees.lock().unwrap();
+        let tree = trees.values().min_by_key(|t| t.pids[0]).ok_or(io::ErrorKind::NotFound)?;
+        self.running.lock().unwrap().extend(tree.pids.iter().copied());
+        let mut cgroups = self.cgroups.lock().unwrap();
+        for path in joining {
+            cgroups.entry(path).or_default().push(tree.pids[0]);
+        }
+        Ok(tree.pids[0])
+    }
+
+    fn init_program(&self) -> io::Result<PathBuf> {
+        self.check("init_program")?;
+        Ok("/fake/stasis-init".into())
+    }
+
+    fn install_init_programs(&self, _images: &Path) -> io::Result<()> {
+        self.check("install_init_programs")
+    }
+
+    fn terminal_to_log(&self, _log: &Path) -> io::Result<OwnedFd> {
+        self.check("terminal_to_log")?;
+        Ok(File::open("/dev/null")?.into())
+    }
+
+    fn find_program(&self, _name: &str) -> Option<PathBuf> {
+        None
+    }
 
     fn userfaultfd_events(&self) -> Result<(), String> {
         Ok(())

@@ -2,17 +2,22 @@
 //! and its sockets, from `inspect` and `sockets`, which read it there).
 
 use std::collections::HashSet;
+use std::fs::File;
 use std::io;
-use std::path::Path;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use nix::sys::signal::Signal;
 
 use super::{Host, Usage};
 use crate::engine::inspect::{self, TreeInfo};
 use crate::engine::sockets::{self, Connection, TreeSockets};
-use crate::linux::cgroup::WorkloadCgroup;
+use crate::linux::cgroup::{self, WorkloadCgroup};
 use crate::linux::proc::{self, ProcStat};
+use crate::linux::sys::{self, ChildSetup};
 use crate::linux::uffd::{self, Userfaultfd};
+use crate::linux::{init_program, pty};
 
 /// The real kernel.
 #[derive(Debug, Default, Clone, Copy)]
@@ -126,6 +131,38 @@ impl Host for LinuxHost {
         WorkloadCgroup { path: path.to_path_buf() }.remove_if_empty();
     }
 
+    fn create_cgroup(&self, daemon: &str, workload: &str) -> io::Result<Option<PathBuf>> {
+        cgroup::v2_root().map(|root| Ok(WorkloadCgroup::create(&root, daemon, workload)?.path)).transpose()
+    }
+
+    fn cgroup_in_hierarchy(&self, path: &Path) -> Option<String> {
+        cgroup::hierarchy_path(path)
+    }
+
+    fn open_cgroup_procs(&self, path: &Path) -> io::Result<File> {
+        WorkloadCgroup { path: path.to_path_buf() }.open_procs()
+    }
+
+    fn spawn(&self, cmd: &mut Command, setup: ChildSetup) -> io::Result<i32> {
+        sys::spawn(cmd, setup).map(|child| child.id() as i32)
+    }
+
+    fn init_program(&self) -> io::Result<PathBuf> {
+        init_program::install()
+    }
+
+    fn install_init_programs(&self, images: &Path) -> io::Result<()> {
+        init_program::install_from(images)
+    }
+
+    fn terminal_to_log(&self, log: &Path) -> io::Result<OwnedFd> {
+        pty::terminal_to_log(log)
+    }
+
+    fn find_program(&self, name: &str) -> Option<PathBuf> {
+        crate::linux::find_program(name)
+    }
+
     fn userfaultfd_events(&self) -> Result<(), String> {
         Userfaultfd::open(uffd::EVENT_FEATURES)
             .map(drop)
@@ -137,8 +174,7 @@ impl Host for LinuxHost {
     }
 
     fn pidfd_getfd(&self) -> Result<(), String> {
-        crate::linux::sys::pidfd_getfd_works()
-            .map_err(|e| format!("pidfd_getfd(2) fails ({e}; it needs Linux 5.6)"))
+        sys::pidfd_getfd_works().map_err(|e| format!("pidfd_getfd(2) fails ({e}; it needs Linux 5.6)"))
     }
 
     fn cpu_flags(&self) -> std::collections::BTreeSet<String> {

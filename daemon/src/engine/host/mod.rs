@@ -8,16 +8,22 @@ mod kernel;
 
 #[cfg(test)]
 pub(super) mod fake;
+#[cfg(test)]
+mod tests;
 
 use std::collections::HashSet;
+use std::fs::File;
 use std::io;
-use std::path::Path;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 pub use kernel::LinuxHost;
 use nix::sys::signal::Signal;
 
 use super::inspect::TreeInfo;
 use super::sockets::{Connection, TreeSockets};
+use crate::linux::sys::ChildSetup;
 
 /// What the engine's jobs ask of the kernel.
 pub trait Host: Send + Sync {
@@ -72,6 +78,28 @@ pub trait Host: Send + Sync {
     fn cgroup_root(&self, path: &Path) -> Option<i32>;
     /// Removes the workload cgroup at `path` if it is empty (a busy or missing one is left).
     fn remove_empty_cgroup(&self, path: &Path);
+    /// Makes (or finds) the cgroup of workload `workload` of daemon `daemon`: its path, or
+    /// `None` where this host has no cgroup v2 hierarchy.
+    fn create_cgroup(&self, daemon: &str, workload: &str) -> io::Result<Option<PathBuf>>;
+    /// The path of the cgroup at `path` within the v2 hierarchy (`/stasis/...`), as CRIU
+    /// names cgroups.
+    fn cgroup_in_hierarchy(&self, path: &Path) -> Option<String>;
+    /// Opens the `cgroup.procs` of the cgroup at `path`, for a child to write itself into
+    /// before exec (see [`ChildSetup`]).
+    fn open_cgroup_procs(&self, path: &Path) -> io::Result<File>;
+    /// Spawns `cmd` with `setup` applied in the child; returns its pid (the reaper collects
+    /// its exit).
+    fn spawn(&self, cmd: &mut Command, setup: ChildSetup) -> io::Result<i32>;
+    /// Where this release's stasis-init is, installed if it was not (see
+    /// `linux::init_program`).
+    fn init_program(&self) -> io::Result<PathBuf>;
+    /// Installs each build of stasis-init that the images in `images` carry and this node
+    /// lacks.
+    fn install_init_programs(&self, images: &Path) -> io::Result<()>;
+    /// A new terminal whose output goes to the log at `log`: the end a restored tree gets.
+    fn terminal_to_log(&self, log: &Path) -> io::Result<OwnedFd>;
+    /// The program `name` in a directory of `PATH`, as a shell would find it.
+    fn find_program(&self, name: &str) -> Option<PathBuf>;
     /// Whether this kernel gives a userfaultfd with the events CRIU's lazy restore needs
     /// (fork, remap and unmap), and if not why.
     fn userfaultfd_events(&self) -> Result<(), String>;

@@ -1,0 +1,124 @@
+//! Failure paths the kernel seam makes testable without root: what the engine's jobs do when
+//! the host refuses a cgroup, a spawn or an install, run on [`FakeHost`] (rollback_tests'
+//! rig).
+
+use std::path::PathBuf;
+
+use super::Host;
+use super::fake::FakeHost;
+use crate::criu::fake::FakeCriu;
+use crate::cuda::fake::FakeGpu;
+use crate::engine::rollback_tests::{ROOT, Rig, quiet, rig};
+use crate::engine::{Caller, Pids, RunParams};
+use crate::engine::{CheckpointParams, RestoreError, RunError, Target};
+
+/// Where the rig's cgroup of workload `name` is.
+fn cgroup_of(r: &Rig, name: &str) -> PathBuf {
+    PathBuf::from(format!("/fake/cgroup/stasis/{}/{name}", r.engine.deps.store.node_tag()))
+}
+
+fn cgroups(host: &FakeHost) -> Vec<PathBuf> {
+    host.cgroups.lock().unwrap().keys().cloned().collect()
+}
+
+/// Whether CRIU was asked to restore anything.
+fn criu_restored(r: &Rig) -> bool {
+    r.criu.calls().iter().any(|c| c.starts_with("restore"))
+}
+
+/// Starts `name` (the rig's tree, rooted at `ROOT`) with stasisd's pids.
+fn run(r: &Rig, name: &str) -> Result<i32, RunError> {
+    let params = RunParams {
+        workload: Some(name.into()),
+        argv: vec!["/bin/fake".into(), "--serve".into()],
+        pids: Pids::Host,
+        ..Default::default()
+    };
+    r.engine.run(params).map(|outcome| outcome.pid)
+}
+
+#[tokio::test]
+async fn a_run_whose_cgroup_cannot_be_made_starts_nothing() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    r.host.fail("create_cgroup");
+    let err = run(&r, "web").unwrap_err();
+    assert!(matches!(&err, RunError::Setup { what: "its cgroup", .. }), "{err}");
+    assert!(r.host.spawned.lock().unwrap().is_empty(), "nothing spawned");
+    assert!(r.engine.registry.get("web").is_none(), "nothing registered");
+}
+
+#[tokio::test]
+async fn a_run_whose_spawn_fails_gives_its_cgroup_back() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    r.host.fail("spawn");
+    let err = run(&r, "web").unwrap_err();
+    assert!(matches!(&err, RunError::Spawn { program, .. } if program == "/bin/fake"), "{err}");
+    assert!(cgroups(&r.host).is_empty(), "the empty cgroup is removed");
+    assert!(r.engine.registry.get("web").is_none(), "nothing registered");
+
+    // Once spawning works, the tree sits in the cgroup, which stays.
+    r.host.failing.lock().unwrap().clear();
+    assert_eq!(run(&r, "web").unwrap(), ROOT);
+    assert_eq!(*r.host.spawned.lock().unwrap(), [vec!["/bin/fake".to_string(), "--serve".into()]]);
+    let cgroup = cgroup_of(&r, "web");
+    assert_eq!(r.host.cgroups.lock().unwrap().get(&cgroup), Some(&vec![ROOT]));
+    assert_eq!(r.engine.registry.get("web").unwrap().cgroup, Some(cgroup));
+}
+
+#[tokio::test]
+async fn a_run_whose_init_cannot_be_installed_starts_nothing() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    r.host.fail("init_program");
+    let params = RunParams {
+        workload: Some("web".into()),
+        argv: vec!["/bin/fake".into()],
+        pids: Pids::Own,
+        ..Default::default()
+    };
+    let err = r.engine.run(params).unwrap_err();
+    assert!(matches!(&err, RunError::Setup { what: "its init", .. }), "{err}");
+    assert!(r.host.spawned.lock().unwrap().is_empty(), "nothing spawned");
+    assert!(cgroups(&r.host).is_empty(), "the empty cgroup is removed");
+}
+
+/// The rig's tree started as workload `web` (in a cgroup), evicted; returns its checkpoint.
+async fn evicted_web(r: &Rig) -> String {
+    run(r, "web").unwrap();
+    let params = CheckpointParams {
+        target: Target::Workload("web".into()),
+        leave_running: false,
+        answer_early: None,
+        reclaim: None,
+        caller: Caller::Root,
+    };
+    let id = r.engine.checkpoint(params, quiet()).await.unwrap().id;
+    assert!(cgroups(&r.host).is_empty(), "the evicted tree's cgroup is gone");
+    id
+}
+
+#[tokio::test]
+async fn a_restore_whose_cgroup_cannot_be_made_restores_nothing() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    let id = evicted_web(&r).await;
+    r.host.fail("create_cgroup");
+    let err = r.restore(&id).await.unwrap_err();
+    assert!(matches!(&err, RestoreError::Local { what: "its cgroup", .. }), "{err}");
+    assert!(!criu_restored(&r), "CRIU was not asked to restore");
+    assert!(!r.host.is_running(ROOT));
+
+    // With its cgroup, the tree comes back, in it.
+    r.host.failing.lock().unwrap().clear();
+    assert_eq!(r.restore(&id).await.unwrap().pid, ROOT);
+    assert_eq!(r.engine.registry.get("web").unwrap().cgroup, Some(cgroup_of(&r, "web")));
+}
+
+#[tokio::test]
+async fn a_restore_whose_init_cannot_be_installed_gives_the_cgroup_back() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    let id = evicted_web(&r).await;
+    r.host.fail("install_init_programs");
+    let err = r.restore(&id).await.unwrap_err();
+    assert!(matches!(&err, RestoreError::Local { what: "the checkpoint's stasis-init", .. }), "{err}");
+    assert!(!criu_restored(&r), "CRIU was not asked to restore");
+    assert!(cgroups(&r.host).is_empty(), "the cgroup made for the tree is removed");
+}
