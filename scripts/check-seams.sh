@@ -9,7 +9,8 @@ engine=daemon/src/engine
 
 # The seam's real implementation: these files are where the engine calls linux/.
 seam=(
-  host/kernel.rs # LinuxHost: each method is a call into linux/ (or into the two below)
+  host/kernel.rs # LinuxHost: each method is a call into linux/ (or into the two below); its
+                 # Watches too (host/watch.rs), for idle workloads
   inspect.rs     # Host::inspect: what a tree holds, read from /proc
   unsupported.rs # Host::inspect's refusals: what of a tree CRIU cannot dump
   sockets/mod.rs # Host::sockets: a tree's sockets, read from /proc and sock_diag
@@ -27,6 +28,8 @@ pure=(
   'sys::ChildSetup'      # what a child is set up with before exec: plain data (Host::spawn)
   'init_program::name_of' # the name an installed stasis-init travels under: a file name's prefix
   'pty::is_tty_key'      # whether CRIU's key of an external file names a terminal: a string's prefix
+  'sock_diag::TcpSocketInfo' # what sock_diag says of a socket: a state and a count (Watches::tcp_sockets)
+  'sock_diag::TCP_ESTABLISHED' # a constant
 )
 
 # Not yet behind the seam (issue 25, item 2, left): the lines naming linux:: each file may
@@ -34,8 +37,6 @@ pure=(
 declare -A left=(
   [hot_restore/guard.rs]=2 # the restored tree's pids, the guard program
   [hot_restore/server.rs]=1 # userfaultfd
-  [idle/uses.rs]=2         # packet socket and sock_diag watches
-  [idle/wake.rs]=1         # nftables SYN hold
   [sockets/rollback.rs]=1  # iptables/nftables unlock (Host::leave_repair is behind the seam)
   [sockets/restore_check.rs]=1 # the restoring node's socket table
   [sockets/left_locks.rs]=1 # nftables tables of evictions

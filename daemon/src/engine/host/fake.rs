@@ -3,20 +3,25 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;
 use std::io;
+use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use nix::sys::signal::Signal;
 
-use super::{Host, Usage};
+use super::{Hold, Host, PortUses, TcpSockets, Usage, Watches};
 use crate::engine::inspect::TreeInfo;
 use crate::engine::sockets::{Connection, TreeSockets};
+use crate::linux::sock_diag::TcpSocketInfo;
 use crate::linux::sys::ChildSetup;
 
 /// Where the fake's cgroup v2 hierarchy is.
 const CGROUP_ROOT: &str = "/fake/cgroup";
+
+/// Holds on new connections made: the ports of each, and whether it is still in place.
+type Holds = Arc<Mutex<Vec<(Vec<u16>, bool)>>>;
 
 /// Address ranges, `[start, end)`.
 type Ranges = Vec<(u64, u64)>;
@@ -51,6 +56,12 @@ pub struct FakeHost {
     pub joining: Mutex<Vec<PathBuf>>,
     /// Every command spawned: its program and arguments.
     pub spawned: Mutex<Vec<Vec<String>>>,
+    /// The sockets every tree holds.
+    pub sockets: Mutex<TreeSockets>,
+    /// The port a segment arrives for as soon as a port watch is in place (else none comes).
+    pub segment: Mutex<Option<u16>>,
+    /// The ports of each hold on new connections made, and whether it is still in place.
+    pub holds: Holds,
     /// The methods that fail (by name), with `EACCES`.
     pub failing: Mutex<HashSet<&'static str>>,
 }
@@ -191,7 +202,7 @@ impl Host for FakeHost {
     }
 
     fn sockets(&self, _pids: &[i32]) -> TreeSockets {
-        TreeSockets::default()
+        self.sockets.lock().unwrap().clone()
     }
 
     fn leave_repair(&self, _pids: &[i32], _reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>) {
@@ -281,5 +292,58 @@ impl Host for FakeHost {
 
     fn kernel_release(&self) -> String {
         "6.18.0-fake".into()
+    }
+}
+
+impl Watches for FakeHost {
+    fn watch_ports(&self, _ports: &[u16]) -> io::Result<Box<dyn PortUses>> {
+        self.check("watch_ports")?;
+        Ok(Box::new(FakePortWatch(*self.segment.lock().unwrap())))
+    }
+
+    fn tcp_sockets(&self) -> io::Result<Box<dyn TcpSockets>> {
+        self.check("tcp_sockets")?;
+        Ok(Box::new(NoPeers))
+    }
+
+    fn hold_new_connections(&self, _name: &str, ports: &[u16]) -> io::Result<Hold> {
+        self.check("hold_new_connections")?;
+        let mut holds = self.holds.lock().unwrap();
+        holds.push((ports.to_vec(), true));
+        Ok(Box::new(FakeHold { holds: self.holds.clone(), at: holds.len() - 1 }))
+    }
+}
+
+/// A port watch that sees one segment, for the port it holds, or none.
+struct FakePortWatch(Option<u16>);
+
+#[async_trait::async_trait]
+impl PortUses for FakePortWatch {
+    async fn next(&self) -> io::Result<u16> {
+        match self.0 {
+            Some(port) => Ok(port),
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// A network namespace without the peers of any connection.
+struct NoPeers;
+
+impl TcpSockets for NoPeers {
+    fn tcp(&mut self, _local: SocketAddr, _remote: SocketAddr) -> io::Result<Option<TcpSocketInfo>> {
+        Ok(None)
+    }
+}
+
+/// Hold `at` of `holds`, no longer in place once dropped.
+struct FakeHold {
+    holds: Holds,
+    at: usize,
+}
+
+impl Drop for FakeHold {
+    fn drop(&mut self) {
+        self.holds.lock().unwrap()[self.at].1 = false;
     }
 }

@@ -4,17 +4,22 @@
 use std::collections::HashSet;
 use std::fs::File;
 use std::io;
+use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use async_trait::async_trait;
 use nix::sys::signal::Signal;
 
-use super::{Host, Usage};
+use super::{Hold, Host, PortUses, TcpSockets, Usage, Watches};
 use crate::engine::inspect::{self, TreeInfo};
 use crate::engine::sockets::{self, Connection, TreeSockets};
 use crate::linux::cgroup::{self, WorkloadCgroup};
+use crate::linux::port_watch::PortWatch;
 use crate::linux::proc::{self, ProcStat};
+use crate::linux::sock_diag::{SockDiag, TcpSocketInfo};
+use crate::linux::syn_hold::SynHold;
 use crate::linux::sys::{self, ChildSetup};
 use crate::linux::uffd::{self, Userfaultfd};
 use crate::linux::{init_program, pty};
@@ -187,5 +192,32 @@ impl Host for LinuxHost {
 
     fn kernel_release(&self) -> String {
         proc::kernel_release()
+    }
+}
+
+impl Watches for LinuxHost {
+    fn watch_ports(&self, ports: &[u16]) -> io::Result<Box<dyn PortUses>> {
+        Ok(Box::new(PortWatch::open(ports)?))
+    }
+
+    fn tcp_sockets(&self) -> io::Result<Box<dyn TcpSockets>> {
+        Ok(Box::new(SockDiag::open()?))
+    }
+
+    fn hold_new_connections(&self, name: &str, ports: &[u16]) -> io::Result<Hold> {
+        Ok(Box::new(SynHold::hold(name, ports)?))
+    }
+}
+
+#[async_trait]
+impl PortUses for PortWatch {
+    async fn next(&self) -> io::Result<u16> {
+        PortWatch::next(self).await
+    }
+}
+
+impl TcpSockets for SockDiag {
+    fn tcp(&mut self, local: SocketAddr, remote: SocketAddr) -> io::Result<Option<TcpSocketInfo>> {
+        SockDiag::tcp(self, local, remote)
     }
 }

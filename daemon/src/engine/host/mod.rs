@@ -5,6 +5,7 @@
 //! CRIU or a workload.
 
 mod kernel;
+mod watch;
 
 #[cfg(test)]
 pub(super) mod fake;
@@ -20,13 +21,14 @@ use std::process::Command;
 
 pub use kernel::LinuxHost;
 use nix::sys::signal::Signal;
+pub use watch::{Hold, PortUses, TcpSockets, Watches};
 
 use super::inspect::TreeInfo;
 use super::sockets::{Connection, TreeSockets};
 use crate::linux::sys::ChildSetup;
 
-/// What the engine's jobs ask of the kernel.
-pub trait Host: Send + Sync {
+/// What the engine's jobs ask of the kernel (and, for idle workloads, [`Watches`]).
+pub trait Host: Watches {
     /// Whether `pid` exists and is not a zombie.
     fn is_running(&self, pid: i32) -> bool;
     /// The command line of `pid`.

@@ -28,7 +28,7 @@ impl Engine {
         let surveyed = self.deps.host.sockets(&self.deps.host.trees(&[w.pid]));
         let WakePoints { listeners, ports, connections } = wake_points(&surveyed.records);
         let used = Arc::new(AtomicBool::new(false));
-        let watching = watch_uses(name, &ports, &connections, used.clone());
+        let watching = self.watch_uses(name, &ports, &connections, used.clone());
         let params = CheckpointParams {
             target: Target::Workload(name.into()),
             leave_running: false,
@@ -57,24 +57,26 @@ impl Engine {
         self.arm_waker(name, reclaimed.clone());
         Ok(Some(reclaimed))
     }
-}
 
-/// Watches the uses of workload `name` (see [`UseWatch`]) until the first, then sets `used`.
-/// Without a watch (no ports, no packet socket, no peers on this node) a reclaim cannot notice
-/// a request arriving meanwhile: the request then waits for the wake.
-fn watch_uses(
-    name: &str,
-    ports: &[u16],
-    connections: &[(SocketAddr, SocketAddr)],
-    used: Arc<AtomicBool>,
-) -> tokio::task::JoinHandle<()> {
-    let mut watch = UseWatch::open(name, ports, connections, "during its reclaim");
-    let name = name.to_owned();
-    tokio::spawn(async move {
-        let port = watch.next().await;
-        info!(workload = %name, port, "the workload was used during its reclaim");
-        used.store(true, Ordering::SeqCst);
-    })
+    /// Watches the uses of workload `name` (see [`UseWatch`]) until the first, then sets
+    /// `used`. Without a watch (no ports, no packet socket, no peers on this node) a reclaim
+    /// cannot notice a request arriving meanwhile: the request then waits for the wake.
+    fn watch_uses(
+        &self,
+        name: &str,
+        ports: &[u16],
+        connections: &[(SocketAddr, SocketAddr)],
+        used: Arc<AtomicBool>,
+    ) -> tokio::task::JoinHandle<()> {
+        let mut watch =
+            UseWatch::open(self.deps.host.as_ref(), name, ports, connections, "during its reclaim");
+        let name = name.to_owned();
+        tokio::spawn(async move {
+            let port = watch.next().await;
+            info!(workload = %name, port, "the workload was used during its reclaim");
+            used.store(true, Ordering::SeqCst);
+        })
+    }
 }
 
 /// Where a reclaimed workload is woken.

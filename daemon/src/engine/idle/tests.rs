@@ -10,9 +10,10 @@ use super::activity::FakeGpuActivity;
 use super::{GpuActivity, IdleState};
 use crate::criu::fake::FakeCriu;
 use crate::cuda::fake::FakeGpu;
-use crate::engine::host::Usage;
-use crate::engine::rollback_tests::{CHILD, Extras, ROOT, Rig, rig_with};
-use crate::engine::{Caller, Workload};
+use crate::engine::host::{Host, Usage};
+use crate::engine::rollback_tests::{CHILD, Extras, ROOT, Rig, rig, rig_with};
+use crate::engine::sockets::record;
+use crate::engine::{Caller, PolicyError, RestoreOutcome, Workload};
 
 /// How long a watched workload must be idle to be reclaimed, in these tests.
 const IDLE_AFTER: Duration = Duration::from_millis(50);
@@ -91,4 +92,63 @@ async fn without_gpu_activity_a_workload_is_judged_by_its_cpu_time() {
     }
     assert_eq!(r.checkpoints().await, 1, "no reclaim");
     assert_eq!(gpu.asked.lock().unwrap().len(), 3, "NVML is asked at every tick, failing or not");
+}
+
+/// A rig whose tree is registered workload `name`, listening on a free port of 127.0.0.1
+/// (for the fakes: nothing listens there); returns the port.
+async fn listening_rig(r: &Rig) -> (String, u16) {
+    let name = r.checkpoint(true).await.unwrap().workload;
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let listener = record("tcp", "listen", &format!("127.0.0.1:{port}"), "");
+    r.host.sockets.lock().unwrap().records.push(listener);
+    (name, port)
+}
+
+#[tokio::test]
+async fn a_use_seen_during_the_reclaim_leaves_the_workload_running() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    let (name, port) = listening_rig(&r).await;
+    *r.host.segment.lock().unwrap() = Some(port);
+    assert_eq!(r.engine.reclaim(&name).await.unwrap(), None, "the reclaim backs off");
+    assert!(r.host.signals_of(Signal::SIGKILL).is_empty());
+    assert_eq!(r.workload(&name).reclaimed, None);
+}
+
+#[tokio::test]
+async fn a_reclaim_whose_watches_cannot_be_installed_goes_on_unwatched() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    let (name, port) = listening_rig(&r).await;
+    // A segment would come, but no watch sees it.
+    *r.host.segment.lock().unwrap() = Some(port);
+    r.host.fail("watch_ports");
+    let reclaimed = r.engine.reclaim(&name).await.unwrap().expect("reclaimed");
+    assert_eq!(reclaimed.ports, [port]);
+    assert_eq!(r.host.signals_of(Signal::SIGKILL), [ROOT, CHILD], "the reclaim evicted the tree");
+    assert_eq!(r.workload(&name).reclaimed, Some(reclaimed));
+}
+
+/// Reclaims `name`, then wakes it as `stasis wake` does.
+async fn reclaim_and_wake(r: &Rig, name: &str) -> Result<RestoreOutcome, PolicyError> {
+    r.engine.reclaim(name).await.unwrap().expect("reclaimed");
+    r.engine.wake(name, Caller::Root).await
+}
+
+#[tokio::test]
+async fn a_wake_lets_go_of_its_hold_on_new_connections_once_the_tree_runs() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    let (name, port) = listening_rig(&r).await;
+    assert_eq!(reclaim_and_wake(&r, &name).await.unwrap().pid, ROOT);
+    // One hold, on the listener's port, no longer in place.
+    assert_eq!(*r.host.holds.lock().unwrap(), [(vec![port], false)]);
+}
+
+#[tokio::test]
+async fn a_wake_whose_hold_on_new_connections_fails_wakes_the_workload_all_the_same() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    let (name, _) = listening_rig(&r).await;
+    r.host.fail("hold_new_connections");
+    assert_eq!(reclaim_and_wake(&r, &name).await.unwrap().pid, ROOT);
+    assert!(r.host.holds.lock().unwrap().is_empty());
+    assert!(r.host.is_running(ROOT));
+    assert_eq!(r.workload(&name).reclaimed, None);
 }

@@ -5,7 +5,7 @@
 //! Two ways, for two kinds of peer:
 //! - Peers on other nodes (or in other network namespaces of this one): their segments reach
 //!   this namespace through an interface, where a packet socket sees them before CRIU's lock
-//!   drops them ([`PortWatch`]).
+//!   drops them ([`Watches::watch_ports`]).
 //! - Peers in this network namespace (a Jupyter server and its kernels on one node talk over
 //!   loopback): CRIU's lock drops their segments on the way out, in netfilter's output hook,
 //!   so no interface ever carries them. Their own sockets tell instead: a peer that wrote
@@ -17,15 +17,15 @@ use std::time::Duration;
 
 use tracing::{debug, warn};
 
-use crate::linux::port_watch::PortWatch;
-use crate::linux::sock_diag::{SockDiag, TCP_ESTABLISHED};
+use crate::engine::host::{PortUses, TcpSockets, Watches};
+use crate::linux::sock_diag::TCP_ESTABLISHED;
 
 /// How often the sockets of peers on this node are looked at.
 const PEER_POLL: Duration = Duration::from_millis(50);
 
 /// A watch on the uses of one workload.
 pub(super) struct UseWatch {
-    segments: Option<PortWatch>,
+    segments: Option<Box<dyn PortUses>>,
     peers: Option<LocalPeers>,
 }
 
@@ -34,18 +34,19 @@ impl UseWatch {
     /// workload's established TCP connections, as `(local, remote)`). What cannot be watched
     /// is logged, naming `while_`.
     pub fn open(
+        host: &dyn Watches,
         name: &str,
         ports: &[u16],
         connections: &[(SocketAddr, SocketAddr)],
         while_: &str,
     ) -> UseWatch {
         let segments = (!ports.is_empty())
-            .then(|| PortWatch::open(ports))
+            .then(|| host.watch_ports(ports))
             .transpose()
             .inspect_err(|e| warn!(workload = name, error = %e, "cannot watch the workload's ports {while_}"))
             .ok()
             .flatten();
-        let peers = LocalPeers::find(connections)
+        let peers = LocalPeers::find(host, connections)
             .inspect_err(|e| warn!(workload = name, error = %e, "cannot watch the workload's peers on this node {while_}"))
             .ok()
             .flatten();
@@ -78,17 +79,20 @@ impl UseWatch {
 
 /// The connections of a workload whose other end is a socket of this network namespace.
 struct LocalPeers {
-    diag: SockDiag,
+    diag: Box<dyn TcpSockets>,
     connections: Vec<(SocketAddr, SocketAddr)>,
 }
 
 impl LocalPeers {
     /// Those of `connections` whose peer is here (`None` if none is).
-    fn find(connections: &[(SocketAddr, SocketAddr)]) -> std::io::Result<Option<LocalPeers>> {
+    fn find(
+        host: &dyn Watches,
+        connections: &[(SocketAddr, SocketAddr)],
+    ) -> std::io::Result<Option<LocalPeers>> {
         if connections.is_empty() {
             return Ok(None);
         }
-        let mut diag = SockDiag::open()?;
+        let mut diag = host.tcp_sockets()?;
         let mut here = Vec::new();
         for &(local, remote) in connections {
             if diag.tcp(remote, local)?.is_some() {

@@ -22,10 +22,10 @@ use tracing::{debug, info, warn};
 
 use super::Reclaimed;
 use super::uses::UseWatch;
+use crate::engine::host::{Hold, Host, Watches};
 use crate::engine::{
     Caller, Engine, PolicyError, RestoreError, RestoreOutcome, RestoreParams, RestoreTarget,
 };
-use crate::linux::syn_hold::SynHold;
 
 /// Why a wake failed, for every caller that waited for it.
 type WakeFailure = Arc<RestoreError>;
@@ -65,7 +65,8 @@ impl Engine {
     ) -> mpsc::UnboundedSender<WakeReply> {
         let (requests, asked) = mpsc::unbounded_channel();
         self.workloads.with(name, |slot| slot.idle.waker = Some(Waker { requests: requests.clone() }));
-        tokio::spawn(wait_and_wake(Arc::downgrade(self), name.to_owned(), reclaimed, asked));
+        let host = self.deps.host.clone();
+        tokio::spawn(wait_and_wake(Arc::downgrade(self), host, name.to_owned(), reclaimed, asked));
         requests
     }
 
@@ -139,6 +140,7 @@ impl Engine {
 /// listen again after a failed wake. Ends with the engine, or once the workload runs.
 async fn wait_and_wake(
     engine: Weak<Engine>,
+    host: Arc<dyn Host>,
     name: String,
     reclaimed: Reclaimed,
     mut asked: mpsc::UnboundedReceiver<WakeReply>,
@@ -146,7 +148,7 @@ async fn wait_and_wake(
     let mut held = None;
     loop {
         let Some(Wanted { accepted, mut replies, hold }) =
-            wait_for_use(&name, &reclaimed, &mut asked, held.take()).await
+            wait_for_use(host.as_ref(), &name, &reclaimed, &mut asked, held.take()).await
         else {
             return;
         };
@@ -192,7 +194,7 @@ struct Wanted {
     accepted: Vec<(TcpStream, SocketAddr)>,
     replies: Vec<WakeReply>,
     /// New connections held back while nothing listens.
-    hold: Option<SynHold>,
+    hold: Option<Hold>,
 }
 
 /// Listens on the workload's addresses and watches its ports until the first use: a
@@ -200,14 +202,16 @@ struct Wanted {
 /// hold) ends once the waker listens. `None` once nobody can ask any more (the engine is
 /// gone).
 async fn wait_for_use(
+    host: &dyn Watches,
     name: &str,
     reclaimed: &Reclaimed,
     asked: &mut mpsc::UnboundedReceiver<WakeReply>,
-    previous: Option<SynHold>,
+    previous: Option<Hold>,
 ) -> Option<Wanted> {
     let listeners = listen_on(name, &reclaimed.listeners);
     drop(previous);
-    let mut uses = UseWatch::open(name, &reclaimed.ports, &reclaimed.connections, "while it is reclaimed");
+    let mut uses =
+        UseWatch::open(host, name, &reclaimed.ports, &reclaimed.connections, "while it is reclaimed");
     let trigger = tokio::select! {
         // A connection first: a segment seen may be its SYN.
         biased;
@@ -215,7 +219,7 @@ async fn wait_for_use(
         port = uses.next() => Trigger::Segment(port),
         reply = asked.recv() => Trigger::Asked(reply?),
     };
-    let hold = hold_new_connections(name, &listeners);
+    let hold = hold_new_connections(host, name, &listeners);
     let mut wanted = Wanted { accepted: Vec::new(), replies: Vec::new(), hold };
     match trigger {
         Trigger::Connection(stream, addr) => {
@@ -240,14 +244,18 @@ async fn wait_for_use(
 
 /// Holds back new connections to the ports of `listeners` (logged when it cannot: they are
 /// then refused while nothing listens).
-fn hold_new_connections(name: &str, listeners: &[(TcpListener, SocketAddr)]) -> Option<SynHold> {
+fn hold_new_connections(
+    host: &dyn Watches,
+    name: &str,
+    listeners: &[(TcpListener, SocketAddr)],
+) -> Option<Hold> {
     static HOLDS: AtomicU64 = AtomicU64::new(0);
     if listeners.is_empty() {
         return None;
     }
     let ports: Vec<u16> = listeners.iter().map(|(_, addr)| addr.port()).collect();
     let table = format!("stasis-wake-{}-{}", std::process::id(), HOLDS.fetch_add(1, Ordering::Relaxed));
-    SynHold::hold(&table, &ports)
+    (host.hold_new_connections(&table, &ports))
         .inspect_err(|e| warn!(workload = name, error = %e, "cannot hold back new connections during the wake; some may be refused"))
         .ok()
 }
