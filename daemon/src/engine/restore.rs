@@ -336,7 +336,7 @@ impl Engine {
         if !busy.is_empty() {
             return Err(RestoreError::PidsInUse { id, pids: busy });
         }
-        let warnings = sockets::check_restore(&manifest.sockets, tcp_close)
+        let warnings = sockets::check_restore(self.deps.host.as_ref(), &manifest.sockets, tcp_close)
             .map_err(|reason| RestoreError::Sockets { id: id.clone(), reason })?;
         if needs_network_support(&manifest.sockets)
             && let Err(why) = &self.support.network_sockets

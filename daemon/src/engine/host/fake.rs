@@ -14,6 +14,8 @@ use nix::sys::signal::Signal;
 use super::{Hold, Host, PortUses, TcpSockets, Usage, Watches};
 use crate::engine::inspect::TreeInfo;
 use crate::engine::sockets::{Connection, TreeSockets};
+use crate::linux::net::SocketEntry;
+use crate::linux::net::SocketTable;
 use crate::linux::sock_diag::TcpSocketInfo;
 use crate::linux::sys::ChildSetup;
 
@@ -56,6 +58,8 @@ pub struct FakeHost {
     pub joining: Mutex<Vec<PathBuf>>,
     /// Every command spawned: its program and arguments.
     pub spawned: Mutex<Vec<Vec<String>>>,
+    /// The sockets of this network namespace by inode, each with the pid that holds it.
+    pub namespace_sockets: Mutex<HashMap<u64, (SocketEntry, i32)>>,
     /// The sockets every tree holds.
     pub sockets: Mutex<TreeSockets>,
     /// The port a segment arrives for as soon as a port watch is in place (else none comes).
@@ -203,6 +207,16 @@ impl Host for FakeHost {
 
     fn sockets(&self, _pids: &[i32]) -> TreeSockets {
         self.sockets.lock().unwrap().clone()
+    }
+
+    fn socket_table(&self) -> SocketTable {
+        let sockets = self.namespace_sockets.lock().unwrap();
+        SocketTable { by_inode: sockets.iter().map(|(inode, (entry, _))| (*inode, entry.clone())).collect() }
+    }
+
+    fn socket_holders(&self, inode: u64) -> Vec<(i32, String)> {
+        let sockets = self.namespace_sockets.lock().unwrap();
+        sockets.get(&inode).map(|(_, pid)| (*pid, format!("fake-{pid}"))).into_iter().collect()
     }
 
     fn leave_repair(&self, _pids: &[i32], _reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>) {

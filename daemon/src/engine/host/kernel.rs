@@ -16,6 +16,7 @@ use super::{Hold, Host, PortUses, TcpSockets, Usage, Watches};
 use crate::engine::inspect::{self, TreeInfo};
 use crate::engine::sockets::{self, Connection, TreeSockets};
 use crate::linux::cgroup::{self, WorkloadCgroup};
+use crate::linux::net::{self, SocketTable};
 use crate::linux::port_watch::PortWatch;
 use crate::linux::proc::{self, ProcStat};
 use crate::linux::sock_diag::{SockDiag, TcpSocketInfo};
@@ -122,6 +123,14 @@ impl Host for LinuxHost {
 
     fn sockets(&self, pids: &[i32]) -> TreeSockets {
         sockets::survey(pids)
+    }
+
+    fn socket_table(&self) -> SocketTable {
+        SocketTable::own()
+    }
+
+    fn socket_holders(&self, inode: u64) -> Vec<(i32, String)> {
+        net::socket_holders(inode)
     }
 
     fn leave_repair(&self, pids: &[i32], reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>) {

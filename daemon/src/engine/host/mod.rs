@@ -25,6 +25,7 @@ pub use watch::{Hold, PortUses, TcpSockets, Watches};
 
 use super::inspect::TreeInfo;
 use super::sockets::{Connection, TreeSockets};
+use crate::linux::net::SocketTable;
 use crate::linux::sys::ChildSetup;
 
 /// What the engine's jobs ask of the kernel (and, for idle workloads, [`Watches`]).
@@ -73,6 +74,10 @@ pub trait Host: Watches {
     fn nvidia_device_holders(&self, pids: &[i32]) -> Vec<i32>;
     /// The sockets `pids` hold (see `sockets::survey`).
     fn sockets(&self, pids: &[i32]) -> TreeSockets;
+    /// The sockets of stasisd's own network namespace, now.
+    fn socket_table(&self) -> SocketTable;
+    /// The processes that hold socket `inode`, as pid and command name.
+    fn socket_holders(&self, inode: u64) -> Vec<(i32, String)>;
     /// Takes the TCP sockets of `pids` out of repair mode (see `sockets::leave_repair`).
     fn leave_repair(&self, pids: &[i32], reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>);
     /// The root process of the tree in the workload cgroup at `path` (the one whose parent is

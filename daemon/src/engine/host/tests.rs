@@ -1,5 +1,5 @@
 //! Failure paths the kernel seam makes testable without root: what the engine's jobs do when
-//! the host refuses a cgroup, a spawn or an install, run on [`FakeHost`] (rollback_tests'
+//! the host refuses a cgroup, a spawn or an install, or holds a port a restore needs, run on [`FakeHost`] (rollback_tests'
 //! rig).
 
 use std::path::PathBuf;
@@ -9,8 +9,11 @@ use super::fake::FakeHost;
 use crate::criu::fake::FakeCriu;
 use crate::cuda::fake::FakeGpu;
 use crate::engine::rollback_tests::{ROOT, Rig, quiet, rig};
+use crate::engine::sockets::record;
 use crate::engine::{Caller, Pids, RunParams};
 use crate::engine::{CheckpointParams, RestoreError, RunError, Target};
+use crate::linux::net::SocketEntry;
+use crate::linux::net::SocketKind;
 
 /// Where the rig's cgroup of workload `name` is.
 fn cgroup_of(r: &Rig, name: &str) -> PathBuf {
@@ -121,4 +124,33 @@ async fn a_restore_whose_init_cannot_be_installed_gives_the_cgroup_back() {
     assert!(matches!(&err, RestoreError::Local { what: "the checkpoint's stasis-init", .. }), "{err}");
     assert!(!criu_restored(&r), "CRIU was not asked to restore");
     assert!(cgroups(&r.host).is_empty(), "the cgroup made for the tree is removed");
+}
+
+#[tokio::test]
+async fn a_restore_whose_port_is_taken_here_is_refused_before_criu_and_gives_the_cgroup_back() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    let listener = record("tcp", "listen", "127.0.0.1:8080", "");
+    r.host.trees.lock().unwrap().get_mut(&ROOT).unwrap().sockets.records.push(listener);
+    let id = evicted_web(&r).await;
+    // Another process of this node listens there now.
+    let taken = SocketEntry {
+        kind: SocketKind::Tcp,
+        state: "listen",
+        local: Some("0.0.0.0:8080".parse().unwrap()),
+        remote: None,
+        path: None,
+        listening: false,
+    };
+    r.host.namespace_sockets.lock().unwrap().insert(77, (taken, 4242));
+    let err = r.restore(&id).await.unwrap_err();
+    let RestoreError::Sockets { reason, .. } = &err else { panic!("{err}") };
+    assert!(
+        reason.contains("port 8080/tcp") && reason.contains("in use by pid 4242 (fake-4242)"),
+        "{reason}"
+    );
+    assert!(!criu_restored(&r), "CRIU was not asked to restore");
+    assert!(cgroups(&r.host).is_empty(), "the cgroup made for the tree is removed");
+
+    r.host.namespace_sockets.lock().unwrap().clear();
+    assert_eq!(r.restore(&id).await.unwrap().pid, ROOT);
 }

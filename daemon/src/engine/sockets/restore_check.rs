@@ -7,13 +7,18 @@ use std::net::{IpAddr, SocketAddr};
 use stasis_proto::stasis::store::v1::SocketRecord;
 
 use super::{describe, is_connection};
-use crate::linux::net::{self, SocketKind, SocketTable};
+use crate::engine::host::Host;
+use crate::linux::net::SocketKind;
 
-/// `Err(why)` when this node cannot take the recorded sockets back; otherwise what the
-/// restored tree will notice. Sockets of a network namespace of the tree's own are left to
+/// `Err(why)` when this node (`host`) cannot take the recorded sockets back; otherwise what
+/// the restored tree will notice. Sockets of a network namespace of the tree's own are left to
 /// CRIU, which restores the namespace with them.
-pub fn check_restore(records: &[SocketRecord], tcp_close: bool) -> Result<Vec<String>, String> {
-    let here = SocketTable::own();
+pub fn check_restore(
+    host: &dyn Host,
+    records: &[SocketRecord],
+    tcp_close: bool,
+) -> Result<Vec<String>, String> {
+    let here = host.socket_table();
     let mut warnings = Vec::new();
     for r in records.iter().filter(|r| !r.foreign_netns) {
         let Some(kind) =
@@ -40,7 +45,7 @@ pub fn check_restore(records: &[SocketRecord], tcp_close: bool) -> Result<Vec<St
         let binds_port = r.state == "listen" || (kind == SocketKind::Udp && local.port() != 0);
         if binds_port && let Some(&inode) = here.bound_on(kind, local.ip(), local.port()).first() {
             let holders: Vec<String> =
-                net::socket_holders(inode).iter().map(|(pid, comm)| format!("pid {pid} ({comm})")).collect();
+                host.socket_holders(inode).iter().map(|(pid, comm)| format!("pid {pid} ({comm})")).collect();
             let by = if holders.is_empty() { "another socket".to_string() } else { holders.join(", ") };
             return Err(format!("port {}/{} ({}) is in use by {by}", local.port(), r.kind, local.ip()));
         }
@@ -69,32 +74,33 @@ fn address_is_here(ip: IpAddr) -> bool {
 mod tests {
     use super::super::record;
     use super::*;
+    use crate::engine::host::LinuxHost;
 
     #[test]
     fn a_taken_port_refuses_and_a_free_one_passes() {
         let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = taken.local_addr().unwrap().to_string();
-        let err = check_restore(&[record("tcp", "listen", &addr, "")], false).unwrap_err();
+        let err = check_restore(&LinuxHost, &[record("tcp", "listen", &addr, "")], false).unwrap_err();
         assert!(err.contains("in use by pid"), "{err}");
         assert!(err.contains(&std::process::id().to_string()), "{err}");
         drop(taken);
-        assert_eq!(check_restore(&[record("tcp", "listen", &addr, "")], false), Ok(vec![]));
+        assert_eq!(check_restore(&LinuxHost, &[record("tcp", "listen", &addr, "")], false), Ok(vec![]));
     }
 
     #[test]
     fn a_gone_loopback_peer_is_a_warning_and_a_foreign_address_an_error() {
         let gone = record("tcp", "established", "127.0.0.1:1", "127.0.0.1:2");
-        let warnings = check_restore(std::slice::from_ref(&gone), false).unwrap();
+        let warnings = check_restore(&LinuxHost, std::slice::from_ref(&gone), false).unwrap();
         assert!(warnings[0].contains("peer is gone"), "{warnings:?}");
-        let closed = check_restore(std::slice::from_ref(&gone), true).unwrap();
+        let closed = check_restore(&LinuxHost, std::slice::from_ref(&gone), true).unwrap();
         assert!(closed[0].contains("--tcp-close"), "{closed:?}");
         // 192.0.2.0/24 is TEST-NET-1: never a local address.
         let foreign = record("tcp", "established", "192.0.2.7:40000", "192.0.2.8:80");
-        let err = check_restore(std::slice::from_ref(&foreign), false).unwrap_err();
+        let err = check_restore(&LinuxHost, std::slice::from_ref(&foreign), false).unwrap_err();
         assert!(err.contains("not on this node") && err.contains("--tcp-close"), "{err}");
-        assert!(check_restore(std::slice::from_ref(&foreign), true).is_ok());
+        assert!(check_restore(&LinuxHost, std::slice::from_ref(&foreign), true).is_ok());
         // In a network namespace of the tree's own, this node's addresses do not matter.
         let contained = SocketRecord { foreign_netns: true, ..foreign };
-        assert_eq!(check_restore(&[contained], false), Ok(vec![]));
+        assert_eq!(check_restore(&LinuxHost, &[contained], false), Ok(vec![]));
     }
 }
