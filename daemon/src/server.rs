@@ -13,10 +13,8 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tracing::info;
 
 use crate::config::DaemonConfig;
-use crate::config::{EagerRestore, LazyPrefetch};
-use crate::engine::{Engine, EngineConfig, StartError};
+use crate::engine::{Engine, StartError};
 use crate::grpc::{StasisServer, StasisService};
-use crate::store::FetchSettings;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -46,28 +44,7 @@ pub enum ServeError {
 
 /// Runs stasisd until SIGTERM or SIGINT, then drains running jobs.
 pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
-    let engine = Engine::start(EngineConfig {
-        state_dir: config.state_dir.clone(),
-        store_url: config.store_url.clone(),
-        criu_path: config.criu_path.clone(),
-        staging_limit: config.staging_mib.map(|m| m << 20),
-        keep_last: (config.keep_last > 0).then_some(config.keep_last),
-        gc_grace: std::time::Duration::from_secs(config.gc_grace_secs),
-        store_retry: std::time::Duration::from_secs(config.store_retry_secs),
-        lazy: FetchSettings {
-            cache_bytes: config.lazy_cache_mib << 20,
-            timeout: std::time::Duration::from_secs(config.lazy_timeout_secs),
-            fresh_first: config.lazy_prefetch == LazyPrefetch::FreshFirst,
-        },
-        eager_from_files: config.eager_restore == EagerRestore::Files,
-        network_lock: config.network_lock.forced(),
-        network_lock_keep: std::time::Duration::from_secs(config.network_lock_keep_secs),
-        idle: config.idle,
-        store_key: config.store_key.clone(),
-        rotate_store_key_from: config.rotate_store_key_from.clone(),
-        notice_window: config.notices.as_ref().map(|n| n.cloud.notice_window()),
-    })
-    .await?;
+    let engine = Engine::start(config.engine).await?;
     if let Some(addr) = config.metrics_listen {
         crate::metrics::serve(addr, engine.metrics())
             .await

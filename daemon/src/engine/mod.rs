@@ -27,6 +27,7 @@ mod restore;
 #[cfg(test)]
 mod rollback_tests;
 mod run;
+mod settings;
 mod slots;
 mod sockets;
 mod start;
@@ -36,7 +37,6 @@ mod store_faults;
 mod unsupported;
 mod workloads;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 pub use access::Caller;
@@ -50,48 +50,14 @@ pub use ids::{now_unix_ms, valid_checkpoint_id};
 pub use query::{CheckpointList, CheckpointSummary, StatusReport, WorkloadReport};
 pub use restore::{RestoreOutcome, RestoreParams, RestoreStats, RestoreTarget};
 pub use run::{Pids, RunOutcome, RunParams};
+pub use settings::{EngineConfig, Settings};
 use tokio_util::task::TaskTracker;
 pub use workloads::Workload;
 
-use crate::criu::NetworkLock;
-use parts::{Deps, Settings, Shared};
+use parts::{Deps, Shared};
 use slots::Slots;
 use start::CriuSupport;
 use workloads::Registry;
-
-/// What the engine needs to start.
-#[derive(Debug, Clone)]
-pub struct EngineConfig {
-    pub state_dir: PathBuf,
-    pub store_url: String,
-    pub criu_path: PathBuf,
-    /// Bytes of dumped pages held in memory before spilling to disk (default: RAM / 4).
-    pub staging_limit: Option<u64>,
-    /// Checkpoints kept per workload by the retention policy; `None` keeps all.
-    pub keep_last: Option<usize>,
-    /// Unreferenced packs younger than this are left alone: another node may be uploading
-    /// the checkpoint that will reference them.
-    pub gc_grace: std::time::Duration,
-    /// How long requests to a remote store are retried before they fail.
-    pub store_retry: std::time::Duration,
-    /// How lazy restores fetch memory.
-    pub lazy: crate::store::FetchSettings,
-    /// Eager restores write memory into image files for CRIU, even where stasisd could put it
-    /// in place itself.
-    pub eager_from_files: bool,
-    /// The network lock to use; `None` picks one (see [`crate::criu::support::choose_network_lock`]).
-    pub network_lock: Option<NetworkLock>,
-    /// How long the network lock of an eviction is kept for a restore on this node.
-    pub network_lock_keep: std::time::Duration,
-    /// How idle workloads are told from busy ones.
-    pub idle: IdleSettings,
-    /// The store's encryption key, and (once, for rotation) the key it was wrapped with.
-    pub store_key: Option<crate::store::crypto::StoreKey>,
-    pub rotate_store_key_from: Option<crate::store::crypto::StoreKey>,
-    /// How long a preemption notice gives, when they are watched (periodic intervals of spot
-    /// workloads adapt to it).
-    pub notice_window: Option<std::time::Duration>,
-}
 
 /// A progress report of a long operation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,7 +76,7 @@ pub struct Engine {
     deps: Deps,
     /// What CRIU and the kernel can do on this node, found at start.
     support: CriuSupport,
-    /// How it is set (from `EngineConfig`).
+    /// How its jobs behave (from `EngineConfig`).
     settings: Settings,
     /// The workloads it knows, persisted in the state directory.
     registry: Registry,

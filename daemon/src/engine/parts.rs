@@ -1,11 +1,10 @@
-//! What an engine is made of, besides its workloads: what it drives ([`Deps`]), how it is set
-//! ([`Settings`]) and what all its jobs share ([`Shared`]); and the engine assembled from
-//! them with what CRIU and the kernel can do on this node (`start::CriuSupport`).
+//! What an engine is made of, besides its workloads: what it drives ([`Deps`]) and what all
+//! its jobs share ([`Shared`]); and the engine assembled from them, its settings
+//! (`settings.rs`) and what CRIU and the kernel can do on this node (`start::CriuSupport`).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio_util::task::TaskTracker;
 
@@ -15,11 +14,11 @@ use super::sockets::LeftLocks;
 use super::start::CriuSupport;
 use super::state::StateDir;
 use super::workloads::Registry;
-use super::{Engine, EngineConfig, IdleSettings, dump};
+use super::{Engine, EngineConfig, dump};
 use crate::criu::CriuOps;
 use crate::cuda::GpuCheckpointer;
 use crate::linux::reaper::Reaper;
-use crate::store::{BlockPool, FetchSettings, StagingBudget, Store};
+use crate::store::{BlockPool, StagingBudget, Store};
 
 /// What the engine drives, and where it keeps its data.
 pub(super) struct Deps {
@@ -33,22 +32,6 @@ pub(super) struct Deps {
     pub store: Store,
     pub state: StateDir,
     pub reaper: Reaper,
-}
-
-/// How the engine is set.
-pub(super) struct Settings {
-    /// Checkpoints kept per workload by the retention policy; `None` keeps all.
-    pub keep_last: Option<usize>,
-    /// Unreferenced packs younger than this are left alone by garbage collection.
-    pub gc_grace: Duration,
-    /// How lazy restores fetch memory.
-    pub lazy: FetchSettings,
-    /// Whether eager restores have stasisd put memory in place (else CRIU reads image files).
-    pub eager_served: bool,
-    /// How idle workloads are told from busy ones.
-    pub idle: IdleSettings,
-    /// How long a preemption notice gives on this cloud, when notices are watched.
-    pub notice_window: Option<Duration>,
 }
 
 /// What all jobs share.
@@ -87,14 +70,8 @@ impl Engine {
     ) -> Engine {
         let staging_limit =
             config.staging_limit.unwrap_or_else(|| dump::default_staging_limit(deps.host.as_ref()));
-        let settings = Settings {
-            keep_last: config.keep_last,
-            gc_grace: config.gc_grace,
-            lazy: config.lazy,
-            eager_served: support.served_memory.is_ok() && !config.eager_from_files,
-            idle: config.idle,
-            notice_window: config.notice_window,
-        };
+        let mut settings = config.settings;
+        settings.eager_served &= support.served_memory.is_ok();
         let shared = Shared {
             staging: StagingBudget::new(staging_limit),
             blocks: Default::default(),

@@ -17,7 +17,7 @@ use super::state::StateDir;
 use super::workloads::Registry;
 use super::{
     Caller, CheckpointError, CheckpointOutcome, CheckpointParams, Engine, EngineConfig, GpuActivity,
-    ProgressFn, RestoreError, RestoreParams, RestoreTarget, Target,
+    ProgressFn, RestoreError, RestoreParams, RestoreTarget, Settings, Target,
 };
 use crate::criu::fake::FakeCriu;
 use crate::criu::{NetworkLock, TreeOptions};
@@ -87,17 +87,18 @@ pub(super) fn rig_with(mut criu: FakeCriu, gpu: FakeGpu, extras: Extras) -> Rig 
         store_url: format!("file://{}", dir.path().join("store").display()),
         criu_path: "/fake/criu".into(),
         staging_limit: Some(64 << 20),
-        keep_last: None,
-        gc_grace: Duration::from_secs(3600),
         store_retry: Duration::ZERO,
-        lazy: FetchSettings { cache_bytes: 64 << 20, timeout: Duration::from_secs(5), fresh_first: false },
-        eager_from_files: false,
-        network_lock: None,
-        network_lock_keep: Duration::from_secs(1800),
-        idle: Default::default(),
-        store_key: None,
-        rotate_store_key_from: None,
-        notice_window: Some(Duration::from_secs(30)),
+        settings: Settings {
+            keep_last: None,
+            lazy: FetchSettings {
+                cache_bytes: 64 << 20,
+                timeout: Duration::from_secs(5),
+                fresh_first: false,
+            },
+            notice_window: Some(Duration::from_secs(30)),
+            ..Default::default()
+        },
+        ..Default::default()
     };
     let state = StateDir::open(&config.state_dir).unwrap();
     let support = CriuSupport {
