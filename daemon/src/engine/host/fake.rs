@@ -161,6 +161,19 @@ impl Host for FakeHost {
         Vec::new()
     }
 
+    fn restoring_namespace_root(&self, _criu: i32) -> Option<i32> {
+        None
+    }
+
+    fn restored_root_under(&self, _launcher: i32) -> Option<i32> {
+        None
+    }
+
+    fn process_tree(&self, root: i32) -> io::Result<Vec<i32>> {
+        let trees = self.trees.lock().unwrap();
+        trees.get(&root).map(|t| t.pids.clone()).ok_or_else(|| io::Error::from_raw_os_error(libc::ESRCH))
+    }
+
     fn trees(&self, roots: &[i32]) -> Vec<i32> {
         let trees = self.trees.lock().unwrap();
         let mut all: Vec<i32> = roots.to_vec();
@@ -278,6 +291,11 @@ impl Host for FakeHost {
     fn terminal_to_log(&self, _log: &Path) -> io::Result<OwnedFd> {
         self.check("terminal_to_log")?;
         Ok(File::open("/dev/null")?.into())
+    }
+
+    /// No helper programs here.
+    fn companion_program(&self, _name: &str) -> io::Result<PathBuf> {
+        Err(io::ErrorKind::NotFound.into())
     }
 
     fn find_program(&self, _name: &str) -> Option<PathBuf> {

@@ -95,6 +95,18 @@ impl Host for LinuxHost {
         proc::restoring_namespace_root(criu).into_iter().chain(proc::restored_root_under(criu)).collect()
     }
 
+    fn restoring_namespace_root(&self, criu: i32) -> Option<i32> {
+        proc::restoring_namespace_root(criu)
+    }
+
+    fn restored_root_under(&self, launcher: i32) -> Option<i32> {
+        proc::restored_root_under(launcher)
+    }
+
+    fn process_tree(&self, root: i32) -> io::Result<Vec<i32>> {
+        proc::process_tree(root)
+    }
+
     fn trees(&self, roots: &[i32]) -> Vec<i32> {
         let mut all: Vec<i32> = roots.to_vec();
         for root in roots {
@@ -171,6 +183,10 @@ impl Host for LinuxHost {
 
     fn terminal_to_log(&self, log: &Path) -> io::Result<OwnedFd> {
         pty::terminal_to_log(log)
+    }
+
+    fn companion_program(&self, name: &str) -> io::Result<PathBuf> {
+        crate::linux::companion_program(name)
     }
 
     fn find_program(&self, name: &str) -> Option<PathBuf> {

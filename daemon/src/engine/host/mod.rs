@@ -60,6 +60,13 @@ pub trait Host: Watches {
     /// The roots of the tree that CRIU (process `criu`, or its launcher) is restoring, as far
     /// as they can be told before CRIU names them.
     fn restoring_roots(&self, criu: i32) -> Vec<i32>;
+    /// The root of the tree CRIU (process `criu`) is restoring into a pid namespace of its
+    /// own, once CRIU created it.
+    fn restoring_namespace_root(&self, criu: i32) -> Option<i32>;
+    /// The root of the tree a CRIU started by `launcher` is restoring into a container.
+    fn restored_root_under(&self, launcher: i32) -> Option<i32>;
+    /// `root` and all its descendants, depth first (the order in which CRIU walks a tree).
+    fn process_tree(&self, root: i32) -> io::Result<Vec<i32>>;
     /// Every process of the trees rooted at `roots`, roots first (children forked since a
     /// tree was inspected included).
     fn trees(&self, roots: &[i32]) -> Vec<i32>;
@@ -105,6 +112,8 @@ pub trait Host: Watches {
     fn install_init_programs(&self, images: &Path) -> io::Result<()>;
     /// A new terminal whose output goes to the log at `log`: the end a restored tree gets.
     fn terminal_to_log(&self, log: &Path) -> io::Result<OwnedFd>;
+    /// stasisd's helper program `name`, installed next to it.
+    fn companion_program(&self, name: &str) -> io::Result<PathBuf>;
     /// The program `name` in a directory of `PATH`, as a shell would find it.
     fn find_program(&self, name: &str) -> Option<PathBuf>;
     /// Whether this kernel gives a userfaultfd with the events CRIU's lazy restore needs

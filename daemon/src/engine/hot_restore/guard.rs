@@ -26,8 +26,8 @@ use nix::sys::socket::{
 use tracing::{info, warn};
 
 use super::control::Control;
+use crate::engine::host::Host;
 use crate::engine::lock;
-use crate::linux::proc;
 
 /// The guard's executable, next to stasisd's.
 const GUARD_BIN: &str = "stasis-lazy-guard";
@@ -67,6 +67,7 @@ pub enum GuardError {
 /// The guard of one session.
 #[derive(Clone)]
 pub(in crate::engine) struct FaultGuard {
+    host: Arc<dyn Host>,
     control: Arc<Control>,
     tree: TreePids,
     process: Arc<Mutex<Slot>>,
@@ -105,13 +106,12 @@ struct GuardProcess {
 }
 
 impl GuardProcess {
-    fn spawn() -> Result<GuardProcess, GuardError> {
+    fn spawn(host: &dyn Host) -> Result<GuardProcess, GuardError> {
         let spawn_err = |exe: &std::path::Path| {
             let exe = exe.to_path_buf();
             move |source| GuardError::Spawn { exe, source }
         };
-        let exe =
-            crate::linux::companion_program(GUARD_BIN).map_err(spawn_err(std::path::Path::new(GUARD_BIN)))?;
+        let exe = host.companion_program(GUARD_BIN).map_err(spawn_err(std::path::Path::new(GUARD_BIN)))?;
         let (ours, theirs) =
             socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
                 .map_err(|e| spawn_err(&exe)(e.into()))?;
@@ -170,12 +170,14 @@ pub(super) fn send(channel: BorrowedFd<'_>, bytes: &[u8], fds: &[OwnedFd]) -> st
 }
 
 impl FaultGuard {
-    /// The guard of the tree `tree` whose userfaultfds the fault server that `control` shows
-    /// receives; its process starts now, in the background.
-    pub(super) fn new(control: Arc<Control>, tree: TreePids) -> FaultGuard {
+    /// The guard of the tree `tree` (on `host`) whose userfaultfds the fault server that
+    /// `control` shows receives; its process starts now, in the background.
+    pub(super) fn new(host: Arc<dyn Host>, control: Arc<Control>, tree: TreePids) -> FaultGuard {
         let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || drop(tx.send(GuardProcess::spawn())));
+        let spawning = host.clone();
+        std::thread::spawn(move || drop(tx.send(GuardProcess::spawn(spawning.as_ref()))));
         FaultGuard {
+            host,
             control,
             tree,
             process: Arc::new(Mutex::new(Slot::Starting(rx))),
@@ -189,14 +191,15 @@ impl FaultGuard {
         match &self.tree {
             TreePids::Recorded(pids) => Ok(pids.clone()),
             TreePids::InNamespace(roots) => {
-                let root = proc::restoring_namespace_root(criu).ok_or(GuardError::NoNamespaceRoot(criu))?;
+                let root =
+                    self.host.restoring_namespace_root(criu).ok_or(GuardError::NoNamespaceRoot(criu))?;
                 *lock(roots) = vec![root];
-                proc::process_tree(root).map_err(GuardError::ListPids)
+                self.host.process_tree(root).map_err(GuardError::ListPids)
             }
             TreePids::InContainer(roots) => {
-                let root = proc::restored_root_under(criu).ok_or(GuardError::NoNamespaceRoot(criu))?;
+                let root = self.host.restored_root_under(criu).ok_or(GuardError::NoNamespaceRoot(criu))?;
                 *lock(roots) = vec![root];
-                proc::process_tree(root).map_err(GuardError::ListPids)
+                self.host.process_tree(root).map_err(GuardError::ListPids)
             }
         }
     }
@@ -270,5 +273,31 @@ impl FaultGuard {
             return None;
         }
         Some(lock(&self.failure).clone().unwrap_or_else(|| Arc::new(GuardError::NoPreResume)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::host::fake::FakeHost;
+
+    /// A pid no process can have (above Linux's largest pid_max).
+    const CRIU: i32 = 4_194_450;
+
+    #[test]
+    fn a_guard_that_finds_no_restored_tree_at_pre_resume_fails_and_says_why() {
+        let roots = super::super::Roots::default();
+        let control = Arc::new(Control::new().unwrap());
+        let guard =
+            FaultGuard::new(Arc::new(FakeHost::default()), control, TreePids::InNamespace(roots.clone()));
+        let err = guard.start(CRIU).unwrap_err();
+        assert!(matches!(*err, GuardError::NoNamespaceRoot(CRIU)), "{err}");
+        // The restore asks before letting the tree run: it is told why, and kills the tree.
+        let why = guard.not_started().expect("not started");
+        assert!(matches!(*why, GuardError::NoNamespaceRoot(CRIU)), "{why}");
+        assert!(matches!(guard.failed().as_deref(), Some(GuardError::NoNamespaceRoot(CRIU))));
+        assert!(lock(&roots).is_empty(), "no root to kill was made up");
+        assert!(!guard.holding());
+        guard.release();
     }
 }

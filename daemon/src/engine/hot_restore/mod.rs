@@ -169,7 +169,7 @@ impl Engine {
                 TreePids::Recorded(pids)
             }
         };
-        let guard = FaultGuard::new(control.clone(), tree);
+        let guard = FaultGuard::new(self.deps.host.clone(), control.clone(), tree);
         Ok(LazySession { fetch, server, control, armed, total, guard, hold, kill, criu })
     }
 }
