@@ -8,7 +8,6 @@ mod access;
 pub mod archive;
 mod checkpoint;
 mod compat;
-mod dump;
 mod error;
 mod evacuate;
 mod gpu;

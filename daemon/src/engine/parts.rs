@@ -8,13 +8,14 @@ use std::sync::Arc;
 
 use tokio_util::task::TaskTracker;
 
+use super::checkpoint::dump;
 use super::host::Host;
 use super::idle::GpuWatch;
 use super::sockets::LeftLocks;
 use super::start::CriuSupport;
 use super::state::StateDir;
 use super::workloads::Registry;
-use super::{Engine, EngineConfig, dump};
+use super::{Engine, EngineConfig};
 use crate::criu::CriuOps;
 use crate::cuda::GpuCheckpointer;
 use crate::linux::reaper::Reaper;

@@ -302,15 +302,15 @@ impl From<CheckpointSummary> for pb::CheckpointInfo {
     }
 }
 
-impl From<GcReport> for pb::GcResponse {
-    fn from(r: GcReport) -> Self {
-        Self {
-            checkpoints_deleted: r.manifests_deleted,
-            packs_deleted: r.packs_deleted,
-            packs_repacked: r.packs_repacked,
-            bytes_freed: r.bytes_freed,
-            damaged_packs: r.damaged_packs,
-        }
+/// The store's report of a collection, as the API answers it (both types are other crates',
+/// hence a function and not `From`).
+pub(super) fn gc_response(r: GcReport) -> pb::GcResponse {
+    pb::GcResponse {
+        checkpoints_deleted: r.manifests_deleted,
+        packs_deleted: r.packs_deleted,
+        packs_repacked: r.packs_repacked,
+        bytes_freed: r.bytes_freed,
+        damaged_packs: r.damaged_packs,
     }
 }
 
@@ -392,16 +392,15 @@ impl From<RestoreOutcome> for pb::RestoreRunning {
     }
 }
 
-impl From<CheckReport> for pb::CheckResponse {
-    fn from(r: CheckReport) -> Self {
-        Self {
-            manifests: r.manifests as u64,
-            packs: r.packs as u64,
-            chunks_read: r.chunks_read,
-            problems: r.problems,
-            broken: r.broken.into_iter().map(|(id, reasons)| pb::BrokenCheckpoint { id, reasons }).collect(),
-            notes: r.notes,
-        }
+/// The store's report of a check, as the API answers it.
+pub(super) fn check_response(r: CheckReport) -> pb::CheckResponse {
+    pb::CheckResponse {
+        manifests: r.manifests as u64,
+        packs: r.packs as u64,
+        chunks_read: r.chunks_read,
+        problems: r.problems,
+        broken: r.broken.into_iter().map(|(id, reasons)| pb::BrokenCheckpoint { id, reasons }).collect(),
+        notes: r.notes,
     }
 }
 

@@ -152,7 +152,7 @@ impl Stasis for StasisService {
             0 => None,
             n => Some(n as usize),
         };
-        Ok(Response::new(self.engine.gc(keep_last, caller).await?.into()))
+        Ok(Response::new(convert::gc_response(self.engine.gc(keep_last, caller).await?)))
     }
 
     async fn export(&self, req: Request<pb::ExportRequest>) -> Result<Response<pb::ExportResponse>, Status> {
@@ -181,7 +181,9 @@ impl Stasis for StasisService {
 
     async fn check(&self, req: Request<pb::CheckRequest>) -> Result<Response<pb::CheckResponse>, Status> {
         let caller = caller_of(&req)?;
-        Ok(Response::new(self.engine.check(req.into_inner().read_data, caller).await?.into()))
+        Ok(Response::new(convert::check_response(
+            self.engine.check(req.into_inner().read_data, caller).await?,
+        )))
     }
 
     async fn set_idle(

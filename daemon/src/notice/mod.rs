@@ -25,24 +25,6 @@ use tracing::{debug, info, warn};
 use crate::engine::{Engine, EvacuateParams};
 pub use crate::linux::cloud::Cloud;
 
-impl Cloud {
-    /// The metadata service's address on the cloud's own machines.
-    pub fn default_base_url(self) -> &'static str {
-        match self {
-            Self::Aws | Self::Azure => "http://169.254.169.254",
-            Self::Gcp => "http://metadata.google.internal",
-        }
-    }
-
-    /// How long a preemption notice gives before the machine goes.
-    pub fn notice_window(self) -> Duration {
-        match self {
-            Self::Aws => Duration::from_secs(120),
-            Self::Gcp | Self::Azure => Duration::from_secs(30),
-        }
-    }
-}
-
 /// What a notice asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NoticeKind {

@@ -9,6 +9,7 @@
 //! ```
 
 mod crash_record;
+pub(super) mod dump;
 mod rollback;
 mod store;
 
@@ -21,7 +22,6 @@ use nix::sys::signal::Signal;
 use tracing::{info, instrument, warn};
 
 use super::access::{Caller, owner_of};
-use super::dump::{self, SPILL_FILE};
 use super::ids::{checkpoint_id, ms, now_unix_ms};
 use super::inspect::TreeInfo;
 use super::workloads::{Workload, derived_name};
@@ -30,6 +30,7 @@ use crate::criu::{DumpSpec, NetworkLock};
 use crate::metrics::{CheckpointSample, Failure, Metrics};
 use crate::pages::PageSink;
 use crate::store::{DumpPages, Staging};
+use dump::SPILL_FILE;
 use rollback::Hold;
 pub(in crate::engine) use store::tree_options;
 use store::{DumpTiming, Dumped};

@@ -8,12 +8,12 @@ use std::time::Instant;
 use stasis_proto::stasis::store::v1::DumpOptions;
 use tracing::{info, warn};
 
-use super::super::dump::SPILL_FILE;
 use super::super::gpu::Suspended;
 use super::super::ids::ms;
 use super::super::inspect::TreeInfo;
 use super::super::{CheckpointError, Engine, ProgressFn, ProgressUpdate};
 use super::CheckpointStats;
+use super::dump::SPILL_FILE;
 use crate::criu::{LOG_FILE, NetworkLock, TreeOptions};
 use crate::engine::access::owner_of;
 use crate::store::{CommitGuard, DumpPages, Manifest, StoreError, StoredDump};

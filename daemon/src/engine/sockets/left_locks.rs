@@ -74,8 +74,8 @@ impl LeftLocks {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::criu::images::tests::write_inventory;
     use crate::linux::nft;
+    use stasis_criu_images::testing::write_inventory;
 
     #[test]
     fn a_recorded_lock_goes_once_it_is_old_enough() {

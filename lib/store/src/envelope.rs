@@ -1,0 +1,180 @@
+//! The envelope of stasis's own metadata objects (manifests, pack indexes): magic, format
+//! version, length and checksum around a protobuf payload.
+//!
+//! ```text
+//! offset  size  field
+//!      0     8  magic: "STASISMF" (manifest) or "STASISPX" (pack index)
+//!      8     2  format major version (LE)   readers reject another major
+//!     10     2  format minor version (LE)   readers reject a newer minor
+//!     12     4  flags (LE): bit 0 = payload sealed with the store's key (see crypto.rs)
+//!     16     8  payload length (LE)         at most MAX_PAYLOAD
+//!     24    32  BLAKE3 of the payload
+//!     56     n  payload (protobuf, or sealed protobuf)
+//! ```
+
+use prost::Message;
+
+use super::crypto::Cipher;
+
+/// Magic of manifest objects.
+pub const MANIFEST: &[u8; 8] = b"STASISMF";
+/// Magic of pack index objects.
+pub const PACK_INDEX: &[u8; 8] = b"STASISPX";
+
+const MAJOR: u16 = 1;
+const MINOR: u16 = 0;
+const HEADER_LEN: usize = 56;
+/// Metadata objects hold chunk references, never page data: 256 MiB is far beyond any real
+/// one and keeps a corrupted length from allocating without bound.
+const MAX_PAYLOAD: u64 = 256 << 20;
+/// Flag: the payload is sealed.
+const SEALED: u32 = 1;
+
+/// A metadata object could not be read.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum EnvelopeError {
+    #[error("bad magic: not this kind of stasis object")]
+    BadMagic,
+    #[error("truncated: {got} bytes, expected {expected}")]
+    Truncated { got: usize, expected: u64 },
+    #[error("format {major}.{minor} is not supported (this stasisd reads {MAJOR}.0 to {MAJOR}.{MINOR})")]
+    UnsupportedVersion { major: u16, minor: u16 },
+    #[error("format flags {0:#x} are unknown to this stasisd")]
+    UnknownFlags(u32),
+    #[error("payload of {0} bytes exceeds the limit")]
+    TooLarge(u64),
+    #[error("checksum mismatch: the object is corrupted")]
+    ChecksumMismatch,
+    #[error("it is encrypted, and no store key is configured")]
+    NeedsKey,
+    #[error("it does not decrypt with the store key (damaged, or written under another key)")]
+    Undecryptable,
+    #[error("it is not encrypted, in an encrypted store: refused (it may have been planted)")]
+    NotSealed,
+    #[error("payload does not decode: {0}")]
+    Decode(String),
+}
+
+/// Frames `message` for storage under `magic`, sealed when the store has a `cipher`.
+pub fn encode(magic: &[u8; 8], message: &impl Message, cipher: Option<&Cipher>) -> Vec<u8> {
+    let plain = message.encode_to_vec();
+    let (payload, flags) = match cipher {
+        Some(c) => (c.seal(magic, &plain), SEALED),
+        None => (plain, 0),
+    };
+    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+    out.extend_from_slice(magic);
+    out.extend_from_slice(&MAJOR.to_le_bytes());
+    out.extend_from_slice(&MINOR.to_le_bytes());
+    out.extend_from_slice(&flags.to_le_bytes());
+    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    out.extend_from_slice(blake3::hash(&payload).as_bytes());
+    out.extend_from_slice(&payload);
+    out
+}
+
+/// Checks the frame and decodes the message inside it, opening it with `cipher` (an encrypted
+/// store's objects must all be sealed).
+pub fn decode<M: Message + Default>(
+    magic: &[u8; 8],
+    data: &[u8],
+    cipher: Option<&Cipher>,
+) -> Result<M, EnvelopeError> {
+    if data.len() >= magic.len() && &data[..8] != magic {
+        return Err(EnvelopeError::BadMagic);
+    }
+    if data.len() < HEADER_LEN {
+        return Err(EnvelopeError::Truncated { got: data.len(), expected: HEADER_LEN as u64 });
+    }
+    let le16 = |at: usize| u16::from_le_bytes([data[at], data[at + 1]]);
+    let (major, minor) = (le16(8), le16(10));
+    if major != MAJOR || minor > MINOR {
+        return Err(EnvelopeError::UnsupportedVersion { major, minor });
+    }
+    let flags = u32::from_le_bytes(data[12..16].try_into().expect("4-byte slice"));
+    if flags & !SEALED != 0 {
+        return Err(EnvelopeError::UnknownFlags(flags));
+    }
+    let len = u64::from_le_bytes(data[16..24].try_into().expect("8-byte slice"));
+    if len > MAX_PAYLOAD {
+        return Err(EnvelopeError::TooLarge(len));
+    }
+    let payload = &data[HEADER_LEN..];
+    if payload.len() as u64 != len {
+        return Err(EnvelopeError::Truncated { got: data.len(), expected: HEADER_LEN as u64 + len });
+    }
+    if blake3::hash(payload).as_bytes() != &data[24..56] {
+        return Err(EnvelopeError::ChecksumMismatch);
+    }
+    let opened;
+    let plain = match (flags & SEALED != 0, cipher) {
+        (false, None) => payload,
+        (false, Some(_)) => return Err(EnvelopeError::NotSealed),
+        (true, None) => return Err(EnvelopeError::NeedsKey),
+        (true, Some(c)) => {
+            opened = c.open(magic, payload).ok_or(EnvelopeError::Undecryptable)?;
+            &opened
+        }
+    };
+    M::decode(plain).map_err(|e| EnvelopeError::Decode(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use stasis_proto::stasis::store::v1::Manifest;
+
+    use super::*;
+
+    fn sample() -> Manifest {
+        Manifest {
+            id: "20261122-101010-abcdef".into(),
+            workload: "w".into(),
+            root_pid: 7,
+            ..Default::default()
+        }
+    }
+
+    fn decode_manifest(data: &[u8]) -> Result<Manifest, EnvelopeError> {
+        decode(MANIFEST, data, None)
+    }
+
+    #[test]
+    fn round_trip() {
+        assert_eq!(decode_manifest(&encode(MANIFEST, &sample(), None)).unwrap(), sample());
+    }
+
+    #[test]
+    fn every_flipped_byte_is_detected() {
+        let good = encode(MANIFEST, &sample(), None);
+        for i in 0..good.len() {
+            let mut bad = good.clone();
+            bad[i] ^= 0x01;
+            assert!(decode_manifest(&bad).is_err(), "flip at byte {i} went unnoticed");
+        }
+    }
+
+    #[test]
+    fn truncation_kinds_and_versions_are_reported() {
+        let good = encode(MANIFEST, &sample(), None);
+        assert!(matches!(decode_manifest(&good[..good.len() - 1]), Err(EnvelopeError::Truncated { .. })));
+        assert!(matches!(decode_manifest(&good[..10]), Err(EnvelopeError::Truncated { .. })));
+        let mut newer = good.clone();
+        newer[10] = 9;
+        assert_eq!(decode_manifest(&newer), Err(EnvelopeError::UnsupportedVersion { major: 1, minor: 9 }));
+        assert_eq!(decode::<Manifest>(PACK_INDEX, &good, None), Err(EnvelopeError::BadMagic));
+    }
+
+    #[test]
+    fn sealed_envelopes_need_the_key_and_an_encrypted_store_takes_only_sealed_ones() {
+        let key = crate::crypto::StoreKey::from_hex(&"11".repeat(32)).unwrap();
+        let (_, cipher) = key.new_keys_object();
+        let sealed = encode(MANIFEST, &sample(), Some(&cipher));
+        assert!(!sealed.windows(6).any(|w| w == b"101010"), "the id is not readable in it");
+        assert_eq!(decode::<Manifest>(MANIFEST, &sealed, Some(&cipher)).unwrap(), sample());
+        assert_eq!(decode::<Manifest>(MANIFEST, &sealed, None), Err(EnvelopeError::NeedsKey));
+        let (_, other) = key.new_keys_object();
+        assert_eq!(decode::<Manifest>(MANIFEST, &sealed, Some(&other)), Err(EnvelopeError::Undecryptable));
+        let plain = encode(MANIFEST, &sample(), None);
+        assert_eq!(decode::<Manifest>(MANIFEST, &plain, Some(&cipher)), Err(EnvelopeError::NotSealed));
+    }
+}

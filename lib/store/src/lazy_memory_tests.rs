@@ -1,0 +1,243 @@
+//! The store's side of a lazy restore, without CRIU: memory stored as a dump would be, split
+//! into what the images hold and what is served on demand, served verified.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use stasis_proto::stasis::store::v1::AddressRange;
+
+use super::{
+    Ask, ChunkData, ChunkReader, FetchSettings, LazyFetch, LazyFetchError, LazyMemory, Manifest, MemoryMode,
+    Staging, Store,
+};
+use stasis_criu_images::pages::{PAGE_SIZE, PE_LAZY, PE_PRESENT, PageRun, PageSink};
+
+const PID: u64 = 42;
+const SETTINGS: FetchSettings =
+    FetchSettings { cache_bytes: 1 << 20, timeout: Duration::from_secs(10), fresh_first: true };
+
+fn bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+/// A store holding one checkpoint of task 42: 40 lazy pages at 0x10000 (two of them zero),
+/// 8 lazy pages at 0x100000, and 2 pages that cannot be lazy at 0x200000.
+async fn stored(dir: &std::path::Path) -> (Store, Manifest, [Vec<u8>; 3]) {
+    let store = Store::in_dir(&dir.join("store"));
+    let images = dir.join("images");
+    std::fs::create_dir_all(&images).unwrap();
+    stasis_criu_images::testing::write_dump_images(&images, PID as u32, &[]);
+    let mut a = bytes(40 * PAGE_SIZE as usize, 1);
+    a[PAGE_SIZE as usize * 16..PAGE_SIZE as usize * 32].fill(0);
+    let data = [a, bytes(8 * PAGE_SIZE as usize, 2), bytes(2 * PAGE_SIZE as usize, 3)];
+    let mut staging = Staging::new(&crate::StagingBudget::new(64 << 20), &dir.join("spill"));
+    let runs = [(0x10000, PE_PRESENT | PE_LAZY), (0x100000, PE_PRESENT | PE_LAZY), (0x200000, PE_PRESENT)];
+    for ((vaddr, flags), bytes) in runs.into_iter().zip(&data) {
+        let nr_pages = bytes.len() as u64 / PAGE_SIZE;
+        let run = PageRun { dst_id: (PID << 8) | 1, vaddr, nr_pages, flags };
+        staging.run(run, &mut bytes.as_slice()).unwrap();
+    }
+    let staged = Arc::new(staging.finish().unwrap());
+    let dump =
+        store.store_dump(crate::DumpPages::Staged(staged), &images, &[], Arc::new(|_, _| {})).await.unwrap();
+    let manifest = Manifest {
+        id: "20261122-000000-abcdef".into(),
+        files: dump.files,
+        memory: dump.memory,
+        ..Default::default()
+    };
+    (store, manifest, data)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn lazy_memory_is_left_in_the_store_and_served_verified() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, manifest, [a, b, c]) = stored(dir.path()).await;
+    let out = dir.path().join("restore");
+    std::fs::create_dir_all(&out).unwrap();
+    // The second run overlaps recorded GPU host memory: it must be restored eagerly.
+    let eager = [AddressRange { pid: PID as i32, start: 0x101000, end: 0x102000 }];
+    let mode = MemoryMode::Lazy { eager: &eager };
+    let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
+    assert_eq!(memory.bytes(), a.len() as u64, "only the first run is left lazy");
+    assert_eq!(std::fs::read(out.join("pages-1.img")).unwrap(), [b.as_slice(), c.as_slice()].concat());
+    let core = std::fs::read(dir.path().join("images/core-42.img")).unwrap();
+    assert_eq!(std::fs::read(out.join("core-42.img")).unwrap(), core);
+
+    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS, true).unwrap();
+    let memory = reader.memory();
+    let chunks: Vec<(usize, u64, u32)> = memory.task_chunks(PID).collect();
+    assert_eq!(chunks.iter().map(|c| u64::from(c.2)).sum::<u64>(), a.len() as u64);
+    assert_eq!(chunks[0].1, 0x10000);
+    assert_eq!(
+        memory.locate(PID, 0x10000 + 5 * PAGE_SIZE).map(|(i, offset, _)| (i, offset)),
+        Some((0, 5 * PAGE_SIZE))
+    );
+    assert_eq!(memory.locate(PID, 0x100000), None, "restored eagerly, not served");
+    // A fault's chunk first, then the rest; zero chunks need no fetch.
+    let (first, _, _) = chunks[1];
+    wait_for(&reader, first).await;
+    let mut all = vec![0u8; a.len()];
+    for (i, addr, len) in chunks {
+        let data = wait_for(&reader, i).await;
+        let at = (addr - 0x10000) as usize;
+        match data {
+            ChunkData::Zero => assert!(a[at..at + len as usize].iter().all(|b| *b == 0)),
+            ChunkData::Bytes(bytes) => all[at..at + len as usize].copy_from_slice(&bytes),
+        }
+        reader.release(i);
+        assert!(
+            reader.peek(i).is_none_or(|d| matches!(d, ChunkData::Zero)),
+            "a released chunk leaves the cache"
+        );
+    }
+    assert_eq!(all, a, "served memory differs");
+    assert!(fetch.bytes_fetched() > 0);
+    fetch.stop();
+    assert!(matches!(reader.get(first, Ask::Urgent), Err(LazyFetchError::Stopped)));
+}
+
+/// Chunk `i`, once it arrived (asked for at once).
+async fn wait_for(reader: &ChunkReader, i: usize) -> ChunkData {
+    for _ in 0..1000 {
+        if let Some(data) = reader.get(i, Ask::Urgent).unwrap() {
+            return data;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("chunk {i} never arrived");
+}
+
+/// The stored checkpoint, restored with all of its lazy memory left in the store.
+async fn all_lazy(dir: &std::path::Path) -> (Store, LazyMemory) {
+    let (store, manifest, _) = stored(dir).await;
+    let out = dir.join("restore");
+    std::fs::create_dir_all(&out).unwrap();
+    let mode = MemoryMode::Lazy { eager: &[] };
+    let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
+    (store, memory)
+}
+
+/// Chunk `i` as cached, once it arrived, without asking for it.
+async fn arrival(reader: &ChunkReader, i: usize, within: Duration) -> Option<ChunkData> {
+    let deadline = tokio::time::Instant::now() + within;
+    while tokio::time::Instant::now() < deadline {
+        if let Some(data) = reader.peek(i) {
+            return Some(data);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    None
+}
+
+/// The stored checkpoint served lazily with room for one full chunk (64 KiB) and no prefetch
+/// (only what is asked for), and its three chunks that hold data: 64, 32 and 32 KiB.
+async fn one_chunk_of_room(dir: &std::path::Path) -> (ChunkReader, LazyFetch, [usize; 3]) {
+    let (store, memory) = all_lazy(dir).await;
+    let settings = FetchSettings { cache_bytes: 64 << 10, ..SETTINGS };
+    let (reader, fetch) = store.start_lazy_fetch(memory, settings, false).unwrap();
+    let stored: Vec<usize> =
+        reader.memory().task_chunks(PID).map(|(i, _, _)| i).filter(|&i| reader.peek(i).is_none()).collect();
+    let chunks = stored[..].try_into().unwrap_or_else(|_| panic!("chunks with data: {stored:?}"));
+    (reader, fetch, chunks)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn chunks_asked_for_ahead_wait_for_room_in_the_cache_and_a_fault_does_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let (reader, fetch, [full, ahead, fault]) = one_chunk_of_room(dir.path()).await;
+    reader.get(full, Ask::Soon).unwrap();
+    reader.get(ahead, Ask::Soon).unwrap();
+    assert!(arrival(&reader, full, Duration::from_secs(5)).await.is_some(), "the first fits");
+    assert!(
+        arrival(&reader, ahead, Duration::from_millis(300)).await.is_none(),
+        "a chunk asked for ahead was fetched into a full cache"
+    );
+    // A fault's chunk is fetched however full the cache is.
+    assert!(matches!(wait_for(&reader, fault).await, ChunkData::Bytes(_)));
+    // Once the first leaves the cache there is room again.
+    reader.release(full);
+    assert!(arrival(&reader, ahead, Duration::from_secs(5)).await.is_some(), "it never came");
+    fetch.stop();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_chunk_released_while_it_is_fetched_does_not_stay_in_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let (reader, fetch, [full, ahead, _]) = one_chunk_of_room(dir.path()).await;
+    // Asked for, then not needed any more (its process dropped that memory) before it came.
+    reader.get(full, Ask::Soon).unwrap();
+    reader.release(full);
+    reader.get(ahead, Ask::Soon).unwrap();
+    assert!(
+        arrival(&reader, ahead, Duration::from_secs(5)).await.is_some(),
+        "the released chunk kept the cache full"
+    );
+    // Asked for again, it is fetched and kept.
+    assert!(matches!(wait_for(&reader, full).await, ChunkData::Bytes(_)));
+    fetch.stop();
+}
+
+/// Restores the stored checkpoint lazily, lets `damage` act on the store directory once the
+/// tree would run, and returns the error the first chunk asked for gives.
+async fn first_read_after(damage: impl FnOnce(&std::path::Path)) -> LazyFetchError {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, memory) = all_lazy(dir.path()).await;
+    damage(&dir.path().join("store"));
+    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS, false).unwrap();
+    let first = reader.memory().task_chunks(PID).next().unwrap().0;
+    let mut err = None;
+    for _ in 0..1000 {
+        if let Err(e) = reader.get(first, Ask::Urgent) {
+            err = Some(e);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    fetch.stop();
+    err.expect("the fetch fails")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn memory_damaged_in_the_store_fails_the_read_instead_of_being_served() {
+    // The packs are damaged after the tree started (bit rot, a bad disk, a tampered bucket).
+    let err = first_read_after(|store| {
+        for path in walk(store).into_iter().filter(|p| p.extension().is_some_and(|e| e == "pack")) {
+            let mut data = std::fs::read(&path).unwrap();
+            data.iter_mut().for_each(|b| *b ^= 0x5a);
+            std::fs::write(&path, data).unwrap();
+        }
+    })
+    .await;
+    assert!(
+        matches!(&err, LazyFetchError::Corrupt { .. }) && err.to_string().contains("is corrupted"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn memory_missing_from_the_store_fails_the_read() {
+    let err = first_read_after(|store| std::fs::remove_dir_all(store).unwrap()).await;
+    assert!(
+        matches!(&err, LazyFetchError::Store { .. }) && stasis_errors::error_chain(&err).contains("missing"),
+        "{}",
+        stasis_errors::error_chain(&err)
+    );
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.is_dir() { out.extend(walk(&path)) } else { out.push(path) }
+    }
+    out
+}
