@@ -1,15 +1,23 @@
 //! A CRIU for tests of the engine's jobs: it runs nothing, and does what it is told (dump
-//! some pages to stasisd's page server and succeed, or fail; restore a pid, or fail),
-//! recording every call.
+//! some pages to stasisd's page server and succeed, or fail; restore a pid, or fail; hand
+//! the restored pid's memory to stasisd's lazy-pages socket), recording every call.
 
 use std::io::{Read, Write};
-use std::os::fd::RawFd;
+use std::os::fd::{AsFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Mutex;
 
-use super::pageserver::{HeaderLayout, IOV_CLOSE};
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use stasis_criu_images::pages::{PE_LAZY, PE_PRESENT};
+
+use super::lazy_socket::client;
+use super::pageserver::{HeaderLayout, IOV_ADD_F, IOV_CLOSE};
 use super::{CriuError, CriuOps, CriuVersion, DumpSpec, OnNotify, RestoreSpec};
+
+/// The pid the fake says it runs as, in its notifications: above Linux's largest pid_max, so
+/// that no real process has it.
+pub const FAKE_CRIU_PID: i32 = 4_194_300;
 
 /// What the fake does when asked to dump or restore.
 pub type Hook<T> = Box<dyn Fn(&T) + Send + Sync>;
@@ -21,6 +29,11 @@ pub struct FakeCriu {
     /// Restores fail with this log line when set; else they answer `restored_pid`.
     pub fail_restore: Option<String>,
     pub restored_pid: i32,
+    /// The page it dumps is one a lazy restore may leave in the store (CRIU's lazy flag); a
+    /// restore with lazy pages then announces `restored_pid` on the lazy-pages socket (an
+    /// eventfd in place of its userfaultfd), says the restore finished and notifies
+    /// "pre-resume", once the tree is restored; a failed notification fails the restore.
+    pub lazy: bool,
     /// Run on a dump that succeeds, before it answers (e.g. to stop the tree).
     pub on_dump: Option<Hook<DumpSpec>>,
     /// Run on a dump that fails, before it answers (e.g. to have the tree die with it).
@@ -37,6 +50,7 @@ impl Default for FakeCriu {
             fail_dump: None,
             fail_restore: None,
             restored_pid: 0,
+            lazy: false,
             on_dump: None,
             on_failed_dump: None,
             on_restore: None,
@@ -63,7 +77,8 @@ impl FakeCriu {
         let mut conn = UnixStream::from(stasis_linux::sys::duplicate(fd).map_err(CriuError::Io)?);
         let dst_id = ((pid as u64) << 8) | 1;
         let mut message = layout.encode(3, 0, 0, dst_id);
-        message.extend(layout.encode(1, 1, 0x10000, dst_id));
+        let flags = if self.lazy { PE_PRESENT | PE_LAZY } else { PE_PRESENT };
+        message.extend(layout.encode(IOV_ADD_F | (flags << 16), 1, 0x10000, dst_id));
         message.extend(std::iter::repeat_n(0x5a, 4096));
         message.extend(layout.encode(IOV_CLOSE, 0, 0, 0));
         conn.write_all(&message).map_err(CriuError::Io)?;
@@ -112,13 +127,24 @@ impl CriuOps for FakeCriu {
         Ok(())
     }
 
-    fn restore(&self, spec: &RestoreSpec, _on_notify: OnNotify<'_>) -> Result<i32, CriuError> {
+    fn restore(&self, spec: &RestoreSpec, on_notify: OnNotify<'_>) -> Result<i32, CriuError> {
         self.calls.lock().unwrap().push(format!("restore {}", spec.images_dir.display()));
         if let Some(line) = &self.fail_restore {
             return Err(failure(line));
         }
         if let Some(hook) = &self.on_restore {
             hook(spec);
+        }
+        if self.lazy && spec.lazy_pages {
+            let mut conn = client::connect_in(&spec.images_dir).map_err(CriuError::Io)?;
+            let uffd = EventFd::from_flags(EfdFlags::EFD_CLOEXEC).map_err(|e| CriuError::Io(e.into()))?;
+            client::announce(&mut conn, self.restored_pid, uffd.as_fd()).map_err(CriuError::Io)?;
+            client::finish(&mut conn).map_err(CriuError::Io)?;
+            // CRIU only logs a failed notification, but stasisd kills the tree when it fails
+            // one, and resuming a killed tree fails.
+            if let Err(why) = on_notify("pre-resume", FAKE_CRIU_PID) {
+                return Err(failure(&format!("Error: the tree died at pre-resume ({why})")));
+            }
         }
         Ok(self.restored_pid)
     }

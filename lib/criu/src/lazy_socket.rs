@@ -196,32 +196,45 @@ impl AsFd for RestoreConnection {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
-    use std::io::{IoSlice, Write};
+/// CRIU's side of the protocol, for tests and the fake CRIU.
+#[cfg(any(test, feature = "testing"))]
+pub(crate) mod client {
+    use std::io::{self, IoSlice, Write};
+    use std::os::fd::{AsRawFd, BorrowedFd};
+    use std::os::unix::net::UnixStream;
+    use std::path::Path;
 
-    /// Sends what CRIU's restore sends for a live task.
-    fn announce(client: &mut UnixStream, pid: i32, fd: BorrowedFd<'_>) {
-        client.write_all(&pid.to_ne_bytes()).unwrap();
-        let fds = [fd.as_raw_fd()];
-        sendmsg::<()>(
-            client.as_raw_fd(),
-            &[IoSlice::new(&[0])],
-            &[ControlMessage::ScmRights(&fds)],
-            MsgFlags::empty(),
-            None,
-        )
-        .unwrap();
-    }
+    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+
+    use super::{RESTORE_FINISHED, SOCKET_NAME};
 
     /// Connects to the socket in `dir` as CRIU does, by its name relative to the directory
-    /// (through a descriptor of it: the test cannot change its working directory).
-    fn connect_in(dir: &Path) -> UnixStream {
-        let dir = std::fs::File::open(dir).unwrap();
-        UnixStream::connect(format!("/proc/self/fd/{}/{SOCKET_NAME}", dir.as_raw_fd())).unwrap()
+    /// (through a descriptor of it: the caller cannot change its working directory).
+    pub fn connect_in(dir: &Path) -> io::Result<UnixStream> {
+        let dir = std::fs::File::open(dir)?;
+        UnixStream::connect(format!("/proc/self/fd/{}/{SOCKET_NAME}", dir.as_raw_fd()))
     }
+
+    /// Sends what CRIU's restore sends for a live task: its pid, and `fd` as its userfaultfd.
+    pub fn announce(client: &mut UnixStream, pid: i32, fd: BorrowedFd<'_>) -> io::Result<()> {
+        client.write_all(&pid.to_ne_bytes())?;
+        let fds = [fd.as_raw_fd()];
+        let rights = [ControlMessage::ScmRights(&fds)];
+        sendmsg::<()>(client.as_raw_fd(), &[IoSlice::new(&[0])], &rights, MsgFlags::empty(), None)?;
+        Ok(())
+    }
+
+    /// Says the restore finished.
+    pub fn finish(client: &mut UnixStream) -> io::Result<()> {
+        client.write_all(&RESTORE_FINISHED.to_ne_bytes())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::client::{announce, connect_in};
+    use super::*;
+    use std::io::Write;
 
     /// Reads from `conn` until `count` announcements came.
     fn until(conn: &mut RestoreConnection, count: usize) -> Vec<Announcement> {
@@ -246,19 +259,19 @@ mod tests {
         assert!(dir.path().join(SOCKET_NAME).as_os_str().len() > 108);
         let listener = LazyListener::bind(dir.path()).unwrap();
         assert!(listener.accept(3).unwrap().is_none(), "nobody connected yet");
-        let mut client = connect_in(dir.path());
+        let mut client = connect_in(dir.path()).unwrap();
         let mut conn = listener.accept(3).unwrap().expect("the restore's connection");
         let (a, b) = (std::fs::File::open("/dev/null").unwrap(), std::fs::File::open("/dev/zero").unwrap());
-        announce(&mut client, 7, a.as_fd());
+        announce(&mut client, 7, a.as_fd()).unwrap();
         client.write_all(&(-9i32).to_ne_bytes()).unwrap();
-        announce(&mut client, 8, b.as_fd());
+        announce(&mut client, 8, b.as_fd()).unwrap();
         let got = until(&mut conn, 3);
         assert!(matches!(got[0], Announcement::Task { pid: 7, .. }), "{got:?}");
         assert!(matches!(got[1], Announcement::Zombie { pid: 9 }), "{got:?}");
         let Announcement::Task { pid: 8, uffd } = &got[2] else { panic!("{got:?}") };
         assert!(uffd.as_raw_fd() != b.as_raw_fd(), "a descriptor of its own");
         assert!(!conn.finished());
-        client.write_all(&RESTORE_FINISHED.to_ne_bytes()).unwrap();
+        super::client::finish(&mut client).unwrap();
         assert!(matches!(until(&mut conn, 1)[..], [Announcement::Finished]));
         drop(client);
         assert!(conn.read().unwrap().is_empty(), "closing after the end is no error");

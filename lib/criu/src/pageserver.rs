@@ -30,7 +30,7 @@ const IOV_HOLE: u32 = 2;
 const IOV_OPEN: u32 = 3;
 const IOV_OPEN2: u32 = 4;
 const IOV_PARENT: u32 = 5;
-const IOV_ADD_F: u32 = 6;
+pub(super) const IOV_ADD_F: u32 = 6;
 pub(super) const IOV_CLOSE: u32 = 0x1023;
 const IOV_FORCE_CLOSE: u32 = 0x1024;
 

@@ -68,19 +68,33 @@ nix::ioctl_read!(uffdio_wake, 0xaa, 0x02, UffdioRange);
 nix::ioctl_readwrite!(uffdio_copy, 0xaa, 0x03, UffdioCopy);
 nix::ioctl_readwrite!(uffdio_zeropage, 0xaa, 0x04, UffdioZeropage);
 
-/// What happened in the process a userfaultfd watches.
+/// What happened in the process a userfaultfd watches; `F` is what a forked child's memory is
+/// watched through (a [`Userfaultfd`], as read here).
 #[derive(Debug)]
-pub enum Event {
+pub enum Event<F = Userfaultfd> {
     /// A thread touched a missing page at `address` and waits for it.
     PageFault { address: u64 },
     /// The process forked: the child's memory is watched through `child`.
-    Fork { child: Userfaultfd },
+    Fork { child: F },
     /// `[from, from + len)` moved to `to` (mremap).
     Remap { from: u64, to: u64, len: u64 },
     /// `[start, end)` was emptied (madvise DONTNEED or REMOVE): it reads zeros now.
     Remove { start: u64, end: u64 },
     /// `[start, end)` was unmapped.
     Unmap { start: u64, end: u64 },
+}
+
+impl<F> Event<F> {
+    /// The same event, a forked child's userfaultfd made into what `wrap` makes of it.
+    pub fn map_child<G>(self, wrap: impl FnOnce(F) -> G) -> Event<G> {
+        match self {
+            Event::PageFault { address } => Event::PageFault { address },
+            Event::Fork { child } => Event::Fork { child: wrap(child) },
+            Event::Remap { from, to, len } => Event::Remap { from, to, len },
+            Event::Remove { start, end } => Event::Remove { start, end },
+            Event::Unmap { start, end } => Event::Unmap { start, end },
+        }
+    }
 }
 
 /// Why filling a range stopped, and how many of its bytes were filled before.

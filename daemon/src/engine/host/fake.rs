@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use nix::sys::signal::Signal;
 
+use super::fake_faults::FakeFaults;
 use super::{Hold, Host, PortUses, TcpSockets, Usage, Watches};
 use crate::engine::inspect::TreeInfo;
 use crate::engine::sockets::{Connection, TreeSockets};
@@ -66,6 +67,10 @@ pub struct FakeHost {
     pub segment: Mutex<Option<u16>>,
     /// The ports of each hold on new connections made, and whether it is still in place.
     pub holds: Holds,
+    /// The userfaultfds of lazily restored memory (see fake_faults.rs).
+    pub faults: Arc<FakeFaults>,
+    /// stasisd's helper programs installed (none unless a test installs one), by name.
+    pub helpers: Mutex<HashMap<&'static str, PathBuf>>,
     /// The methods that fail (by name), with `EACCES`.
     pub failing: Mutex<HashSet<&'static str>>,
 }
@@ -85,7 +90,7 @@ impl FakeHost {
     }
 
     /// `EACCES` if method `name` fails.
-    fn check(&self, name: &'static str) -> io::Result<()> {
+    pub(super) fn check(&self, name: &'static str) -> io::Result<()> {
         match self.failing.lock().unwrap().contains(name) {
             true => Err(io::Error::from_raw_os_error(libc::EACCES)),
             false => Ok(()),
@@ -293,9 +298,8 @@ impl Host for FakeHost {
         Ok(File::open("/dev/null")?.into())
     }
 
-    /// No helper programs here.
-    fn companion_program(&self, _name: &str) -> io::Result<PathBuf> {
-        Err(io::ErrorKind::NotFound.into())
+    fn companion_program(&self, name: &str) -> io::Result<PathBuf> {
+        self.helpers.lock().unwrap().get(name).cloned().ok_or_else(|| io::ErrorKind::NotFound.into())
     }
 
     fn find_program(&self, _name: &str) -> Option<PathBuf> {

@@ -12,7 +12,7 @@ use std::process::Command;
 use async_trait::async_trait;
 use nix::sys::signal::Signal;
 
-use super::{Hold, Host, PortUses, TcpSockets, Usage, Watches};
+use super::{FaultEvent, FaultFd, Hold, Host, PortUses, TcpSockets, Usage, Userfaults, Watches};
 use crate::engine::inspect::{self, TreeInfo};
 use crate::engine::sockets::{self, Connection, TreeSockets};
 use crate::linux::cgroup::{self, WorkloadCgroup};
@@ -22,7 +22,7 @@ use crate::linux::proc::{self, ProcStat};
 use crate::linux::sock_diag::{SockDiag, TcpSocketInfo};
 use crate::linux::syn_hold::SynHold;
 use crate::linux::sys::{self, ChildSetup};
-use crate::linux::uffd::{self, Userfaultfd};
+use crate::linux::uffd::{self, FillError, Userfaultfd};
 use crate::linux::{init_program, pty};
 
 /// The real kernel.
@@ -244,5 +244,36 @@ impl PortUses for PortWatch {
 impl TcpSockets for SockDiag {
     fn tcp(&mut self, local: SocketAddr, remote: SocketAddr) -> io::Result<Option<TcpSocketInfo>> {
         SockDiag::tcp(self, local, remote)
+    }
+}
+
+impl Userfaults for LinuxHost {
+    fn adopt_userfaultfd(&self, fd: OwnedFd) -> io::Result<Box<dyn FaultFd>> {
+        Ok(Box::new(Userfaultfd::from_fd(fd)?))
+    }
+}
+
+impl FaultFd for Userfaultfd {
+    fn read_events(&self, out: &mut Vec<FaultEvent>) -> io::Result<()> {
+        let mut events = Vec::new();
+        let read = Userfaultfd::read_events(self, &mut events);
+        out.extend(events.into_iter().map(|e| e.map_child(|child| Box::new(child) as Box<dyn FaultFd>)));
+        read
+    }
+
+    fn register(&self, start: u64, len: u64) -> io::Result<()> {
+        Userfaultfd::register(self, start, len)
+    }
+
+    fn copy(&self, dst: u64, src: &[u8]) -> Result<(), FillError> {
+        Userfaultfd::copy(self, dst, src)
+    }
+
+    fn zero(&self, dst: u64, len: u64) -> Result<(), FillError> {
+        Userfaultfd::zero(self, dst, len)
+    }
+
+    fn wake(&self, start: u64, len: u64) -> io::Result<()> {
+        Userfaultfd::wake(self, start, len)
     }
 }

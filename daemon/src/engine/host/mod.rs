@@ -4,11 +4,14 @@
 //! tests of the jobs' failure paths use [`fake::FakeHost`], so those paths run without root,
 //! CRIU or a workload.
 
+mod faults;
 mod kernel;
 mod watch;
 
 #[cfg(test)]
 pub(super) mod fake;
+#[cfg(test)]
+mod fake_faults;
 #[cfg(test)]
 mod tests;
 
@@ -19,6 +22,7 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+pub use faults::{FaultEvent, FaultFd, Userfaults};
 pub use kernel::LinuxHost;
 use nix::sys::signal::Signal;
 pub use watch::{Hold, PortUses, TcpSockets, Watches};
@@ -28,8 +32,9 @@ use super::sockets::{Connection, TreeSockets};
 use crate::linux::net::SocketTable;
 use crate::linux::sys::ChildSetup;
 
-/// What the engine's jobs ask of the kernel (and, for idle workloads, [`Watches`]).
-pub trait Host: Watches {
+/// What the engine's jobs ask of the kernel (and, for idle workloads, [`Watches`]; for lazily
+/// restored memory, [`Userfaults`]).
+pub trait Host: Watches + Userfaults {
     /// Whether `pid` exists and is not a zombie.
     fn is_running(&self, pid: i32) -> bool;
     /// The command line of `pid`.

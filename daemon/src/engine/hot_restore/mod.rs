@@ -35,6 +35,8 @@ mod fill;
 mod guard;
 mod pages;
 mod read_ahead;
+#[cfg(test)]
+mod serve_tests;
 mod server;
 
 use control::Control;
@@ -147,8 +149,14 @@ impl Engine {
         let (chunks, fetch) =
             self.deps.store.start_lazy_fetch(memory, settings, hold).map_err(LazyError::Start)?;
         let armed = Arc::new(AtomicBool::new(false));
-        let server =
-            FaultServer::new(listener, processes, chunks, self.settings.lazy.timeout, control.clone());
+        let server = FaultServer::new(
+            self.deps.host.clone(),
+            listener,
+            processes,
+            chunks,
+            self.settings.lazy.timeout,
+            control.clone(),
+        );
         let server = {
             let (armed, kill) = (armed.clone(), kill.clone());
             tokio::task::spawn_blocking(move || {

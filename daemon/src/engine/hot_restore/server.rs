@@ -30,8 +30,9 @@ use super::control::Control;
 use super::pages::Pages;
 use super::read_ahead::ReadAhead;
 use crate::criu::lazy_socket::{Announcement, LazyListener, LazySocketError, RestoreConnection};
+use crate::engine::host::{FaultEvent, FaultFd, Host};
 use crate::engine::lock;
-use crate::linux::uffd::{Event, Userfaultfd};
+use crate::linux::uffd::Event;
 use crate::pages::PAGE_SIZE as PAGE;
 use crate::store::{Ask, CHUNK, ChunkReader, LazyFetchError};
 
@@ -81,7 +82,7 @@ pub struct ServeStats {
 pub(super) struct Task {
     /// Its pid in the checkpoint: where its memory is in the store.
     pub pid: i32,
-    pub uffd: Userfaultfd,
+    pub uffd: Box<dyn FaultFd>,
     pub pages: Pages,
     /// It exited: nothing more to put in place.
     pub gone: bool,
@@ -93,7 +94,7 @@ pub(super) struct Task {
 }
 
 impl Task {
-    fn new(pid: i32, uffd: Userfaultfd, pages: Pages) -> Task {
+    fn new(pid: i32, uffd: Box<dyn FaultFd>, pages: Pages) -> Task {
         Task { pid, uffd, pages, gone: false, ahead: VecDeque::new(), read_ahead: ReadAhead::default() }
     }
 }
@@ -109,6 +110,8 @@ struct Fault {
 
 /// The server, until its thread runs it.
 pub(super) struct FaultServer {
+    /// Where the userfaultfds CRIU hands over are taken as such.
+    host: Arc<dyn Host>,
     listener: Option<LazyListener>,
     conn: Option<RestoreConnection>,
     processes: usize,
@@ -131,8 +134,9 @@ pub(super) struct FaultServer {
 
 impl FaultServer {
     /// A server for a restore whose work directory `listener` listens in, restoring
-    /// `processes` processes whose lazy memory `chunks` serves.
+    /// `processes` processes whose lazy memory `chunks` serves, on `host`.
     pub fn new(
+        host: Arc<dyn Host>,
         listener: LazyListener,
         processes: usize,
         chunks: ChunkReader,
@@ -141,6 +145,7 @@ impl FaultServer {
     ) -> FaultServer {
         let needs = vec![0; chunks.memory().len()];
         FaultServer {
+            host,
             listener: Some(listener),
             conn: None,
             processes,
@@ -238,7 +243,7 @@ impl FaultServer {
                 Announcement::Task { pid, uffd } => {
                     let copy = uffd.try_clone().map_err(FaultServerError::Poll)?;
                     lock(&self.control.uffds).push(copy);
-                    let uffd = Userfaultfd::from_fd(uffd).map_err(FaultServerError::Poll)?;
+                    let uffd = self.host.adopt_userfaultfd(uffd).map_err(FaultServerError::Poll)?;
                     let pages = Pages::new(self.chunks.memory(), pid as u64);
                     debug!(pid, bytes = pages.bytes_left(), "userfaultfd of a restored process");
                     self.add_task(Task::new(pid, uffd, pages));
@@ -284,7 +289,7 @@ impl FaultServer {
             .read_events(&mut events)
             .map_err(|source| FaultServerError::Events { pid: task.pid, source })?;
         let count = events.len();
-        let (forks, others): (Vec<Event>, Vec<Event>) =
+        let (forks, others): (Vec<FaultEvent>, Vec<FaultEvent>) =
             events.into_iter().partition(|e| matches!(e, Event::Fork { .. }));
         for fork in forks {
             let Event::Fork { child } = fork else { continue };
