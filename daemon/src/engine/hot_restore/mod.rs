@@ -31,6 +31,7 @@ use nix::sys::signal::Signal;
 use tracing::{info, warn};
 
 mod control;
+mod events;
 mod fill;
 mod guard;
 mod pages;
