@@ -76,7 +76,7 @@ impl Engine {
         let shared = Shared {
             staging: StagingBudget::new(staging_limit),
             blocks: Default::default(),
-            left_locks: LeftLocks::at(deps.state.netlocks_dir()),
+            left_locks: LeftLocks::at(deps.state.netlocks_dir(), deps.host.clone()),
             init_dir_locks: Default::default(),
         };
         Engine {

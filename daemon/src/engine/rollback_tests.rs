@@ -45,6 +45,8 @@ pub(super) struct Extras {
     pub(super) store: Option<Store>,
     /// Which processes use a GPU (else none is known to).
     pub(super) gpu_activity: Option<Arc<dyn GpuActivity>>,
+    /// How CRIU locks connections here (else with nftables).
+    pub(super) network_lock: Option<NetworkLock>,
 }
 
 /// A two-process tree whose root uses CUDA, with `CHILD` already stopped before any
@@ -104,7 +106,7 @@ pub(super) fn rig_with(mut criu: FakeCriu, gpu: FakeGpu, extras: Extras) -> Rig 
     let support = CriuSupport {
         version: criu.version,
         network_sockets: Ok(()),
-        network_lock: Ok(NetworkLock::Nftables),
+        network_lock: Ok(extras.network_lock.unwrap_or(NetworkLock::Nftables)),
         served_memory: Ok(()),
     };
     let registry = Registry::load(&state.registry_file()).unwrap();
@@ -171,7 +173,7 @@ impl Rig {
     }
 
     /// Records of held trees left in the state directory (none once a job has settled).
-    fn held_records(&self) -> usize {
+    pub(super) fn held_records(&self) -> usize {
         std::fs::read_dir(self.dir.path().join("state/held")).map(|d| d.count()).unwrap_or(0)
     }
 

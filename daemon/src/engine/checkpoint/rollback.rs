@@ -166,7 +166,9 @@ impl Engine {
         let repaired = tokio::task::spawn_blocking(move || host.leave_repair(&pids, &reuse)).await;
         let (reopened, mut problems) =
             repaired.unwrap_or_else(|e| (Vec::new(), vec![format!("the connection rollback failed: {e}")]));
-        problems.extend(sockets::unlock(&reopened, tree.images, tree.lock, &self.deps.reaper).await);
+        problems.extend(
+            sockets::unlock(&self.deps.host, &self.deps.reaper, &reopened, tree.images, tree.lock).await,
+        );
         self.continue_stopped(&tree.pids, tree.stopped_before);
         if let Err(e) = self.resume_gpu(&tree.gpu_pids).await {
             problems.push(crate::error_chain(&e));

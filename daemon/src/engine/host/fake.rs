@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use nix::sys::signal::Signal;
 
 use super::fake_faults::FakeFaults;
+use super::fake_locks::FakeLocks;
 use super::{Hold, Host, PortUses, TcpSockets, Usage, Watches};
 use crate::engine::inspect::TreeInfo;
 use crate::engine::sockets::{Connection, TreeSockets};
@@ -43,6 +44,10 @@ pub struct FakeHost {
     pub signals: Mutex<Vec<(i32, Signal)>>,
     /// Calls of `leave_repair`.
     pub repairs: Mutex<usize>,
+    /// The connections in TCP repair mode (CRIU left them so): `leave_repair` reopens them.
+    pub in_repair: Mutex<Vec<Connection>>,
+    /// The network locks CRIU left, and what was done to remove them (see fake_locks.rs).
+    pub locks: FakeLocks,
     /// Pids now held by another process than the one inspected (a start time of 2, not 1).
     pub reused: Mutex<HashSet<i32>>,
     /// The CPU's instruction-set extensions.
@@ -239,7 +244,7 @@ impl Host for FakeHost {
 
     fn leave_repair(&self, _pids: &[i32], _reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>) {
         *self.repairs.lock().unwrap() += 1;
-        (Vec::new(), Vec::new())
+        (std::mem::take(&mut *self.in_repair.lock().unwrap()), Vec::new())
     }
 
     fn cgroup_root(&self, _path: &Path) -> Option<i32> {

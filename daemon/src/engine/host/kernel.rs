@@ -12,18 +12,21 @@ use std::process::Command;
 use async_trait::async_trait;
 use nix::sys::signal::Signal;
 
-use super::{FaultEvent, FaultFd, Hold, Host, PortUses, TcpSockets, Usage, Userfaults, Watches};
+use super::{
+    FaultEvent, FaultFd, Hold, Host, NetworkLocks, PortUses, TcpSockets, Usage, Userfaults, Watches,
+};
 use crate::engine::inspect::{self, TreeInfo};
 use crate::engine::sockets::{self, Connection, TreeSockets};
 use crate::linux::cgroup::{self, WorkloadCgroup};
 use crate::linux::net::{self, SocketTable};
 use crate::linux::port_watch::PortWatch;
 use crate::linux::proc::{self, ProcStat};
+use crate::linux::reaper::{ExitKind, Reaper};
 use crate::linux::sock_diag::{SockDiag, TcpSocketInfo};
 use crate::linux::syn_hold::SynHold;
 use crate::linux::sys::{self, ChildSetup};
 use crate::linux::uffd::{self, FillError, Userfaultfd};
-use crate::linux::{init_program, pty};
+use crate::linux::{init_program, nft, pty};
 
 /// The real kernel.
 #[derive(Debug, Default, Clone, Copy)]
@@ -244,6 +247,17 @@ impl PortUses for PortWatch {
 impl TcpSockets for SockDiag {
     fn tcp(&mut self, local: SocketAddr, remote: SocketAddr) -> io::Result<Option<TcpSocketInfo>> {
         SockDiag::tcp(self, local, remote)
+    }
+}
+
+#[async_trait]
+impl NetworkLocks for LinuxHost {
+    fn delete_inet_table(&self, name: &str) -> io::Result<bool> {
+        nft::delete_inet_table(name)
+    }
+
+    async fn run_iptables(&self, reaper: &Reaper, cmd: Command) -> io::Result<(ExitKind, String)> {
+        reaper.run(cmd).await
     }
 }
 

@@ -6,12 +6,15 @@
 
 mod faults;
 mod kernel;
+mod locks;
 mod watch;
 
 #[cfg(test)]
 pub(super) mod fake;
 #[cfg(test)]
 mod fake_faults;
+#[cfg(test)]
+mod fake_locks;
 #[cfg(test)]
 mod tests;
 
@@ -24,6 +27,7 @@ use std::process::Command;
 
 pub use faults::{FaultEvent, FaultFd, Userfaults};
 pub use kernel::LinuxHost;
+pub use locks::NetworkLocks;
 use nix::sys::signal::Signal;
 pub use watch::{Hold, PortUses, TcpSockets, Watches};
 
@@ -33,8 +37,8 @@ use crate::linux::net::SocketTable;
 use crate::linux::sys::ChildSetup;
 
 /// What the engine's jobs ask of the kernel (and, for idle workloads, [`Watches`]; for lazily
-/// restored memory, [`Userfaults`]).
-pub trait Host: Watches + Userfaults {
+/// restored memory, [`Userfaults`]; for CRIU's network locks, [`NetworkLocks`]).
+pub trait Host: Watches + Userfaults + NetworkLocks {
     /// Whether `pid` exists and is not a zombie.
     fn is_running(&self, pid: i32) -> bool;
     /// The command line of `pid`.

@@ -1,17 +1,20 @@
 //! Failure paths the kernel seam makes testable without root: what the engine's jobs do when
-//! the host refuses a cgroup, a spawn or an install, or holds a port a restore needs, run on [`FakeHost`] (rollback_tests'
-//! rig).
+//! the host refuses a cgroup, a spawn or an install, holds a port a restore needs, or cannot
+//! remove CRIU's network lock, run on [`FakeHost`] (rollback_tests' rig).
 
 use std::path::PathBuf;
 
+use nix::sys::signal::Signal;
+
 use super::Host;
 use super::fake::FakeHost;
+use crate::criu::NetworkLock;
 use crate::criu::fake::FakeCriu;
 use crate::cuda::fake::FakeGpu;
-use crate::engine::rollback_tests::{ROOT, Rig, quiet, rig};
+use crate::engine::rollback_tests::{Extras, ROOT, Rig, quiet, rig, rig_with};
 use crate::engine::sockets::record;
 use crate::engine::{Caller, Pids, RunParams};
-use crate::engine::{CheckpointParams, RestoreError, RunError, Target};
+use crate::engine::{CheckpointError, CheckpointParams, RestoreError, RunError, Target};
 use crate::linux::net::SocketEntry;
 use crate::linux::net::SocketKind;
 
@@ -153,4 +156,40 @@ async fn a_restore_whose_port_is_taken_here_is_refused_before_criu_and_gives_the
 
     r.host.namespace_sockets.lock().unwrap().clear();
     assert_eq!(r.restore(&id).await.unwrap().pid, ROOT);
+}
+
+#[tokio::test]
+async fn a_rollback_whose_network_unlock_fails_says_so_and_still_continues_the_tree() {
+    let extras = Extras { network_lock: Some(NetworkLock::Iptables), ..Default::default() };
+    let r = rig_with(FakeCriu::default(), FakeGpu::default(), extras);
+    r.host.trees.lock().unwrap().get_mut(&ROOT).unwrap().options.tcp_established = true;
+    // CRIU leaves the tree's connection in repair mode, locked by its iptables rules, which
+    // cannot be deleted here.
+    let (local, remote) = ("10.0.0.1:40000".parse().unwrap(), "10.0.0.2:80".parse().unwrap());
+    r.host.in_repair.lock().unwrap().push((local, remote));
+    r.host.fail("run_iptables");
+    r.break_store();
+    let err = r.checkpoint(false).await.unwrap_err();
+    let CheckpointError::Rollback { cause, problems } = &err else { panic!("{err}") };
+    assert!(matches!(**cause, CheckpointError::Store { .. }), "{cause}");
+    assert_eq!(problems.len(), 2, "{problems:?}");
+    for problem in problems {
+        assert!(
+            problem.starts_with("connection 10.0.0.1:40000 -> 10.0.0.2:80 stays locked: cannot run iptables"),
+            "{problem}"
+        );
+    }
+    // Both rules of the connection were to go: packets from the peer, and to it.
+    let tried = r.host.locks.iptables.lock().unwrap().clone();
+    let rules: Vec<String> = tried.iter().map(|argv| argv.join(" ")).collect();
+    assert_eq!(rules.len(), 2, "{rules:?}");
+    assert!(rules[0].starts_with("iptables -w -t filter -D INPUT") && rules[0].contains("--sport 80"));
+    assert!(rules[1].starts_with("iptables -w -t filter -D OUTPUT") && rules[1].contains("--dport 80"));
+    // The tree is given back all the same: continued, its CUDA state back, nothing killed.
+    assert_eq!(r.host.signals_of(Signal::SIGCONT), [ROOT]);
+    assert!(r.host.signals_of(Signal::SIGKILL).is_empty());
+    let expected = ["lock", "checkpoint", "restore", "unlock"].map(|c| format!("{c} {ROOT}"));
+    assert_eq!(r.gpu.calls(), expected);
+    assert_eq!(r.checkpoints().await, 0);
+    assert_eq!(r.held_records(), 0);
 }

@@ -11,26 +11,30 @@
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use tracing::{info, warn};
 
+use super::super::host::Host;
 use super::rollback::remove_lock_table;
 use crate::criu::images::dump_run_id;
 
 /// How often the records are looked at.
 pub const SWEEP_EVERY: Duration = Duration::from_secs(60);
 
-/// The records, one empty file per lock, named after the CRIU run that left it.
-#[derive(Debug, Clone)]
+/// The records, one empty file per lock, named after the CRIU run that left it; and the host
+/// whose locks they are.
+#[derive(Clone)]
 pub struct LeftLocks {
     dir: PathBuf,
+    host: Arc<dyn Host>,
 }
 
 impl LeftLocks {
-    /// The records in `dir` (the state directory's `netlocks/`).
-    pub fn at(dir: PathBuf) -> LeftLocks {
-        LeftLocks { dir }
+    /// The records in `dir` (the state directory's `netlocks/`) of the locks left on `host`.
+    pub fn at(dir: PathBuf, host: Arc<dyn Host>) -> LeftLocks {
+        LeftLocks { dir, host }
     }
 
     /// Records the lock the dump in `images_dir` left.
@@ -54,7 +58,7 @@ impl LeftLocks {
             if age.is_ok_and(|age| age < keep) {
                 continue;
             }
-            match remove_lock_table(&run_id) {
+            match remove_lock_table(self.host.as_ref(), &run_id) {
                 Ok(_) => {
                     let _ = fs::remove_file(entry.path());
                     removed.push(run_id);
@@ -74,8 +78,33 @@ impl LeftLocks {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::host::LinuxHost;
+    use crate::engine::host::fake::FakeHost;
     use crate::linux::nft;
     use stasis_criu_images::testing::write_inventory;
+
+    #[test]
+    fn a_lock_that_cannot_be_removed_stays_recorded_until_it_can() {
+        let (state, images) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let run_id = "0badc0de-0000-4000-8000-000000000001";
+        write_inventory(images.path(), run_id);
+        let host = Arc::new(FakeHost::default());
+        // The table as CRIU 4.2 names it: "CRIU-" and the run id, cut to 26 characters.
+        let table: String = format!("CRIU-{run_id}").chars().take(26).collect();
+        host.locks.tables.lock().unwrap().insert(table);
+        host.fail("delete_inet_table");
+        let locks = LeftLocks::at(state.path().to_path_buf(), host.clone());
+        locks.record(images.path()).unwrap();
+
+        assert!(locks.sweep(Duration::ZERO).is_empty(), "nothing could be removed");
+        assert!(state.path().join(run_id).exists(), "the lock stays recorded");
+        assert_eq!(host.locks.tables.lock().unwrap().len(), 1);
+
+        host.failing.lock().unwrap().clear();
+        assert_eq!(locks.sweep(Duration::ZERO), vec![run_id.to_string()]);
+        assert!(host.locks.tables.lock().unwrap().is_empty(), "its table is deleted");
+        assert!(!state.path().join(run_id).exists(), "and its record with it");
+    }
 
     #[test]
     fn a_recorded_lock_goes_once_it_is_old_enough() {
@@ -90,7 +119,7 @@ mod tests {
         // The table as CRIU 4.2 names it: "CRIU-" and the run id, cut to 26 characters.
         let table: String = format!("CRIU-{run_id}").chars().take(26).collect();
         assert!(nft::create_inet_table(&table).unwrap());
-        let locks = LeftLocks::at(state.path().to_path_buf());
+        let locks = LeftLocks::at(state.path().to_path_buf(), Arc::new(LinuxHost));
         locks.record(images.path()).unwrap();
 
         assert!(locks.sweep(Duration::from_secs(3600)).is_empty(), "a young lock stays");

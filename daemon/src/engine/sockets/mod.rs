@@ -4,8 +4,8 @@
 //! checkpoint: survey every socket descriptor -> refuse, before anything is frozen, kinds
 //!   CRIU cannot dump (and network sockets when this CRIU cannot dump them on this kernel)
 //!   -> record them in the manifest
-//! eviction whose storing failed: take the tree's connections out of CRIU's repair mode and
-//!   remove CRIU's lock, so the resumed tree talks again              (rollback.rs)
+//! eviction whose storing failed: take the tree's connections out of CRIU's repair mode
+//!   (leave_repair, here) and remove CRIU's lock, so the resumed tree talks again (rollback.rs)
 //! restore: a listener's port taken, or a local address missing -> refuse before CRIU runs;
 //!   a loopback peer gone -> warn (the tree will find that connection reset)   (restore_check.rs)
 //! an eviction never restored here: its lock removed after a while           (left_locks.rs)
@@ -19,9 +19,9 @@ use std::collections::{HashMap, HashSet};
 
 pub use left_locks::{LeftLocks, SWEEP_EVERY};
 pub use restore_check::check_restore;
-pub use rollback::{Connection, leave_repair, unlock};
+pub use rollback::{Connection, unlock};
 use stasis_proto::stasis::store::v1::SocketRecord;
-use tracing::debug;
+use tracing::{debug, info};
 
 use crate::criu::NetworkLock;
 use crate::linux::net::{self, SocketKind, SocketTable};
@@ -179,6 +179,28 @@ fn unlisted(pid: i32, fd: i32, foreign_netns: bool, found: &mut TreeSockets) {
         // Closed meanwhile, or not inspectable: CRIU will see what it is.
         Err(e) => debug!(pid, fd, error = %e, "socket not inspected"),
     }
+}
+
+/// Takes every TCP socket of `pids` out of repair mode, setting `SO_REUSEADDR` back where
+/// `reuse_addr` lists the socket's inode. Blocking. Returns the connections that were in repair
+/// mode, and what could not be undone.
+pub fn leave_repair(pids: &[i32], reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>) {
+    let (mut reopened, mut problems) = (Vec::new(), Vec::new());
+    for &pid in pids {
+        let Ok(fds) = proc::fd_targets(pid) else { continue };
+        for (fd, target) in fds {
+            let Some(inode) = net::socket_inode(&target) else { continue };
+            match net::leave_repair(pid, fd, reuse_addr.contains(&inode)) {
+                Ok(Some(ends)) => reopened.push(ends),
+                Ok(None) => {}
+                Err(e) => problems.push(format!("pid {pid} fd {fd} stays in TCP repair mode: {e}")),
+            }
+        }
+    }
+    if !reopened.is_empty() {
+        info!(connections = reopened.len(), "connections taken out of repair mode");
+    }
+    (reopened, problems)
 }
 
 /// One line for `stasis show`: "tcp established 127.0.0.1:40000 -> 127.0.0.1:8080 (pid 7)".

@@ -4,64 +4,46 @@
 //! CRIU leaves every dumped TCP connection in repair mode (the socket neither sends nor
 //! answers) and locked (its packets dropped by CRIU's nftables table or iptables rules), so
 //! that a restore can take it over. A resumed tree would find its connections silently dead.
-//! The tree's sockets are listed again here, not taken from the survey: a connection opened
-//! between the survey and the freeze is in repair mode too.
+//! The host takes them out of repair mode (`Host::leave_repair`, which lists the tree's
+//! sockets again rather than taking them from the survey: a connection opened between the
+//! survey and the freeze is in repair mode too); the lock is removed here, through the host's
+//! [`NetworkLocks`].
 
-use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::Arc;
 
 use tracing::{debug, info};
 
+use super::super::host::{Host, NetworkLocks};
 use crate::criu::NetworkLock;
 use crate::criu::images::dump_run_id;
+use crate::linux::iptables::unlock_commands;
 use crate::linux::reaper::{ExitKind, Reaper};
-use crate::linux::{iptables, net, nft, proc};
 
 /// Length of the lock table's name as CRIU 4.2 writes it: "inet CRIU-<run id>" cut to fit a
 /// 32-byte buffer, less the family.
 const CUT_TABLE_NAME: usize = 31 - "inet ".len();
 
-/// Takes every TCP socket of `pids` out of repair mode, setting `SO_REUSEADDR` back where
-/// `reuse_addr` lists the socket's inode. Blocking. Returns the connections that were in repair
-/// mode, and what could not be undone.
-pub fn leave_repair(pids: &[i32], reuse_addr: &HashSet<u64>) -> (Vec<Connection>, Vec<String>) {
-    let (mut reopened, mut problems) = (Vec::new(), Vec::new());
-    for &pid in pids {
-        let Ok(fds) = proc::fd_targets(pid) else { continue };
-        for (fd, target) in fds {
-            let Some(inode) = net::socket_inode(&target) else { continue };
-            match net::leave_repair(pid, fd, reuse_addr.contains(&inode)) {
-                Ok(Some(ends)) => reopened.push(ends),
-                Ok(None) => {}
-                Err(e) => problems.push(format!("pid {pid} fd {fd} stays in TCP repair mode: {e}")),
-            }
-        }
-    }
-    if !reopened.is_empty() {
-        info!(connections = reopened.len(), "connections taken out of repair mode");
-    }
-    (reopened, problems)
-}
-
 /// A connection's local and remote ends.
 pub type Connection = (SocketAddr, SocketAddr);
 
-/// Removes CRIU's `lock` of the `reopened` connections of the dump in `images_dir`. Returns
-/// what could not be undone.
+/// Removes CRIU's `lock` of the `reopened` connections of the dump in `images_dir`, on
+/// `host` (iptables commands run through `reaper`). Returns what could not be undone.
 pub async fn unlock(
+    host: &Arc<dyn Host>,
+    reaper: &Reaper,
     reopened: &[Connection],
     images_dir: &Path,
     lock: Option<NetworkLock>,
-    reaper: &Reaper,
 ) -> Vec<String> {
     if reopened.is_empty() {
         return Vec::new();
     }
     match lock {
         Some(NetworkLock::Nftables) => {
-            let images = images_dir.to_path_buf();
-            let unlocked = tokio::task::spawn_blocking(move || unlock_nftables(&images)).await;
+            let (host, images) = (host.clone(), images_dir.to_path_buf());
+            let unlocked = tokio::task::spawn_blocking(move || unlock_nftables(host.as_ref(), &images)).await;
             unlocked
                 .unwrap_or_else(|e| Some(format!("removing CRIU's nftables lock failed: {e}")))
                 .into_iter()
@@ -70,9 +52,9 @@ pub async fn unlock(
         Some(NetworkLock::Iptables) => {
             let mut problems = Vec::new();
             for &(local, remote) in reopened {
-                for cmd in iptables::unlock_commands(local, remote) {
+                for cmd in unlock_commands(local, remote) {
                     let program = cmd.get_program().to_string_lossy().into_owned();
-                    match reaper.run(cmd).await {
+                    match host.run_iptables(reaper, cmd).await {
                         Ok((ExitKind::Exited(0), _)) => {}
                         Ok((exit, stderr)) => problems.push(format!(
                             "connection {local} -> {remote} stays locked: {program} ended with {exit}: {}",
@@ -92,27 +74,27 @@ pub async fn unlock(
 
 /// Deletes the table CRIU locked the dump's connections in. CRIU names it "CRIU-" and its
 /// run id, cut short by CRIU 4.2 and whole by later versions: both names are tried.
-fn unlock_nftables(images_dir: &Path) -> Option<String> {
+fn unlock_nftables(host: &dyn NetworkLocks, images_dir: &Path) -> Option<String> {
     let run_id = match dump_run_id(images_dir) {
         Ok(Some(id)) => id,
         Ok(None) => return Some("the dump records no CRIU run id, so its nftables lock stays".into()),
         Err(e) => return Some(format!("cannot read the dump's run id ({e}), so its nftables lock stays")),
     };
-    match remove_lock_table(&run_id) {
+    match remove_lock_table(host, &run_id) {
         Ok(true) => None,
         Ok(false) => Some(format!("no nftables lock table of CRIU run {run_id} was found")),
         Err(why) => Some(format!("CRIU's nftables lock could not be removed ({why})")),
     }
 }
 
-/// Deletes the nftables table CRIU run `run_id` locked connections in: `Ok(true)` if it was
-/// there, `Ok(false)` if not, `Err(why)` if it could not be deleted.
-pub(super) fn remove_lock_table(run_id: &str) -> Result<bool, String> {
+/// Deletes, on `host`, the nftables table CRIU run `run_id` locked connections in: `Ok(true)`
+/// if it was there, `Ok(false)` if not, `Err(why)` if it could not be deleted.
+pub(super) fn remove_lock_table(host: &dyn NetworkLocks, run_id: &str) -> Result<bool, String> {
     let whole = format!("CRIU-{run_id}");
     let cut: String = whole.chars().take(CUT_TABLE_NAME).collect();
     let mut failures = Vec::new();
     for name in [cut, whole] {
-        match nft::delete_inet_table(&name) {
+        match host.delete_inet_table(&name) {
             Ok(true) => {
                 info!(table = %name, "removed CRIU's network lock");
                 return Ok(true);
