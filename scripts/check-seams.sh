@@ -11,8 +11,10 @@ engine=daemon/src/engine
 seam=(
   host/kernel.rs # LinuxHost: each method is a call into linux/ (or into the two below); its
                  # Watches too (host/watch.rs), for idle workloads, its Userfaults
-                 # (host/faults.rs), for lazily restored memory, and its NetworkLocks
-                 # (host/locks.rs), for the locks CRIU leaves on connections
+                 # (host/faults.rs), for lazily restored memory, its NetworkLocks
+                 # (host/locks.rs), for the locks CRIU leaves on connections, and its
+                 # Containers (host/containers.rs), for Kubernetes containers' namespaces,
+                 # cgroups, pids and descriptors
   inspect.rs     # Host::inspect: what a tree holds, read from /proc
   unsupported.rs # Host::inspect's refusals: what of a tree CRIU cannot dump
   sockets/mod.rs # Host::sockets and Host::leave_repair: a tree's sockets, read from /proc and
@@ -40,17 +42,12 @@ pure=(
                               # built, not run (NetworkLocks::run_iptables runs them)
 )
 
-# Not yet behind the seam (issue 25, item 2, left): the lines naming linux:: each file may
-# still have. A count may only go down; lower it here when it does. Those of pods/ are kernel
-# state a fake could stand for, still to move; the other two say why they stay.
+# Outside the seam for good (issue 25, item 2): the lines naming linux:: each file may still
+# have, each saying why. A count may only go down; lower it here when it does.
 declare -A left=(
   # its unit test, root only, makes a real nftables table to see the sweep delete it; the
   # sweep itself deletes through the host (NetworkLocks)
   [sockets/left_locks.rs]=1
-  # Kubernetes pods: the namespaces, cgroups, pids and /tmp of containers
-  [pods/mod.rs]=1
-  # the pids of a container reserved, and descriptors of its init copied
-  [pods/restore.rs]=1
   # the default path of CRIU, looked up in PATH while the settings are resolved, before any
   # engine or host exists: a file lookup, not kernel state
   [settings.rs]=1

@@ -219,9 +219,9 @@ impl Engine {
         let mut restored = Restored { kill, armed: true };
         let pid = match &placement {
             // CRIU named the root as the container sees it.
-            Placement::Container(c) => {
-                pods::adopted(c, pid).await.map_err(RestoreError::local("finding the restored tree"))?
-            }
+            Placement::Container(c) => pods::adopted(self.deps.host.as_ref(), c, pid)
+                .await
+                .map_err(RestoreError::local("finding the restored tree"))?,
             Placement::Home(_) => pid,
         };
         if manifest.own_pid_namespace || manifest.pod.is_some() {
@@ -401,10 +401,12 @@ impl Engine {
             Placement::Home(home) => replacement_files(manifest, home, &tree.external).map(|files| {
                 (files, home.cgroup_in_hierarchy().filter(|_| !manifest.cgroup.is_empty()), None)
             }),
-            Placement::Container(c) => pods::prepare_restore(manifest, c, &self.deps.reaper)
-                .await
-                .map(|(files, enter)| (files, None, Some(enter)))
-                .map_err(RestoreError::local("entering the container")),
+            Placement::Container(c) => {
+                pods::prepare_restore(self.deps.host.as_ref(), manifest, c, &self.deps.reaper)
+                    .await
+                    .map(|(files, enter)| (files, None, Some(enter)))
+                    .map_err(RestoreError::local("entering the container"))
+            }
         };
         let (inherit_fds, cgroup, enter) = match placed {
             Ok(placed) => placed,

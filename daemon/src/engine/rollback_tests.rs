@@ -47,6 +47,8 @@ pub(super) struct Extras {
     pub(super) gpu_activity: Option<Arc<dyn GpuActivity>>,
     /// How CRIU locks connections here (else with nftables).
     pub(super) network_lock: Option<NetworkLock>,
+    /// The processes of the tree with CUDA loaded (else its root).
+    pub(super) cuda: Option<Vec<i32>>,
 }
 
 /// A two-process tree whose root uses CUDA, with `CHILD` already stopped before any
@@ -71,7 +73,7 @@ pub(super) fn rig_with(mut criu: FakeCriu, gpu: FakeGpu, extras: Extras) -> Rig 
         init_program: None,
         unsupported: None,
     };
-    let host = Arc::new(FakeHost { cuda: vec![ROOT], ..FakeHost::with_tree(tree) });
+    let host = Arc::new(FakeHost { cuda: extras.cuda.unwrap_or(vec![ROOT]), ..FakeHost::with_tree(tree) });
     host.stopped.lock().unwrap().insert(CHILD);
     let on_dump = host.clone();
     criu.on_dump = Some(Box::new(move |spec| {

@@ -350,7 +350,7 @@ impl Engine {
             None => (job.pid, None),
             Some(c) => {
                 let inner = self.deps.host.pid_inside(job.pid, c.init_pid).unwrap_or(job.pid);
-                let enter = super::pods::enter(&c, false)
+                let enter = super::pods::enter(self.deps.host.as_ref(), &c, false)
                     .map_err(|source| CheckpointError::Local { what: "entering the container", source })?;
                 (inner, Some(enter))
             }

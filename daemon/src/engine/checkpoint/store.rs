@@ -176,7 +176,7 @@ impl Engine {
                 .unwrap_or_default(),
             init_dir: d.tree.init_dir.as_ref().map(|dir| dir.display().to_string()).unwrap_or_default(),
             archive: None,
-            pod: record.container.as_ref().map(|c| super::super::pods::pod_info(d.workload, c, d.tree)),
+            pod: record.container.as_ref().map(|c| self.pod_info(d.workload, c, d.tree)),
         }
     }
 }

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use nix::sys::signal::Signal;
 
+use super::fake_containers::FakeContainers;
 use super::fake_faults::FakeFaults;
 use super::fake_locks::FakeLocks;
 use super::{Hold, Host, PortUses, TcpSockets, Usage, Watches};
@@ -48,6 +49,8 @@ pub struct FakeHost {
     pub in_repair: Mutex<Vec<Connection>>,
     /// The network locks CRIU left, and what was done to remove them (see fake_locks.rs).
     pub locks: FakeLocks,
+    /// Kubernetes containers (see fake_containers.rs).
+    pub containers: FakeContainers,
     /// Pids now held by another process than the one inspected (a start time of 2, not 1).
     pub reused: Mutex<HashSet<i32>>,
     /// The CPU's instruction-set extensions.

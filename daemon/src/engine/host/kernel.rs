@@ -13,7 +13,8 @@ use async_trait::async_trait;
 use nix::sys::signal::Signal;
 
 use super::{
-    FaultEvent, FaultFd, Hold, Host, NetworkLocks, PortUses, TcpSockets, Usage, Userfaults, Watches,
+    Containers, FaultEvent, FaultFd, Hold, Host, NetworkLocks, PortUses, TcpSockets, Usage, Userfaults,
+    Watches,
 };
 use crate::engine::inspect::{self, TreeInfo};
 use crate::engine::sockets::{self, Connection, TreeSockets};
@@ -26,7 +27,7 @@ use crate::linux::sock_diag::{SockDiag, TcpSocketInfo};
 use crate::linux::syn_hold::SynHold;
 use crate::linux::sys::{self, ChildSetup};
 use crate::linux::uffd::{self, FillError, Userfaultfd};
-use crate::linux::{init_program, nft, pty};
+use crate::linux::{container, init_program, nft, pty};
 
 /// The real kernel.
 #[derive(Debug, Default, Clone, Copy)]
@@ -258,6 +259,45 @@ impl NetworkLocks for LinuxHost {
 
     async fn run_iptables(&self, reaper: &Reaper, cmd: Command) -> io::Result<(ExitKind, String)> {
         reaper.run(cmd).await
+    }
+}
+
+#[async_trait]
+impl Containers for LinuxHost {
+    fn is_namespace_init(&self, pid: i32) -> bool {
+        proc::is_namespace_init(pid)
+    }
+
+    fn pid_namespace(&self, pid: i32) -> io::Result<u64> {
+        container::pid_namespace(pid)
+    }
+
+    fn children(&self, pid: i32) -> Vec<i32> {
+        proc::children(pid).unwrap_or_default()
+    }
+
+    fn threads(&self, pid: i32) -> Vec<i32> {
+        proc::threads(pid)
+    }
+
+    fn fd_target(&self, pid: i32, fd: i32) -> io::Result<String> {
+        container::fd_target(pid, fd)
+    }
+
+    fn copy_fd_of(&self, pid: i32, fd: i32) -> io::Result<OwnedFd> {
+        sys::copy_fd_of(pid, fd)
+    }
+
+    fn ensure_tmp(&self, pid: i32) -> io::Result<()> {
+        container::ensure_tmp(pid)
+    }
+
+    fn cgroup_procs_files(&self, pid: i32) -> io::Result<Vec<PathBuf>> {
+        container::cgroup_procs_files(pid)
+    }
+
+    async fn reserve_pids(&self, reaper: &Reaper, init: i32, highest: i32, needed: &[i32]) -> io::Result<()> {
+        container::reserve_pids(reaper, init, highest, needed).await
     }
 }
 

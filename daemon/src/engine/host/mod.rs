@@ -4,6 +4,7 @@
 //! tests of the jobs' failure paths use [`fake::FakeHost`], so those paths run without root,
 //! CRIU or a workload.
 
+mod containers;
 mod faults;
 mod kernel;
 mod locks;
@@ -11,6 +12,8 @@ mod watch;
 
 #[cfg(test)]
 pub(super) mod fake;
+#[cfg(test)]
+mod fake_containers;
 #[cfg(test)]
 mod fake_faults;
 #[cfg(test)]
@@ -25,6 +28,7 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+pub use containers::Containers;
 pub use faults::{FaultEvent, FaultFd, Userfaults};
 pub use kernel::LinuxHost;
 pub use locks::NetworkLocks;
@@ -37,8 +41,9 @@ use crate::linux::net::SocketTable;
 use crate::linux::sys::ChildSetup;
 
 /// What the engine's jobs ask of the kernel (and, for idle workloads, [`Watches`]; for lazily
-/// restored memory, [`Userfaults`]; for CRIU's network locks, [`NetworkLocks`]).
-pub trait Host: Watches + Userfaults + NetworkLocks {
+/// restored memory, [`Userfaults`]; for CRIU's network locks, [`NetworkLocks`]; for Kubernetes
+/// containers, [`Containers`]).
+pub trait Host: Watches + Userfaults + NetworkLocks + Containers {
     /// Whether `pid` exists and is not a zombie.
     fn is_running(&self, pid: i32) -> bool;
     /// The command line of `pid`.

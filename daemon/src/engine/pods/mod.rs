@@ -14,6 +14,8 @@
 mod endpoint;
 mod identity;
 mod restore;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 
@@ -25,12 +27,12 @@ pub use identity::Identity;
 pub(super) use restore::{adopted, prepare_restore};
 
 use super::evacuate::plan::{Candidate, estimate};
+use super::host::Containers;
 use super::{
     AnswerWhen, Caller, CheckpointError, CheckpointOutcome, CheckpointParams, EarlyAnswer, Engine,
     ProgressFn, Target, Workload,
 };
 use crate::criu::Enter;
-use crate::linux::{container, proc};
 use crate::store::PodInfo;
 
 /// Where an opted-in container mounts the pod bundle (`scripts/pod-bundle.sh`): CRIU and
@@ -102,7 +104,7 @@ impl Engine {
             return Err(PodError::NoInit(r.container.init_pid));
         }
         // A restored tree is handed to its pid namespace's init, which must be stasis-pod.
-        if !proc::is_namespace_init(r.container.init_pid) {
+        if !self.deps.host.is_namespace_init(r.container.init_pid) {
             return Err(PodError::SharedPids(r.container.id));
         }
         let id = r.container.id.clone();
@@ -143,14 +145,16 @@ impl Engine {
     /// The workload of the registered container that process `pid` runs in (the same pid
     /// namespace as the container's init).
     fn container_of(&self, pid: i32) -> Option<Workload> {
-        let ns = container::pid_namespace(pid).ok()?;
-        let ours = container::pid_namespace(std::process::id() as i32).ok()?;
+        let host = &self.deps.host;
+        let ns = host.pid_namespace(pid).ok()?;
+        let ours = host.pid_namespace(std::process::id() as i32).ok()?;
         if ns == ours {
             return None;
         }
-        self.registry.all().into_iter().find(|w| {
-            w.container.as_ref().is_some_and(|c| container::pid_namespace(c.init_pid).ok() == Some(ns))
-        })
+        self.registry
+            .all()
+            .into_iter()
+            .find(|w| w.container.as_ref().is_some_and(|c| host.pid_namespace(c.init_pid).ok() == Some(ns)))
     }
 
     /// Whether workload `w`'s tree runs: its root, or for a container its init's one child.
@@ -166,12 +170,31 @@ impl Engine {
         if !self.deps.host.is_running(c.init_pid) {
             return Err(PodError::NoInit(c.init_pid));
         }
-        match proc::children(c.init_pid).unwrap_or_default()[..] {
+        match self.deps.host.children(c.init_pid)[..] {
             [root] => Ok(root),
             ref other => Err(PodError::NotOneTree {
                 container: format!("{} ({})", c.id, w.name),
                 children: other.len(),
             }),
+        }
+    }
+
+    /// What a checkpoint of container workload `name` (in `c`) records for a restore into
+    /// another container: the identity, the image, the root's stdio and the pids inside.
+    pub(super) fn pod_info(&self, name: &str, c: &ContainerRef, tree: &super::inspect::TreeInfo) -> PodInfo {
+        let (host, root) = (&self.deps.host, tree.pids[0]);
+        PodInfo {
+            identity: name.to_owned(),
+            image: c.image.clone(),
+            stdio: (0..3).map(|fd| host.fd_target(root, fd).unwrap_or_default()).collect(),
+            inner_pids: tree.pids.iter().map(|&p| host.pid_inside(p, c.init_pid).unwrap_or(0)).collect(),
+            highest_inner_tid: tree
+                .pids
+                .iter()
+                .flat_map(|&p| host.threads(p))
+                .filter_map(|t| host.pid_inside(t, c.init_pid))
+                .max()
+                .unwrap_or(0),
         }
     }
 
@@ -239,31 +262,12 @@ impl Engine {
     }
 }
 
-/// How CRIU enters container `c` to dump or restore its tree.
-pub(super) fn enter(c: &ContainerRef, join_cgroups: bool) -> std::io::Result<Enter> {
-    container::ensure_tmp(c.init_pid)?;
+/// How CRIU enters container `c` (on `host`) to dump or restore its tree.
+pub(super) fn enter(host: &dyn Containers, c: &ContainerRef, join_cgroups: bool) -> std::io::Result<Enter> {
+    host.ensure_tmp(c.init_pid)?;
     let cgroups = match join_cgroups {
-        true => container::cgroup_procs_files(c.init_pid)?,
+        true => host.cgroup_procs_files(c.init_pid)?,
         false => Vec::new(),
     };
     Ok(Enter { pid: c.init_pid, bundle: BUNDLE_MOUNT.into(), cgroups })
-}
-
-/// What a checkpoint of container workload `name` (in `c`) records for a restore into
-/// another container: the identity, the image, the root's stdio and the pids inside.
-pub(super) fn pod_info(name: &str, c: &ContainerRef, tree: &super::inspect::TreeInfo) -> PodInfo {
-    let root = tree.pids[0];
-    PodInfo {
-        identity: name.to_owned(),
-        image: c.image.clone(),
-        stdio: (0..3).map(|fd| container::fd_target(root, fd).unwrap_or_default()).collect(),
-        inner_pids: tree.pids.iter().map(|&p| proc::pid_inside(p, c.init_pid).unwrap_or(0)).collect(),
-        highest_inner_tid: tree
-            .pids
-            .iter()
-            .flat_map(|&p| proc::threads(p))
-            .filter_map(|t| proc::pid_inside(t, c.init_pid))
-            .max()
-            .unwrap_or(0),
-    }
 }

@@ -18,11 +18,11 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 use tracing::info;
 
+use super::super::host::{Containers, Host};
 use super::super::{Caller, Engine, ProgressFn, RestoreError, RestoreParams, RestoreTarget};
 use super::{ContainerRef, enter};
 use crate::criu::Enter;
 use crate::linux::reaper::Reaper;
-use crate::linux::{container, proc, sys};
 use crate::store::Manifest;
 
 /// What a starting container does.
@@ -91,33 +91,38 @@ impl Engine {
             Ok(outcome) => outcome.pid,
             Err(_) => job.await.map_err(RestoreError::panicked("restore job"))??.pid,
         };
-        let inner = proc::pid_inside(pid, c.init_pid).unwrap_or_default();
+        let inner = self.deps.host.pid_inside(pid, c.init_pid).unwrap_or_default();
         info!(checkpoint = %manifest.id, workload = %name, pid, inner, "restored into its container");
         Ok(PodStart::Restored { checkpoint: manifest.id, pid: inner })
     }
 }
 
-/// What a restore into container `c` hands CRIU: the container's stdout and stderr for the
-/// pipes the tree wrote to, and how to enter it; and the container's next ids, set above the
-/// tree's processes and threads.
+/// What a restore into container `c` (on `host`) hands CRIU: the container's stdout and
+/// stderr for the pipes the tree wrote to, and how to enter it; and the container's next ids,
+/// set above the tree's processes and threads (through `reaper`).
 pub(in crate::engine) async fn prepare_restore(
+    host: &dyn Containers,
     manifest: &Manifest,
     c: &ContainerRef,
     reaper: &Reaper,
 ) -> std::io::Result<(Vec<(String, OwnedFd)>, Enter)> {
     let pod = manifest.pod.clone().unwrap_or_default();
     let highest = pod.inner_pids.iter().copied().chain([pod.highest_inner_tid, 1]).max().unwrap_or(1);
-    container::reserve_pids(reaper, c.init_pid, highest, &pod.inner_pids).await?;
-    Ok((stdio_of(c.init_pid, &pod.stdio)?, enter(c, true)?))
+    host.reserve_pids(reaper, c.init_pid, highest, &pod.inner_pids).await?;
+    Ok((stdio_of(host, c.init_pid, &pod.stdio)?, enter(host, c, true)?))
 }
 
-/// The host pid of the restored root that CRIU named `inner` (inside container `c`), once it
-/// is the container init's child.
-pub(in crate::engine) async fn adopted(c: &ContainerRef, inner: i32) -> std::io::Result<i32> {
+/// The host pid of the restored root that CRIU named `inner` (inside container `c`, on
+/// `host`), once it is the container init's child.
+pub(in crate::engine) async fn adopted(
+    host: &dyn Host,
+    c: &ContainerRef,
+    inner: i32,
+) -> std::io::Result<i32> {
     let deadline = Instant::now() + REPARENT_WAIT;
     loop {
-        let children = proc::children(c.init_pid).unwrap_or_default();
-        if let Some(&pid) = children.iter().find(|&&p| proc::pid_inside(p, c.init_pid) == Some(inner)) {
+        let children = host.children(c.init_pid);
+        if let Some(&pid) = children.iter().find(|&&p| host.pid_inside(p, c.init_pid) == Some(inner)) {
             return Ok(pid);
         }
         if Instant::now() > deadline {
@@ -128,13 +133,17 @@ pub(in crate::engine) async fn adopted(c: &ContainerRef, inner: i32) -> std::io:
     }
 }
 
-/// The new container's stdout and stderr (its init's) for the pipes the tree's root wrote to
-/// in the old one, keyed as CRIU names them (`pipe:[ino]`).
-fn stdio_of(init: i32, recorded: &[String]) -> std::io::Result<Vec<(String, OwnedFd)>> {
+/// The new container's stdout and stderr (its init's, copied from `host`) for the pipes the
+/// tree's root wrote to in the old one, keyed as CRIU names them (`pipe:[ino]`).
+fn stdio_of(
+    host: &dyn Containers,
+    init: i32,
+    recorded: &[String],
+) -> std::io::Result<Vec<(String, OwnedFd)>> {
     let mut fds: Vec<(String, OwnedFd)> = Vec::new();
     for (fd, key) in recorded.iter().enumerate().skip(1) {
         if key.starts_with("pipe:") && !fds.iter().any(|(k, _)| k == key) {
-            fds.push((key.clone(), sys::copy_fd_of(init, fd as i32)?));
+            fds.push((key.clone(), host.copy_fd_of(init, fd as i32)?));
         }
     }
     Ok(fds)
