@@ -43,8 +43,9 @@ pub struct Results {
     pub peer1: PeerCheckpoint,
     pub rounds: Vec<Round>,
     pub restores: Vec<RestoreRound>,
-    /// stasisd's peak resident memory (VmHWM) over the checkpoints, over the restores, and its
-    /// staging bound.
+    /// stasisd's peak resident memory (VmHWM) over the first checkpoint, over the later ones,
+    /// over the restores, and its staging bound.
+    pub peak_rss_first: u64,
     pub peak_rss: u64,
     pub peak_rss_restore: u64,
     pub staging_bound: u64,
@@ -172,6 +173,8 @@ pub fn run(args: &Args) -> anyhow::Result<Results> {
     // The first checkpoint: stasis first, the peer dumps the same process right after.
     let ck1 = checkpoint(&d)?;
     let peer1 = peer.checkpoint(pid, "ck1")?;
+    let peak_rss_first = d.peak_rss()?;
+    d.reset_peak_rss()?;
     let mut rounds = Vec::new();
     for i in 0..args.rounds as usize {
         let dirtied = dirty(pid, &log)?;
@@ -205,5 +208,5 @@ pub fn run(args: &Args) -> anyhow::Result<Results> {
     d.set_workload(None);
 
     let (peak_rss_restore, staging_bound) = (d.peak_rss()?, staging_bound(args));
-    Ok(Results { ck1, peer1, rounds, restores, peak_rss, peak_rss_restore, staging_bound })
+    Ok(Results { ck1, peer1, rounds, restores, peak_rss_first, peak_rss, peak_rss_restore, staging_bound })
 }

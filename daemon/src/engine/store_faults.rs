@@ -159,3 +159,20 @@ async fn a_store_that_fails_only_a_later_write_lets_the_first_checkpoint_through
     assert!(r.host.signals_of(Signal::SIGKILL).is_empty(), "the workload runs on");
     assert_eq!(r.checkpoints().await, 1, "only the first is listed");
 }
+
+#[tokio::test]
+async fn a_later_checkpoint_left_running_whose_commit_fails_leaves_the_tree_running() {
+    // The second checkpoint of the workload is sifted as CRIU sends it (the first staged every
+    // page); its commit, the second write under manifests/, fails; the third goes through.
+    let store = FaultyStore::failing("manifests", 2);
+    let r = rig_on(&store);
+    r.checkpoint(true).await.unwrap();
+    let err = r.checkpoint(true).await.unwrap_err();
+    assert!(matches!(err, CheckpointError::Store { .. }), "{err}");
+    assert!(crate::error_chain(&err).contains("injected failure"), "{}", crate::error_chain(&err));
+    assert!(r.host.signals_of(Signal::SIGKILL).is_empty(), "the workload runs on");
+    assert_eq!(r.checkpoints().await, 1, "only the first is listed");
+    let third = r.checkpoint(true).await.unwrap();
+    assert!(third.durable && third.left_running);
+    assert_eq!(r.checkpoints().await, 2);
+}

@@ -106,12 +106,61 @@ impl WindowCutter {
     }
 }
 
-/// A chunk's id (none when all zero) and, when the store lacks it, its stored form.
-type Prepared = (Option<ChunkHash>, Option<(Codec, Vec<u8>)>);
+/// What a chunk of content is to the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    /// All zero: recorded, never stored.
+    Zero,
+    /// Held by the store already.
+    Held(ChunkHash),
+    /// Lacking from the store.
+    New(ChunkHash),
+}
+
+impl Kind {
+    /// Hashes `raw` and asks `index` whether the store holds it.
+    pub(super) fn of(cipher: Option<&Cipher>, index: &ChunkIndex, raw: &[u8]) -> Kind {
+        if is_zero(raw) {
+            return Kind::Zero;
+        }
+        let hash = chunk_id(cipher, raw);
+        if index.contains(&hash) { Kind::Held(hash) } else { Kind::New(hash) }
+    }
+
+    /// The reference to a chunk of `len` bytes of this kind.
+    pub(super) fn reference(&self, len: usize) -> ChunkRef {
+        let (hash, fresh) = match self {
+            Kind::Zero => (Vec::new(), false),
+            Kind::Held(hash) => (hash.to_vec(), false),
+            Kind::New(hash) => (hash.to_vec(), true),
+        };
+        ChunkRef { hash, len: len as u32, fresh }
+    }
+}
+
+impl ChunkStats {
+    /// Counts a chunk of `len` bytes of `kind`; `first` for a new chunk the checkpoint has not
+    /// met before (a chunk recurring in it is packed once).
+    pub(super) fn count(&mut self, len: usize, kind: &Kind, first: bool) {
+        self.chunks_total += 1;
+        self.bytes_total += len as u64;
+        match kind {
+            Kind::Zero => self.chunks_zero += 1,
+            Kind::New(_) if first => {
+                self.chunks_new += 1;
+                self.bytes_new += len as u64;
+            }
+            Kind::New(_) | Kind::Held(_) => {}
+        }
+    }
+}
+
+/// A chunk as a pack keeps it: how it is encoded, and its bytes.
+type Stored = (Codec, Vec<u8>);
 
 /// How chunk `raw` (id `hash`) is kept in a pack: zstd where that saves at least 1/32,
 /// sealed in an encrypted store.
-fn stored_form(cipher: Option<&Cipher>, hash: &ChunkHash, raw: &[u8]) -> (Codec, Vec<u8>) {
+fn stored_form(cipher: Option<&Cipher>, hash: &ChunkHash, raw: &[u8]) -> Stored {
     let (codec, stored) = match compress(raw) {
         Ok(z) if z.len() < raw.len() - raw.len() / 32 => (Codec::Zstd, z),
         _ => (Codec::Raw, raw.to_vec()),
@@ -182,37 +231,47 @@ impl<'a> ChunkWriter<'a> {
         for batch in pieces.chunks(BATCH) {
             // Hashing, and compressing what the store lacks, in one parallel pass.
             let (cipher, index) = (self.cipher, self.index);
-            let prepared: Vec<Prepared> = batch
+            let prepared: Vec<(Kind, Option<Stored>)> = batch
                 .par_iter()
                 .map(|raw| {
-                    if is_zero(raw) {
-                        return (None, None);
-                    }
-                    let hash = chunk_id(cipher, raw);
-                    (Some(hash), (!index.contains(&hash)).then(|| stored_form(cipher, &hash, raw)))
+                    let kind = Kind::of(cipher, index, raw);
+                    let stored = match &kind {
+                        Kind::New(hash) => Some(stored_form(cipher, hash, raw)),
+                        Kind::Zero | Kind::Held(_) => None,
+                    };
+                    (kind, stored)
                 })
                 .collect();
-            for (raw, (hash, stored)) in batch.iter().zip(prepared) {
-                self.stats.chunks_total += 1;
-                self.stats.bytes_total += raw.len() as u64;
-                refs.push(ChunkRef {
-                    hash: hash.map(|h| h.to_vec()).unwrap_or_default(),
-                    len: raw.len() as u32,
-                    fresh: stored.is_some(),
-                });
-                match (hash, stored) {
-                    (None, _) => self.stats.chunks_zero += 1,
-                    // Packed once per checkpoint, however often the same bytes recur in it.
-                    (Some(hash), Some((codec, stored))) if self.packed.insert(hash) => {
-                        self.stats.chunks_new += 1;
-                        self.stats.bytes_new += raw.len() as u64;
+            for (raw, (kind, stored)) in batch.iter().zip(prepared) {
+                refs.push(kind.reference(raw.len()));
+                // Packed once per checkpoint, however often the same bytes recur in it.
+                let first = match (kind, stored) {
+                    (Kind::New(hash), Some((codec, stored))) if self.packed.insert(hash) => {
                         self.append(hash, raw.len(), codec, &stored)?;
+                        true
                     }
-                    (Some(_), _) => {}
-                }
+                    _ => false,
+                };
+                self.stats.count(raw.len(), &kind, first);
             }
         }
         Ok(refs)
+    }
+
+    /// Packs chunks already hashed and found lacking from the store (a sifted dump's new
+    /// chunks, counted when they were sifted), compressing them in parallel.
+    pub(super) fn write_new(&mut self, chunks: &[(ChunkHash, &[u8])]) -> Result<(), UploaderGone> {
+        for batch in chunks.chunks(BATCH) {
+            let cipher = self.cipher;
+            let stored: Vec<Stored> =
+                batch.par_iter().map(|(hash, raw)| stored_form(cipher, hash, raw)).collect();
+            for ((hash, raw), (codec, stored)) in batch.iter().zip(stored) {
+                if self.packed.insert(*hash) {
+                    self.append(*hash, raw.len(), codec, &stored)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     fn append(

@@ -5,40 +5,57 @@
 //! as an earlier mapping gains or loses a page. Joined, a stored run is a stretch of present
 //! pages of the task's memory, and each chunk the part of an aligned window that stretch
 //! covers: the same memory gives the same chunks wherever CRIU cut it, and whether it was
-//! staged whole or streamed in blocks.
+//! staged whole, sifted as it arrived, or streamed in blocks.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
 
-use stasis_proto::stasis::store::v1::{MemoryImage, PageRun as StoredRun};
+use stasis_proto::stasis::store::v1::{ChunkRef, MemoryImage, PageRun as StoredRun};
 
 use super::chunks::{ChunkWriter, UploaderGone, WindowCutter};
 use super::staging::Staged;
 use super::stream::{Received, StreamSource, Unfinished};
 use stasis_criu_images::pages::PageRun;
 
+/// Where the windows of a memory image go, each coming back as its chunk's reference: the
+/// store's chunk writer (a streamed dump), or a sifter staging what the store lacks.
+pub(super) trait WindowSink {
+    type Error;
+
+    /// References to `windows` (each at most one chunk), in order.
+    fn take(&mut self, windows: &[&[u8]]) -> Result<Vec<ChunkRef>, Self::Error>;
+}
+
+impl WindowSink for ChunkWriter<'_> {
+    type Error = UploaderGone;
+
+    fn take(&mut self, windows: &[&[u8]]) -> Result<Vec<ChunkRef>, UploaderGone> {
+        self.write(windows)
+    }
+}
+
 /// Builds the memory images of one dump from runs in CRIU's order (per destination; the
 /// destinations may interleave).
 #[derive(Default)]
-struct MemoryChunker {
+pub(super) struct MemoryChunker {
     /// Destinations in the order their first run came.
     order: Vec<u64>,
     images: HashMap<u64, Building>,
 }
 
-struct Building {
+pub(super) struct Building {
     image: MemoryImage,
     /// The stretch the next run may continue: the pages so far, and its last partial window.
     open: Option<(PageRun, WindowCutter)>,
 }
 
 impl Building {
-    fn close(&mut self, writer: &mut ChunkWriter<'_>) -> Result<(), UploaderGone> {
+    fn close<W: WindowSink>(&mut self, writer: &mut W) -> Result<(), W::Error> {
         if let Some((run, cutter)) = self.open.take() {
             let run = StoredRun { vaddr: run.vaddr, nr_pages: run.nr_pages, flags: run.flags };
             self.image.runs.push(run);
             if let Some(last) = cutter.finish() {
-                self.image.chunks.extend(writer.write(&[&last])?);
+                self.image.chunks.extend(writer.take(&[&last])?);
             }
         }
         Ok(())
@@ -49,7 +66,7 @@ impl MemoryChunker {
     /// The image of `dst_id`, made empty when it is new: an image CRIU opened is kept even if
     /// no run of it comes (a shared anonymous mapping never written), as CRIU's restore
     /// wants its pagemap.
-    fn image(&mut self, dst_id: u64) -> &mut Building {
+    pub(super) fn image(&mut self, dst_id: u64) -> &mut Building {
         self.images.entry(dst_id).or_insert_with(|| {
             self.order.push(dst_id);
             Building { image: MemoryImage { dst_id, ..Default::default() }, open: None }
@@ -57,12 +74,12 @@ impl MemoryChunker {
     }
 
     /// Takes `run`, whose bytes are `pieces` in order (none for a run without data).
-    fn feed(
+    pub(super) fn feed<W: WindowSink>(
         &mut self,
-        writer: &mut ChunkWriter<'_>,
+        writer: &mut W,
         run: PageRun,
         pieces: &[&[u8]],
-    ) -> Result<(), UploaderGone> {
+    ) -> Result<(), W::Error> {
         let building = self.image(run.dst_id);
         if !building.open.as_ref().is_some_and(|(open, _)| open.continued_by(&run)) {
             building.close(writer)?;
@@ -71,11 +88,11 @@ impl MemoryChunker {
         let (open, cutter) = building.open.as_mut().expect("a stretch is open");
         open.nr_pages += run.nr_pages;
         let windows: Vec<Cow<'_, [u8]>> = pieces.iter().flat_map(|piece| cutter.cut(piece)).collect();
-        building.image.chunks.extend(writer.write(&windows.iter().map(|w| w.as_ref()).collect::<Vec<_>>())?);
+        building.image.chunks.extend(writer.take(&windows.iter().map(|w| w.as_ref()).collect::<Vec<_>>())?);
         Ok(())
     }
 
-    fn finish(mut self, writer: &mut ChunkWriter<'_>) -> Result<Vec<MemoryImage>, UploaderGone> {
+    pub(super) fn finish<W: WindowSink>(mut self, writer: &mut W) -> Result<Vec<MemoryImage>, W::Error> {
         let mut images = Vec::with_capacity(self.order.len());
         for dst_id in self.order {
             let mut building = self.images.remove(&dst_id).expect("every destination has an image");

@@ -14,6 +14,7 @@ use tracing::warn;
 
 use super::chunks::{CHUNK, ChunkStats, ChunkWriter, FinishedPack, UploaderGone, aligned_windows};
 use super::memory::{StreamFailure, staged_images, streamed_images};
+use super::sift::Sifted;
 use super::staging::Staged;
 use super::stream::StreamSource;
 use super::{Progress, Store, StoreError, envelope};
@@ -28,8 +29,11 @@ const PART: usize = 8 << 20;
 
 /// A dump's pages, as [`Store::store_dump`] takes them.
 pub enum DumpPages {
-    /// Received whole before storing began.
+    /// Received whole before storing began (a tree's first checkpoint left running).
     Staged(Arc<Staged>),
+    /// Sifted while CRIU sent them (a later checkpoint left running): only the new chunks are
+    /// left to pack.
+    Sifted(Box<Sifted>),
     /// Arriving while they are stored.
     Streamed(StreamSource),
 }
@@ -76,6 +80,7 @@ impl Store {
             let mut writer = ChunkWriter::new(&index, tx, &tag, cipher.as_deref(), slots);
             let known = match &pages {
                 DumpPages::Staged(staged) => staged.len(),
+                DumpPages::Sifted(sifted) => sifted.new_bytes(),
                 DumpPages::Streamed(_) => 0,
             };
             let mut done = 0u64;
@@ -86,6 +91,17 @@ impl Store {
             let memory = match pages {
                 DumpPages::Staged(staged) => {
                     staged_images(&staged, &mut writer, &mut advance).map_err(|UploaderGone| stopped())?
+                }
+                DumpPages::Sifted(sifted) => {
+                    sifted
+                        .each_new(FILE_BLOCK / CHUNK, |chunks| {
+                            writer.write_new(chunks)?;
+                            advance(chunks.iter().map(|(_, raw)| raw.len() as u64).sum());
+                            Ok(())
+                        })
+                        .map_err(|UploaderGone| stopped())?;
+                    writer.stats = sifted.stats();
+                    sifted.memory().to_vec()
                 }
                 DumpPages::Streamed(source) => {
                     streamed_images(source, &mut writer, &mut advance).map_err(|failure| match failure {

@@ -10,6 +10,7 @@
 
 mod crash_record;
 pub(super) mod dump;
+mod left_running;
 mod rollback;
 mod store;
 
@@ -29,8 +30,7 @@ use super::{CheckpointCost, CheckpointError, Engine, ProgressFn, ProgressUpdate}
 use crate::criu::{DumpSpec, NetworkLock};
 use crate::metrics::{CheckpointSample, Failure, Metrics};
 use crate::pages::PageSink;
-use crate::store::{DumpPages, Staging};
-use dump::SPILL_FILE;
+use crate::store::DumpPages;
 use rollback::Hold;
 pub(in crate::engine) use store::tree_options;
 use store::{DumpTiming, Dumped};
@@ -266,17 +266,7 @@ impl Engine {
         if !job.leave_running {
             return self.dump_while_storing(job, on_resumed, hold, tree, images, progress).await;
         }
-        // A tree that runs on is frozen only while CRIU copies its pages into staging (made
-        // ready before it is frozen); they are stored once it runs again.
-        let mut staging = Staging::new(&self.shared.staging, &images.join(SPILL_FILE));
-        staging.reserve(self.deps.host.resident_bytes(&tree.pids));
-        let (timing, staging) = self.dump_tree(job, tree, images, progress, staging).await?;
-        let staged =
-            staging.finish().map_err(|source| CheckpointError::Local { what: "page staging", source })?;
-        let gpu_restore_ms = hold.runs_again().await?;
-        job.resumed(&timing, on_resumed, progress);
-        let dumped = job.dumped(tree, timing, hold, gpu_restore_ms);
-        self.store_checkpoint(dumped, DumpPages::Staged(Arc::new(staged)), images, progress).await
+        self.dump_left_running(job, on_resumed, hold, tree, images, progress).await
     }
 
     /// A tree that will not run on (an eviction, a migration): its pages are stored as CRIU

@@ -38,27 +38,6 @@ pub(super) struct DumpTiming {
 }
 
 impl Engine {
-    /// Stores a finished dump's pages and images and commits the manifest. What a failed
-    /// attempt uploaded is removed in the background (see `remove_orphans`).
-    pub(super) async fn store_checkpoint(
-        &self,
-        dumped: Dumped<'_>,
-        pages: DumpPages,
-        images: &Path,
-        progress: &ProgressFn,
-    ) -> Result<CheckpointStats, CheckpointError> {
-        let id = dumped.id;
-        self.begin_storing(id, dumped.tree, images)?;
-        let committed = async {
-            let guard = self.deps.store.begin_commit().await?;
-            let stored = self.store_pages(pages, images, progress).await?;
-            self.commit_checkpoint(dumped, &guard, stored).await
-        }
-        .await;
-        self.settle_store(id, committed.is_ok());
-        committed.map_err(|source| CheckpointError::Store { id: id.into(), source: Box::new(source) })
-    }
-
     /// Marks checkpoint `id` in flight (its packs are not orphans while it is) and puts the
     /// tree's stasis-init among its images. Every call is followed by [`Self::settle_store`].
     pub(super) fn begin_storing(
