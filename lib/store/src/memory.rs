@@ -103,8 +103,13 @@ impl MemoryChunker {
     }
 }
 
-/// The memory images of a staged dump. Runs that continue one another are taken together,
-/// so that a stretch's windows are hashed and compressed as one parallel batch.
+/// Bytes of staged runs of one stretch taken together: hashed and compressed as one parallel
+/// batch, and, where spilled, let go after it, so that reading back a long stretch (one large
+/// mapping) never maps all of its spill file at once.
+const GROUP: u64 = 64 << 20;
+
+/// The memory images of a staged dump, runs that continue one another taken together up to
+/// [`GROUP`] bytes.
 pub(super) fn staged_images(
     staged: &Staged,
     writer: &mut ChunkWriter<'_>,
@@ -114,12 +119,21 @@ pub(super) fn staged_images(
     for &dst_id in staged.opened() {
         chunker.image(dst_id);
     }
-    for joined in staged.runs().chunk_by(|a, b| a.run.continued_by(&b.run)) {
+    let runs = staged.runs();
+    let mut start = 0;
+    while start < runs.len() {
+        let (mut end, mut bytes) = (start + 1, runs[start].run.byte_len());
+        while end < runs.len() && bytes < GROUP && runs[end - 1].run.continued_by(&runs[end].run) {
+            bytes += runs[end].run.byte_len();
+            end += 1;
+        }
+        let joined = &runs[start..end];
         let run = PageRun { nr_pages: joined.iter().map(|r| r.run.nr_pages).sum(), ..joined[0].run };
         let pieces: Vec<&[u8]> = joined.iter().map(|r| staged.bytes(r)).collect();
         chunker.feed(writer, run, &pieces)?;
         joined.iter().for_each(|r| staged.release(r));
         advance(pieces.iter().map(|p| p.len() as u64).sum());
+        start = end;
     }
     chunker.finish(writer)
 }
