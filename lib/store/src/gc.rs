@@ -123,8 +123,9 @@ impl Store {
         }
         let live = live_chunks(&manifests);
         // One listing serves the index and the sweep.
+        let known = self.index.packs();
         let listing = self.list_packs().await?;
-        self.refresh_index_from(&listing).await?;
+        self.refresh_index_from(&known, &listing).await?;
 
         for (pack, PackObjects { size, modified, indexed: has_index }) in pack_objects_of(&listing) {
             let size = size.unwrap_or(0);

@@ -78,11 +78,26 @@ impl ChunkIndex {
         self.read().packs.iter().cloned().collect()
     }
 
-    /// Forgets every pack and chunk.
-    pub fn clear(&self) {
+    /// Takes `fresh`'s packs and chunks in place of its own, in one step (a lookup meanwhile
+    /// sees the one or the other, never an index half read), keeping the packs it learned
+    /// since `known` was taken (uploads under way) that `fresh` lacks.
+    pub fn replace(&self, fresh: ChunkIndex, known: &[Arc<str>]) {
+        let mut fresh = fresh.inner.into_inner().unwrap_or_else(|p| p.into_inner());
         let mut inner = self.write();
-        inner.chunks.clear();
-        inner.packs.clear();
+        let known: HashSet<&str> = known.iter().map(|p| &**p).collect();
+        let added: HashSet<Arc<str>> = inner
+            .packs
+            .iter()
+            .filter(|p| !known.contains(&***p) && !fresh.packs.contains(*p))
+            .cloned()
+            .collect();
+        for (hash, loc) in inner.chunks.drain() {
+            if added.contains(&loc.pack) {
+                fresh.chunks.entry(hash).or_insert(loc);
+            }
+        }
+        fresh.packs.extend(added);
+        *inner = fresh;
     }
 
     /// Forgets a pack and the chunks located in it.
@@ -90,5 +105,49 @@ impl ChunkIndex {
         let mut inner = self.write();
         inner.chunks.retain(|_, loc| &*loc.pack != pack);
         inner.packs.remove(pack);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pack index naming chunks `hashes` (each hash all one byte).
+    fn pack(name: &str, hashes: &[u8]) -> PackIndex {
+        let entries = hashes
+            .iter()
+            .map(|&h| PackEntry {
+                hash: vec![h; 32],
+                offset: 0,
+                stored_len: 1,
+                len: 1,
+                codec: Codec::Raw as i32,
+            })
+            .collect();
+        PackIndex { pack: name.into(), entries }
+    }
+
+    #[test]
+    fn a_rebuilt_index_replaces_the_old_at_once_and_keeps_packs_uploaded_meanwhile() {
+        let index = ChunkIndex::default();
+        index.add(&pack("gone", &[1, 2]));
+        index.add(&pack("kept", &[2, 3]));
+        let known = index.packs();
+        // An upload lands while the store is read again.
+        index.add(&pack("uploaded", &[4]));
+        let fresh = ChunkIndex::default();
+        fresh.add(&pack("kept", &[2, 3]));
+        index.replace(fresh, &known);
+        assert!(!index.contains(&[1; 32]), "the gone pack's only chunk is forgotten");
+        assert_eq!(
+            index.get(&[2; 32]).map(|l| l.pack),
+            Some("kept".into()),
+            "a chunk noted in the gone pack is found in another"
+        );
+        assert!(index.contains(&[3; 32]));
+        assert!(index.contains(&[4; 32]), "the pack uploaded meanwhile is still known");
+        let mut packs: Vec<String> = index.packs().iter().map(|p| p.to_string()).collect();
+        packs.sort();
+        assert_eq!(packs, ["kept", "uploaded"]);
     }
 }

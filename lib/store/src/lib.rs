@@ -318,7 +318,8 @@ impl Store {
     /// before a restart), and forgets those no longer there (another node's collection
     /// deleted them): nothing may be deduplicated against a pack that is gone.
     pub async fn refresh_index(&self) -> Result<(), StoreError> {
-        self.refresh_index_from(&self.list_packs().await?).await
+        let known = self.index.packs();
+        self.refresh_index_from(&known, &self.list_packs().await?).await
     }
 
     /// The objects under `packs/`.
@@ -327,19 +328,38 @@ impl Store {
         self.backend.list(Some(&dir)).try_collect().await.map_err(Self::backend_err(&dir))
     }
 
-    /// [`Store::refresh_index`] from a listing of `packs/` already made.
-    async fn refresh_index_from(&self, metas: &[object_store::ObjectMeta]) -> Result<(), StoreError> {
+    /// [`Store::refresh_index`] from a listing of `packs/` already made, `known` being the
+    /// packs the index knew before it was made (one uploaded since is not in it, and not gone).
+    async fn refresh_index_from(
+        &self,
+        known: &[Arc<str>],
+        metas: &[object_store::ObjectMeta],
+    ) -> Result<(), StoreError> {
         let listed: std::collections::HashSet<&str> =
             metas.iter().filter_map(|m| m.location.filename()?.strip_suffix(".idx")).collect();
-        if self.index.packs().iter().any(|p| !listed.contains(&**p)) {
+        if known.iter().any(|p| !listed.contains(&**p)) {
             // A chunk may be in several packs (a repack copies it, two commits may each store
             // it) and the index keeps one of its locations: when a pack goes, the chunks it
-            // was the noted home of are still in others, so every pack is read again.
-            self.index.clear();
+            // was the noted home of are still in others, so every pack is read again, into an
+            // index aside that then takes the place of this one (restores and dumps under way
+            // keep looking chunks up meanwhile).
+            let fresh = ChunkIndex::default();
+            self.read_pack_indexes(metas, &fresh).await?;
+            self.index.replace(fresh, known);
+            return Ok(());
         }
+        self.read_pack_indexes(metas, &self.index).await
+    }
+
+    /// Adds to `index` the pack indexes listed in `metas` that it does not know yet.
+    async fn read_pack_indexes(
+        &self,
+        metas: &[object_store::ObjectMeta],
+        index: &ChunkIndex,
+    ) -> Result<(), StoreError> {
         for meta in metas {
             let Some(pack) = meta.location.filename().and_then(|f| f.strip_suffix(".idx")) else { continue };
-            if self.index.knows_pack(pack) {
+            if index.knows_pack(pack) {
                 continue;
             }
             let data = match self.backend.get(&meta.location).await {
@@ -349,7 +369,7 @@ impl Store {
                 Err(source) => return Err(StoreError::Backend { key: meta.location.to_string(), source }),
             };
             match envelope::decode(envelope::PACK_INDEX, &data, self.cipher()) {
-                Ok(index) => self.index.add(&index),
+                Ok(pack_index) => index.add(&pack_index),
                 Err(e) => warn!(pack, error = %e, "skipping unreadable pack index"),
             }
         }
