@@ -159,9 +159,10 @@ impl Keeper {
 }
 
 impl Sifted {
-    /// The memory images, every chunk referenced.
-    pub(super) fn memory(&self) -> &[MemoryImage] {
-        &self.memory
+    /// The memory images, every chunk referenced; the staging goes with the rest (once the new
+    /// chunks are packed).
+    pub(super) fn into_memory(self) -> Vec<MemoryImage> {
+        self.memory
     }
 
     /// How the dump's memory divided into zero, held and new chunks.
@@ -275,7 +276,7 @@ mod tests {
         assert_eq!(second.new_bytes(), 2 * CHUNK as u64, "only the two changed windows are staged");
         assert_eq!(second.stats().chunks_new, 2);
         let fresh: Vec<usize> =
-            second.memory()[0].chunks.iter().enumerate().filter(|(_, c)| c.fresh).map(|(i, _)| i).collect();
+            second.memory[0].chunks.iter().enumerate().filter(|(_, c)| c.fresh).map(|(i, _)| i).collect();
         assert_eq!(fresh, [5, 40], "the references say which chunks were new");
         let (_, restored) =
             stored_and_restored(&store, &dir.path().join("b"), second, "20261127-000001-bbbbbb").await;

@@ -101,7 +101,7 @@ impl Store {
                         })
                         .map_err(|UploaderGone| stopped())?;
                     writer.stats = sifted.stats();
-                    sifted.memory().to_vec()
+                    sifted.into_memory()
                 }
                 DumpPages::Streamed(source) => {
                     streamed_images(source, &mut writer, &mut advance).map_err(|failure| match failure {
