@@ -121,7 +121,7 @@ proptest! {
         }
         let mut staging = Staging::new(&stasis_daemon::store::StagingBudget::new(64 << 10), &scratch().join("page-server.spill"));
         let mut conn = Wire { input: std::io::Cursor::new(stream), output: Vec::new() };
-        if let Ok(stats) = serve(&mut conn, layout, &mut staging) {
+        if let Ok(stats) = serve(&mut conn, layout, &mut staging, None) {
             let staged = staging.finish().unwrap();
             prop_assert_eq!(staged.len(), stats.bytes, "what was acknowledged is what is staged");
         }

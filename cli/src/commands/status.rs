@@ -32,6 +32,7 @@ fn describe(s: &StatusResponse) -> String {
         format!("gpu support: {}", s.gpu_support),
         format!("sockets: {}", s.socket_support),
         format!("network lock: {}", s.network_lock),
+        format!("memory tracking: {}", s.memory_tracking),
         format!("preemption notices: {}", s.notices),
         format!("store: {}", s.store_url),
         format!("state dir: {}", s.state_dir),

@@ -31,6 +31,7 @@ fn stats() -> CheckpointStats {
         gpu_checkpoint_ms: 900,
         gpu_restore_ms: 450,
         gpu_bytes: 1 << 30,
+        bytes_unchanged: 3 << 20,
     }
 }
 
@@ -92,7 +93,7 @@ fn checkpoint_result_nests_its_stats() {
                 "gpu_lock_ms": 1,
                 "gpu_checkpoint_ms": 900,
                 "gpu_restore_ms": 450,
-                "gpu_bytes": 1 << 30,
+                "gpu_bytes": 1 << 30, "bytes_unchanged": 3 << 20,
             },
         })
     );
@@ -196,6 +197,7 @@ fn status_response_lists_workloads() {
         state_dir: "/var/lib/stasis".into(),
         socket_support: "supported".into(),
         network_lock: "nftables".into(),
+        memory_tracking: "off (no soft-dirty)".into(),
         notices: "off".into(),
         workloads: vec![WorkloadStatus {
             name: "train".into(),
@@ -226,6 +228,7 @@ fn status_response_lists_workloads() {
             "gpu_support": "none",
             "socket_support": "supported",
             "network_lock": "nftables",
+            "memory_tracking": "off (no soft-dirty)",
             "notices": "off",
             "store_url": "file:///var/lib/stasis/store",
             "state_dir": "/var/lib/stasis",

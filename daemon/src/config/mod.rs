@@ -17,6 +17,7 @@
 //! lazy_timeout_secs = 60                    # a lazy restore's wait for the store, then kill
 //! lazy_prefetch = "fresh-first"             # or "address"
 //! eager_restore = "served"                  # or "files": how an eager restore puts memory
+//! memory_tracking = "auto"                  # or "off": later checkpoints read only written pages
 //! network_lock = "auto"                     # or "nftables", "iptables"
 //! network_lock_keep_secs = 1800             # an eviction's lock kept for a restore here
 //! metrics_listen = "127.0.0.1:9464"        # Prometheus metrics on /metrics (off by default)
@@ -115,6 +116,10 @@ pub struct Args {
     /// files (written into image files for CRIU to read, as where it does not).
     #[arg(long)]
     pub eager_restore: Option<EagerRestore>,
+    /// Whether a later checkpoint of a tree reads only the pages it wrote since its previous
+    /// one (auto: where the kernel tracks soft-dirty pages, the default) or all of them (off).
+    #[arg(long)]
+    pub memory_tracking: Option<MemoryTracking>,
     /// How CRIU locks established TCP connections while it dumps them: auto (nftables when
     /// CRIU and the kernel have it, else iptables when installed), nftables or iptables.
     #[arg(long)]
@@ -208,6 +213,16 @@ pub enum LazyPrefetch {
     /// Chunks new in the checkpoint (written since the previous one), then address order: a
     /// lazily restored job finds its working set there soonest (bench/RESULTS.md).
     FreshFirst,
+}
+
+/// Whether dumps track dirty pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum MemoryTracking {
+    /// Where the kernel tracks soft-dirty pages.
+    Auto,
+    /// Never: every checkpoint reads all memory.
+    Off,
 }
 
 /// How an eager restore puts memory in place.

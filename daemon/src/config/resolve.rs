@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::{
-    Args, DEFAULT_CONFIG, DEFAULT_SOCKET, EagerRestore, LazyPrefetch, LogFormat, NetworkLockSetting,
+    Args, DEFAULT_CONFIG, DEFAULT_SOCKET, EagerRestore, LazyPrefetch, LogFormat, MemoryTracking,
+    NetworkLockSetting,
 };
 use crate::engine::{EngineConfig, IdleSettings, Settings, Thresholds};
 use crate::notice::WatchSettings;
@@ -97,6 +98,7 @@ fn engine_config(
                 .map_or(d.settings.lazy.fresh_first, |p| p == LazyPrefetch::FreshFirst),
         },
         eager_served: s.eager_restore.map_or(d.settings.eager_served, |e| e == EagerRestore::Served),
+        memory_tracking: s.memory_tracking.map_or(d.settings.memory_tracking, |t| t == MemoryTracking::Auto),
         idle,
         notice_window,
     };
@@ -186,7 +188,7 @@ mod tests {
         let file = dir.path().join("c.toml");
         std::fs::write(
             &file,
-            "store = \"s3://b/p\"\nsocket = \"/tmp/file.sock\"\nlog_format = \"json\"\nlazy_prefetch = \"address\"\neager_restore = \"files\"\nnetwork_lock = \"iptables\"\nkeep_last = 5\n",
+            "store = \"s3://b/p\"\nsocket = \"/tmp/file.sock\"\nlog_format = \"json\"\nlazy_prefetch = \"address\"\neager_restore = \"files\"\nmemory_tracking = \"off\"\nnetwork_lock = \"iptables\"\nkeep_last = 5\n",
         )
         .unwrap();
         let args = Args {
@@ -208,6 +210,7 @@ mod tests {
         );
         assert_eq!(c.engine.network_lock, Some(NetworkLock::Iptables));
         assert_eq!(c.engine.settings.keep_last, None, "0 keeps all");
+        assert!(!c.engine.settings.memory_tracking && defaults.settings.memory_tracking);
         let missing =
             DaemonConfig::resolve(Args { config: Some(dir.path().join("none.toml")), ..Default::default() });
         assert!(matches!(missing, Err(ConfigError::Read { .. })), "a named configuration file must exist");

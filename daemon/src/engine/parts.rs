@@ -46,6 +46,8 @@ pub(super) struct Shared {
     /// Dumps of trees whose namespace inits share a working directory (copies of one
     /// checkpoint) run one at a time: CRIU mounts a /proc in it, under one name.
     pub init_dir_locks: KeyedLocks<PathBuf>,
+    /// Each workload's last tracked checkpoint, which its next dump builds on.
+    pub chains: super::checkpoint::Chains,
 }
 
 /// A lock per key, made on first use.
@@ -78,6 +80,7 @@ impl Engine {
             blocks: Default::default(),
             left_locks: LeftLocks::at(deps.state.netlocks_dir(), deps.host.clone()),
             init_dir_locks: Default::default(),
+            chains: Default::default(),
         };
         Engine {
             deps,

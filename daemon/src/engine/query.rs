@@ -96,6 +96,8 @@ pub struct StatusReport {
     pub socket_support: String,
     /// The network lock in use, or "none (why)".
     pub network_lock: String,
+    /// "on (soft-dirty)", or "off (why)".
+    pub memory_tracking: String,
     pub workloads: Vec<WorkloadReport>,
 }
 
@@ -229,6 +231,10 @@ impl Engine {
             network_lock: match &self.support.network_lock {
                 Ok(lock) => lock.name().into(),
                 Err(why) => format!("none ({why}); trees with established TCP connections are refused"),
+            },
+            memory_tracking: match &self.support.memory_tracking {
+                Ok(()) => "on (soft-dirty): a later checkpoint reads only the pages written since".into(),
+                Err(why) => format!("off ({why}): every checkpoint reads all memory"),
             },
             workloads: self
                 .registry

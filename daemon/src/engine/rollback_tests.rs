@@ -49,6 +49,8 @@ pub(super) struct Extras {
     pub(super) network_lock: Option<NetworkLock>,
     /// The processes of the tree with CUDA loaded (else its root).
     pub(super) cuda: Option<Vec<i32>>,
+    /// Whether dumps track dirty pages (else the kernel is said to lack soft-dirty).
+    pub(super) memory_tracking: bool,
 }
 
 /// A two-process tree whose root uses CUDA, with `CHILD` already stopped before any
@@ -110,6 +112,10 @@ pub(super) fn rig_with(mut criu: FakeCriu, gpu: FakeGpu, extras: Extras) -> Rig 
         network_sockets: Ok(()),
         network_lock: Ok(extras.network_lock.unwrap_or(NetworkLock::Nftables)),
         served_memory: Ok(()),
+        memory_tracking: match extras.memory_tracking {
+            true => Ok(()),
+            false => Err("no soft-dirty in the fake kernel".into()),
+        },
     };
     let registry = Registry::load(&state.registry_file()).unwrap();
     let deps = Deps {
@@ -165,6 +171,13 @@ impl Rig {
     /// the manifests go (earlier manifests are lost with their directory).
     pub(super) fn break_commits(&self) {
         self.block("manifests");
+    }
+
+    /// Undoes [`Self::break_commits`] (the manifests it lost stay lost).
+    pub(super) fn mend_commits(&self) {
+        let path = self.dir.path().join("store/manifests");
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(path).unwrap();
     }
 
     fn block(&self, dir: &str) {

@@ -55,6 +55,9 @@ pub struct Settings {
     pub eager_served: bool,
     /// How idle workloads are told from busy ones.
     pub idle: IdleSettings,
+    /// Whether dumps track dirty pages where the kernel can (soft-dirty), so that a later
+    /// checkpoint of a tree reads only what it wrote since the previous one.
+    pub memory_tracking: bool,
     /// How long a preemption notice gives, when notices are watched (periodic intervals of
     /// spot workloads adapt to it).
     pub notice_window: Option<Duration>,
@@ -88,6 +91,7 @@ impl Default for Settings {
                 fresh_first: true,
             },
             eager_served: true,
+            memory_tracking: true,
             idle: IdleSettings::default(),
             notice_window: None,
         }

@@ -31,6 +31,9 @@ pub(super) struct CriuSupport {
     /// Whether stasisd can put restored memory in place itself (userfaultfd with the events
     /// CRIU's lazy restore needs): lazy restores need it, eager ones use it when they can.
     pub served_memory: Result<(), String>,
+    /// Whether dumps track dirty pages (soft-dirty; `Err(why)` if not): a later checkpoint of
+    /// a tree then reads only the pages written since its previous one.
+    pub memory_tracking: Result<(), String>,
 }
 
 impl Engine {
@@ -163,7 +166,15 @@ async fn probe_criu(
         warn!(reason = %why, "lazy restores will be refused; eager ones restore from image files");
     }
     log_kernel_features(host, &served_memory, &network_lock);
-    Ok(CriuSupport { version, network_sockets, network_lock, served_memory })
+    let memory_tracking = match config.settings.memory_tracking {
+        true => host.soft_dirty(),
+        false => Err("turned off (--memory-tracking off)".into()),
+    };
+    match &memory_tracking {
+        Ok(()) => info!("memory tracking on: later checkpoints read only the pages written since"),
+        Err(why) => info!(reason = %why, "memory tracking off: every checkpoint reads all memory"),
+    }
+    Ok(CriuSupport { version, network_sockets, network_lock, served_memory, memory_tracking })
 }
 
 /// Logs what of the kernel stasisd found, one line: userfaultfd with its fork, remap and unmap
@@ -188,9 +199,6 @@ fn log_kernel_features(
         network_lock = lock.as_ref().map_or("none", |lock| lock.name()),
         "kernel features"
     );
-    if let Err(why) = &soft_dirty {
-        info!(reason = %why, "no soft-dirty tracking");
-    }
     if let Err(why) = &rseq {
         warn!(
             reason = %why,

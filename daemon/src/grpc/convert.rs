@@ -28,6 +28,7 @@ pub(super) fn store_code(e: &StoreError) -> Code {
         | StoreError::MissingChunk { .. }
         | StoreError::MissingPack { .. }
         | StoreError::Images(_)
+        | StoreError::Parent(_)
         | StoreError::Unreadable { .. } => Code::DataLoss,
         StoreError::Backend { .. } | StoreError::Lease { .. } | StoreError::Busy(_) => Code::Unavailable,
         StoreError::Local { .. } | StoreError::DumpUnfinished => Code::Internal,
@@ -326,6 +327,7 @@ impl From<StatusReport> for pb::StatusResponse {
             state_dir: r.state_dir,
             socket_support: r.socket_support,
             network_lock: r.network_lock,
+            memory_tracking: r.memory_tracking,
             // The service fills it in: the engine does not watch for notices itself.
             notices: String::new(),
             workloads: r

@@ -48,3 +48,14 @@ pub trait PageSink {
     /// Takes a run; when it has data, exactly `run.byte_len()` bytes must be read from `data`.
     fn run(&mut self, run: PageRun, data: &mut dyn Read) -> io::Result<()>;
 }
+
+/// The memory of a tree's previous checkpoint, as a dump tracking dirty pages sees it: CRIU
+/// may send a run as "in parent" (no data, unchanged since then) only for a pagemap the
+/// previous checkpoint has, and only for pages it holds.
+pub trait InParent: Sync {
+    /// Whether the previous checkpoint has pagemap `dst_id`.
+    fn has(&self, dst_id: u64) -> bool;
+
+    /// Whether the previous checkpoint holds every page of `run`.
+    fn covers(&self, run: &PageRun) -> bool;
+}

@@ -9,10 +9,10 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use nix::sys::eventfd::{EfdFlags, EventFd};
-use stasis_criu_images::pages::{PE_LAZY, PE_PRESENT};
+use stasis_criu_images::pages::{PE_LAZY, PE_PARENT, PE_PRESENT};
 
 use super::lazy_socket::client;
-use super::pageserver::{HeaderLayout, IOV_ADD_F, IOV_CLOSE};
+use super::pageserver::{HeaderLayout, IOV_ADD_F, IOV_CLOSE, IOV_OPEN, IOV_OPEN2};
 use super::{CriuError, CriuOps, CriuVersion, DumpSpec, OnNotify, RestoreSpec};
 
 /// The pid the fake says it runs as, in its notifications: above Linux's largest pid_max, so
@@ -71,15 +71,30 @@ impl FakeCriu {
     }
 
     /// Sends one page of `pid` at 0x10000 to the page server on `fd` (opening its pagemap
-    /// first), then closes the session the way CRIU does.
-    fn send_pages(&self, fd: RawFd, pid: i32) -> Result<(), CriuError> {
+    /// first), then closes the session the way CRIU does. A dump with a parent asks whether
+    /// the page server has one for the pagemap, and if so sends the page as unchanged (in
+    /// parent), as CRIU does for a page not written since.
+    fn send_pages(&self, fd: RawFd, pid: i32, parent: bool) -> Result<(), CriuError> {
         let layout = HeaderLayout::for_version(self.version.major, self.version.minor);
         let mut conn = UnixStream::from(stasis_linux::sys::duplicate(fd).map_err(CriuError::Io)?);
         let dst_id = ((pid as u64) << 8) | 1;
-        let mut message = layout.encode(3, 0, 0, dst_id);
-        let flags = if self.lazy { PE_PRESENT | PE_LAZY } else { PE_PRESENT };
-        message.extend(layout.encode(IOV_ADD_F | (flags << 16), 1, 0x10000, dst_id));
-        message.extend(std::iter::repeat_n(0x5a, 4096));
+        let mut in_parent = false;
+        let mut message = Vec::new();
+        if parent {
+            conn.write_all(&layout.encode(IOV_OPEN2, 0, 0, dst_id)).map_err(CriuError::Io)?;
+            let mut has = [0u8];
+            conn.read_exact(&mut has).map_err(CriuError::Io)?;
+            in_parent = has[0] == 1;
+        } else {
+            message.extend(layout.encode(IOV_OPEN, 0, 0, dst_id));
+        }
+        if in_parent {
+            message.extend(layout.encode(IOV_ADD_F | (PE_PARENT << 16), 1, 0x10000, dst_id));
+        } else {
+            let flags = if self.lazy { PE_PRESENT | PE_LAZY } else { PE_PRESENT };
+            message.extend(layout.encode(IOV_ADD_F | (flags << 16), 1, 0x10000, dst_id));
+            message.extend(std::iter::repeat_n(0x5a, 4096));
+        }
         message.extend(layout.encode(IOV_CLOSE, 0, 0, 0));
         conn.write_all(&message).map_err(CriuError::Io)?;
         let mut answer = [0u8; 4];
@@ -117,7 +132,7 @@ impl CriuOps for FakeCriu {
             return Err(failure(line));
         }
         if let Some(fd) = spec.page_server_fd {
-            self.send_pages(fd, spec.pid)?;
+            self.send_pages(fd, spec.pid, spec.track_mem && spec.parent.is_some())?;
         }
         // The images CRIU writes beside the pages: a whole set with the page server's pagemap.
         stasis_criu_images::testing::write_dump_images(&spec.images_dir, spec.pid as u32, &[]);

@@ -90,6 +90,13 @@ pub struct DumpSpec {
     pub page_server_fd: Option<RawFd>,
     /// Run CRIU inside the tree's container.
     pub enter: Option<Enter>,
+    /// Track dirty pages (the kernel's soft-dirty bits): CRIU clears the tree's bits once its
+    /// pages are read, so that the next dump can tell what was written since.
+    pub track_mem: bool,
+    /// With `track_mem`: the directory (relative to the images directory) of the previous
+    /// tracked dump of this tree, holding its `inventory.img`; CRIU then sends pages not
+    /// written since as "in parent" (see `pageserver`).
+    pub parent: Option<PathBuf>,
 }
 
 impl DumpSpec {
@@ -106,6 +113,10 @@ impl DumpSpec {
         self.tree.apply(&mut opts);
         if let Some(fd) = self.page_server_fd {
             opts.ps = Some(PageServerInfo { fd: Some(fd), ..Default::default() });
+        }
+        if self.track_mem {
+            opts.track_mem = Some(true);
+            opts.parent_img = self.parent.as_ref().map(|p| p.to_string_lossy().into_owned());
         }
         opts
     }
@@ -208,8 +219,11 @@ mod tests {
             leave_stopped: true,
             page_server_fd: Some(9),
             enter: None,
+            track_mem: false,
+            parent: None,
         };
         let o = spec.to_options(7);
+        assert_eq!((o.track_mem, o.parent_img.as_deref()), (None, None));
         assert_eq!(o.images_dir_fd, Some(7));
         assert_eq!(o.pid, Some(42));
         assert_eq!((o.shell_job, o.file_locks, o.tcp_established), (Some(true), Some(true), Some(true)));
@@ -221,5 +235,7 @@ mod tests {
             spec.tree.describe(),
             vec!["shell-job", "tcp-established", "file-locks", "network-lock nftables"]
         );
+        let tracked = DumpSpec { track_mem: true, parent: Some("previous".into()), ..spec }.to_options(7);
+        assert_eq!((tracked.track_mem, tracked.parent_img.as_deref()), (Some(true), Some("previous")));
     }
 }

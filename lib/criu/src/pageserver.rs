@@ -12,8 +12,11 @@
 //! 16  u64  destination          24  u64  destination: (id << 8) | type (1 task, 2 shmem)
 //! ```
 //!
-//! `OPEN2` is answered with one byte ("has parent": always 0, stasis dumps are complete and
-//! dedup happens in the store), `PARENT` with a 4-byte int, and `CLOSE`/`FORCE_CLOSE` with a
+//! `OPEN2` is answered with one byte, "has parent": 1 when the dump tracks dirty pages and the
+//! tree's previous checkpoint has that pagemap, so that CRIU sends pages unchanged since then as
+//! "in parent" runs without data (`ADD_F` with the parent flag, or `HOLE`); 0 otherwise, and
+//! CRIU sends every page. An in-parent run is accepted only for such a pagemap and only where
+//! the previous checkpoint holds its pages. `PARENT` is answered with a 4-byte int, and `CLOSE`/`FORCE_CLOSE` with a
 //! 4-byte zero once everything is received. `ADD_F` with the present flag is followed by the
 //! pages' bytes. Nothing else is answered.
 //!
@@ -23,12 +26,12 @@
 
 use std::io::{self, Read, Write};
 
-use stasis_criu_images::pages::{PAGE_SIZE, PE_PARENT, PE_PRESENT, PageRun, PageSink};
+use stasis_criu_images::pages::{InParent, PAGE_SIZE, PE_PARENT, PE_PRESENT, PageRun, PageSink};
 
 const IOV_ADD: u32 = 1;
 const IOV_HOLE: u32 = 2;
-const IOV_OPEN: u32 = 3;
-const IOV_OPEN2: u32 = 4;
+pub(super) const IOV_OPEN: u32 = 3;
+pub(super) const IOV_OPEN2: u32 = 4;
 const IOV_PARENT: u32 = 5;
 pub(super) const IOV_ADD_F: u32 = 6;
 pub(super) const IOV_CLOSE: u32 = 0x1023;
@@ -98,6 +101,11 @@ pub enum PageServerError {
     BadDestination { dst_id: u64 },
     #[error("page run of {nr_pages} pages at {vaddr:#x} is out of bounds")]
     BadRun { vaddr: u64, nr_pages: u64 },
+    #[error(
+        "CRIU sent {nr_pages} pages at {vaddr:#x} of pagemap {dst_id:#x} as unchanged since the \
+         previous checkpoint, which does not hold them"
+    )]
+    NotInParent { dst_id: u64, vaddr: u64, nr_pages: u64 },
     #[error("storing received pages failed")]
     Sink(#[source] io::Error),
 }
@@ -109,13 +117,17 @@ pub struct ReceiveStats {
     pub bytes: u64,
 }
 
-/// Serves one dump's page-server session on `conn` until CRIU closes it.
+/// Serves one dump's page-server session on `conn` until CRIU closes it; `parent` is the
+/// tree's previous checkpoint when the dump tracks dirty pages.
 pub fn serve<C: Read + Write>(
     conn: &mut C,
     layout: HeaderLayout,
     sink: &mut dyn PageSink,
+    parent: Option<&dyn InParent>,
 ) -> Result<ReceiveStats, PageServerError> {
     let mut stats = ReceiveStats::default();
+    // Pagemaps answered "has parent".
+    let mut with_parent = std::collections::HashSet::new();
     let mut buf = [0u8; 32];
     let header = &mut buf[..layout.len()];
     loop {
@@ -135,7 +147,11 @@ pub fn serve<C: Read + Write>(
                 }
                 sink.open(dst_id).map_err(PageServerError::Sink)?;
                 if cmd == IOV_OPEN2 {
-                    conn.write_all(&[0]).map_err(PageServerError::Io)?;
+                    let has = parent.is_some_and(|p| p.has(dst_id));
+                    if has {
+                        with_parent.insert(dst_id);
+                    }
+                    conn.write_all(&[u8::from(has)]).map_err(PageServerError::Io)?;
                 }
             }
             IOV_PARENT => conn.write_all(&0i32.to_ne_bytes()).map_err(PageServerError::Io)?,
@@ -149,6 +165,11 @@ pub fn serve<C: Read + Write>(
                     return Err(PageServerError::BadRun { vaddr, nr_pages });
                 }
                 let run = run(flags);
+                if run.flags & PE_PARENT != 0
+                    && !(with_parent.contains(&dst_id) && parent.is_some_and(|p| p.covers(&run)))
+                {
+                    return Err(PageServerError::NotInParent { dst_id, vaddr, nr_pages });
+                }
                 sink.run(run, conn).map_err(PageServerError::Sink)?;
                 stats.runs += 1;
                 if run.has_data() {
@@ -208,7 +229,7 @@ pub(super) mod tests {
         input.extend(narrow(IOV_CLOSE, 0, 0, 0));
         let mut wire = Wire { input: io::Cursor::new(input), output: Vec::new() };
         let mut sink = Collect::default();
-        serve(&mut wire, HeaderLayout::Narrow, &mut sink).unwrap();
+        serve(&mut wire, HeaderLayout::Narrow, &mut sink, None).unwrap();
         assert_eq!(sink.0[0].0, PageRun { dst_id: 257, vaddr: 0x5000, nr_pages: 1, flags: PE_PRESENT });
     }
 
@@ -239,7 +260,7 @@ pub(super) mod tests {
         input.extend(header(IOV_FORCE_CLOSE, 0, 0, 0));
         let mut wire = Wire { input: io::Cursor::new(input), output: Vec::new() };
         let mut sink = Collect::default();
-        let stats = serve(&mut wire, HeaderLayout::Wide, &mut sink).unwrap();
+        let stats = serve(&mut wire, HeaderLayout::Wide, &mut sink, None).unwrap();
         assert_eq!(stats, ReceiveStats { runs: 2, bytes: 2 * PAGE_SIZE });
         // One byte for OPEN2, a zero int for the close.
         assert_eq!(wire.output, [0, 0, 0, 0, 0]);
@@ -263,7 +284,7 @@ pub(super) mod tests {
         input.extend(header(IOV_CLOSE, 0, 0, 0));
         let mut wire = Wire { input: io::Cursor::new(input), output: Vec::new() };
         let mut sink = Collect::default();
-        serve(&mut wire, HeaderLayout::Wide, &mut sink).unwrap();
+        serve(&mut wire, HeaderLayout::Wide, &mut sink, None).unwrap();
         assert_eq!(sink.1, [task, shmem], "both pagemaps, the empty one too");
         assert_eq!(sink.0.len(), 1);
         // OPEN is not answered, OPEN2 is.
@@ -272,7 +293,7 @@ pub(super) mod tests {
         let mut wire =
             Wire { input: io::Cursor::new(header(IOV_OPEN2, 0, 0, (7 << 8) | 9)), output: Vec::new() };
         assert!(matches!(
-            serve(&mut wire, HeaderLayout::Wide, &mut Collect::default()),
+            serve(&mut wire, HeaderLayout::Wide, &mut Collect::default(), None),
             Err(PageServerError::BadDestination { dst_id }) if dst_id == (7 << 8) | 9
         ));
     }
@@ -281,18 +302,66 @@ pub(super) mod tests {
     fn eof_before_close_and_garbage_are_errors() {
         let mut wire = Wire { input: io::Cursor::new(header(IOV_OPEN2, 0, 0, 1)), output: Vec::new() };
         assert!(matches!(
-            serve(&mut wire, HeaderLayout::Wide, &mut Collect::default()),
+            serve(&mut wire, HeaderLayout::Wide, &mut Collect::default(), None),
             Err(PageServerError::Unflushed)
         ));
         let mut wire = Wire { input: io::Cursor::new(header(0x77, 0, 0, 1)), output: Vec::new() };
         assert!(matches!(
-            serve(&mut wire, HeaderLayout::Wide, &mut Collect::default()),
+            serve(&mut wire, HeaderLayout::Wide, &mut Collect::default(), None),
             Err(PageServerError::BadCommand { .. })
         ));
         let mut wire = Wire { input: io::Cursor::new(header(IOV_ADD_F, 1, 0x1001, 1)), output: Vec::new() };
         assert!(matches!(
-            serve(&mut wire, HeaderLayout::Wide, &mut Collect::default()),
+            serve(&mut wire, HeaderLayout::Wide, &mut Collect::default(), None),
             Err(PageServerError::BadRun { .. })
         ));
+    }
+
+    /// A previous checkpoint holding pages 0x10000..0x20000 of pagemap 257.
+    struct Previous;
+
+    impl InParent for Previous {
+        fn has(&self, dst_id: u64) -> bool {
+            dst_id == 257
+        }
+
+        fn covers(&self, run: &PageRun) -> bool {
+            run.dst_id == 257 && run.vaddr >= 0x10000 && run.vaddr + run.byte_len() <= 0x20000
+        }
+    }
+
+    #[test]
+    fn runs_in_parent_only_where_the_previous_checkpoint_holds_them() {
+        let (task, other) = (257, (43 << 8) | 1);
+        let mut input = header(IOV_OPEN2, 0, 0, task);
+        input.extend(header(IOV_ADD_F | (PE_PARENT << 16), 4, 0x10000, task));
+        input.extend(header(IOV_ADD_F | (PE_PRESENT << 16), 1, 0x14000, task));
+        input.extend(vec![5; PAGE_SIZE as usize]);
+        input.extend(header(IOV_HOLE, 2, 0x15000, task));
+        input.extend(header(IOV_OPEN2, 0, 0, other));
+        input.extend(header(IOV_CLOSE, 0, 0, 0));
+        let mut wire = Wire { input: io::Cursor::new(input), output: Vec::new() };
+        let mut sink = Collect::default();
+        serve(&mut wire, HeaderLayout::Wide, &mut sink, Some(&Previous)).unwrap();
+        // "Has parent" for the pagemap the previous checkpoint has, not for the other.
+        assert_eq!(wire.output, [1, 0, 0, 0, 0, 0]);
+        let flags: Vec<u32> = sink.0.iter().map(|(run, _)| run.flags).collect();
+        assert_eq!(flags, [PE_PARENT, PE_PRESENT, PE_PARENT]);
+
+        // Past what the previous checkpoint holds; of a pagemap answered 0; with no parent.
+        let beyond = header(IOV_ADD_F | (PE_PARENT << 16), 2, 0x1f000, task);
+        let unanswered = header(IOV_HOLE, 1, 0x10000, other);
+        for (run, parent) in [
+            (beyond, Some(&Previous as &dyn InParent)),
+            (unanswered.clone(), Some(&Previous as &dyn InParent)),
+            (unanswered, None),
+        ] {
+            let mut input = header(IOV_OPEN2, 0, 0, task);
+            input.extend(header(IOV_OPEN2, 0, 0, other));
+            input.extend(run);
+            let mut wire = Wire { input: io::Cursor::new(input), output: Vec::new() };
+            let served = serve(&mut wire, HeaderLayout::Wide, &mut Collect::default(), parent);
+            assert!(matches!(served, Err(PageServerError::NotInParent { .. })), "{served:?}");
+        }
     }
 }

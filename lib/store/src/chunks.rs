@@ -35,6 +35,9 @@ pub struct ChunkStats {
     pub chunks_zero: u64,
     /// Bytes of new chunks before compression.
     pub bytes_new: u64,
+    /// Bytes of memory CRIU did not read again, unchanged since the previous checkpoint of
+    /// the tree (dirty-page tracking), and taken from it.
+    pub bytes_unchanged: u64,
 }
 
 /// Packs held in memory at once, being filled, queued or uploaded, by all checkpoints
@@ -100,6 +103,22 @@ impl WindowCutter {
         windows
     }
 
+    /// Address (or offset) of the next byte.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Whether a window is begun: bytes of it wait for the rest.
+    pub fn within_window(&self) -> bool {
+        !self.partial.is_empty()
+    }
+
+    /// Passes over `len` bytes chunked elsewhere, which end a window (or the stretch).
+    pub fn skip(&mut self, len: u64) {
+        debug_assert!(self.partial.is_empty(), "bytes of a window wait");
+        self.addr += len;
+    }
+
     /// The last window's covered part, if the stretch ended inside a window.
     pub fn finish(self) -> Option<Vec<u8>> {
         (!self.partial.is_empty()).then_some(self.partial)
@@ -139,6 +158,15 @@ impl Kind {
 }
 
 impl ChunkStats {
+    /// Counts a chunk referenced as an earlier checkpoint has it (held, or zero).
+    pub(super) fn count_known(&mut self, chunk: &ChunkRef) {
+        self.chunks_total += 1;
+        self.bytes_total += u64::from(chunk.len);
+        if chunk.hash.is_empty() {
+            self.chunks_zero += 1;
+        }
+    }
+
     /// Counts a chunk of `len` bytes of `kind`; `first` for a new chunk the checkpoint has not
     /// met before (a chunk recurring in it is packed once).
     pub(super) fn count(&mut self, len: usize, kind: &Kind, first: bool) {
@@ -388,7 +416,8 @@ mod tests {
                 chunks_total: 4,
                 chunks_new: 2,
                 chunks_zero: 1,
-                bytes_new: 2 * CHUNK as u64
+                bytes_new: 2 * CHUNK as u64,
+                bytes_unchanged: 0,
             }
         );
         assert!(refs[2].hash.is_empty());

@@ -33,6 +33,7 @@ mod lazy_memory;
 mod lazy_memory_tests;
 mod lease;
 mod memory;
+mod parent;
 mod prefetch;
 mod sift;
 mod staging;
@@ -53,6 +54,7 @@ pub use chunks::{CHUNK, ChunkStats};
 pub use envelope::EnvelopeError;
 pub use gc::{GcReport, Retention};
 pub use lazy_memory::LazyMemory;
+pub use parent::{Parent, ParentError, ParentMemory};
 pub use prefetch::{Ask, ChunkData, ChunkReader, FetchSettings, LazyFetch, LazyFetchError};
 pub use sift::{Sifted, Sifting};
 pub use staging::{Staged, Staging, StagingBudget};
@@ -114,6 +116,10 @@ pub enum StoreError {
     /// A dump stored while CRIU sent it ended before all its pages came (the dump failed).
     #[error("the dump ended before all its pages arrived")]
     DumpUnfinished,
+    /// A dump tracking dirty pages could not take its unchanged pages from the previous
+    /// checkpoint.
+    #[error("the dump's unchanged pages could not be taken from the previous checkpoint")]
+    Parent(#[source] parent::ParentError),
     #[error("local file {path} could not be read or written")]
     Local {
         path: String,

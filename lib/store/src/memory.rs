@@ -12,10 +12,11 @@ use std::collections::HashMap;
 
 use stasis_proto::stasis::store::v1::{ChunkRef, MemoryImage, PageRun as StoredRun};
 
-use super::chunks::{ChunkWriter, UploaderGone, WindowCutter};
+use super::chunks::{CHUNK, ChunkStats, ChunkWriter, UploaderGone, WindowCutter};
+use super::parent::{Parent, ParentError};
 use super::staging::Staged;
 use super::stream::{Received, StreamSource, Unfinished};
-use stasis_criu_images::pages::PageRun;
+use stasis_criu_images::pages::{PE_PARENT, PE_PRESENT, PageRun};
 
 /// Where the windows of a memory image go, each coming back as its chunk's reference: the
 /// store's chunk writer (a streamed dump), or a sifter staging what the store lacks.
@@ -24,6 +25,9 @@ pub(super) trait WindowSink {
 
     /// References to `windows` (each at most one chunk), in order.
     fn take(&mut self, windows: &[&[u8]]) -> Result<Vec<ChunkRef>, Self::Error>;
+
+    /// The counts of the chunks referenced.
+    fn stats(&mut self) -> &mut ChunkStats;
 }
 
 impl WindowSink for ChunkWriter<'_> {
@@ -32,30 +36,161 @@ impl WindowSink for ChunkWriter<'_> {
     fn take(&mut self, windows: &[&[u8]]) -> Result<Vec<ChunkRef>, UploaderGone> {
         self.write(windows)
     }
+
+    fn stats(&mut self) -> &mut ChunkStats {
+        &mut self.stats
+    }
+}
+
+/// Why memory images could not be made: their windows' sink failed, or pages unchanged since
+/// the previous checkpoint could not be had from it.
+#[derive(Debug)]
+pub(super) enum ChunkingError<E> {
+    Sink(E),
+    Parent(ParentError),
+}
+
+impl<E> From<ParentError> for ChunkingError<E> {
+    fn from(e: ParentError) -> Self {
+        ChunkingError::Parent(e)
+    }
 }
 
 /// Builds the memory images of one dump from runs in CRIU's order (per destination; the
-/// destinations may interleave).
+/// destinations may interleave), runs in parent taken from the previous checkpoint.
 #[derive(Default)]
 pub(super) struct MemoryChunker {
     /// Destinations in the order their first run came.
     order: Vec<u64>,
     images: HashMap<u64, Building>,
+    parent: Option<Parent>,
 }
 
 pub(super) struct Building {
     image: MemoryImage,
     /// The stretch the next run may continue: the pages so far, and its last partial window.
     open: Option<(PageRun, WindowCutter)>,
+    /// Where unchanged pages that end the open stretch, not chunked yet, end; they start where
+    /// its cutter stands, at a chunk's start (a window's, or the stretch's).
+    pending: Option<u64>,
+}
+
+/// Where the window holding `addr` ends.
+fn window_end(addr: u64) -> u64 {
+    (addr / CHUNK as u64 + 1) * CHUNK as u64
 }
 
 impl Building {
-    fn close<W: WindowSink>(&mut self, writer: &mut W) -> Result<(), W::Error> {
+    /// Chunks `windows` into the image.
+    fn take<W: WindowSink>(
+        image: &mut MemoryImage,
+        writer: &mut W,
+        windows: &[Cow<'_, [u8]>],
+    ) -> Result<(), ChunkingError<W::Error>> {
+        let windows: Vec<&[u8]> = windows.iter().map(|w| w.as_ref()).collect();
+        image.chunks.extend(writer.take(&windows).map_err(ChunkingError::Sink)?);
+        Ok(())
+    }
+
+    /// Takes written pages, `pieces`, continuing the open stretch.
+    fn written<W: WindowSink>(
+        &mut self,
+        writer: &mut W,
+        parent: &mut Option<Parent>,
+        pieces: &[&[u8]],
+    ) -> Result<(), ChunkingError<W::Error>> {
+        self.settle(writer, parent)?;
+        let (_, cutter) = self.open.as_mut().expect("a stretch is open");
+        let windows: Vec<Cow<'_, [u8]>> = pieces.iter().flat_map(|piece| cutter.cut(piece)).collect();
+        Self::take(&mut self.image, writer, &windows)
+    }
+
+    /// Takes the unchanged pages `start..end`, continuing the open stretch: each whole chunk
+    /// of them as the previous checkpoint had it where it had the same, read back where not;
+    /// their last part waits for what follows (more unchanged pages, written ones, or the end).
+    fn unchanged<W: WindowSink>(
+        &mut self,
+        writer: &mut W,
+        parent: &mut Parent,
+        start: u64,
+        end: u64,
+    ) -> Result<(), ChunkingError<W::Error>> {
+        let dst_id = self.image.dst_id;
+        let (_, cutter) = self.open.as_mut().expect("a stretch is open");
+        if self.pending.is_none() && cutter.within_window() {
+            // A window begun with written pages: its unchanged rest is read back.
+            let upto = window_end(start).min(end);
+            let bytes = parent.bytes(dst_id, start, upto)?;
+            let windows = cutter.cut(&bytes);
+            Self::take(&mut self.image, writer, &windows)?;
+        }
+        let (_, cutter) = self.open.as_mut().expect("a stretch is open");
+        let mut at = cutter.addr();
+        while at < end && window_end(at) <= end {
+            self.unchanged_chunk(writer, parent, at, window_end(at))?;
+            at = window_end(at);
+        }
+        self.pending = (at < end).then_some(end);
+        Ok(())
+    }
+
+    /// One chunk's unchanged pages, `start..end`: the previous checkpoint's chunk if it
+    /// covered exactly these, else their bytes read back and chunked.
+    fn unchanged_chunk<W: WindowSink>(
+        &mut self,
+        writer: &mut W,
+        parent: &mut Parent,
+        start: u64,
+        end: u64,
+    ) -> Result<(), ChunkingError<W::Error>> {
+        let dst_id = self.image.dst_id;
+        let (_, cutter) = self.open.as_mut().expect("a stretch is open");
+        match parent.memory.exact(dst_id, start, end) {
+            Some(chunk) => {
+                writer.stats().count_known(chunk);
+                self.image.chunks.push(ChunkRef { fresh: false, ..chunk.clone() });
+                cutter.skip(end - start);
+                Ok(())
+            }
+            None => {
+                let bytes = parent.bytes(dst_id, start, end)?;
+                let windows = cutter.cut(&bytes);
+                Self::take(&mut self.image, writer, &windows)
+            }
+        }
+    }
+
+    /// Unchanged pages waiting at the end of the open stretch are read back and chunked:
+    /// written pages continue their window.
+    fn settle<W: WindowSink>(
+        &mut self,
+        writer: &mut W,
+        parent: &mut Option<Parent>,
+    ) -> Result<(), ChunkingError<W::Error>> {
+        let (Some(end), Some((_, cutter))) = (self.pending.take(), self.open.as_mut()) else {
+            return Ok(());
+        };
+        let parent = parent.as_mut().expect("pages wait only when a parent gave them");
+        let bytes = parent.bytes(self.image.dst_id, cutter.addr(), end)?;
+        let windows = cutter.cut(&bytes);
+        Self::take(&mut self.image, writer, &windows)
+    }
+
+    fn close<W: WindowSink>(
+        &mut self,
+        writer: &mut W,
+        parent: &mut Option<Parent>,
+    ) -> Result<(), ChunkingError<W::Error>> {
+        if let (Some(end), Some(parent)) = (self.pending.take(), parent.as_mut()) {
+            // The stretch ends in unchanged pages: its last chunk, as it was if it was the same.
+            let start = self.open.as_ref().expect("pages wait in an open stretch").1.addr();
+            self.unchanged_chunk(writer, parent, start, end)?;
+        }
         if let Some((run, cutter)) = self.open.take() {
             let run = StoredRun { vaddr: run.vaddr, nr_pages: run.nr_pages, flags: run.flags };
             self.image.runs.push(run);
             if let Some(last) = cutter.finish() {
-                self.image.chunks.extend(writer.take(&[&last])?);
+                self.image.chunks.extend(writer.take(&[&last]).map_err(ChunkingError::Sink)?);
             }
         }
         Ok(())
@@ -63,40 +198,63 @@ impl Building {
 }
 
 impl MemoryChunker {
+    /// A chunker whose dump's runs in parent are `parent`'s pages.
+    pub(super) fn new(parent: Option<Parent>) -> Self {
+        MemoryChunker { parent, ..Default::default() }
+    }
+
     /// The image of `dst_id`, made empty when it is new: an image CRIU opened is kept even if
     /// no run of it comes (a shared anonymous mapping never written), as CRIU's restore
     /// wants its pagemap.
     pub(super) fn image(&mut self, dst_id: u64) -> &mut Building {
         self.images.entry(dst_id).or_insert_with(|| {
             self.order.push(dst_id);
-            Building { image: MemoryImage { dst_id, ..Default::default() }, open: None }
+            Building { image: MemoryImage { dst_id, ..Default::default() }, open: None, pending: None }
         })
     }
 
-    /// Takes `run`, whose bytes are `pieces` in order (none for a run without data).
+    /// Takes `run`, whose bytes are `pieces` in order (none for a run without data). A run in
+    /// parent is stored as present: its pages are the previous checkpoint's.
     pub(super) fn feed<W: WindowSink>(
         &mut self,
         writer: &mut W,
         run: PageRun,
         pieces: &[&[u8]],
-    ) -> Result<(), W::Error> {
-        let building = self.image(run.dst_id);
+    ) -> Result<(), ChunkingError<W::Error>> {
+        let in_parent = run.flags & PE_PARENT != 0;
+        let run = match in_parent {
+            true => PageRun { flags: (run.flags & !PE_PARENT) | PE_PRESENT, ..run },
+            false => run,
+        };
+        self.image(run.dst_id);
+        let building = self.images.get_mut(&run.dst_id).expect("just made");
+        let parent = &mut self.parent;
         if !building.open.as_ref().is_some_and(|(open, _)| open.continued_by(&run)) {
-            building.close(writer)?;
+            building.close(writer, parent)?;
             building.open = Some((PageRun { nr_pages: 0, ..run }, WindowCutter::new(run.vaddr)));
         }
-        let (open, cutter) = building.open.as_mut().expect("a stretch is open");
-        open.nr_pages += run.nr_pages;
-        let windows: Vec<Cow<'_, [u8]>> = pieces.iter().flat_map(|piece| cutter.cut(piece)).collect();
-        building.image.chunks.extend(writer.take(&windows.iter().map(|w| w.as_ref()).collect::<Vec<_>>())?);
-        Ok(())
+        building.open.as_mut().expect("a stretch is open").0.nr_pages += run.nr_pages;
+        if !in_parent {
+            return building.written(writer, parent, pieces);
+        }
+        writer.stats().bytes_unchanged += run.byte_len();
+        let end = run.vaddr + run.byte_len();
+        let Some(parent) = parent.as_mut() else {
+            let checkpoint = "(none)".into();
+            let (dst_id, vaddr, nr_pages) = (run.dst_id, run.vaddr, run.nr_pages);
+            return Err(ParentError::NotHeld { checkpoint, dst_id, vaddr, nr_pages }.into());
+        };
+        building.unchanged(writer, parent, run.vaddr, end)
     }
 
-    pub(super) fn finish<W: WindowSink>(mut self, writer: &mut W) -> Result<Vec<MemoryImage>, W::Error> {
+    pub(super) fn finish<W: WindowSink>(
+        mut self,
+        writer: &mut W,
+    ) -> Result<Vec<MemoryImage>, ChunkingError<W::Error>> {
         let mut images = Vec::with_capacity(self.order.len());
         for dst_id in self.order {
             let mut building = self.images.remove(&dst_id).expect("every destination has an image");
-            building.close(writer)?;
+            building.close(writer, &mut self.parent)?;
             images.push(building.image);
         }
         Ok(images)
@@ -114,7 +272,7 @@ pub(super) fn staged_images(
     staged: &Staged,
     writer: &mut ChunkWriter<'_>,
     advance: &mut dyn FnMut(u64),
-) -> Result<Vec<MemoryImage>, UploaderGone> {
+) -> Result<Vec<MemoryImage>, ChunkingError<UploaderGone>> {
     let mut chunker = MemoryChunker::default();
     for &dst_id in staged.opened() {
         chunker.image(dst_id);
@@ -139,19 +297,21 @@ pub(super) fn staged_images(
 }
 
 /// Why a streamed dump's memory images could not be made.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 pub(super) enum StreamFailure {
-    Uploader(UploaderGone),
+    Chunking(ChunkingError<UploaderGone>),
     Unfinished(Unfinished),
 }
 
-/// The memory images of a dump streamed while CRIU sends it, made as its blocks arrive.
+/// The memory images of a dump streamed while CRIU sends it, made as its blocks arrive; its
+/// runs in parent are `parent`'s pages.
 pub(super) fn streamed_images(
     source: StreamSource,
+    parent: Option<Parent>,
     writer: &mut ChunkWriter<'_>,
     advance: &mut dyn FnMut(u64),
 ) -> Result<Vec<MemoryImage>, StreamFailure> {
-    let mut chunker = MemoryChunker::default();
+    let mut chunker = MemoryChunker::new(parent);
     let taken = source.each(|received| {
         match received {
             Received::Opened(dst_id) => {
@@ -165,8 +325,8 @@ pub(super) fn streamed_images(
         Ok(())
     });
     match taken {
-        Ok(()) => chunker.finish(writer).map_err(StreamFailure::Uploader),
+        Ok(()) => chunker.finish(writer).map_err(StreamFailure::Chunking),
         Err(Ok(unfinished)) => Err(StreamFailure::Unfinished(unfinished)),
-        Err(Err(gone)) => Err(StreamFailure::Uploader(gone)),
+        Err(Err(failed)) => Err(StreamFailure::Chunking(failed)),
     }
 }

@@ -26,7 +26,8 @@ use super::Store;
 use super::chunks::{ChunkStats, Kind};
 use super::crypto::Cipher;
 use super::index::{ChunkHash, ChunkIndex};
-use super::memory::{MemoryChunker, WindowSink};
+use super::memory::{ChunkingError, MemoryChunker, WindowSink};
+use super::parent::Parent;
 use super::staging::{Staged, Staging, StagingBudget};
 use super::stream::{BlockPool, Received, StreamSink, StreamSource, Unfinished, stream};
 use stasis_criu_images::pages::{PAGE_SIZE, PE_PRESENT, PageRun, PageSink};
@@ -63,14 +64,15 @@ pub struct Sifted {
 impl Store {
     /// Sifts a dump whose pages go to the sink returned, in blocks of `pool`; its new chunks
     /// are staged within `budget` (about `expected` bytes of it made ready now, before the
-    /// dump), the rest in a file at `spill_path`. Hold the checkpoint's commit guard from
-    /// before the dump to its commit.
+    /// dump), the rest in a file at `spill_path`; runs in parent are `parent`'s pages. Hold
+    /// the checkpoint's commit guard from before the dump to its commit.
     pub fn sift(
         &self,
         budget: &StagingBudget,
         spill_path: &Path,
         pool: &BlockPool,
         expected: u64,
+        parent: Option<Parent>,
     ) -> io::Result<(StreamSink, Sifting)> {
         let mut staging = Staging::new(budget, spill_path);
         staging.reserve(expected);
@@ -83,7 +85,8 @@ impl Store {
             stats: ChunkStats::default(),
         };
         let (sink, source) = stream(pool);
-        let thread = std::thread::Builder::new().name("sift".into()).spawn(move || sift(source, keeper))?;
+        let thread =
+            std::thread::Builder::new().name("sift".into()).spawn(move || sift(source, keeper, parent))?;
         Ok((sink, Sifting { thread }))
     }
 }
@@ -97,8 +100,8 @@ impl Sifting {
 }
 
 /// Sifts what `source` brings; the memory images are made whole at its end.
-fn sift(source: StreamSource, mut keeper: Keeper) -> io::Result<Sifted> {
-    let mut chunker = MemoryChunker::default();
+fn sift(source: StreamSource, mut keeper: Keeper, parent: Option<Parent>) -> io::Result<Sifted> {
+    let mut chunker = MemoryChunker::new(parent);
     source
         .each(|received| match received {
             Received::Opened(dst_id) => {
@@ -111,15 +114,26 @@ fn sift(source: StreamSource, mut keeper: Keeper) -> io::Result<Sifted> {
             Ok(Unfinished) => {
                 io::Error::new(io::ErrorKind::UnexpectedEof, "the dump ended before its pages did")
             }
-            Err(e) => e,
+            Err(e) => chunking_failed(e),
         })?;
-    let memory = chunker.finish(&mut keeper)?;
+    let memory = chunker.finish(&mut keeper).map_err(chunking_failed)?;
     let Keeper { staging, hashes, stats, .. } = keeper;
     Ok(Sifted { memory, new: staging.finish()?, hashes, stats })
 }
 
+fn chunking_failed(e: ChunkingError<io::Error>) -> io::Error {
+    match e {
+        ChunkingError::Sink(e) => e,
+        ChunkingError::Parent(e) => io::Error::other(e),
+    }
+}
+
 impl WindowSink for Keeper {
     type Error = io::Error;
+
+    fn stats(&mut self) -> &mut ChunkStats {
+        &mut self.stats
+    }
 
     fn take(&mut self, windows: &[&[u8]]) -> io::Result<Vec<ChunkRef>> {
         let (cipher, index) = (self.cipher.as_deref(), self.index.as_ref());
@@ -194,7 +208,7 @@ impl Sifted {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::path::Path;
     use std::sync::Arc;
 
@@ -223,7 +237,7 @@ mod tests {
         std::fs::create_dir_all(dir).unwrap();
         let pool = BlockPool::default();
         let (mut sink, sifting) =
-            store.sift(&StagingBudget::new(budget), &dir.join("spill"), &pool, 0).unwrap();
+            store.sift(&StagingBudget::new(budget), &dir.join("spill"), &pool, 0, None).unwrap();
         sink.open(DST).unwrap();
         for (i, piece) in memory.chunks(17 * PAGE).enumerate() {
             let vaddr = 0x10000 + (i * 17 * PAGE) as u64;
@@ -235,15 +249,18 @@ mod tests {
         sifting.finish().unwrap()
     }
 
-    /// Stores and commits `sifted` as checkpoint `id`, restores it, and returns the memory.
-    async fn stored_and_restored(store: &Store, dir: &Path, sifted: Sifted, id: &str) -> (Manifest, Vec<u8>) {
+    /// Stores and commits the pages of a dump of task 7 as checkpoint `id`, restores it, and
+    /// returns the memory.
+    pub(crate) async fn stored_and_restored(
+        store: &Store,
+        dir: &Path,
+        pages: DumpPages,
+        id: &str,
+    ) -> (Manifest, Vec<u8>) {
         let images = dir.join("images");
         std::fs::create_dir_all(&images).unwrap();
         write_dump_images(&images, 7, &[]);
-        let stored = store
-            .store_dump(DumpPages::Sifted(Box::new(sifted)), &images, &[], Arc::new(|_, _| {}))
-            .await
-            .unwrap();
+        let stored = store.store_dump(pages, &images, &[], Arc::new(|_, _| {})).await.unwrap();
         let manifest =
             Manifest { id: id.into(), memory: stored.memory, files: stored.files, ..Default::default() };
         store.commit(&manifest, &store.begin_commit().await.unwrap()).await.unwrap();
@@ -263,8 +280,13 @@ mod tests {
         assert_eq!(first.new_bytes(), ((WINDOWS - 8 - 1) * CHUNK) as u64);
         let stats = first.stats();
         assert_eq!((stats.chunks_total, stats.chunks_zero, stats.chunks_new), (64, 8, 55));
-        let (_, restored) =
-            stored_and_restored(&store, &dir.path().join("a"), first, "20261127-000000-aaaaaa").await;
+        let (_, restored) = stored_and_restored(
+            &store,
+            &dir.path().join("a"),
+            DumpPages::Sifted(Box::new(first)),
+            "20261127-000000-aaaaaa",
+        )
+        .await;
         assert!(restored == before, "the first checkpoint restores byte for byte");
 
         // One page changed in window 5, one byte in window 40; the staging has room for one
@@ -278,8 +300,13 @@ mod tests {
         let fresh: Vec<usize> =
             second.memory[0].chunks.iter().enumerate().filter(|(_, c)| c.fresh).map(|(i, _)| i).collect();
         assert_eq!(fresh, [5, 40], "the references say which chunks were new");
-        let (_, restored) =
-            stored_and_restored(&store, &dir.path().join("b"), second, "20261127-000001-bbbbbb").await;
+        let (_, restored) = stored_and_restored(
+            &store,
+            &dir.path().join("b"),
+            DumpPages::Sifted(Box::new(second)),
+            "20261127-000001-bbbbbb",
+        )
+        .await;
         assert!(restored == after, "the second checkpoint restores byte for byte");
     }
 
@@ -289,7 +316,7 @@ mod tests {
         let store = Store::in_dir(&dir.path().join("store"));
         let pool = BlockPool::default();
         let (mut sink, sifting) =
-            store.sift(&StagingBudget::new(1 << 20), &dir.path().join("spill"), &pool, 0).unwrap();
+            store.sift(&StagingBudget::new(1 << 20), &dir.path().join("spill"), &pool, 0, None).unwrap();
         let run = PageRun { dst_id: DST, vaddr: 0x10000, nr_pages: 3, flags: PE_PRESENT };
         sink.run(run, &mut &vec![1u8; 3 * PAGE][..]).unwrap();
         drop(sink);

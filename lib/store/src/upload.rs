@@ -13,7 +13,8 @@ use tokio::task::JoinSet;
 use tracing::warn;
 
 use super::chunks::{CHUNK, ChunkStats, ChunkWriter, FinishedPack, UploaderGone, aligned_windows};
-use super::memory::{StreamFailure, staged_images, streamed_images};
+use super::memory::{ChunkingError, StreamFailure, staged_images, streamed_images};
+use super::parent::Parent;
 use super::sift::Sifted;
 use super::staging::Staged;
 use super::stream::StreamSource;
@@ -34,8 +35,8 @@ pub enum DumpPages {
     /// Sifted while CRIU sent them (a later checkpoint left running): only the new chunks are
     /// left to pack.
     Sifted(Box<Sifted>),
-    /// Arriving while they are stored.
-    Streamed(StreamSource),
+    /// Arriving while they are stored; runs in parent are the pages of the parent given.
+    Streamed(StreamSource, Option<Parent>),
 }
 
 /// What a stored dump consists of, for its manifest.
@@ -81,7 +82,7 @@ impl Store {
             let known = match &pages {
                 DumpPages::Staged(staged) => staged.len(),
                 DumpPages::Sifted(sifted) => sifted.new_bytes(),
-                DumpPages::Streamed(_) => 0,
+                DumpPages::Streamed(..) => 0,
             };
             let mut done = 0u64;
             let mut advance = |n| {
@@ -90,7 +91,10 @@ impl Store {
             };
             let memory = match pages {
                 DumpPages::Staged(staged) => {
-                    staged_images(&staged, &mut writer, &mut advance).map_err(|UploaderGone| stopped())?
+                    staged_images(&staged, &mut writer, &mut advance).map_err(|failure| match failure {
+                        ChunkingError::Sink(UploaderGone) => stopped(),
+                        ChunkingError::Parent(e) => StoreError::Parent(e),
+                    })?
                 }
                 DumpPages::Sifted(sifted) => {
                     sifted
@@ -103,10 +107,13 @@ impl Store {
                     writer.stats = sifted.stats();
                     sifted.into_memory()
                 }
-                DumpPages::Streamed(source) => {
-                    streamed_images(source, &mut writer, &mut advance).map_err(|failure| match failure {
-                        StreamFailure::Uploader(UploaderGone) => stopped(),
-                        StreamFailure::Unfinished(_) => StoreError::DumpUnfinished,
+                DumpPages::Streamed(source, parent) => {
+                    streamed_images(source, parent, &mut writer, &mut advance).map_err(|failure| {
+                        match failure {
+                            StreamFailure::Chunking(ChunkingError::Sink(UploaderGone)) => stopped(),
+                            StreamFailure::Chunking(ChunkingError::Parent(e)) => StoreError::Parent(e),
+                            StreamFailure::Unfinished(_) => StoreError::DumpUnfinished,
+                        }
                     })?
                 }
             };
@@ -374,8 +381,10 @@ mod tests {
             }
             sink.finish().unwrap();
         });
-        let streamed =
-            store.store_dump(DumpPages::Streamed(source), &images, &[], Arc::new(|_, _| {})).await.unwrap();
+        let streamed = store
+            .store_dump(DumpPages::Streamed(source, None), &images, &[], Arc::new(|_, _| {}))
+            .await
+            .unwrap();
         sender.join().unwrap();
         let task = streamed.memory.iter().find(|m| m.dst_id == (42 << 8) | 1).unwrap();
         assert_eq!(task.runs, staged.memory[0].runs);
@@ -393,7 +402,8 @@ mod tests {
         let run = PageRun { dst_id: 1, vaddr: 0, nr_pages: 1, flags: PE_PRESENT };
         sink.run(run, &mut &[1u8; PAGE][..]).unwrap();
         drop(sink);
-        let failed = store.store_dump(DumpPages::Streamed(source), &images, &[], Arc::new(|_, _| {})).await;
+        let failed =
+            store.store_dump(DumpPages::Streamed(source, None), &images, &[], Arc::new(|_, _| {})).await;
         assert!(matches!(failed, Err(StoreError::DumpUnfinished)), "{failed:?}");
     }
 

@@ -3,6 +3,7 @@
 //! sink (staging, or the store itself), so no page data becomes an image file.
 
 use std::os::fd::AsRawFd;
+use std::sync::Arc;
 
 use nix::sys::socket::{setsockopt, sockopt};
 use std::os::unix::net::UnixStream;
@@ -12,7 +13,8 @@ use crate::criu::pageserver::{self, HeaderLayout, PageServerError};
 use crate::criu::{CriuError, CriuOps, CriuVersion, DumpSpec};
 use crate::engine::CheckpointError;
 use crate::engine::host::Host;
-use crate::pages::PageSink;
+use crate::pages::{InParent, PageSink};
+use crate::store::ParentMemory;
 
 /// Send and receive buffer of the page-server socketpair.
 const SOCKET_BUFFER: usize = 8 << 20;
@@ -47,6 +49,7 @@ pub(super) fn dump<S: PageSink + Send + 'static>(
     version: CriuVersion,
     mut spec: DumpSpec,
     mut sink: S,
+    parent: Option<Arc<ParentMemory>>,
 ) -> Result<(Option<Instant>, S), DumpFailure> {
     let layout = HeaderLayout::for_version(version.major, version.minor);
     let (mut ours, theirs) = UnixStream::pair().map_err(|e| DumpFailure::Local("page-server socket", e))?;
@@ -56,7 +59,10 @@ pub(super) fn dump<S: PageSink + Send + 'static>(
     let _ = setsockopt(&theirs, sockopt::SndBufForce, &SOCKET_BUFFER);
     let server = std::thread::Builder::new()
         .name("stasis-pageserver".into())
-        .spawn(move || pageserver::serve(&mut ours, layout, &mut sink).map(|_| sink))
+        .spawn(move || {
+            let parent = parent.as_deref().map(|p| p as &dyn InParent);
+            pageserver::serve(&mut ours, layout, &mut sink, parent).map(|_| sink)
+        })
         .map_err(|e| DumpFailure::Local("page-server thread", e))?;
     spec.page_server_fd = Some(theirs.as_raw_fd());
     let mut frozen_at = None;

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use super::dump::SPILL_FILE;
 use super::rollback::Hold;
 use super::store::DumpTiming;
+use super::tracking::Tracking;
 use super::{CheckpointStats, Job, OnResumed};
 use crate::engine::inspect::TreeInfo;
 use crate::engine::{CheckpointError, Engine, ProgressFn};
@@ -42,15 +43,27 @@ impl Engine {
         let stored = async {
             // First: a sifted dump asks the store which chunks it holds while CRIU sends.
             let guard = self.deps.store.begin_commit().await.map_err(store_err)?;
+            let tracking = self.begin_tracking(&job.workload, job.pid, tree, images);
             let (timing, pages) = match self.expected(&job.workload, tree) {
-                Expected::All(resident) => self.dump_staged(job, tree, images, progress, resident).await?,
-                Expected::New(bytes) => self.dump_sifted(job, tree, images, progress, bytes).await?,
+                Expected::All(resident) => {
+                    // Staged whole: a first checkpoint here, which has no parent anyway.
+                    let tracking = Tracking { parent: None, ..tracking };
+                    self.dump_staged(job, tree, images, progress, resident, &tracking).await?
+                }
+                Expected::New(bytes) => {
+                    self.dump_sifted(job, tree, images, progress, bytes, &tracking).await?
+                }
             };
             let gpu_restore_ms = hold.runs_again().await?;
             job.resumed(&timing, on_resumed, progress);
             let dumped = job.dumped(tree, timing, hold, gpu_restore_ms);
             let stored = self.store_pages(pages, images, progress).await.map_err(store_err)?;
-            self.commit_checkpoint(dumped, &guard, stored).await.map_err(store_err)
+            let memory = tracking.on.then(|| stored.memory.clone());
+            let stats = self.commit_checkpoint(dumped, &guard, stored).await.map_err(store_err)?;
+            if let Some(memory) = memory {
+                self.continue_chain(&job.workload, job.pid, tree, images, &job.id, &memory);
+            }
+            Ok(stats)
         }
         .await;
         self.settle_store(&job.id, stored.is_ok());
@@ -65,10 +78,11 @@ impl Engine {
         images: &Path,
         progress: &ProgressFn,
         resident: u64,
+        tracking: &Tracking,
     ) -> Result<(DumpTiming, DumpPages), CheckpointError> {
         let mut staging = Staging::new(&self.shared.staging, &images.join(SPILL_FILE));
         staging.reserve(resident);
-        let (timing, staging) = self.dump_tree(job, tree, images, progress, staging).await?;
+        let (timing, staging) = self.dump_tree(job, tree, images, progress, staging, tracking).await?;
         let staged =
             staging.finish().map_err(|source| CheckpointError::Local { what: "page staging", source })?;
         Ok((timing, DumpPages::Staged(Arc::new(staged))))
@@ -82,14 +96,17 @@ impl Engine {
         images: &Path,
         progress: &ProgressFn,
         expected: u64,
+        tracking: &Tracking,
     ) -> Result<(DumpTiming, DumpPages), CheckpointError> {
         let local = |what| move |source| CheckpointError::Local { what, source };
+        let spill = images.join(SPILL_FILE);
+        let parent = tracking.store_parent(self);
         let (sink, sifting) = self
             .deps
             .store
-            .sift(&self.shared.staging, &images.join(SPILL_FILE), &self.shared.blocks, expected)
+            .sift(&self.shared.staging, &spill, &self.shared.blocks, expected, parent)
             .map_err(local("page sifting"))?;
-        let dumped = self.dump_tree(job, tree, images, progress, sink).await;
+        let dumped = self.dump_tree(job, tree, images, progress, sink, tracking).await;
         // The sifting thread ends once the sink is finished or dropped (a failed dump).
         let (timing, sink) = match dumped {
             Ok(dumped) => dumped,

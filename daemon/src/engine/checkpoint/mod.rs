@@ -13,6 +13,7 @@ pub(super) mod dump;
 mod left_running;
 mod rollback;
 mod store;
+mod tracking;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -34,6 +35,8 @@ use crate::store::DumpPages;
 use rollback::Hold;
 pub(in crate::engine) use store::tree_options;
 use store::{DumpTiming, Dumped};
+pub(super) use tracking::Chains;
+use tracking::Tracking;
 
 /// Which tree to checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -292,14 +295,16 @@ impl Engine {
                 return Err(store_err(e));
             }
         };
+        let tracking = self.begin_tracking(&job.workload, job.pid, tree, images);
         let (sink, source) = crate::store::stream(&self.shared.blocks);
         let dumping = async {
-            let (timing, sink) = self.dump_tree(job, tree, images, progress, sink).await?;
+            let (timing, sink) = self.dump_tree(job, tree, images, progress, sink, &tracking).await?;
             sink.finish().map_err(|source| CheckpointError::Local { what: "page stream", source })?;
             job.resumed(&timing, on_resumed, progress);
             Ok::<_, CheckpointError>(timing)
         };
-        let storing = self.store_pages(DumpPages::Streamed(source), images, progress);
+        let storing =
+            self.store_pages(DumpPages::Streamed(source, tracking.store_parent(self)), images, progress);
         let (dumped, stored) = tokio::join!(dumping, storing);
         let committed = match (dumped, stored) {
             (Ok(timing), Ok(stored)) => {
@@ -315,8 +320,8 @@ impl Engine {
         committed
     }
 
-    /// Runs CRIU's dump with stasisd's page server feeding `sink`; returns the dump's timing
-    /// and the sink.
+    /// Runs CRIU's dump with stasisd's page server feeding `sink`, tracking memory as
+    /// `tracking` says; returns the dump's timing and the sink.
     async fn dump_tree<S: PageSink + Send + 'static>(
         &self,
         job: &Job,
@@ -324,6 +329,7 @@ impl Engine {
         images: &Path,
         progress: &ProgressFn,
         sink: S,
+        tracking: &Tracking,
     ) -> Result<(DumpTiming, S), CheckpointError> {
         progress(ProgressUpdate { phase: "dump", done: 0, total: 0 });
         let _init_dir = match &tree.init_dir {
@@ -353,11 +359,14 @@ impl Engine {
             leave_stopped: !job.leave_running,
             page_server_fd: None,
             enter,
+            track_mem: tracking.on,
+            parent: tracking.criu_parent(),
         };
-        let (criu, version) = (self.deps.criu.clone(), self.support.version);
-        let dumped = tokio::task::spawn_blocking(move || dump::dump(criu.as_ref(), version, spec, sink))
-            .await
-            .map_err(CheckpointError::panicked("dump thread"))?;
+        let (criu, version, parent) = (self.deps.criu.clone(), self.support.version, tracking.parent.clone());
+        let dumped =
+            tokio::task::spawn_blocking(move || dump::dump(criu.as_ref(), version, spec, sink, parent))
+                .await
+                .map_err(CheckpointError::panicked("dump thread"))?;
         let (frozen_at, sink) = dumped.map_err(|failure| failure.into_error(job.workload.clone()))?;
         let dump_done = Instant::now();
         // Unknown only from a CRIU that ran no action scripts: then the whole job counts.

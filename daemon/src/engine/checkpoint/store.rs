@@ -172,6 +172,7 @@ fn stats(d: &Dumped<'_>, stored: &StoredDump) -> CheckpointStats {
         chunks_total: stored.chunks.chunks_total,
         chunks_new: stored.chunks.chunks_new,
         chunks_zero: stored.chunks.chunks_zero,
+        bytes_unchanged: stored.chunks.bytes_unchanged,
         gpu_lock_ms: gpu.map(|g| g.times.lock_ms).unwrap_or_default(),
         gpu_checkpoint_ms: gpu.map(|g| g.times.checkpoint_ms).unwrap_or_default(),
         gpu_restore_ms: d.gpu_restore_ms,

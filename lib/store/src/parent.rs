@@ -1,0 +1,199 @@
+//! The memory of a tree's previous checkpoint, which a dump tracking dirty pages builds on.
+//!
+//! Where the kernel tracks soft-dirty pages, CRIU sends the pages a tree did not write since
+//! its previous (tracked) dump as "in parent" runs without data. The store keeps every
+//! checkpoint whole: such a run's pages are the previous checkpoint's, so its chunks are
+//! referenced again where a chunk of the new dump covers exactly what one of the previous did
+//! (an aligned window unchanged and laid out as before, the common case), and read back only
+//! where a window mixes unchanged and written pages, or its stretch of memory changed shape.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use stasis_proto::stasis::store::v1::{ChunkRef, MemoryImage};
+use tokio::runtime::Handle;
+
+use super::assemble::{decode_chunk, locate};
+use super::image_runs::{chunk_addresses, image_runs};
+use super::index::ChunkHash;
+use super::{Store, StoreError};
+use stasis_criu_images::pages::{InParent, PageRun};
+
+/// The previous checkpoint's memory, chunk by chunk.
+#[derive(Debug)]
+pub struct ParentMemory {
+    checkpoint: String,
+    /// Per pagemap: each chunk by its first address, with the address past its end.
+    chunks: HashMap<u64, BTreeMap<u64, (u64, ChunkRef)>>,
+}
+
+/// Pages of the previous checkpoint could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum ParentError {
+    #[error(
+        "the previous checkpoint {checkpoint} does not hold the {nr_pages} pages at {vaddr:#x} of \
+         pagemap {dst_id:#x} that the dump says are unchanged since"
+    )]
+    NotHeld { checkpoint: String, dst_id: u64, vaddr: u64, nr_pages: u64 },
+    #[error("reading the previous checkpoint's unchanged pages failed")]
+    Read(#[source] Box<StoreError>),
+}
+
+impl ParentMemory {
+    /// The memory images of checkpoint `checkpoint`; `Err` says why they are malformed.
+    pub fn new(checkpoint: &str, images: &[MemoryImage]) -> Result<Self, String> {
+        let mut chunks: HashMap<u64, BTreeMap<u64, (u64, ChunkRef)>> = HashMap::new();
+        for image in images {
+            let by_addr = chunks.entry(image.dst_id).or_default();
+            for (run, mine) in image_runs(image)? {
+                for (at, chunk) in chunk_addresses(&run, mine) {
+                    by_addr.insert(at, (at + u64::from(chunk.len), chunk.clone()));
+                }
+            }
+        }
+        Ok(ParentMemory { checkpoint: checkpoint.into(), chunks })
+    }
+
+    /// The checkpoint whose memory this is.
+    pub fn checkpoint(&self) -> &str {
+        &self.checkpoint
+    }
+
+    /// Whether the store's chunk index knows every stored chunk (all but zero ones): a
+    /// collection may have taken them since, when the checkpoint was deleted.
+    pub fn held_by(&self, store: &Store) -> bool {
+        self.chunks.values().flat_map(|m| m.values()).all(|(_, c)| {
+            c.hash.is_empty()
+                || ChunkHash::try_from(c.hash.as_slice()).is_ok_and(|h| store.index.contains(&h))
+        })
+    }
+
+    /// The chunk of pagemap `dst_id` that covers exactly `start..end`.
+    pub(super) fn exact(&self, dst_id: u64, start: u64, end: u64) -> Option<&ChunkRef> {
+        let (_, (chunk_end, chunk)) = self.chunks.get(&dst_id)?.get_key_value(&start)?;
+        (*chunk_end == end).then_some(chunk)
+    }
+
+    /// The chunks of pagemap `dst_id` that cover `start..end`, each with its address, in
+    /// order; `None` unless they cover all of it.
+    pub(super) fn covering(&self, dst_id: u64, start: u64, end: u64) -> Option<Vec<(u64, &ChunkRef)>> {
+        let by_addr = self.chunks.get(&dst_id)?;
+        let (&first, _) = by_addr.range(..=start).next_back()?;
+        let mut out = Vec::new();
+        let mut reach = first;
+        for (&at, (chunk_end, chunk)) in by_addr.range(first..end) {
+            if at != reach {
+                return None;
+            }
+            out.push((at, chunk));
+            reach = *chunk_end;
+        }
+        (reach >= end && reach > start).then_some(out)
+    }
+}
+
+impl InParent for ParentMemory {
+    fn has(&self, dst_id: u64) -> bool {
+        self.chunks.contains_key(&dst_id)
+    }
+
+    fn covers(&self, run: &PageRun) -> bool {
+        self.covering(run.dst_id, run.vaddr, run.vaddr + run.byte_len()).is_some()
+    }
+}
+
+/// Reads a chunk's bytes.
+type ReadChunk = Box<dyn FnMut(&ChunkRef) -> Result<Vec<u8>, ParentError> + Send>;
+
+/// The previous checkpoint's memory and a way to read its chunks, for the chunker.
+pub struct Parent {
+    pub(super) memory: Arc<ParentMemory>,
+    read: ReadChunk,
+    /// The last chunk read, with its bytes: a window's pieces often share one.
+    last: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for Parent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Parent").field("checkpoint", &self.memory.checkpoint).finish()
+    }
+}
+
+impl Parent {
+    /// `memory` read through `read` (of a chunk reference, its bytes).
+    pub fn new(
+        memory: Arc<ParentMemory>,
+        read: impl FnMut(&ChunkRef) -> Result<Vec<u8>, ParentError> + Send + 'static,
+    ) -> Self {
+        Parent { memory, read: Box::new(read), last: None }
+    }
+
+    /// The bytes of `start..end` of pagemap `dst_id` in the previous checkpoint.
+    pub(super) fn bytes(&mut self, dst_id: u64, start: u64, end: u64) -> Result<Vec<u8>, ParentError> {
+        let memory = self.memory.clone();
+        let chunks = memory.covering(dst_id, start, end).ok_or_else(|| ParentError::NotHeld {
+            checkpoint: memory.checkpoint.clone(),
+            dst_id,
+            vaddr: start,
+            nr_pages: (end - start) / stasis_criu_images::pages::PAGE_SIZE,
+        })?;
+        let mut out = Vec::with_capacity((end - start) as usize);
+        for (at, chunk) in chunks {
+            let from = start.max(at) - at;
+            let to = end.min(at + u64::from(chunk.len)) - at;
+            if chunk.hash.is_empty() {
+                out.resize(out.len() + (to - from) as usize, 0);
+                continue;
+            }
+            if self.last.as_ref().is_none_or(|(hash, _)| *hash != chunk.hash) {
+                let data = (self.read)(chunk)?;
+                self.last = Some((chunk.hash.clone(), data));
+            }
+            let (_, data) = self.last.as_ref().expect("just read");
+            out.extend_from_slice(&data[from as usize..to as usize]);
+        }
+        Ok(out)
+    }
+}
+
+impl Store {
+    /// `memory` as a dump's parent, its chunks read from this store (blocking, on a thread
+    /// outside the runtime of `handle`).
+    pub fn parent(&self, memory: Arc<ParentMemory>, handle: Handle) -> Parent {
+        let read = self.chunk_reader(memory.checkpoint.clone(), handle);
+        Parent::new(memory, read)
+    }
+
+    /// Reads chunks of checkpoint `checkpoint` from this store, blocking (on a thread outside
+    /// the runtime of `handle`).
+    fn chunk_reader(
+        &self,
+        checkpoint: String,
+        handle: Handle,
+    ) -> impl FnMut(&ChunkRef) -> Result<Vec<u8>, ParentError> + Send + 'static {
+        let store = self.clone();
+        move |chunk| {
+            let read = |e| ParentError::Read(Box::new(e));
+            let Some((hash, loc)) =
+                locate(&checkpoint, "memory", chunk, |hash| store.index.get(hash)).map_err(read)?
+            else {
+                return Ok(vec![0; chunk.len as usize]);
+            };
+            let range = loc.offset..loc.offset + u64::from(loc.stored_len);
+            let blobs = handle.block_on(store.read_ranges(&checkpoint, &loc.pack, &[range])).map_err(read)?;
+            let blob = blobs.first().map_or(&[][..], |b| &b[..]);
+            decode_chunk(blob, &loc, &hash, store.cipher.as_deref()).map_err(|reason| {
+                read(StoreError::CorruptChunk {
+                    id: checkpoint.clone(),
+                    chunk: hex::encode(hash),
+                    pack: loc.pack.to_string(),
+                    reason: reason.into(),
+                })
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "parent_tests.rs"]
+mod tests;

@@ -1,0 +1,263 @@
+//! Dumps tracking dirty pages: runs in parent taken from the previous checkpoint, through the
+//! real store, sifted and streamed, against a full dump of the same memory.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::*;
+use crate::chunks::CHUNK;
+use crate::sift::tests::stored_and_restored;
+use crate::staging::StagingBudget;
+use crate::stream::{BlockPool, stream};
+use crate::{DumpPages, Manifest};
+use stasis_criu_images::pages::{PAGE_SIZE, PE_PARENT, PE_PRESENT, PageSink};
+
+const PAGE: u64 = PAGE_SIZE;
+const DST: u64 = (7 << 8) | 1;
+
+/// A task's memory: areas (first address, bytes) in address order, apart.
+type Memory = Vec<(u64, Vec<u8>)>;
+
+fn pattern(seed: u64, len: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// 4 MiB from an aligned address, and 40 pages from an address inside a window.
+fn before() -> Memory {
+    vec![(0x10000, pattern(1, 64 * CHUNK as u64)), (0x80_0000 + 3 * PAGE, pattern(2, 40 * PAGE))]
+}
+
+/// `before` once the tree ran on, and the pages written since (by address): one page in the
+/// middle of window 5, all of window 20, a byte of window 40; the first area grown by 20
+/// pages (new memory reads as written); pages 10..14 of the second unmapped.
+fn after(before: &Memory) -> (Memory, HashSet<u64>) {
+    let (mut a, b) = (before[0].clone(), before[1].clone());
+    let mut dirty = HashSet::new();
+    let mut write = |area: &mut (u64, Vec<u8>), offset: u64, bytes: &[u8]| {
+        area.1[offset as usize..offset as usize + bytes.len()].copy_from_slice(bytes);
+        let first = offset / PAGE * PAGE;
+        (first..offset + bytes.len() as u64).step_by(PAGE as usize).for_each(|p| {
+            dirty.insert(area.0 + p);
+        });
+    };
+    let window = CHUNK as u64;
+    write(&mut a, 5 * window + 7 * PAGE, &[0xee; PAGE as usize]);
+    write(&mut a, 20 * window, &pattern(3, window));
+    write(&mut a, 40 * window + 17, &[0x5a]);
+    let grown = a.1.len() as u64;
+    a.1.extend(vec![0; 20 * PAGE as usize]);
+    write(&mut a, grown, &pattern(4, 20 * PAGE));
+    let (b1, b2) = (b.1[..(10 * PAGE) as usize].to_vec(), b.1[(14 * PAGE) as usize..].to_vec());
+    let memory = vec![a, (b.0, b1), (b.0 + 14 * PAGE, b2)];
+    (memory, dirty)
+}
+
+/// Sends `memory` as CRIU does, in transfers of at most 17 pages: every page, or with
+/// `written`, those pages present and the others in parent.
+fn send(sink: &mut dyn PageSink, memory: &Memory, written: Option<&HashSet<u64>>) {
+    sink.open(DST).unwrap();
+    for (start, bytes) in memory {
+        let present = |page: u64| written.is_none_or(|w| w.contains(&(start + page * PAGE)));
+        let pages = bytes.len() as u64 / PAGE;
+        let mut first = 0;
+        while first < pages {
+            let kind = present(first);
+            let mut end = first + 1;
+            while end < pages && end - first < 17 && present(end) == kind {
+                end += 1;
+            }
+            let vaddr = start + first * PAGE;
+            let nr_pages = end - first;
+            let run =
+                PageRun { dst_id: DST, vaddr, nr_pages, flags: if kind { PE_PRESENT } else { PE_PARENT } };
+            let data = match kind {
+                true => &bytes[(first * PAGE) as usize..(end * PAGE) as usize],
+                false => &[][..],
+            };
+            sink.run(run, &mut &data[..]).unwrap();
+            first = end;
+        }
+    }
+}
+
+fn whole(memory: &Memory) -> Vec<u8> {
+    memory.iter().flat_map(|(_, bytes)| bytes.iter().copied()).collect()
+}
+
+/// Pages of `memory` not in `written`, in bytes.
+fn unchanged_bytes(memory: &Memory, written: &HashSet<u64>) -> u64 {
+    let pages =
+        memory.iter().flat_map(|(start, b)| (0..b.len() as u64 / PAGE).map(move |p| start + p * PAGE));
+    pages.filter(|p| !written.contains(p)).count() as u64 * PAGE
+}
+
+/// Runs and chunk hashes: what a restore reads, whatever the references say of freshness.
+fn layout(manifest: &Manifest) -> Vec<(Vec<(u64, u64, u32)>, Vec<(Vec<u8>, u32)>)> {
+    let image = |m: &MemoryImage| {
+        let runs = m.runs.iter().map(|r| (r.vaddr, r.nr_pages, r.flags)).collect();
+        (runs, m.chunks.iter().map(|c| (c.hash.clone(), c.len)).collect())
+    };
+    manifest.memory.iter().map(image).collect()
+}
+
+/// A parent of checkpoint `manifest` read from `store`, counting its chunk reads.
+fn counted_parent(store: &Store, manifest: &Manifest, reads: Arc<AtomicUsize>) -> Parent {
+    let memory = Arc::new(ParentMemory::new(&manifest.id, &manifest.memory).unwrap());
+    assert!(memory.held_by(store));
+    let mut read = store.chunk_reader(manifest.id.clone(), Handle::current());
+    Parent::new(memory, move |chunk| {
+        reads.fetch_add(1, Ordering::SeqCst);
+        read(chunk)
+    })
+}
+
+/// The first, full checkpoint of `before()`, stored and committed.
+async fn first_checkpoint(store: &Store, dir: &Path) -> Manifest {
+    let (sink, source) = stream(&BlockPool::default());
+    let mut sink = sink;
+    let storing =
+        stored_and_restored(store, dir, DumpPages::Streamed(source, None), "20261127-000000-aaaaaa");
+    let sending = tokio::task::spawn_blocking(move || {
+        send(&mut sink, &before(), None);
+        sink.finish().unwrap();
+    });
+    let ((manifest, restored), sent) = tokio::join!(storing, sending);
+    sent.unwrap();
+    assert!(restored == whole(&before()));
+    manifest
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sifted_dump_in_parent_restores_what_a_full_one_does_reading_back_only_mixed_windows() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::in_dir(&dir.path().join("store"));
+    let first = first_checkpoint(&store, &dir.path().join("a")).await;
+    let (memory, written) = after(&before());
+
+    let reads = Arc::new(AtomicUsize::new(0));
+    let parent = counted_parent(&store, &first, reads.clone());
+    let pool = BlockPool::default();
+    let spill = dir.path().join("spill");
+    let (mut sink, sifting) =
+        store.sift(&StagingBudget::new(64 << 20), &spill, &pool, 0, Some(parent)).unwrap();
+    let sent = memory.clone();
+    let sifted = tokio::task::spawn_blocking(move || {
+        send(&mut sink, &sent, Some(&written));
+        sink.finish().unwrap();
+        sifting.finish().unwrap()
+    })
+    .await
+    .unwrap();
+    let (_, written) = after(&before());
+    assert_eq!(sifted.stats().bytes_unchanged, unchanged_bytes(&memory, &written));
+    // Window 5 (a page written inside it), the second area's two reshaped chunks; window 40's
+    // written page leaves its unchanged neighbours in the same chunk.
+    let read = reads.load(Ordering::SeqCst);
+    assert!((1..=6).contains(&read), "{read} chunks read back of {}", first.memory[0].chunks.len());
+    let (tracked, restored) = stored_and_restored(
+        &store,
+        &dir.path().join("b"),
+        DumpPages::Sifted(Box::new(sifted)),
+        "20261127-000001-bbbbbb",
+    )
+    .await;
+    assert!(restored == whole(&memory), "the tracked checkpoint restores byte for byte");
+
+    // A full dump of the same memory: the same runs and chunks.
+    let (sink, source) = stream(&pool);
+    let mut sink = sink;
+    let full_dir = dir.path().join("c");
+    let storing =
+        stored_and_restored(&store, &full_dir, DumpPages::Streamed(source, None), "20261127-000002-cccccc");
+    let sent = memory.clone();
+    let sending = tokio::task::spawn_blocking(move || {
+        send(&mut sink, &sent, None);
+        sink.finish().unwrap();
+    });
+    let ((full, _), sent) = tokio::join!(storing, sending);
+    sent.unwrap();
+    assert_eq!(layout(&tracked), layout(&full));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_streamed_dump_in_parent_restores_byte_for_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::in_dir(&dir.path().join("store"));
+    let first = first_checkpoint(&store, &dir.path().join("a")).await;
+    let (memory, written) = after(&before());
+    let parent = counted_parent(&store, &first, Arc::new(AtomicUsize::new(0)));
+    let (sink, source) = stream(&BlockPool::default());
+    let mut sink = sink;
+    let tracked_dir = dir.path().join("b");
+    let storing = stored_and_restored(
+        &store,
+        &tracked_dir,
+        DumpPages::Streamed(source, Some(parent)),
+        "20261127-000001-bbbbbb",
+    );
+    let sent = memory.clone();
+    let sending = tokio::task::spawn_blocking(move || {
+        send(&mut sink, &sent, Some(&written));
+        sink.finish().unwrap();
+    });
+    let ((_, restored), sent) = tokio::join!(storing, sending);
+    sent.unwrap();
+    assert!(restored == whole(&memory));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pages_in_parent_that_the_previous_checkpoint_lacks_fail_the_dump() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::in_dir(&dir.path().join("store"));
+    let first = first_checkpoint(&store, &dir.path().join("a")).await;
+    let parent = counted_parent(&store, &first, Arc::new(AtomicUsize::new(0)));
+    let pool = BlockPool::default();
+    let spill = dir.path().join("spill");
+    let (mut sink, sifting) =
+        store.sift(&StagingBudget::new(1 << 20), &spill, &pool, 0, Some(parent)).unwrap();
+    let failed = tokio::task::spawn_blocking(move || {
+        sink.open(DST).unwrap();
+        // Past the first area's end: memory the previous checkpoint never had.
+        let run = PageRun { dst_id: DST, vaddr: 0x10000 + 64 * CHUNK as u64, nr_pages: 2, flags: PE_PARENT };
+        sink.run(run, &mut &[][..]).unwrap();
+        sink.finish().unwrap();
+        sifting.finish().unwrap_err()
+    })
+    .await
+    .unwrap();
+    assert!(failed.to_string().contains("does not hold the 2 pages"), "{failed}");
+}
+
+#[test]
+fn the_previous_checkpoint_answers_what_it_holds() {
+    let chunk = |hash: u8, len: u64| ChunkRef { hash: vec![hash; 32], len: len as u32, fresh: true };
+    let runs = vec![
+        stasis_proto::stasis::store::v1::PageRun { vaddr: 0x3000, nr_pages: 20, flags: PE_PRESENT },
+        stasis_proto::stasis::store::v1::PageRun { vaddr: 0x40000, nr_pages: 1, flags: PE_PRESENT },
+    ];
+    // 0x3000..0x10000 (13 pages), 0x10000..0x17000 (7 pages), then 0x40000 alone.
+    let chunks = vec![chunk(1, 13 * PAGE), chunk(2, 7 * PAGE), chunk(3, PAGE)];
+    let image = MemoryImage { dst_id: DST, runs, chunks };
+    let memory = ParentMemory::new("c", &[image]).unwrap();
+    assert!(memory.has(DST) && !memory.has(DST + 256));
+    let run = |vaddr, nr_pages| PageRun { dst_id: DST, vaddr, nr_pages, flags: PE_PARENT };
+    assert!(memory.covers(&run(0x3000, 20)));
+    assert!(memory.covers(&run(0x5000, 12)));
+    assert!(!memory.covers(&run(0x2000, 2)), "before the first page");
+    assert!(!memory.covers(&run(0x16000, 2)), "past the run's end");
+    assert!(!memory.covers(&run(0x17000, 1)), "in the gap");
+    assert!(memory.covers(&run(0x40000, 1)));
+    assert_eq!(memory.exact(DST, 0x10000, 0x17000).map(|c| c.hash[0]), Some(2));
+    assert_eq!(memory.exact(DST, 0x10000, 0x16000), None, "not the whole chunk");
+    assert_eq!(memory.exact(DST, 0x4000, 0x10000), None, "not a chunk's start");
+}
