@@ -6,9 +6,9 @@
 #                                                 6.12 (trixie); default: all three
 #        scripts/kernel-matrix.sh --fetch [SERIES...]   only fetch the kernels
 # Environment: KM_CASES (the cases to run, space-separated; default all: counter tcp lazy
-# incremental idle shm), KM_MEM (guest MiB, 1536), KM_SMP (guest CPUs, 2), KM_TIMEOUT (seconds
-# per kernel, 1800), KM_REFRESH=1 (fetch the kernels again), KM_RESULTS (the table's file,
-# default .stasis/kernel-matrix/results.txt).
+# incremental idle shm tracked; track-cost runs only when named), KM_MEM (guest MiB, 1536),
+# KM_SMP (guest CPUs, 2), KM_TIMEOUT (seconds per kernel, 1800), KM_REFRESH=1 (fetch the
+# kernels again), KM_RESULTS (the table's file, default .stasis/kernel-matrix/results.txt).
 #
 # What it installs: qemu-system-x86 from Debian with apt-get when qemu-system-x86_64 is missing
 # (the only system package); for each series the newest generic `amd64-unsigned` kernel image
@@ -43,6 +43,19 @@
 #                with its next hit count and the same memory checksum
 #   shm          a parent and forked child sharing memory, evicted and restored: same
 #                checksums, and a write by one is still seen by the other
+#   tracked      dirty-page tracking: a process whose memory changes between five checkpoints
+#                (pages rewritten, a child forked, a mapping mremapped, one unmapped), with
+#                stasisd restarted between two of them; each checkpoint takes unchanged memory
+#                from the one before where `stasis status` says tracking is on (none after the
+#                first or the restart, and none at all where it is off); left running, evicted
+#                and restored it keeps its checksum; the second checkpoint, whose parent is
+#                deleted and collected, restores alone with its own; `stasis check --read-data`
+#   track-cost   (on demand, not in the default list: a measurement) a process of up to 512 MiB
+#                (a fifth of the guest's free memory: KM_MEM=4096 for 512), half random, half
+#                compressible, checkpointed left running, then 10% rewritten and evicted, once
+#                with tracking and once with stasisd restarted with --memory-tracking off; the
+#                table's result gives the evictions' frozen, dump and durable times, tracked /
+#                untracked (a case's `SUMMARY:` line follows its pass)
 set -euo pipefail
 
 self=$(realpath "$0")
@@ -50,7 +63,7 @@ self=$(realpath "$0")
 # snapshot), so that a rebuild or an edit in the checkout meanwhile does not reach it.
 root=${KM_ROOT:-$(cd "$(dirname "$self")/.." && pwd)}
 bin=${KM_BIN:-$root/target/debug}
-all_cases="counter tcp lazy incremental idle shm"
+all_cases="counter tcp lazy incremental idle shm tracked"
 
 # ---------------------------------------------------------------------------------------------
 # Inside the guest: one case (run by the guest's pid 1 as a separate process, so that `set -e`
@@ -326,6 +339,223 @@ case_shm() {
   echo "checksum $before kept by parent $parent and child $child; shared mappings still shared"
 }
 
+# script_pid SCRIPT: the pid (here) of the workload's process running SCRIPT: the root of its
+# tree, or the root's child where the root is the init of the workload's pid namespace.
+script_pid() {
+  local p
+  for p in "$pid" $(cat /proc/"$pid"/task/*/children 2>/dev/null); do
+    if grep -q -a -- "$1" "/proc/$p/cmdline" 2>/dev/null; then
+      echo "$p"
+      return
+    fi
+  done
+  fail "no process runs $1 in the tree of $pid"
+}
+
+# tracking_expected: sets tracking (on or off) from the `memory tracking:` line of `stasis
+# status`; where CRIU finds soft-dirty tracking in the kernel, stasisd must say on.
+tracking_expected() {
+  local line
+  line=$(cli status | grep -m 1 '^memory tracking:' || true)
+  [ -n "$line" ] || fail "stasis status has no 'memory tracking:' line"
+  echo "stasis status: $line"
+  case ${line#memory tracking: } in
+    on*) tracking=on ;;
+    off*) tracking=off ;;
+    *) fail "stasis status says neither on nor off: $line" ;;
+  esac
+  if [ "$tracking" = off ] && [ "${1:-}" != off ] &&
+    "$root/.stasis/criu/bin/criu" check --feature mem_dirty_track >/dev/null 2>&1; then
+    fail "memory tracking is off though CRIU finds soft-dirty tracking here: $line"
+  fi
+}
+
+# unchanged CHECKPOINT_JSON: its stats.bytes_unchanged (fails where the field is missing).
+unchanged() {
+  python3 -c '
+import json, sys
+v = json.loads(sys.argv[1])["stats"].get("bytes_unchanged")
+print("missing" if v is None else v)' "$1"
+}
+
+# expect_unchanged WHAT CHECKPOINT_JSON zero|some: the checkpoint took no memory from the one
+# before (zero), or at least 12 MiB of it (some: most of tracked.py's 24 MiB did not change).
+expect_unchanged() {
+  local what=$1 bytes
+  bytes=$(unchanged "$2")
+  echo "$what: $(json id <<<"$2"), bytes_unchanged $bytes of $(json stats.bytes_total <<<"$2"), frozen $(json stats.frozen_ms <<<"$2") ms, $(json stats.chunks_new <<<"$2") of $(json stats.chunks_total <<<"$2") chunks new"
+  [ "$bytes" != missing ] || fail "$what: the checkpoint's stats have no bytes_unchanged"
+  case $3 in
+    zero) [ "$bytes" = 0 ] || fail "$what: bytes_unchanged $bytes, expected 0 (tracking $tracking)" ;;
+    some) [ "$bytes" -ge $((12 << 20)) ] || fail "$what: bytes_unchanged $bytes, expected at least 12 MiB (tracking $tracking)" ;;
+  esac
+}
+
+# tracked_step N: SIGUSR1 to tracked.py, whose step N ends with `phase N sum S`; sets sum=S.
+tracked_step() {
+  kill -USR1 "$(script_pid tracked.py)"
+  wait_for 120 "phase $1 of tracked.py" grep -q "^phase $1 sum " "$log"
+  sum=$(sed -n "s/^phase $1 sum //p" "$log" | tail -n 1)
+  echo "phase $1: sum $sum"
+}
+
+# tracked_verify WANT WHAT: SIGUSR2 to tracked.py; its `verify sum` must be WANT.
+tracked_verify() {
+  local before got
+  before=$(grep -c '^verify sum ' "$log" || true)
+  kill -USR2 "$(script_pid tracked.py)"
+  wait_for 120 "tracked.py's checksum ($2)" lines_at_least "$log" '^verify sum ' $((before + 1))
+  got=$(sed -n 's/^verify sum //p' "$log" | tail -n 1)
+  [ "$got" = "$1" ] || fail "$2: tracked.py's memory sums to $got, expected $1"
+  echo "$2: sum $got as expected"
+}
+
+# ticks_on WHAT: tracked.py ticks at least 3 more times.
+ticks_on() {
+  wait_for 120 "ticks $1" reached "$log" "tick " $(($(last_number "$log" "tick ") + 3))
+}
+
+case_tracked() {
+  # Keep the checkpoints this case restores (the default keeps 3 a workload): from a stasisd
+  # restarted with --keep-last 4, the fifth checkpoint deletes the first, the parent of the
+  # second, which must restore alone.
+  restart_stasisd --keep-last 4
+  local tracking some=some
+  tracking_expected
+  [ "$tracking" = on ] || some=zero
+  start tracked -- "$py" -u "$workloads/tracked.py"
+  wait_for 120 "tracked.py's memory" grep -q '^ready sum ' "$log"
+  local sum sum1 sum4 ck ck1 ck2
+  sum=$(sed -n 's/^ready sum //p' "$log")
+  echo "ready: sum $sum"
+  wait_for 60 "ticks" reached "$log" "tick " 3
+  ck1=$(cli checkpoint --workload tracked --leave-running --json)
+  expect_unchanged "checkpoint 1 (the first)" "$ck1" zero
+  tracked_step 1
+  sum1=$sum
+  ck2=$(cli checkpoint --workload tracked --leave-running --json)
+  expect_unchanged "checkpoint 2 (after rewriting 10%)" "$ck2" $some
+  tracked_step 2
+  tracked_step 3
+  restart_stasisd --keep-last 4
+  kill -0 "$pid" || fail "the workload ended when stasisd restarted"
+  ticks_on "after stasisd's restart"
+  tracking_expected
+  ck=$(cli checkpoint --workload tracked --leave-running --json)
+  expect_unchanged "checkpoint 3 (after fork, mremap, munmap and stasisd's restart)" "$ck" zero
+  tracked_step 4
+  sum4=$sum
+  ck=$(cli checkpoint --workload tracked --leave-running --json)
+  expect_unchanged "checkpoint 4 (after rewriting 5% again)" "$ck" $some
+  tracked_verify "$sum4" "after checkpoint 4, left running"
+  evict tracked
+  expect_unchanged "checkpoint 5 (the eviction)" "$ck" $some
+  restore tracked
+  ticks_on "after the restore of checkpoint 5"
+  tracked_verify "$sum4" "restored from checkpoint 5"
+  # The first checkpoint, the second's parent, is gone by now (--keep-last 4), and a collection
+  # takes what only it held.
+  local id1 id2
+  id1=$(json id <<<"$ck1")
+  id2=$(json id <<<"$ck2")
+  cli gc >/dev/null
+  local listed
+  listed=$(cli list --workload tracked --json)
+  case $listed in
+    *"$id1"*) fail "checkpoint 1 ($id1) is still listed after the fifth, with --keep-last 4" ;;
+  esac
+  kill -KILL "$pid"
+  wait_for 60 "end of the killed tree (pid $pid)" gone "$pid"
+  r=$(cli restore "$id2" --json)
+  pid=$(json pid <<<"$r")
+  kill -0 "$pid" 2>/dev/null || fail "pid $pid restored from checkpoint 2 is not running"
+  ticks_on "after the restore of checkpoint 2"
+  tracked_verify "$sum1" "restored from checkpoint 2 ($id2)"
+  cli check --read-data >/dev/null
+  restart_stasisd
+  echo "tracking $tracking: checksums kept through 5 checkpoints, a restart, an eviction and the restore of checkpoint 2 alone; store checks clean"
+}
+
+# cost_round NAME MIB SEED: runs track_cost.py (MIB MiB) as workload NAME, checkpoints it left
+# running (a periodic checkpoint), rewrites 10% of it and evicts it; sets frozen, dump, durable
+# and kept (bytes_unchanged) of the eviction.
+cost_round() {
+  start "$1" -- "$py" -u "$workloads/track_cost.py" "$2" "$3"
+  wait_for 600 "$2 MiB of track_cost.py" grep -q '^ready ' "$log"
+  local periodic
+  periodic=$(cli checkpoint --workload "$1" --leave-running --json)
+  echo "$1: periodic checkpoint frozen $(json stats.frozen_ms <<<"$periodic") ms, dump $(json stats.dump_ms <<<"$periodic") ms, durable $(json stats.durable_ms <<<"$periodic") ms"
+  kill -USR1 "$(script_pid track_cost.py)"
+  wait_for 300 "the rewrite of 10%" grep -q '^rewrote 1' "$log"
+  evict "$1"
+  frozen=$(json stats.frozen_ms <<<"$ck")
+  dump=$(json stats.dump_ms <<<"$ck")
+  durable=$(json stats.durable_ms <<<"$ck")
+  kept=$(unchanged "$ck")
+  echo "$1: eviction frozen $frozen ms, dump $dump ms, durable $durable ms, bytes_unchanged $kept of $(json stats.bytes_total <<<"$ck"), $(json stats.bytes_uploaded <<<"$ck") uploaded"
+}
+
+# ratio A B: A / B to two decimals.
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
+
+# On demand only (not in all_cases): what tracking saves an eviction after a periodic checkpoint.
+case_track-cost() {
+  local mib
+  mib=$(awk '/^MemAvailable:/ { m = int($2 / 1024 / 5 / 64) * 64; print (m > 512 ? 512 : m) }' /proc/meminfo)
+  [ "$mib" -ge 128 ] || fail "only $mib MiB for the workload: raise the guest's memory (KM_MEM=4096)"
+  echo "workload: $mib MiB, half random, half compressible"
+  local tracking frozen dump durable kept
+  tracking_expected
+  [ "$tracking" = on ] || fail "memory tracking is off here, nothing to compare"
+  cost_round cost-tracked "$mib" 1
+  [ "$kept" != missing ] && [ "$kept" -gt 0 ] || fail "the tracked eviction took nothing from the periodic checkpoint (bytes_unchanged $kept)"
+  local on=("$frozen" "$dump" "$durable")
+  restart_stasisd --memory-tracking off
+  tracking_expected off
+  [ "$tracking" = off ] || fail "stasisd started with --memory-tracking off says tracking is $tracking"
+  cost_round cost-untracked "$mib" 2
+  [ "$kept" = 0 ] || fail "the untracked eviction took $kept bytes from the periodic checkpoint"
+  restart_stasisd
+  local r_frozen r_dump r_durable
+  r_frozen=$(ratio "${on[0]}" "$frozen")
+  r_dump=$(ratio "${on[1]}" "$dump")
+  r_durable=$(ratio "${on[2]}" "$durable")
+  local within=()
+  awk -v r="$r_frozen" 'BEGIN { exit !(r <= 0.5) }' && within+=(frozen)
+  awk -v r="$r_durable" 'BEGIN { exit !(r <= 0.5) }' && within+=(durable)
+  echo "SUMMARY: $mib MiB, eviction after a periodic checkpoint, tracked/untracked: frozen ${on[0]}/$frozen ms (x$r_frozen), dump ${on[1]}/$dump ms (x$r_dump), durable ${on[2]}/$durable ms (x$r_durable); within x0.5: ${within[*]:-neither frozen nor durable}"
+}
+
+# start_stasisd [FLAG...]: starts stasisd on the guest's state and store (with FLAGs besides),
+# in a session of its own (a case's timeout does not end it), its pid in $KM_STATE/stasisd.pid;
+# returns once it serves, or fails after 180 s. Its log goes on in $KM_STATE/stasisd.log.
+start_stasisd() {
+  echo "stasisd started with: ${*:-(the default flags)}" >>"$KM_STATE/stasisd.log"
+  setsid bash -c 'echo $$ >"$KM_STATE/stasisd.pid"; exec "$@"' stasisd \
+    "$bin/stasisd" --socket "$KM_STATE/stasisd.sock" --state-dir "$KM_STATE/state" \
+    --store "file://$KM_STATE/store" --criu "$root/.stasis/criu/bin/criu" --gc-grace-secs 0 "$@" \
+    >>"$KM_STATE/stasisd.log" 2>&1 </dev/null &
+  local started=$SECONDS
+  until st status >/dev/null 2>&1; do
+    [ $((SECONDS - started)) -le 180 ] || return 1
+    sleep 1
+  done
+}
+
+# ended PID: PID is gone or a zombie.
+ended() { [ ! -e "/proc/$1" ] || [ "$(sed 's/.*) \(.\).*/\1/' "/proc/$1/stat" 2>/dev/null)" = Z ]; }
+
+# restart_stasisd [FLAG...]: stops stasisd (SIGTERM, as systemd does) and starts it again on the
+# same state and store, with FLAGs besides the usual ones. Workloads run on meanwhile.
+restart_stasisd() {
+  local old
+  old=$(cat "$KM_STATE/stasisd.pid")
+  kill -TERM "$old" || fail "cannot signal stasisd (pid $old)"
+  wait_for 120 "end of stasisd (pid $old) after SIGTERM" ended "$old"
+  start_stasisd "$@" || fail "stasisd does not serve 180 s after its restart with: ${*:-the default flags}"
+  echo "stasisd restarted (pid $old -> $(cat "$KM_STATE/stasisd.pid"))${1:+ with $*}"
+}
+
 # ---------------------------------------------------------------------------------------------
 # Inside the guest: pid 1.
 # ---------------------------------------------------------------------------------------------
@@ -360,11 +590,7 @@ guest_main() {
   for feature in uffd-noncoop mem_dirty_track pidfd_store; do
     echo "KMINFO criu feature $feature: $("$criu" check --feature "$feature" 2>&1 | tail -n 1)"
   done
-  "$bin/stasisd" --socket "$KM_STATE/stasisd.sock" --state-dir "$KM_STATE/state" \
-    --store "file://$KM_STATE/store" --criu "$criu" --gc-grace-secs 0 \
-    >"$KM_STATE/stasisd.log" 2>&1 &
-  local started=$SECONDS
-  until st status >/dev/null 2>&1 || [ $((SECONDS - started)) -gt 180 ]; do sleep 1; done
+  start_stasisd
   grep -a -e 'engine::start' -e ERROR "$KM_STATE/stasisd.log" | sed 's/^/KMINFO stasisd: /'
   local cases
   cases=$(sed -n 's/.*km\.cases=\([^ ]*\).*/\1/p' /proc/cmdline | tr , ' ')
@@ -376,7 +602,9 @@ guest_main() {
       timeout 900 bash "$self" --case "$c" >"$KM_STATE/case-$c.log" 2>&1
       local rc=$?
       if [ $rc = 0 ]; then
-        result="pass ($((SECONDS - t0)) s)"
+        local summary
+        summary=$(sed -n 's/^SUMMARY: //p' "$KM_STATE/case-$c.log" | tail -n 1)
+        result="pass ($((SECONDS - t0)) s)${summary:+: $summary}"
       else
         local reason
         reason=$(sed -n 's/^REASON: //p' "$KM_STATE/case-$c.log" | tail -n 1)

@@ -1,0 +1,43 @@
+"""Memory for measuring dirty-page tracking (kernel-matrix case `track-cost`).
+
+Holds argv[1] MiB (default 512) in one anonymous mapping: the first half random bytes, the
+second half compressible text, each 4 KiB page numbered (no two pages alike). Prints `ready
+MIB`. Each SIGUSR1 rewrites 10% of the memory, in 64 KiB runs at random 64 KiB-aligned offsets,
+with random bytes, and prints `rewrote N` (N counts the rewrites). argv[2] seeds the generator
+(default 1), so that two runs hold different memory."""
+import mmap
+import random
+import signal
+import sys
+import time
+
+PAGE = 4096
+RUN = 64 << 10
+MIB = 1 << 20
+
+size = (int(sys.argv[1]) if len(sys.argv) > 1 else 512) * MIB
+rng = random.Random(int(sys.argv[2]) if len(sys.argv) > 2 else 1)
+mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+half = size // 2
+for at in range(0, half, 16 * MIB):
+    n = min(16 * MIB, half - at)
+    mem[at:at + n] = rng.randbytes(n)
+text = b"".join(b"compressible line %04d of a page: the same words each time\n" % i for i in range(64))
+template = (text * 2)[:PAGE - 8]
+for at in range(half, size, 16 * MIB):
+    n = min(16 * MIB, size - at)
+    mem[at:at + n] = b"".join((p).to_bytes(8, "little") + template for p in range(at // PAGE, (at + n) // PAGE))
+
+pending = []
+signal.signal(signal.SIGUSR1, lambda *_: pending.append(1))
+print(f"ready {size // MIB}", flush=True)
+rewrites = 0
+while True:
+    while pending:
+        pending.pop()
+        runs = size // RUN
+        for run in rng.sample(range(runs), runs // 10):
+            mem[run * RUN:(run + 1) * RUN] = rng.randbytes(RUN)
+        rewrites += 1
+        print(f"rewrote {rewrites}", flush=True)
+    time.sleep(0.1)
