@@ -16,7 +16,8 @@ const PID: u64 = 42;
 const SETTINGS: FetchSettings =
     FetchSettings { cache_bytes: 1 << 20, timeout: Duration::from_secs(10), fresh_first: true };
 
-fn bytes(n: usize, seed: u64) -> Vec<u8> {
+/// `n` bytes of a pseudo-random sequence seeded with `seed`.
+pub(crate) fn bytes(n: usize, seed: u64) -> Vec<u8> {
     let mut state = seed | 1;
     (0..n)
         .map(|_| {

@@ -115,17 +115,11 @@ impl Building {
         start: u64,
         end: u64,
     ) -> Result<(), ChunkingError<W::Error>> {
-        let dst_id = self.image.dst_id;
-        let (_, cutter) = self.open.as_mut().expect("a stretch is open");
-        if self.pending.is_none() && cutter.within_window() {
+        if self.pending.is_none() && self.open.as_ref().is_some_and(|(_, cutter)| cutter.within_window()) {
             // A window begun with written pages: its unchanged rest is read back.
-            let upto = window_end(start).min(end);
-            let bytes = parent.bytes(dst_id, start, upto)?;
-            let windows = cutter.cut(&bytes);
-            Self::take(&mut self.image, writer, &windows)?;
+            self.read_back(writer, parent, start, window_end(start).min(end))?;
         }
-        let (_, cutter) = self.open.as_mut().expect("a stretch is open");
-        let mut at = cutter.addr();
+        let mut at = self.open.as_ref().expect("a stretch is open").1.addr();
         while at < end && window_end(at) <= end {
             self.unchanged_chunk(writer, parent, at, window_end(at))?;
             at = window_end(at);
@@ -152,12 +146,23 @@ impl Building {
                 cutter.skip(end - start);
                 Ok(())
             }
-            None => {
-                let bytes = parent.bytes(dst_id, start, end)?;
-                let windows = cutter.cut(&bytes);
-                Self::take(&mut self.image, writer, &windows)
-            }
+            None => self.read_back(writer, parent, start, end),
         }
+    }
+
+    /// The unchanged pages `start..end`, continuing the open stretch, read back from the
+    /// previous checkpoint and chunked as written ones are.
+    fn read_back<W: WindowSink>(
+        &mut self,
+        writer: &mut W,
+        parent: &mut Parent,
+        start: u64,
+        end: u64,
+    ) -> Result<(), ChunkingError<W::Error>> {
+        let bytes = parent.bytes(self.image.dst_id, start, end)?;
+        let (_, cutter) = self.open.as_mut().expect("a stretch is open");
+        let windows = cutter.cut(&bytes);
+        Self::take(&mut self.image, writer, &windows)
     }
 
     /// Unchanged pages waiting at the end of the open stretch are read back and chunked:
@@ -167,13 +172,12 @@ impl Building {
         writer: &mut W,
         parent: &mut Option<Parent>,
     ) -> Result<(), ChunkingError<W::Error>> {
-        let (Some(end), Some((_, cutter))) = (self.pending.take(), self.open.as_mut()) else {
+        let (Some(end), Some((_, cutter))) = (self.pending.take(), self.open.as_ref()) else {
             return Ok(());
         };
+        let start = cutter.addr();
         let parent = parent.as_mut().expect("pages wait only when a parent gave them");
-        let bytes = parent.bytes(self.image.dst_id, cutter.addr(), end)?;
-        let windows = cutter.cut(&bytes);
-        Self::take(&mut self.image, writer, &windows)
+        self.read_back(writer, parent, start, end)
     }
 
     fn close<W: WindowSink>(

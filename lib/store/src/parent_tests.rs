@@ -21,15 +21,7 @@ const DST: u64 = (7 << 8) | 1;
 type Memory = Vec<(u64, Vec<u8>)>;
 
 fn pattern(seed: u64, len: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    crate::lazy_memory_tests::bytes(len as usize, seed)
 }
 
 /// 4 MiB from an aligned address, and 40 pages from an address inside a window.
@@ -101,8 +93,11 @@ fn unchanged_bytes(memory: &Memory, written: &HashSet<u64>) -> u64 {
     pages.filter(|p| !written.contains(p)).count() as u64 * PAGE
 }
 
+/// An image's runs (address, pages, flags) and chunks (hash, length).
+type ImageLayout = (Vec<(u64, u64, u32)>, Vec<(Vec<u8>, u32)>);
+
 /// Runs and chunk hashes: what a restore reads, whatever the references say of freshness.
-fn layout(manifest: &Manifest) -> Vec<(Vec<(u64, u64, u32)>, Vec<(Vec<u8>, u32)>)> {
+fn layout(manifest: &Manifest) -> Vec<ImageLayout> {
     let image = |m: &MemoryImage| {
         let runs = m.runs.iter().map(|r| (r.vaddr, r.nr_pages, r.flags)).collect();
         (runs, m.chunks.iter().map(|c| (c.hash.clone(), c.len)).collect())
