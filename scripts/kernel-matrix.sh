@@ -6,7 +6,7 @@
 #                                                 6.12 (trixie); default: all three
 #        scripts/kernel-matrix.sh --fetch [SERIES...]   only fetch the kernels
 # Environment: KM_CASES (the cases to run, space-separated; default all: counter tcp lazy
-# incremental idle shm tracked; track-cost runs only when named), KM_MEM (guest MiB, 1536),
+# incremental idle shm tracked rseq; track-cost runs only when named), KM_MEM (guest MiB, 1536),
 # KM_SMP (guest CPUs, 2), KM_TIMEOUT (seconds per kernel, 1800), KM_REFRESH=1 (fetch the
 # kernels again), KM_RESULTS (the table's file, default .stasis/kernel-matrix/results.txt).
 #
@@ -43,6 +43,10 @@
 #                with its next hit count and the same memory checksum
 #   shm          a parent and forked child sharing memory, evicted and restored: same
 #                checksums, and a write by one is still seen by the other
+#   rseq         a Python process started outside stasis (setsid, no GLIBC_TUNABLES), so its
+#                glibc registered rseq: before 5.13 `stasis checkpoint PID` refuses it up front
+#                (non-zero exit, naming rseq) and it ticks on, never frozen; from 5.13 on it is
+#                evicted, restored by checkpoint id, and ticks on
 #   tracked      dirty-page tracking: a process whose memory changes between five checkpoints
 #                (pages rewritten, a child forked, a mapping mremapped, one unmapped), with
 #                stasisd restarted between two of them; each checkpoint takes unchanged memory
@@ -63,7 +67,7 @@ self=$(realpath "$0")
 # snapshot), so that a rebuild or an edit in the checkout meanwhile does not reach it.
 root=${KM_ROOT:-$(cd "$(dirname "$self")/.." && pwd)}
 bin=${KM_BIN:-$root/target/debug}
-all_cases="counter tcp lazy incremental idle shm tracked"
+all_cases="counter tcp lazy incremental idle shm tracked rseq"
 
 # ---------------------------------------------------------------------------------------------
 # Inside the guest: one case (run by the guest's pid 1 as a separate process, so that `set -e`
@@ -554,6 +558,67 @@ restart_stasisd() {
   wait_for 120 "end of stasisd (pid $old) after SIGTERM" ended "$old"
   start_stasisd "$@" || fail "stasisd does not serve 180 s after its restart with: ${*:-the default flags}"
   echo "stasisd restarted (pid $old -> $(cat "$KM_STATE/stasisd.pid"))${1:+ with $*}"
+}
+
+# kernel_before MAJOR MINOR: whether the running kernel is older than MAJOR.MINOR.
+kernel_before() {
+  local major minor
+  IFS=. read -r major minor _ <<<"$(uname -r)"
+  [ "$major" -lt "$1" ] || { [ "$major" = "$1" ] && [ "${minor%%[!0-9]*}" -lt "$2" ]; }
+}
+
+# proc_state PID: the state letter of process PID (R, S, T, ...).
+proc_state() { sed -n 's/^State:[[:space:]]*\([A-Za-z]\).*/\1/p' "/proc/$1/status"; }
+
+case_rseq() {
+  # Started outside stasisd, in a session of its own and without glibc.pthread.rseq=0, so its
+  # glibc (2.35 or later: the host's, which the guest runs) registered rseq in it. It writes its
+  # pid, then a tick every 0.2 s, opening its log each time.
+  local ticks=$KM_STATE/rseq-ticks.log
+  env -u GLIBC_TUNABLES setsid "$py" -c '
+import os, sys, time
+with open(sys.argv[1], "a") as f:
+    print("pid", os.getpid(), file=f)
+n = 0
+while True:
+    n += 1
+    with open(sys.argv[1], "a") as f:
+        print("tick", n, file=f)
+    time.sleep(0.2)' "$ticks" </dev/null >/dev/null 2>&1 &
+  wait_for 60 "ticks" reached "$ticks" "tick " 5
+  local pid last
+  pid=$(sed -n 's/^pid //p' "$ticks")
+  ! grep -q -a GLIBC_TUNABLES "/proc/$pid/environ" || fail "the process got GLIBC_TUNABLES"
+  if kernel_before 5 13; then
+    local err=$KM_STATE/rseq.err out why
+    if out=$(st checkpoint "$pid" --json 2>"$err"); then
+      fail "the checkpoint of a process with rseq succeeded on $(uname -r): $out"
+    fi
+    why=$(head -n 1 "$err")
+    echo "refused: $why"
+    grep -q 'rseq' <<<"$why" || fail "the refusal does not name rseq: $why"
+    grep -q 'nothing was touched' <<<"$why" || fail "the refusal is not an up-front one: $why"
+    ! grep -q 'get_rseq_conf' "$KM_STATE/stasisd.log" || fail "CRIU ran on it: $(grep -m 1 get_rseq_conf "$KM_STATE/stasisd.log")"
+    kill -0 "$pid" 2>/dev/null || fail "the refused process $pid is gone"
+    [ "$(proc_state "$pid")" != T ] || fail "the refused process $pid is stopped"
+    last=$(last_number "$ticks" "tick ")
+    wait_for 30 "ticks past $last after the refusal" reached "$ticks" "tick " $((last + 10))
+    consecutive "$ticks" "tick " || fail "ticks not consecutive: $(consecutive "$ticks" "tick ")"
+    echo "process $pid refused, state $(proc_state "$pid"), ticked on from $last to $(last_number "$ticks" "tick ")"
+  else
+    local ck id
+    ck=$(cli checkpoint "$pid" --json)
+    id=$(json id <<<"$ck")
+    wait_for 60 "end of the evicted process (pid $pid)" gone "$pid"
+    last=$(last_number "$ticks" "tick ")
+    r=$(cli restore "$id" --json)
+    pid=$(json pid <<<"$r")
+    kill -0 "$pid" 2>/dev/null || fail "restored pid $pid is not running"
+    wait_for 120 "ticks past $last after the restore" reached "$ticks" "tick " $((last + 10))
+    consecutive "$ticks" "tick " || fail "ticks not consecutive: $(consecutive "$ticks" "tick ")"
+    echo "process with rseq checkpointed ($id) at tick $last, restored as $pid, ticked on to $(last_number "$ticks" "tick ")"
+  fi
+  kill "$pid"
 }
 
 # ---------------------------------------------------------------------------------------------

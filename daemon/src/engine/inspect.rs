@@ -5,9 +5,10 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io;
 use std::path::PathBuf;
 
+use super::host::Host;
 use super::sockets::{self, TreeSockets};
 use super::unsupported;
-use crate::criu::TreeOptions;
+use crate::criu::{TreeOptions, support};
 use crate::linux::fdinfo::{self, FdInfo};
 use crate::linux::proc::{self, ProcStat};
 use crate::linux::{init_program, pty};
@@ -134,6 +135,27 @@ pub fn inspect(root: i32) -> io::Result<TreeInfo> {
     })
 }
 
+/// Why this kernel keeps CRIU from dumping the tree of `pids`, though a newer one would not,
+/// if it does: a process in which glibc registered restartable sequences, on a kernel where
+/// CRIU cannot read them (see `unsupported::registers_rseq`). Asks nothing of the processes
+/// where the kernel is not such a one.
+pub fn kernel_refusal<H: Host + ?Sized>(host: &H, pids: &[i32]) -> Option<String> {
+    let Err(why) = support::rseq_dumpable(&host.kernel_release()) else { return None };
+    let refused = pids.iter().copied().find(|&pid| {
+        unsupported::registers_rseq(&host.mapped_files(pid), host.initial_environment(pid).as_deref())
+    })?;
+    let command = host.command(refused).unwrap_or_default();
+    let name = command.first().map(|program| program.rsplit('/').next().unwrap_or(program));
+    Some(unsupported::rseq(refused, name, &why))
+}
+
+/// The environment `pid` started with, as `NAME=value` entries (/proc/PID/environ).
+pub fn initial_environment(pid: i32) -> Option<Vec<String>> {
+    let bytes = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let entries = bytes.split(|&b| b == 0).filter(|entry| !entry.is_empty());
+    Some(entries.map(|entry| String::from_utf8_lossy(entry).into_owned()).collect())
+}
+
 /// The pids of `pids` inside `root`'s pid namespace, if `root` is its init and it is not
 /// this one; empty otherwise. (Processes in namespaces nested deeper count at the root's
 /// level; one that exited meanwhile gets 0, which no restored process has.)
@@ -169,6 +191,37 @@ mod tests {
         assert!(!before.options.link_remap);
         assert!(after.options.link_remap);
         assert!(after.options.describe().contains(&"link-remap".to_string()));
+    }
+
+    #[test]
+    fn glibc_and_its_rseq_tunable_are_read_from_proc() {
+        // `sleep` runs glibc (this machine's, 2.35 or later: it registers rseq by default).
+        let start = |tunables: Option<&str>| {
+            let mut cmd = std::process::Command::new("sleep");
+            cmd.arg("5").env_remove("GLIBC_TUNABLES");
+            if let Some(value) = tunables {
+                cmd.env("GLIBC_TUNABLES", value);
+            }
+            cmd.spawn().unwrap()
+        };
+        let registers = |child: &std::process::Child| {
+            let pid = child.id() as i32;
+            // The loader maps libc.so.6 just after exec.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            let mut mapped = proc::mapped_paths(pid);
+            while !mapped.iter().any(|p| p.contains("libc")) && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                mapped = proc::mapped_paths(pid);
+            }
+            unsupported::registers_rseq(&mapped, initial_environment(pid).as_deref())
+        };
+        let mut children = [start(None), start(Some("glibc.malloc.arena_max=2:glibc.pthread.rseq=0"))];
+        let verdicts = children.each_ref().map(registers);
+        for child in &mut children {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+        assert_eq!(verdicts, [true, false]);
     }
 
     #[test]

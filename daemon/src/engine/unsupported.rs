@@ -16,7 +16,11 @@
 //!   it only through the first descriptor of its holder's controlling terminal that it dumps,
 //!   when that is the holder's own and the terminal's foreground group is its session's (tmux's
 //!   server holds the master of the terminal its shell opened `/dev/tty` on; a job of an
-//!   outside shell has the shell's terminal): "ctty inheritance detected".
+//!   outside shell has the shell's terminal): "ctty inheritance detected";
+//! - on kernels before 5.13 only, a process in which glibc registered restartable sequences
+//!   (see [`registers_rseq`]): CRIU reads a registration with PTRACE_GET_RSEQ_CONFIGURATION,
+//!   which those kernels lack ("has rseq but kernel lacks get_rseq_conf feature"). The
+//!   kernel's release decides whether this one applies (`inspect::kernel_refusal`).
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
@@ -162,6 +166,73 @@ pub fn terminal_reopened(
     }
 }
 
+/// glibc's tunable that keeps it from registering restartable sequences, and the variable
+/// that carries it.
+const RSEQ_TUNABLE: &str = "glibc.pthread.rseq";
+const TUNABLES_VARIABLE: &str = "GLIBC_TUNABLES";
+
+/// Whether glibc registered restartable sequences (rseq) in a process that maps the files
+/// `mapped` (as /proc/PID/maps names them) and started with `environment` (/proc/PID/environ):
+/// it runs glibc's shared libc.so.6 (a static or musl program does not), and its initial
+/// environment does not set `glibc.pthread.rseq=0` in GLIBC_TUNABLES. glibc reads its tunables
+/// once, as the program starts, so the environment it started with is the one that counts; the
+/// last setting of the tunable wins, as in glibc. glibc 2.35 and later register rseq in every
+/// thread; glibc before 2.34 names its library `libc-2.NN.so`, so it does not count (2.34 is
+/// counted though it registers none). When the environment cannot be read, nothing is known
+/// and the process is not counted.
+pub fn registers_rseq(mapped: &[String], environment: Option<&[String]>) -> bool {
+    let runs_glibc = mapped.iter().any(|path| {
+        let path = path.strip_suffix(DELETED).unwrap_or(path);
+        Path::new(path).file_name().is_some_and(|name| name == "libc.so.6")
+    });
+    let Some(environment) = environment.filter(|_| runs_glibc) else { return false };
+    let setting = tunables(environment)
+        .flat_map(|value| value.split(':'))
+        .filter_map(|tunable| tunable.strip_prefix(RSEQ_TUNABLE)?.strip_prefix('='))
+        .next_back();
+    setting.is_none_or(|value| value.parse::<u32>() != Ok(0))
+}
+
+/// The parts of GLIBC_TUNABLES in `environment` (/proc/PID/environ's entries), in order. glibc
+/// before 2.39 ends each tunable it takes with a NUL written over the `:` after it, in the
+/// environment itself, so that /proc shows `GLIBC_TUNABLES=glibc.malloc.arena_max=2` and then
+/// `glibc.pthread.rseq=0` as an entry of its own: an entry after GLIBC_TUNABLES's whose name has
+/// a dot (a tunable's, never a variable's) is the rest of it.
+fn tunables(environment: &[String]) -> impl DoubleEndedIterator<Item = &str> {
+    let mut within = false;
+    let mut parts = Vec::new();
+    for entry in environment {
+        if let Some(value) = entry.strip_prefix(TUNABLES_VARIABLE).and_then(|rest| rest.strip_prefix('=')) {
+            within = true;
+            parts.push(value);
+        } else if within && entry.split('=').next().is_some_and(|name| name.contains('.')) {
+            parts.push(entry.as_str());
+        } else {
+            within = false;
+        }
+    }
+    parts.into_iter()
+}
+
+/// Why CRIU cannot checkpoint process `pid` (command `name`), in which glibc registered
+/// restartable sequences, on a kernel that keeps it from reading them (`why`, as
+/// `support::rseq_dumpable` says).
+pub fn rseq(pid: i32, name: Option<&str>, why: &str) -> String {
+    let who = match name {
+        Some(name) => format!("process {pid} ({name})"),
+        None => format!("process {pid}"),
+    };
+    format!(
+        "{who} runs glibc without {TUNABLES_VARIABLE}={RSEQ_TUNABLE}=0 in its environment, so glibc registered \
+         restartable sequences (rseq) in it, and {why}; start it with `stasis run` (which sets that tunable on \
+         such kernels), or with {TUNABLES_VARIABLE}={RSEQ_TUNABLE}=0 in its environment, or run it on Linux 5.13 \
+         or newer"
+    )
+}
+
+/// How /proc marks the path of a file that was unlinked (a library replaced by an upgrade).
+const DELETED: &str = " (deleted)";
+
 /// The slave number of a pseudo-terminal from its device number as /proc/PID/stat gives it
 /// (`tty_nr`), if it is one: devpts numbers its slaves as minors of major 136.
 fn pty_number(tty_nr: i32) -> Option<u32> {
@@ -201,6 +272,37 @@ mod tests {
         assert_eq!(descriptor(me, 8, Path::new("/tmp/secretmemory.txt")), None);
         assert!(mappings(me, &["/usr/lib/libc.so.6".into(), "/secretmem (deleted)".into()]).is_some());
         assert_eq!(mappings(me, &["/usr/lib/libc.so.6".into()]), None);
+    }
+
+    #[test]
+    fn glibc_registers_rseq_unless_its_tunable_says_no() {
+        let list = |items: &[&str]| items.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let glibc = list(&["/usr/bin/python3.11", "/usr/lib/x86_64-linux-gnu/libc.so.6"]);
+        let registers = |mapped: &[String], env: &[&str]| registers_rseq(mapped, Some(&list(env)));
+        assert!(registers(&glibc, &["PATH=/bin"]), "no tunables");
+        assert!(registers(&glibc, &["GLIBC_TUNABLES=glibc.malloc.arena_max=2"]), "other tunables");
+        assert!(registers(&glibc, &["GLIBC_TUNABLES=glibc.pthread.rseq=1"]));
+        assert!(
+            registers(&glibc, &["GLIBC_TUNABLES=glibc.pthread.rseq=0:glibc.pthread.rseq=1"]),
+            "last wins"
+        );
+        assert!(registers(&glibc, &["MY_GLIBC_TUNABLES=glibc.pthread.rseq=0"]), "another variable");
+        assert!(!registers(&glibc, &["GLIBC_TUNABLES=glibc.pthread.rseq=0"]));
+        assert!(!registers(&glibc, &["A=1", "GLIBC_TUNABLES=glibc.mem.tagging=0:glibc.pthread.rseq=0"]));
+        let upgraded = list(&["/usr/lib/x86_64-linux-gnu/libc.so.6 (deleted)"]);
+        assert!(registers(&upgraded, &[]), "a libc replaced since it started");
+        assert!(!registers(&list(&["/usr/local/bin/server"]), &[]), "static");
+        assert!(!registers(&list(&["/lib/ld-musl-x86_64.so.1"]), &[]), "musl");
+        assert!(!registers(&list(&["/lib/x86_64-linux-gnu/libc-2.31.so"]), &[]), "glibc 2.31");
+        assert!(!registers(&list(&["/opt/libc.so.6.bak"]), &[]));
+        assert!(!registers_rseq(&glibc, None), "an environment that cannot be read tells nothing");
+        // As glibc 2.36 leaves it: a NUL written after each tunable it took.
+        let split = ["GLIBC_TUNABLES=glibc.malloc.arena_max=2", "glibc.pthread.rseq=0", "ZZZ=1"];
+        assert!(!registers(&glibc, &split), "{split:?}");
+        let reset = ["GLIBC_TUNABLES=glibc.pthread.rseq=0", "glibc.pthread.rseq=1", "Z=1"];
+        assert!(registers(&glibc, &reset), "{reset:?}");
+        let after = ["GLIBC_TUNABLES=glibc.malloc.arena_max=2", "Z=1", "glibc.pthread.rseq=0"];
+        assert!(registers(&glibc, &after), "not GLIBC_TUNABLES's any more: {after:?}");
     }
 
     #[test]

@@ -14,6 +14,7 @@ use nix::sys::signal::Signal;
 use super::fake_containers::FakeContainers;
 use super::fake_faults::FakeFaults;
 use super::fake_locks::FakeLocks;
+use super::fake_programs::FakePrograms;
 use super::{Hold, Host, PortUses, TcpSockets, Usage, Watches};
 use crate::engine::inspect::TreeInfo;
 use crate::engine::sockets::{Connection, TreeSockets};
@@ -51,6 +52,8 @@ pub struct FakeHost {
     pub locks: FakeLocks,
     /// Kubernetes containers (see fake_containers.rs).
     pub containers: FakeContainers,
+    /// What the processes run, and the kernel release (see fake_programs.rs).
+    pub programs: FakePrograms,
     /// Pids now held by another process than the one inspected (a start time of 2, not 1).
     pub reused: Mutex<HashSet<i32>>,
     /// The CPU's instruction-set extensions.
@@ -119,13 +122,21 @@ impl Host for FakeHost {
         Ok(vec![format!("fake-{pid}")])
     }
 
-    fn inspect(&self, root: i32) -> io::Result<TreeInfo> {
+    fn survey_tree(&self, root: i32) -> io::Result<TreeInfo> {
         self.trees
             .lock()
             .unwrap()
             .get(&root)
             .cloned()
             .ok_or_else(|| io::Error::from_raw_os_error(libc::ESRCH))
+    }
+
+    fn mapped_files(&self, pid: i32) -> Vec<String> {
+        self.programs.mapped(pid)
+    }
+
+    fn initial_environment(&self, pid: i32) -> Option<Vec<String>> {
+        self.programs.environment(pid)
     }
 
     fn untouchable(&self, pid: i32) -> Option<String> {
@@ -335,7 +346,7 @@ impl Host for FakeHost {
     }
 
     fn kernel_release(&self) -> String {
-        "6.18.0-fake".into()
+        self.programs.release()
     }
 }
 

@@ -42,8 +42,16 @@ impl Host for LinuxHost {
         proc::cmdline(pid)
     }
 
-    fn inspect(&self, root: i32) -> io::Result<TreeInfo> {
+    fn survey_tree(&self, root: i32) -> io::Result<TreeInfo> {
         inspect::inspect(root)
+    }
+
+    fn mapped_files(&self, pid: i32) -> Vec<String> {
+        proc::mapped_paths(pid)
+    }
+
+    fn initial_environment(&self, pid: i32) -> Option<Vec<String>> {
+        inspect::initial_environment(pid)
     }
 
     fn untouchable(&self, pid: i32) -> Option<String> {

@@ -19,6 +19,10 @@ mod fake_faults;
 #[cfg(test)]
 mod fake_locks;
 #[cfg(test)]
+mod fake_programs;
+#[cfg(test)]
+mod rseq_tests;
+#[cfg(test)]
 mod tests;
 
 use std::collections::HashSet;
@@ -35,7 +39,7 @@ pub use locks::NetworkLocks;
 use nix::sys::signal::Signal;
 pub use watch::{Hold, PortUses, TcpSockets, Watches};
 
-use super::inspect::TreeInfo;
+use super::inspect::{self, TreeInfo};
 use super::sockets::{Connection, TreeSockets};
 use crate::linux::net::SocketTable;
 use crate::linux::sys::ChildSetup;
@@ -48,8 +52,23 @@ pub trait Host: Watches + Userfaults + NetworkLocks + Containers {
     fn is_running(&self, pid: i32) -> bool;
     /// The command line of `pid`.
     fn command(&self, pid: i32) -> io::Result<Vec<String>>;
-    /// What the tree rooted at `root` holds, and so how CRIU must dump it.
-    fn inspect(&self, root: i32) -> io::Result<TreeInfo>;
+    /// What the tree rooted at `root` holds, and so how CRIU must dump it: what
+    /// [`Host::survey_tree`] finds, refused (`TreeInfo::unsupported`) also where this kernel
+    /// keeps CRIU from dumping what its programs do (see `inspect::kernel_refusal`).
+    fn inspect(&self, root: i32) -> io::Result<TreeInfo> {
+        let mut tree = self.survey_tree(root)?;
+        if tree.unsupported.is_none() {
+            tree.unsupported = inspect::kernel_refusal(self, &tree.pids);
+        }
+        Ok(tree)
+    }
+    /// What the tree rooted at `root` holds, and what of it CRIU cannot dump on any kernel.
+    fn survey_tree(&self, root: i32) -> io::Result<TreeInfo>;
+    /// The files `pid` maps, as /proc/PID/maps names them (none when they cannot be read).
+    fn mapped_files(&self, pid: i32) -> Vec<String>;
+    /// The environment `pid` started with (/proc/PID/environ), as `NAME=value` entries; `None`
+    /// when it cannot be read.
+    fn initial_environment(&self, pid: i32) -> Option<Vec<String>>;
     /// What `pid` is, if it may not be checkpointed at all: init, a kernel thread, or stasisd
     /// itself.
     fn untouchable(&self, pid: i32) -> Option<String>;
