@@ -419,6 +419,12 @@ ticks_on() {
   wait_for 120 "ticks $1" reached "$log" "tick " $(($(last_number "$log" "tick ") + 3))
 }
 
+# tracked_said: what tracked.py said last, besides its ticks (on failure: a Python error, say).
+tracked_said() {
+  echo "tracked.py, last lines but ticks:"
+  grep -a -v '^tick ' "$log" | tail -n 25
+}
+
 case_tracked() {
   # Keep the checkpoints this case restores (the default keeps 3 a workload): from a stasisd
   # restarted with --keep-last 4, the fifth checkpoint deletes the first, the parent of the
@@ -428,6 +434,7 @@ case_tracked() {
   tracking_expected
   [ "$tracking" = on ] || some=zero
   start tracked -- "$py" -u "$workloads/tracked.py"
+  trap '[ $? = 0 ] || tracked_said' EXIT
   wait_for 120 "tracked.py's memory" grep -q '^ready sum ' "$log"
   local sum sum1 sum4 ck ck1 ck2
   sum=$(sed -n 's/^ready sum //p' "$log")

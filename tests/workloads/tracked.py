@@ -1,7 +1,9 @@
 """Memory that changes between checkpoints, for dirty-page tracking (kernel-matrix case `tracked`).
 
 Holds three anonymous private mappings of 8 MiB (mmap through libc, so that they can be
-mremapped), filled from a seeded generator, and prints `ready sum S`, then `tick N` every 0.2 s.
+mremapped), filled from a seeded generator: the first two madvised MADV_NOHUGEPAGE, so that the
+kernel tracks their writes page by page, the third left to transparent huge pages where the
+kernel uses them (Debian's do, always), whose soft-dirty bit covers 2 MiB; and prints `ready sum S`, then `tick N` every 0.2 s.
 S is a BLAKE2b checksum over every mapping it holds (address order of creation, with each
 mapping's size) and, once it has a child, the child's checksum of its own memory, asked over a
 pipe. Each SIGUSR1 runs the next step, then prints `phase N sum S`:
@@ -29,6 +31,7 @@ MIB = 1 << 20
 PROT_NONE, PROT_RW = 0, 3
 MAP_PRIVATE, MAP_ANONYMOUS = 0x02, 0x20
 MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2
+MADV_NOHUGEPAGE = 15
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -38,6 +41,8 @@ libc.mremap.restype = ctypes.c_void_p
 libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
 libc.munmap.restype = ctypes.c_int
 libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.madvise.restype = ctypes.c_int
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def check(result, what):
@@ -94,8 +99,10 @@ class Parent:
     def __init__(self, seed):
         self.rng = random.Random(seed)
         self.maps = []
-        for _ in range(3):
+        for i in range(3):
             addr = anon(8 * MIB)
+            if i < 2:
+                check(libc.madvise(addr, 8 * MIB, MADV_NOHUGEPAGE), "madvise")
             fill(self.rng, addr, 8 * MIB)
             self.maps.append((addr, 8 * MIB))
         self.child = None  # (pid, request file, answer file)
