@@ -16,7 +16,7 @@ use super::chunks::{CHUNK, ChunkStats, ChunkWriter, UploaderGone, WindowCutter};
 use super::parent::{Parent, ParentError};
 use super::staging::Staged;
 use super::stream::{Received, StreamSource, Unfinished};
-use stasis_criu_images::pages::{PE_PARENT, PE_PRESENT, PageRun};
+use stasis_criu_images::pages::{PAGE_SIZE, PE_PARENT, PageRun};
 
 /// Where the windows of a memory image go, each coming back as its chunk's reference: the
 /// store's chunk writer (a streamed dump), or a sifter staging what the store lacks.
@@ -218,18 +218,42 @@ impl MemoryChunker {
     }
 
     /// Takes `run`, whose bytes are `pieces` in order (none for a run without data). A run in
-    /// parent is stored as present: its pages are the previous checkpoint's.
+    /// parent is stored as the previous checkpoint had its pages, with their flags: a page
+    /// CRIU may leave to a lazy restore then still is one, as in a full dump (were it not,
+    /// CRIU would put it in place itself on a restore, and with transparent huge pages that
+    /// fills the lazy pages around it with zeros the restore never replaces).
     pub(super) fn feed<W: WindowSink>(
         &mut self,
         writer: &mut W,
         run: PageRun,
         pieces: &[&[u8]],
     ) -> Result<(), ChunkingError<W::Error>> {
-        let in_parent = run.flags & PE_PARENT != 0;
-        let run = match in_parent {
-            true => PageRun { flags: (run.flags & !PE_PARENT) | PE_PRESENT, ..run },
-            false => run,
+        if run.flags & PE_PARENT == 0 {
+            return self.feed_one(writer, run, false, pieces);
+        }
+        let end = run.vaddr + run.byte_len();
+        let parts = self.parent.as_ref().and_then(|p| p.memory.flags_over(run.dst_id, run.vaddr, end));
+        let Some(parts) = parts else {
+            let checkpoint = self.parent.as_ref().map_or("(none)", |p| p.memory.checkpoint()).into();
+            let (dst_id, vaddr, nr_pages) = (run.dst_id, run.vaddr, run.nr_pages);
+            return Err(ParentError::NotHeld { checkpoint, dst_id, vaddr, nr_pages }.into());
         };
+        writer.stats().bytes_unchanged += run.byte_len();
+        for (start, end, flags) in parts {
+            let part = PageRun { vaddr: start, nr_pages: (end - start) / PAGE_SIZE, flags, ..run };
+            self.feed_one(writer, part, true, &[])?;
+        }
+        Ok(())
+    }
+
+    /// Takes `run`, unchanged pages with the flags they had, or written ones.
+    fn feed_one<W: WindowSink>(
+        &mut self,
+        writer: &mut W,
+        run: PageRun,
+        in_parent: bool,
+        pieces: &[&[u8]],
+    ) -> Result<(), ChunkingError<W::Error>> {
         self.image(run.dst_id);
         let building = self.images.get_mut(&run.dst_id).expect("just made");
         let parent = &mut self.parent;
@@ -238,17 +262,11 @@ impl MemoryChunker {
             building.open = Some((PageRun { nr_pages: 0, ..run }, WindowCutter::new(run.vaddr)));
         }
         building.open.as_mut().expect("a stretch is open").0.nr_pages += run.nr_pages;
-        if !in_parent {
-            return building.written(writer, parent, pieces);
+        match (in_parent, parent.as_mut()) {
+            (false, _) => building.written(writer, parent, pieces),
+            (true, Some(parent)) => building.unchanged(writer, parent, run.vaddr, run.vaddr + run.byte_len()),
+            (true, None) => unreachable!("runs in parent are fed only with a parent"),
         }
-        writer.stats().bytes_unchanged += run.byte_len();
-        let end = run.vaddr + run.byte_len();
-        let Some(parent) = parent.as_mut() else {
-            let checkpoint = "(none)".into();
-            let (dst_id, vaddr, nr_pages) = (run.dst_id, run.vaddr, run.nr_pages);
-            return Err(ParentError::NotHeld { checkpoint, dst_id, vaddr, nr_pages }.into());
-        };
-        building.unchanged(writer, parent, run.vaddr, end)
     }
 
     pub(super) fn finish<W: WindowSink>(

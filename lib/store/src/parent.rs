@@ -23,9 +23,13 @@ use stasis_criu_images::pages::{InParent, PageRun};
 #[derive(Debug)]
 pub struct ParentMemory {
     checkpoint: String,
-    /// Per pagemap: each chunk by its first address, with the address past its end.
-    chunks: HashMap<u64, BTreeMap<u64, (u64, ChunkRef)>>,
+    /// Per pagemap: each chunk by its first address, with the address past its end and the
+    /// flags of its pages.
+    chunks: HashMap<u64, BTreeMap<u64, Held>>,
 }
+
+/// A chunk of the previous checkpoint: where it ends, its reference, its pages' flags.
+type Held = (u64, ChunkRef, u32);
 
 /// Pages of the previous checkpoint could not be had.
 #[derive(Debug, thiserror::Error)]
@@ -42,12 +46,12 @@ pub enum ParentError {
 impl ParentMemory {
     /// The memory images of checkpoint `checkpoint`; `Err` says why they are malformed.
     pub fn new(checkpoint: &str, images: &[MemoryImage]) -> Result<Self, String> {
-        let mut chunks: HashMap<u64, BTreeMap<u64, (u64, ChunkRef)>> = HashMap::new();
+        let mut chunks: HashMap<u64, BTreeMap<u64, Held>> = HashMap::new();
         for image in images {
             let by_addr = chunks.entry(image.dst_id).or_default();
             for (run, mine) in image_runs(image)? {
                 for (at, chunk) in chunk_addresses(&run, mine) {
-                    by_addr.insert(at, (at + u64::from(chunk.len), chunk.clone()));
+                    by_addr.insert(at, (at + u64::from(chunk.len), chunk.clone(), run.flags));
                 }
             }
         }
@@ -62,7 +66,7 @@ impl ParentMemory {
     /// Whether the store's chunk index knows every stored chunk (all but zero ones): a
     /// collection may have taken them since, when the checkpoint was deleted.
     pub fn held_by(&self, store: &Store) -> bool {
-        self.chunks.values().flat_map(|m| m.values()).all(|(_, c)| {
+        self.chunks.values().flat_map(|m| m.values()).all(|(_, c, _)| {
             c.hash.is_empty()
                 || ChunkHash::try_from(c.hash.as_slice()).is_ok_and(|h| store.index.contains(&h))
         })
@@ -70,25 +74,39 @@ impl ParentMemory {
 
     /// The chunk of pagemap `dst_id` that covers exactly `start..end`.
     pub(super) fn exact(&self, dst_id: u64, start: u64, end: u64) -> Option<&ChunkRef> {
-        let (_, (chunk_end, chunk)) = self.chunks.get(&dst_id)?.get_key_value(&start)?;
+        let (_, (chunk_end, chunk, _)) = self.chunks.get(&dst_id)?.get_key_value(&start)?;
         (*chunk_end == end).then_some(chunk)
     }
 
     /// The chunks of pagemap `dst_id` that cover `start..end`, each with its address, in
     /// order; `None` unless they cover all of it.
-    pub(super) fn covering(&self, dst_id: u64, start: u64, end: u64) -> Option<Vec<(u64, &ChunkRef)>> {
+    pub(super) fn covering(&self, dst_id: u64, start: u64, end: u64) -> Option<Vec<(u64, &Held)>> {
         let by_addr = self.chunks.get(&dst_id)?;
         let (&first, _) = by_addr.range(..=start).next_back()?;
         let mut out = Vec::new();
         let mut reach = first;
-        for (&at, (chunk_end, chunk)) in by_addr.range(first..end) {
+        for (&at, held) in by_addr.range(first..end) {
             if at != reach {
                 return None;
             }
-            out.push((at, chunk));
-            reach = *chunk_end;
+            out.push((at, held));
+            reach = held.0;
         }
         (reach >= end && reach > start).then_some(out)
+    }
+
+    /// `start..end` of pagemap `dst_id` cut where the flags of the previous checkpoint's pages
+    /// change: (start, end, flags) in order; `None` unless it holds all of them.
+    pub(super) fn flags_over(&self, dst_id: u64, start: u64, end: u64) -> Option<Vec<(u64, u64, u32)>> {
+        let mut parts: Vec<(u64, u64, u32)> = Vec::new();
+        for (at, (chunk_end, _, flags)) in self.covering(dst_id, start, end)? {
+            let (from, to) = (start.max(at), end.min(*chunk_end));
+            match parts.last_mut() {
+                Some(last) if last.2 == *flags => last.1 = to,
+                _ => parts.push((from, to, *flags)),
+            }
+        }
+        Some(parts)
     }
 }
 
@@ -138,7 +156,7 @@ impl Parent {
             nr_pages: (end - start) / stasis_criu_images::pages::PAGE_SIZE,
         })?;
         let mut out = Vec::with_capacity((end - start) as usize);
-        for (at, chunk) in chunks {
+        for (at, (_, chunk, _)) in chunks {
             let from = start.max(at) - at;
             let to = end.min(at + u64::from(chunk.len)) - at;
             if chunk.hash.is_empty() {

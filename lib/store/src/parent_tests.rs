@@ -12,7 +12,7 @@ use crate::sift::tests::stored_and_restored;
 use crate::staging::StagingBudget;
 use crate::stream::{BlockPool, stream};
 use crate::{DumpPages, Manifest};
-use stasis_criu_images::pages::{PAGE_SIZE, PE_PARENT, PE_PRESENT, PageSink};
+use stasis_criu_images::pages::{PAGE_SIZE, PE_LAZY, PE_PARENT, PE_PRESENT, PageSink};
 
 const PAGE: u64 = PAGE_SIZE;
 const DST: u64 = (7 << 8) | 1;
@@ -55,7 +55,8 @@ fn after(before: &Memory) -> (Memory, HashSet<u64>) {
 }
 
 /// Sends `memory` as CRIU does, in transfers of at most 17 pages: every page, or with
-/// `written`, those pages present and the others in parent.
+/// `written`, those pages present and the others in parent. Present pages are marked as ones
+/// a lazy restore may leave in the store, as CRIU marks private anonymous memory.
 fn send(sink: &mut dyn PageSink, memory: &Memory, written: Option<&HashSet<u64>>) {
     sink.open(DST).unwrap();
     for (start, bytes) in memory {
@@ -70,8 +71,12 @@ fn send(sink: &mut dyn PageSink, memory: &Memory, written: Option<&HashSet<u64>>
             }
             let vaddr = start + first * PAGE;
             let nr_pages = end - first;
-            let run =
-                PageRun { dst_id: DST, vaddr, nr_pages, flags: if kind { PE_PRESENT } else { PE_PARENT } };
+            let run = PageRun {
+                dst_id: DST,
+                vaddr,
+                nr_pages,
+                flags: if kind { PE_PRESENT | PE_LAZY } else { PE_PARENT },
+            };
             let data = match kind {
                 true => &bytes[(first * PAGE) as usize..(end * PAGE) as usize],
                 false => &[][..],
@@ -168,7 +173,8 @@ async fn a_sifted_dump_in_parent_restores_what_a_full_one_does_reading_back_only
     .await;
     assert!(restored == whole(&memory), "the tracked checkpoint restores byte for byte");
 
-    // A full dump of the same memory: the same runs and chunks.
+    // A full dump of the same memory: the same runs (flags included: unchanged pages stay
+    // ones a lazy restore leaves in the store) and chunks.
     let (sink, source) = stream(&pool);
     let mut sink = sink;
     let full_dir = dir.path().join("c");
@@ -237,7 +243,8 @@ async fn pages_in_parent_that_the_previous_checkpoint_lacks_fail_the_dump() {
 fn the_previous_checkpoint_answers_what_it_holds() {
     let chunk = |hash: u8, len: u64| ChunkRef { hash: vec![hash; 32], len: len as u32, fresh: true };
     let runs = vec![
-        stasis_proto::stasis::store::v1::PageRun { vaddr: 0x3000, nr_pages: 20, flags: PE_PRESENT },
+        stasis_proto::stasis::store::v1::PageRun { vaddr: 0x3000, nr_pages: 13, flags: PE_PRESENT },
+        stasis_proto::stasis::store::v1::PageRun { vaddr: 0x10000, nr_pages: 7, flags: PE_PRESENT | PE_LAZY },
         stasis_proto::stasis::store::v1::PageRun { vaddr: 0x40000, nr_pages: 1, flags: PE_PRESENT },
     ];
     // 0x3000..0x10000 (13 pages), 0x10000..0x17000 (7 pages), then 0x40000 alone.
@@ -255,4 +262,10 @@ fn the_previous_checkpoint_answers_what_it_holds() {
     assert_eq!(memory.exact(DST, 0x10000, 0x17000).map(|c| c.hash[0]), Some(2));
     assert_eq!(memory.exact(DST, 0x10000, 0x16000), None, "not the whole chunk");
     assert_eq!(memory.exact(DST, 0x4000, 0x10000), None, "not a chunk's start");
+    let lazy = PE_PRESENT | PE_LAZY;
+    assert_eq!(
+        memory.flags_over(DST, 0x5000, 0x12000),
+        Some(vec![(0x5000, 0x10000, PE_PRESENT), (0x10000, 0x12000, lazy)])
+    );
+    assert_eq!(memory.flags_over(DST, 0x16000, 0x18000), None, "past the run's end");
 }
