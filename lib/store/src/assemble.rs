@@ -296,6 +296,29 @@ impl Store {
 }
 
 impl Store {
+    /// The bytes of chunk `chunk` of `what` (of checkpoint `id`), found where `find` says,
+    /// fetched alone and verified; zeros for a zero chunk.
+    pub(super) async fn read_chunk(
+        &self,
+        id: &str,
+        what: &str,
+        chunk: &ChunkRef,
+        find: impl FnOnce(&ChunkHash) -> Option<ChunkLoc>,
+    ) -> Result<Vec<u8>, StoreError> {
+        let Some((hash, loc)) = locate(id, what, chunk, find)? else {
+            return Ok(vec![0; chunk.len as usize]);
+        };
+        let range = loc.offset..loc.offset + u64::from(loc.stored_len);
+        let blobs = self.read_ranges(id, &loc.pack, &[range]).await?;
+        let blob = blobs.first().map_or(&[][..], |b| &b[..]);
+        decode_chunk(blob, &loc, &hash, self.cipher()).map_err(|reason| StoreError::CorruptChunk {
+            id: id.into(),
+            chunk: hex::encode(hash),
+            pack: loc.pack.to_string(),
+            reason: reason.into(),
+        })
+    }
+
     /// Reads `ranges` of pack `pack` (for checkpoint `id`); a failure names what is wrong.
     pub(super) async fn read_ranges(
         &self,

@@ -8,7 +8,6 @@ use std::collections::HashMap;
 
 use stasis_proto::stasis::store::v1::FileImage;
 
-use super::assemble::{decode_chunk, locate};
 use super::index::{ChunkHash, ChunkLoc};
 use super::{Manifest, Store, StoreError};
 use stasis_criu_images::image_set::{ImageSetError, check, image_names, read_by_check};
@@ -42,22 +41,7 @@ impl Store {
         let mut data = Vec::with_capacity(usize::try_from(file.size).unwrap_or(0).min(1 << 20));
         for chunk in &file.chunks {
             let find = |hash: &ChunkHash| locations.get(hash)?.iter().find(|l| l.len == chunk.len).cloned();
-            let Some((hash, loc)) = locate(id, &file.name, chunk, find)? else {
-                data.resize(data.len() + chunk.len as usize, 0);
-                continue;
-            };
-            let range = loc.offset..loc.offset + u64::from(loc.stored_len);
-            let blobs = self.read_ranges(id, &loc.pack, &[range]).await?;
-            let blob = blobs.first().map_or(&[][..], |b| &b[..]);
-            let bytes = decode_chunk(blob, &loc, &hash, self.cipher()).map_err(|reason| {
-                StoreError::CorruptChunk {
-                    id: id.into(),
-                    chunk: hex::encode(hash),
-                    pack: loc.pack.to_string(),
-                    reason: reason.into(),
-                }
-            })?;
-            data.extend_from_slice(&bytes);
+            data.extend_from_slice(&self.read_chunk(id, &file.name, chunk, find).await?);
         }
         if data.len() as u64 != file.size {
             return Err(StoreError::Corrupt {

@@ -13,7 +13,6 @@ use std::sync::Arc;
 use stasis_proto::stasis::store::v1::{ChunkRef, MemoryImage};
 use tokio::runtime::Handle;
 
-use super::assemble::{decode_chunk, locate};
 use super::image_runs::{chunk_addresses, image_runs};
 use super::index::ChunkHash;
 use super::{Store, StoreError};
@@ -191,23 +190,8 @@ impl Store {
     ) -> impl FnMut(&ChunkRef) -> Result<Vec<u8>, ParentError> + Send + 'static {
         let store = self.clone();
         move |chunk| {
-            let read = |e| ParentError::Read(Box::new(e));
-            let Some((hash, loc)) =
-                locate(&checkpoint, "memory", chunk, |hash| store.index.get(hash)).map_err(read)?
-            else {
-                return Ok(vec![0; chunk.len as usize]);
-            };
-            let range = loc.offset..loc.offset + u64::from(loc.stored_len);
-            let blobs = handle.block_on(store.read_ranges(&checkpoint, &loc.pack, &[range])).map_err(read)?;
-            let blob = blobs.first().map_or(&[][..], |b| &b[..]);
-            decode_chunk(blob, &loc, &hash, store.cipher.as_deref()).map_err(|reason| {
-                read(StoreError::CorruptChunk {
-                    id: checkpoint.clone(),
-                    chunk: hex::encode(hash),
-                    pack: loc.pack.to_string(),
-                    reason: reason.into(),
-                })
-            })
+            let read = store.read_chunk(&checkpoint, "memory", chunk, |hash| store.index.get(hash));
+            handle.block_on(read).map_err(|e| ParentError::Read(Box::new(e)))
         }
     }
 }
