@@ -17,7 +17,7 @@ use super::tracking::Tracking;
 use super::{CheckpointStats, Job, OnResumed};
 use crate::engine::inspect::TreeInfo;
 use crate::engine::{CheckpointError, Engine, ProgressFn};
-use crate::store::{DumpPages, Staging};
+use crate::store::{DumpPages, ParentMemory, Staging};
 
 /// What a dump left running is expected to stage.
 enum Expected {
@@ -58,10 +58,11 @@ impl Engine {
             job.resumed(&timing, on_resumed, progress);
             let dumped = job.dumped(tree, timing, hold, gpu_restore_ms);
             let stored = self.store_pages(pages, images, progress).await.map_err(store_err)?;
-            let memory = tracking.on.then(|| stored.memory.clone());
+            // The next dump's parent, made before the commit takes the stored memory.
+            let parent = tracking.on.then(|| ParentMemory::new(&job.id, &stored.memory));
             let stats = self.commit_checkpoint(dumped, &guard, stored).await.map_err(store_err)?;
-            if let Some(memory) = memory {
-                self.continue_chain(&job.workload, job.pid, tree, images, &job.id, &memory);
+            if let Some(memory) = parent {
+                self.continue_chain(&job.workload, job.pid, tree, images, &job.id, memory);
             }
             Ok(stats)
         }

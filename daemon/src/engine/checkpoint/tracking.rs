@@ -21,7 +21,6 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use stasis_proto::stasis::store::v1::MemoryImage;
 use tracing::{info, warn};
 
 use crate::engine::Engine;
@@ -95,6 +94,18 @@ impl Engine {
         if self.support.memory_tracking.is_err() {
             return Tracking::default();
         }
+        Tracking { on: true, parent: self.take_parent(workload, root, tree, images) }
+    }
+
+    /// The previous checkpoint of `workload`'s `tree`, its inventory image put in `images`
+    /// for CRIU, if its chain goes on; the chains [`Self::begin_tracking`] breaks are broken.
+    fn take_parent(
+        &self,
+        workload: &str,
+        root: i32,
+        tree: &TreeInfo,
+        images: &Path,
+    ) -> Option<Arc<ParentMemory>> {
         let link = {
             let mut chains = self.shared.chains.lock();
             let link = chains.remove(workload);
@@ -109,13 +120,12 @@ impl Engine {
                 }
                 !shared
             });
-            link
+            link?
         };
-        let Some(link) = link else { return Tracking { on: true, parent: None } };
         let same_tree = link.root == root && link.started.get(&root) == tree.started.get(&root);
         if !same_tree {
             info!(workload, "memory tracking chain broken: the tree is not the one checkpointed before");
-            return Tracking { on: true, parent: None };
+            return None;
         }
         if !link.memory.held_by(&self.deps.store) {
             info!(
@@ -123,19 +133,20 @@ impl Engine {
                 checkpoint = link.memory.checkpoint(),
                 "memory tracking chain broken: the store no longer holds the previous checkpoint"
             );
-            return Tracking { on: true, parent: None };
+            return None;
         }
         let dir = images.join(PARENT_DIR);
         if let Err(e) =
             std::fs::create_dir(&dir).and_then(|()| std::fs::write(dir.join(INVENTORY), &link.inventory))
         {
             warn!(workload, error = %e, "cannot give CRIU the previous checkpoint; this dump reads all memory");
-            return Tracking { on: true, parent: None };
+            return None;
         }
-        Tracking { on: true, parent: Some(link.memory) }
+        Some(link.memory)
     }
 
-    /// Makes the committed checkpoint `id` of `workload`'s `tree`, whose dump in `images`
+    /// Makes the committed checkpoint `id` of `workload`'s `tree`, whose memory is `memory` (made
+    /// before the commit; `Err` if its images were malformed), and whose dump in `images`
     /// tracked memory, the parent of its next dump.
     pub(super) fn continue_chain(
         &self,
@@ -144,11 +155,11 @@ impl Engine {
         tree: &TreeInfo,
         images: &Path,
         id: &str,
-        memory: &[MemoryImage],
+        memory: Result<ParentMemory, String>,
     ) {
         let link = std::fs::read(images.join(INVENTORY))
             .map_err(|e| e.to_string())
-            .and_then(|inventory| Ok((inventory, ParentMemory::new(id, memory)?)));
+            .and_then(|inventory| Ok((inventory, memory?)));
         match link {
             Ok((inventory, memory)) => {
                 let link = Link { started: tree.started.clone(), root, memory: Arc::new(memory), inventory };
