@@ -81,8 +81,7 @@ pub fn running(pid: i32) -> bool {
 
 /// The pid of the process ptrace-attached to `pid` (0 when none).
 pub fn tracer(pid: i32) -> Option<i32> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status.lines().find_map(|l| l.strip_prefix("TracerPid:")?.trim().parse().ok())
+    status_field(pid, "TracerPid")?.parse().ok()
 }
 
 /// Whether /proc/PID exists at all (zombies included).
@@ -171,4 +170,51 @@ pub fn rollup_kib(pid: i32, field: &str) -> Option<u64> {
     let rollup = fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
     let line = rollup.lines().find(|l| l.strip_prefix(field).is_some_and(|rest| rest.starts_with(':')))?;
     line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// A field of `/proc/<pid>/status` (its value, trimmed), if the process and the field exist.
+pub fn status_field(pid: i32, field: &str) -> Option<String> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|l| Some(l.strip_prefix(field)?.strip_prefix(':')?.trim().to_owned()))
+}
+
+/// The kernel's transparent-huge-page mode, set to "always" while any of these lives (in this
+/// test process) and put back as it was when the last is dropped.
+pub struct HugePagesAlways(());
+
+const THP_ENABLED: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
+
+/// How many [`HugePagesAlways`] live, and the mode before the first.
+static HUGE_PAGES_ALWAYS: std::sync::Mutex<(usize, String)> = std::sync::Mutex::new((0, String::new()));
+
+impl HugePagesAlways {
+    /// Sets the mode to "always" (as Debian's kernels default to): any private anonymous
+    /// mapping's aligned 2 MiB may then be given a huge page on its first fault.
+    pub fn set() -> HugePagesAlways {
+        let mut state = HUGE_PAGES_ALWAYS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if state.0 == 0 {
+            let modes = fs::read_to_string(THP_ENABLED).unwrap_or_else(|e| panic!("{THP_ENABLED}: {e}"));
+            state.1 = modes
+                .split_whitespace()
+                .find_map(|m| m.strip_prefix('[')?.strip_suffix(']'))
+                .unwrap_or_else(|| panic!("{THP_ENABLED} names no current mode: {modes}"))
+                .to_owned();
+            fs::write(THP_ENABLED, "always")
+                .unwrap_or_else(|e| panic!("setting {THP_ENABLED} to always: {e}"));
+        }
+        state.0 += 1;
+        HugePagesAlways(())
+    }
+}
+
+impl Drop for HugePagesAlways {
+    fn drop(&mut self) {
+        let mut state = HUGE_PAGES_ALWAYS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.0 -= 1;
+        if state.0 == 0
+            && let Err(e) = fs::write(THP_ENABLED, &state.1)
+        {
+            eprintln!("putting {THP_ENABLED} back to {}: {e}", state.1);
+        }
+    }
 }

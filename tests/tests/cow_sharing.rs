@@ -33,6 +33,11 @@ fn start_tree(d: &Daemon) -> Workload {
 
 /// Each process's checksum of the shared buffer, by its pid (as the tree numbers it).
 fn checksums(w: &Workload) -> BTreeMap<String, String> {
+    checksums_of(w, CHILDREN + 1)
+}
+
+/// Each of the `processes` processes' checksum of its buffer, by its pid.
+fn checksums_of(w: &Workload, processes: usize) -> BTreeMap<String, String> {
     let seen = w.lines().len();
     procfs::signal(w.main_pid(), Signal::SIGUSR2);
     expect_within(TIMEOUT * 3, "a checksum from every process of the tree", || {
@@ -43,7 +48,7 @@ fn checksums(w: &Workload) -> BTreeMap<String, String> {
                 Some((words.next()?.to_owned(), words.next()?.to_owned()))
             })
             .collect();
-        (sums.len() == CHILDREN + 1).then_some(sums)
+        (sums.len() == processes).then_some(sums)
     })
 }
 
@@ -113,4 +118,42 @@ fn a_restore_from_image_files_keeps_copy_on_write_sharing() {
     let options =
         DaemonOptions { args: vec!["--eager-restore".into(), "files".into()], ..Default::default() };
     restore_keeps_sharing("restore from image files", &options, &[], false);
+}
+
+/// With transparent huge pages "always", a page CRIU's restore puts in place can bring a
+/// whole huge page of zeros with it: a child's mapping that holds memory shared with its
+/// parent (put in place by CRIU) next to memory that is its alone (left to the store) must
+/// still come back whole, however the restore puts the memory in place.
+fn shared_next_to_own_memory_is_restored(restore: &[&str]) {
+    let _thp = procfs::HugePagesAlways::set();
+    let d = Daemon::start();
+    let mut w = d.run("grown", &python_workload("grown_after_fork.py", &["64", "3"]));
+    expect_within(TIMEOUT * 3, "every process of the tree to be ready", || {
+        (w.lines().iter().filter(|l| l.starts_with("ready ")).count() == 3).then_some(())
+    });
+    let sums = checksums_of(&w, 3);
+    d.json(&["checkpoint", "--workload", &w.name, "--json"]);
+    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    let mut args = vec!["restore", "--workload", &w.name, "--json"];
+    args.extend_from_slice(restore);
+    let r = d.json(&args);
+    w.restored(&r);
+    assert_eq!(checksums_of(&w, 3), sums, "{restore:?}: the tree's memory differs after the restore");
+    // Huge pages were off while CRIU put memory in place, and are on again as checkpointed.
+    for pid in std::iter::once(w.pid).chain(procfs::descendants(w.pid)) {
+        let thp = procfs::status_field(pid, "THP_enabled");
+        assert_eq!(thp.as_deref(), Some("1"), "{restore:?}: restored pid {pid}'s THP_enabled");
+    }
+}
+
+#[test]
+fn a_lazy_restore_brings_back_memory_next_to_shared_memory() {
+    skip_unless_ready!();
+    shared_next_to_own_memory_is_restored(&["--lazy"]);
+}
+
+#[test]
+fn a_served_restore_brings_back_memory_next_to_shared_memory() {
+    skip_unless_ready!();
+    shared_next_to_own_memory_is_restored(&[]);
 }

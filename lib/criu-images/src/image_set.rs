@@ -23,7 +23,7 @@ use stasis_proto::criu::PstreeEntry;
 use stasis_proto::criu::refs::{Core, MemfdInode, Mm};
 
 use super::images::{
-    INVENTORY_FILE, MM_MAGIC, PSTREE_MAGIC, TYPE_SHMEM, TYPE_TASK, entries, pagemap_file_name,
+    INVENTORY_FILE, MM_MAGIC, PSTREE_MAGIC, TYPE_SHMEM, entries, pagemap_file_name, task_pagemap,
 };
 
 pub(super) const CORE_MAGIC: u32 = 0x5505_3847;
@@ -182,10 +182,6 @@ impl Refs<'_> {
             false => Err(ImageSetError::Incomplete { missing: self.missing }),
         }
     }
-}
-
-fn task_pagemap(pid: u32) -> String {
-    pagemap_file_name((u64::from(pid) << 8) | TYPE_TASK).expect("a task's pagemap has a name")
 }
 
 fn shmem_pagemap(shmid: u64) -> String {

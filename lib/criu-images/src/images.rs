@@ -53,6 +53,11 @@ pub fn pagemap_file_name(dst_id: u64) -> Option<String> {
     }
 }
 
+/// The name of process `pid`'s pagemap.
+pub(super) fn task_pagemap(pid: u32) -> String {
+    pagemap_file_name((u64::from(pid) << 8) | TYPE_TASK).expect("a task's pagemap has a name")
+}
+
 /// The pages file holding the data of the pagemap with `pages_id`.
 pub fn pages_file_name(pages_id: u32) -> String {
     format!("pages-{pages_id}.img")
@@ -77,6 +82,31 @@ pub fn write_pagemap(path: &Path, pages_id: u32, runs: &[PageRun]) -> io::Result
         push(&mut out, &entry);
     }
     std::fs::File::create(path)?.write_all(&out)
+}
+
+/// Name of the directory (or link) in an images directory where CRIU's restore looks for the
+/// images of a parent checkpoint.
+pub const RESTORE_PARENT_DIR: &str = "parent";
+
+/// Writes, in `images_dir`, a parent checkpoint that holds no pages for the processes `pids`:
+/// each gets a pagemap with no runs (and an empty pages file). No run of the restore's own
+/// pagemaps refers to it, so CRIU reads nothing from it; what it changes is that CRIU's lazy
+/// restore, for a process whose pages have a parent, turns transparent huge pages off in that
+/// process while it puts memory in place (and back to the checkpointed setting before the
+/// process runs). A served restore needs that always: CRIU puts some pages in place inside
+/// mappings whose other pages are served through the userfaultfd (a thread's stack page, a
+/// forked child's copy-on-write memory), and a huge page faulted in for one of those would
+/// fill the rest of its 2 MiB with zeros, which are present, so never faulted for, and the
+/// process would read zeros where its memory was.
+pub fn write_empty_parent(images_dir: &Path, pids: impl IntoIterator<Item = u32>) -> io::Result<()> {
+    const PAGES_ID: u32 = 1;
+    let dir = images_dir.join(RESTORE_PARENT_DIR);
+    std::fs::create_dir(&dir)?;
+    std::fs::File::create(dir.join(pages_file_name(PAGES_ID)))?;
+    for pid in pids {
+        write_pagemap(&dir.join(task_pagemap(pid)), PAGES_ID, &[])?;
+    }
+    Ok(())
 }
 
 /// The page-server destination id a pagemap file name stands for (`pagemap-<pid>.img`,
@@ -183,6 +213,21 @@ mod tests {
     use super::*;
     use crate::pages::PE_PRESENT;
     use crate::testing::write_inventory;
+
+    #[test]
+    fn an_empty_parent_has_a_pagemap_without_runs_for_each_process() {
+        let dir = tempfile::tempdir().unwrap();
+        write_empty_parent(dir.path(), [1, 42]).unwrap();
+        let parent = dir.path().join(RESTORE_PARENT_DIR);
+        for pid in [1u32, 42] {
+            let data = std::fs::read(parent.join(format!("pagemap-{pid}.img"))).unwrap();
+            let (pages_id, runs) = read_pagemap(&data, u64::from(pid) << 8 | TYPE_TASK).unwrap();
+            assert!(runs.is_empty(), "{runs:?}");
+            let pages = std::fs::metadata(parent.join(pages_file_name(pages_id))).unwrap();
+            assert_eq!(pages.len(), 0);
+        }
+        assert_eq!(std::fs::read_dir(&parent).unwrap().count(), 3);
+    }
 
     #[test]
     fn a_written_pagemap_reads_back() {

@@ -48,7 +48,7 @@ use server::{FaultServer, ServeStats};
 use super::host::Host;
 use super::{Engine, ProgressFn, ProgressUpdate, lock};
 use crate::criu::RunningCriu;
-use crate::criu::images::read_pstree;
+use crate::criu::images::{read_pstree, write_empty_parent};
 use crate::criu::lazy_socket::{LazyListener, LazySocketError};
 use crate::store::{FetchSettings, LazyFetch, LazyMemory, Manifest};
 
@@ -132,7 +132,10 @@ impl Engine {
         let criu = RunningCriu::default();
         let kill = tree_killer(self.deps.host.clone(), roots.clone(), criu.clone());
         let pstree = std::fs::read(dir.join("pstree.img")).and_then(|data| read_pstree(&data));
-        let processes = pstree.map_err(LazyError::Start)?.len();
+        let pstree = pstree.map_err(LazyError::Start)?;
+        let processes = pstree.len();
+        // CRIU puts memory in place with transparent huge pages off (see there).
+        write_empty_parent(dir, pstree.iter().map(|(pid, _)| *pid)).map_err(LazyError::Start)?;
         let listener = LazyListener::bind(dir).map_err(LazyError::Start)?;
         let control = Arc::new(Control::new().map_err(LazyError::Start)?);
         let total = memory.bytes();
