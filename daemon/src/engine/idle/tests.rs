@@ -152,3 +152,17 @@ async fn a_wake_whose_hold_on_new_connections_fails_wakes_the_workload_all_the_s
     assert!(r.host.is_running(ROOT));
     assert_eq!(r.workload(&name).reclaimed, None);
 }
+
+#[tokio::test]
+async fn the_waker_listens_once_the_reclaimed_trees_listener_is_gone() {
+    let old = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = old.local_addr().unwrap();
+    let closing = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        drop(old);
+    });
+    let listeners = super::wake::listen_on("w", &[addr]).await;
+    closing.await.unwrap();
+    assert_eq!(listeners.iter().map(|(_, a)| *a).collect::<Vec<_>>(), [addr]);
+    std::net::TcpStream::connect(addr).expect("the waker's listener takes connections");
+}

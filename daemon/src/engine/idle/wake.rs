@@ -39,6 +39,10 @@ const RETRY_AFTER: Duration = Duration::from_secs(1);
 /// How long a relayed connection waits for the restored listener.
 const LISTENER_WAIT: Duration = Duration::from_secs(10);
 
+/// How long the waker tries again to listen on an address in use, and how often.
+const ADDRESS_FREED_WAIT: Duration = Duration::from_secs(10);
+const ADDRESS_RETRY: Duration = Duration::from_millis(50);
+
 /// How long handshakes under way when new connections are held back get to finish before the
 /// waker's listeners close (one that finished after would be reset).
 const HANDSHAKES_SETTLE: Duration = Duration::from_millis(20);
@@ -208,7 +212,7 @@ async fn wait_for_use(
     asked: &mut mpsc::UnboundedReceiver<WakeReply>,
     previous: Option<Hold>,
 ) -> Option<Wanted> {
-    let listeners = listen_on(name, &reclaimed.listeners);
+    let listeners = listen_on(name, &reclaimed.listeners).await;
     drop(previous);
     let mut uses =
         UseWatch::open(host, name, &reclaimed.ports, &reclaimed.connections, "while it is reclaimed");
@@ -260,25 +264,35 @@ fn hold_new_connections(
         .ok()
 }
 
-/// A listener on each of `addrs` (an address another process took meanwhile is skipped,
-/// logged).
-fn listen_on(name: &str, addrs: &[SocketAddr]) -> Vec<(TcpListener, SocketAddr)> {
+/// A listener on each of `addrs`. An address in use is tried again for [`ADDRESS_FREED_WAIT`]:
+/// the reclaimed tree's own listener may still be closing (its last descriptor goes with the
+/// killed processes' exit, or with the dumping CRIU's copy). One still taken then (another
+/// process took it meanwhile) is skipped, logged: its port is still watched for traffic.
+pub(super) async fn listen_on(name: &str, addrs: &[SocketAddr]) -> Vec<(TcpListener, SocketAddr)> {
     let bind = |addr: SocketAddr| -> std::io::Result<TcpListener> {
         let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
         socket.set_reuseaddr(true)?;
         socket.bind(addr)?;
         socket.listen(1024)
     };
-    addrs
-        .iter()
-        .filter_map(|&addr| match bind(addr) {
-            Ok(listener) => Some((listener, addr)),
-            Err(e) => {
-                warn!(workload = name, address = %addr, error = %e, "cannot listen for a reclaimed workload");
-                None
+    let deadline = Instant::now() + ADDRESS_FREED_WAIT;
+    let mut listeners = Vec::new();
+    for &addr in addrs {
+        loop {
+            match bind(addr) {
+                Ok(listener) => listeners.push((listener, addr)),
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline => {
+                    tokio::time::sleep(ADDRESS_RETRY).await;
+                    continue;
+                }
+                Err(e) => {
+                    warn!(workload = name, address = %addr, error = %e, "cannot listen for a reclaimed workload");
+                }
             }
-        })
-        .collect()
+            break;
+        }
+    }
+    listeners
 }
 
 /// The connections waiting in `listener`'s backlog, taken without waiting (the reactor may
