@@ -6,7 +6,8 @@
 #                                                 6.12 (trixie); default: all three
 #        scripts/kernel-matrix.sh --fetch [SERIES...]   only fetch the kernels
 # Environment: KM_CASES (the cases to run, space-separated; default all: counter tcp lazy
-# incremental idle shm tracked rseq; track-cost runs only when named), KM_MEM (guest MiB, 1536),
+# incremental idle shm tracked rseq; track-cost and evict-cost run only when named), KM_MEM (guest MiB, 1536),
+# KM_PROFILE (the cargo profile whose binaries run: debug, or release for measurements),
 # KM_SMP (guest CPUs, 2), KM_TIMEOUT (seconds per kernel, 1800), KM_REFRESH=1 (fetch the
 # kernels again), KM_RESULTS (the table's file, default .stasis/kernel-matrix/results.txt).
 #
@@ -60,6 +61,11 @@
 #                with tracking and once with stasisd restarted with --memory-tracking off; the
 #                table's result gives the evictions' frozen, dump and durable times, tracked /
 #                untracked (a case's `SUMMARY:` line follows its pass)
+#   evict-cost   (on demand: a measurement) the Kubernetes eviction's shape without containerd:
+#                stasis-bench-workload (up to 1 GiB, KM_MEM=6144 for that; half random, half
+#                compressible, heap churn) checkpointed left running (cold), 10% rewritten and
+#                evicted, then restored lazily with its checksum; tracked and untracked; the
+#                result gives each eviction's durable time against its cold checkpoint
 set -euo pipefail
 
 self=$(realpath "$0")
@@ -537,6 +543,62 @@ case_track-cost() {
   echo "SUMMARY: $mib MiB, eviction after a periodic checkpoint, tracked/untracked: frozen ${on[0]}/$frozen ms (x$r_frozen), dump ${on[1]}/$dump ms (x$r_dump), durable ${on[2]}/$durable ms (x$r_durable); within x0.5: ${within[*]:-neither frozen nor durable}"
 }
 
+# evict_round NAME MIB: runs the benchmark workload as NAME (MIB MiB, as `stasis-bench kube`
+# runs it in its pod: half random, half compressible, heap churn), takes a cold checkpoint left
+# running (the periodic one), has it rewrite 10% and churn, evicts it and restores it lazily;
+# its checksum must hold. Sets cold and evicted (durable ms) and kept (bytes_unchanged).
+evict_round() {
+  local name=$1 sum
+  start "$name" -- "$bin/stasis-bench-workload" --rss-mib "$2" --dirty 0.1 --churn
+  wait_for 600 "$2 MiB of the benchmark workload" grep -q '^ready' "$log"
+  local ck0 w
+  ck0=$(cli checkpoint --workload "$name" --leave-running --json)
+  cold=$(json stats.durable_ms <<<"$ck0")
+  w=$(script_pid stasis-bench-workload)
+  kill -USR1 "$w"
+  wait_for 300 "the rewrite of 10%" grep -q '^dirtied ' "$log"
+  kill -USR2 "$w"
+  wait_for 300 "the checksum" grep -q '^checksum ' "$log"
+  sum=$(sed -n 's/^checksum //p' "$log")
+  evict "$name"
+  evicted=$(json stats.durable_ms <<<"$ck")
+  kept=$(unchanged "$ck")
+  echo "$name: cold checkpoint durable $cold ms ($(json stats.bytes_uploaded <<<"$ck0") bytes uploaded); eviction durable $evicted ms, frozen $(json stats.frozen_ms <<<"$ck") ms, $(json stats.bytes_uploaded <<<"$ck") bytes uploaded, bytes_unchanged $kept"
+  restore "$name" --lazy
+  w=$(script_pid stasis-bench-workload)
+  kill -USR2 "$w"
+  wait_for 300 "the restored checksum" lines_at_least "$log" '^checksum ' 2
+  local after
+  after=$(sed -n 's/^checksum //p' "$log" | tail -n 1)
+  [ "$after" = "$sum" ] || fail "$name: the restored memory's checksum is $after, was $sum"
+  kill -KILL "$pid"
+  wait_for 60 "end of $name" gone "$pid"
+}
+
+# On demand only (not in all_cases): the Kubernetes eviction's shape (stasis-bench kube: a
+# cold checkpoint left running, 10% rewritten with heap churn, the eviction), without the
+# containerd around it, with tracking and with --memory-tracking off: eviction / cold.
+case_evict-cost() {
+  [ -x "$bin/stasis-bench-workload" ] || fail "no stasis-bench-workload (cargo build --workspace)"
+  local mib
+  mib=$(awk '/^MemAvailable:/ { m = int($2 / 1024 / 5 / 64) * 64; print (m > 1024 ? 1024 : m) }' /proc/meminfo)
+  [ "$mib" -ge 256 ] || fail "only $mib MiB for the workload: raise the guest's memory (KM_MEM=6144)"
+  local tracking cold evicted kept
+  tracking_expected
+  [ "$tracking" = on ] || fail "memory tracking is off here, nothing to compare"
+  evict_round evict-tracked "$mib"
+  [ "$kept" != missing ] && [ "$kept" -gt 0 ] || fail "the tracked eviction took nothing from the cold checkpoint"
+  local on=("$cold" "$evicted")
+  restart_stasisd --memory-tracking off
+  evict_round evict-untracked "$mib"
+  [ "$kept" = 0 ] || fail "the untracked eviction took $kept bytes from the cold checkpoint"
+  restart_stasisd
+  local r_on r_off
+  r_on=$(ratio "${on[1]}" "${on[0]}")
+  r_off=$(ratio "$evicted" "$cold")
+  echo "SUMMARY: $mib MiB, eviction / cold checkpoint (durable): tracked ${on[1]}/${on[0]} ms (x$r_on), untracked $evicted/$cold ms (x$r_off); target x0.2"
+}
+
 # start_stasisd [FLAG...]: starts stasisd on the guest's state and store (with FLAGs besides),
 # in a session of its own (a case's timeout does not end it), its pid in $KM_STATE/stasisd.pid;
 # returns once it serves, or fails after 180 s. Its log goes on in $KM_STATE/stasisd.log.
@@ -890,9 +952,9 @@ host_main() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-system-x86 >/dev/null
   fi
   [ -x "$root/.stasis/criu/bin/criu" ] || "$root/scripts/setup-criu.sh" >/dev/null
-  local b
+  local b built=$root/target/${KM_PROFILE:-debug}
   for b in stasisd stasis stasis-init stasis-lazy-guard; do
-    [ -x "$root/target/debug/$b" ] || { echo "kernel-matrix: build first (cargo build --workspace): no target/debug/$b" >&2; exit 1; }
+    [ -x "$built/$b" ] || { echo "kernel-matrix: build first (cargo build --workspace): no $built/$b" >&2; exit 1; }
   done
   mkdir -p "$km_dir"
   exec 9>"$km_dir/lock"
@@ -900,7 +962,9 @@ host_main() {
   # What the guest runs, copied now (stasisd finds stasis-init and the lazy guard beside it).
   rm -rf "$km_dir/bin" && mkdir -p "$km_dir/bin"
   cp "$self" "$km_dir/bin/kernel-matrix.sh"
-  for b in stasisd stasis stasis-init stasis-lazy-guard; do cp "$root/target/debug/$b" "$km_dir/bin/"; done
+  for b in stasisd stasis stasis-init stasis-lazy-guard; do cp "$built/$b" "$km_dir/bin/"; done
+  # The benchmark workload, for evict-cost.
+  cp "$built/stasis-bench-workload" "$km_dir/bin/" 2>/dev/null || true
   table=$(mktemp)
   for s in "${series_list[@]}"; do
     fetch_kernel "$s"

@@ -8,7 +8,7 @@
 //! The eager restore is stasisd's `--eager-restore` mode: `served` (stasisd puts memory in
 //! place, as it does for the lazy one) or `files` (CRIU reads image files).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
@@ -81,7 +81,7 @@ pub fn run(args: &Args, s3: bool, prefetch: &str, eager_restore: &str) -> anyhow
         .context("no .stasis/criu/bin/criu: run scripts/setup-criu.sh, and this from the repository root")?;
     let id = std::process::id();
     let work = args.store_dir.join(format!("lazy-{id}"));
-    let scratch = PathBuf::from(format!("/dev/shm/stasis-bench-{id}"));
+    let scratch = args.peer_scratch.join(format!("stasis-bench-{id}"));
     let server = if s3 {
         Some(S3Server::start().context("no moto_server: scripts/test.sh installs it into .stasis/venv")?)
     } else {
@@ -178,6 +178,9 @@ impl LazyResults {
             match args.working_set.as_str() {
                 "first" =>
                     "from the start of its memory, read in order (mostly not rewritten since the checkpoint before)",
+                "strided" =>
+                    "in blocks halfway between the rewritten ones (mostly not rewritten since the checkpoint before)",
+                "random" => "as single pages anywhere in its memory",
                 _ => "rewritten before the checkpoint",
             },
         );

@@ -8,15 +8,18 @@
 //! ```text
 //! target/release/stasis-bench [--rss-mib 2048] [--random 0.5] [--compressible 0.5] [--zero F]
 //!     [--dirty 0.1] [--dirty-block-kib 1024] [--churn] [--rounds 3] [--staging-mib M]
-//!     [--store-dir /var/tmp/stasis-bench] [--no-settle] [--keep]
+//!     [--store-dir /var/tmp/stasis-bench] [--peer-scratch /dev/shm] [--no-settle] [--keep]
 //! target/release/stasis-bench lazy [--s3] [--prefetch fresh-first] [--eager-restore served] [the same options]
 //! target/release/stasis-bench kube [the same options]
+//! target/release/stasis-bench curve [--sizes-gib 2,8,16] [--svg bench/cost-curve.svg] [the same options]
 //! ```
 //!
 //! `lazy` measures the lazy restore against the eager one instead (see `lazy.rs`);
-//! `kube` measures a Kubernetes pod's eviction and restart (see `kube.rs`).
+//! `kube` measures a Kubernetes pod's eviction and restart (see `kube.rs`); `curve` runs the
+//! main and the lazy benchmark at several sizes and draws the cost curve (see `curve.rs`).
 #![forbid(unsafe_code)]
 
+mod curve;
 mod daemon;
 mod kube;
 mod lazy;
@@ -26,7 +29,7 @@ mod run;
 
 use std::path::PathBuf;
 
-use anyhow::ensure;
+use anyhow::{Context, ensure};
 use clap::Parser;
 
 /// Measures stasis and the peer pipeline on one synthetic workload.
@@ -56,6 +59,17 @@ enum Mode {
         #[command(flatten)]
         args: Args,
     },
+    /// The main and the lazy benchmark at each size: the cost curve, as a table and an SVG.
+    Curve {
+        /// The workload's sizes, GiB, ascending.
+        #[arg(long, value_delimiter = ',', default_value = "2,8,16")]
+        sizes_gib: Vec<u64>,
+        /// Where the SVG goes.
+        #[arg(long, default_value = "bench/cost-curve.svg")]
+        svg: PathBuf,
+        #[command(flatten)]
+        args: Args,
+    },
     /// A Kubernetes pod's eviction (preStop until durable) against a cold full checkpoint,
     /// and its replacement's restart until the job runs (containerd via the CRI).
     Kube {
@@ -65,7 +79,7 @@ enum Mode {
 }
 
 /// The workload and the run.
-#[derive(Debug, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct Args {
     /// Memory of the workload, MiB.
     #[arg(long, default_value_t = 2048)]
@@ -95,15 +109,20 @@ pub struct Args {
     #[arg(long)]
     pub churn: bool,
     /// What the lazy mode's workload reads right after a --no-wait restore: `rewritten` (the
-    /// blocks rewritten before the checkpoint: fresh in it) or `first` (as much memory from
-    /// the start of its range, in order: mostly not written since the checkpoint before).
-    #[arg(long, default_value = "rewritten", value_parser = ["rewritten", "first"])]
+    /// blocks rewritten before the checkpoint: fresh in it), `first` (as much memory from the
+    /// start of its range, in order: mostly not written since the checkpoint before),
+    /// `strided` (as many blocks, halfway between the rewritten ones: not fresh either) or
+    /// `random` (as many single pages, anywhere).
+    #[arg(long, default_value = "rewritten", value_parser = ["rewritten", "first", "strided", "random"])]
     pub working_set: String,
     /// stasisd's staging bound, MiB [default: stasisd's own, a quarter of RAM].
     #[arg(long)]
     pub staging_mib: Option<u64>,
-    /// Where the store, stasisd's state and the peer's tarballs go (a disk, not tmpfs); the
-    /// peer's image directories go to /dev/shm.
+    /// Where the peer's image directories go: tmpfs, or a disk where the workload and its
+    /// images would not fit in memory together.
+    #[arg(long, default_value = "/dev/shm")]
+    pub peer_scratch: PathBuf,
+    /// Where the store, stasisd's state and the peer's tarballs go (a disk, not tmpfs).
     #[arg(long, default_value = "/var/tmp/stasis-bench")]
     pub store_dir: PathBuf,
     /// Measure back to back instead of letting the machine settle (flush writeback, wait 3 s)
@@ -132,19 +151,60 @@ fn main() -> anyhow::Result<()> {
                 "stasis-bench runs stasisd and containerd: run it as root"
             );
             let results = tokio::runtime::Runtime::new()?.block_on(kube::run(&args))?;
-            println!("{}", results.table(&args));
-            return Ok(());
+            return print_checked(&results.table(&args));
         }
+        Some(Mode::Curve { sizes_gib, svg, args }) => return cost_curve(&args, &sizes_gib, &svg),
         None => (cli.args, None),
     };
+    prepare(&args)?;
+    match lazy {
+        Some((s3, prefetch, eager)) => print_checked(&lazy::run(&args, s3, &prefetch, &eager)?.table(&args)),
+        None => print_checked(&run::run(&args)?.table(&args)),
+    }
+}
+
+/// Prints a run's table; fails the run when the table says a target was missed.
+fn print_checked(table: &str) -> anyhow::Result<()> {
+    println!("{table}");
+    let missed = report::misses(table);
+    ensure!(missed.is_empty(), "targets missed: {}", missed.join("; "));
+    Ok(())
+}
+
+/// Checks `args` and gets the machine ready for a run.
+fn prepare(args: &Args) -> anyhow::Result<()> {
     ensure!(args.random + args.compressible + args.zero() <= 1.0 + 1e-9, "fractions add up to more than 1");
-    ensure!(args.dirty_block_kib >= 4 && args.dirty_block_kib % 4 == 0, "--dirty-block-kib: whole pages");
+    ensure!(
+        args.dirty_block_kib >= 4 && args.dirty_block_kib.is_multiple_of(4),
+        "--dirty-block-kib: whole pages"
+    );
     ensure!(nix::unistd::geteuid().is_root(), "stasis-bench runs stasisd and CRIU: run it as root");
     daemon::SETTLE.store(!args.no_settle, std::sync::atomic::Ordering::Relaxed);
-    daemon::undo_on_signals()?;
-    match lazy {
-        Some((s3, prefetch, eager)) => println!("{}", lazy::run(&args, s3, &prefetch, &eager)?.table(&args)),
-        None => println!("{}", run::run(&args)?.table(&args)),
+    daemon::undo_on_signals()
+}
+
+/// `stasis-bench curve`: both benchmarks' tables at each size, then the curve's table and SVG;
+/// fails when a stasis measure grows faster than linearly.
+fn cost_curve(args: &Args, sizes_gib: &[u64], svg: &std::path::Path) -> anyhow::Result<()> {
+    ensure!(
+        sizes_gib.len() >= 2 && sizes_gib.is_sorted() && sizes_gib[0] > 0,
+        "--sizes-gib: at least two sizes, ascending"
+    );
+    prepare(args)?;
+    let sizes: Vec<u64> = sizes_gib.iter().map(|g| g << 10).collect();
+    let points = curve::run(args, &sizes)?;
+    let mut missed = Vec::new();
+    for p in &points {
+        let args = Args { rss_mib: p.mib, ..args.clone() };
+        let tables = format!("{}\n{}", p.main.table(&args), p.lazy.table(&args));
+        println!("### {} GiB\n\n{tables}", p.mib >> 10);
+        missed.extend(report::misses(&tables).into_iter().map(|m| format!("{m} ({} GiB)", p.mib >> 10)));
     }
+    let (table, faster) = curve::table(&points);
+    println!("### Cost curve\n\n{table}");
+    curve::svg(&points, svg).with_context(|| format!("drawing {}", svg.display()))?;
+    println!("drawn: {}", svg.display());
+    ensure!(faster.is_empty(), "growing faster than linearly: {}", faster.join("; "));
+    ensure!(missed.is_empty(), "targets missed: {}", missed.join("; "));
     Ok(())
 }

@@ -25,6 +25,19 @@ fn row(name: &'static str, ours: Vec<f64>, theirs: Vec<f64>, target: Option<f64>
     Row { name, ours, theirs, target }
 }
 
+/// The measures a printed table says missed their target: rows whose last cell is `MISS`
+/// (the main and lazy tables) or `missed` (the Kubernetes one).
+pub fn misses(table: &str) -> Vec<&str> {
+    table
+        .lines()
+        .filter(|l| {
+            let cells: Vec<&str> = l.trim_end().trim_end_matches('|').rsplit('|').collect();
+            cells.first().is_some_and(|c| matches!(c.trim(), "MISS" | "missed"))
+        })
+        .map(|l| l.trim_start_matches('|').split('|').next().unwrap_or_default().trim())
+        .collect()
+}
+
 pub fn median(values: &[f64]) -> f64 {
     let mut v = values.to_vec();
     v.sort_by(f64::total_cmp);
@@ -207,5 +220,18 @@ impl Results {
             );
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::misses;
+
+    #[test]
+    fn the_rows_that_missed_are_named() {
+        let table = "| measure | a | b | ratio | | target | |\n|---|---|---|---|---|---|---|\n\
+                     | frozen | 1 | 2 | 0.5 | | ≤ 1 | PASS |\n| durable | 3 | 4 | 0.75 | | ≤ 0.4 | MISS |\n\
+                     | shown | 1 | 1 | 1 | | | |\n| eviction | 1 | 2 | 0.5 | ≤ 0.2 | missed |\n";
+        assert_eq!(misses(table), ["durable", "eviction"]);
     }
 }

@@ -165,7 +165,7 @@ pub fn run(args: &Args) -> anyhow::Result<Results> {
         .context("no .stasis/criu/bin/criu: run scripts/setup-criu.sh, and this from the repository root")?;
     let id = std::process::id();
     let work = args.store_dir.join(format!("run-{id}"));
-    let scratch = PathBuf::from(format!("/dev/shm/stasis-bench-{id}"));
+    let scratch = args.peer_scratch.join(format!("stasis-bench-{id}"));
     let d = Daemon::start(&criu, work, scratch, args.staging_mib, args.keep)?;
     let (pid, log) = start_workload(&d, args)?;
     let peer = Peer { criu, scratch: d.scratch.clone(), store: d.work.join("store").join("peer") };

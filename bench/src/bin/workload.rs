@@ -12,7 +12,9 @@
 //! SIGUSR2 it reads all of its memory and prints `checksum <hex>`; on each SIGHUP it reads its
 //! working set and prints `touched <ms>`, the time that took: the blocks it rewrites, or with
 //! `--working-set first` as much memory from the start of its range, read in order (model
-//! weights or a read-mostly table: memory it mostly did not write since the last checkpoint).
+//! weights or a read-mostly table: memory it mostly did not write since the last checkpoint),
+//! with `strided` as many blocks halfway between the rewritten ones, with `random` as many
+//! single pages anywhere.
 #![forbid(unsafe_code)]
 
 use std::io::Write;
@@ -49,9 +51,10 @@ struct Args {
     /// Also scatter 4 KiB writes and allocate and free heap memory on each SIGUSR1.
     #[arg(long)]
     churn: bool,
-    /// What SIGHUP reads: `rewritten` (the blocks SIGUSR1 rewrites) or `first` (as many bytes
-    /// from the start of the memory, in order).
-    #[arg(long, default_value = "rewritten", value_parser = ["rewritten", "first"])]
+    /// What SIGHUP reads: `rewritten` (the blocks SIGUSR1 rewrites), `first` (as many bytes
+    /// from the start of the memory, in order), `strided` (as many blocks, halfway between the
+    /// rewritten ones) or `random` (as many pages, each anywhere).
+    #[arg(long, default_value = "rewritten", value_parser = ["rewritten", "first", "strided", "random"])]
     working_set: String,
 }
 
@@ -200,6 +203,20 @@ fn main() -> anyhow::Result<()> {
             let started = std::time::Instant::now();
             let sum = match args.working_set.as_str() {
                 "first" => memory[..dirty_blocks * block].iter().step_by(PAGE).fold(0u8, |a, b| a ^ b),
+                "strided" => {
+                    // Halfway between the rewritten blocks.
+                    let offset = blocks / dirty_blocks.max(1) / 2 * block;
+                    (0..dirty_blocks)
+                        .map(|i| (working_set(i) + offset).min(size - block))
+                        .flat_map(|at| memory[at..at + block].iter().step_by(PAGE))
+                        .fold(0u8, |a, b| a ^ b)
+                }
+                "random" => {
+                    let mut at = seed;
+                    (0..dirty_blocks * block / PAGE)
+                        .map(|_| memory[next(&mut at) as usize % (size / PAGE) * PAGE])
+                        .fold(0u8, |a, b| a ^ b)
+                }
                 _ => (0..dirty_blocks)
                     .flat_map(|i| memory[working_set(i)..working_set(i) + block].iter().step_by(PAGE))
                     .fold(0u8, |a, b| a ^ b),
