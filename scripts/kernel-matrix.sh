@@ -64,8 +64,9 @@
 #   evict-cost   (on demand: a measurement) the Kubernetes eviction's shape without containerd:
 #                stasis-bench-workload (up to 1 GiB, KM_MEM=6144 for that; half random, half
 #                compressible, heap churn) checkpointed left running (cold), 10% rewritten and
-#                evicted, then restored lazily with its checksum; tracked and untracked; the
-#                result gives each eviction's durable time against its cold checkpoint
+#                evicted, then restored lazily with its checksum; tracked and untracked, and
+#                tracked without the churn (10% in 1 MiB blocks only); the result gives each
+#                eviction's durable time against its cold checkpoint
 set -euo pipefail
 
 self=$(realpath "$0")
@@ -543,14 +544,16 @@ case_track-cost() {
   echo "SUMMARY: $mib MiB, eviction after a periodic checkpoint, tracked/untracked: frozen ${on[0]}/$frozen ms (x$r_frozen), dump ${on[1]}/$dump ms (x$r_dump), durable ${on[2]}/$durable ms (x$r_durable); within x0.5: ${within[*]:-neither frozen nor durable}"
 }
 
-# evict_round NAME MIB: runs the benchmark workload as NAME (MIB MiB, as `stasis-bench kube`
-# runs it in its pod: half random, half compressible, heap churn), takes a cold checkpoint left
-# running (the periodic one), has it rewrite 10% and churn, evicts it and restores it lazily;
-# its checksum must hold. Sets cold and evicted (durable ms) and kept (bytes_unchanged).
+# evict_round NAME MIB [FLAG...]: runs the benchmark workload as NAME (MIB MiB, half random,
+# half compressible, with FLAGs: `--churn` as `stasis-bench kube` runs it in its pod), takes a
+# cold checkpoint left running (the periodic one), has it rewrite 10% (in 1 MiB blocks; with
+# --churn also a word in every 256 pages, anywhere, and heap churn), evicts it and restores it
+# lazily; its checksum must hold. Sets cold and evicted (durable ms) and kept (bytes_unchanged).
 evict_round() {
-  local name=$1 sum
-  start "$name" -- "$bin/stasis-bench-workload" --rss-mib "$2" --dirty 0.1 --churn
-  wait_for 600 "$2 MiB of the benchmark workload" grep -q '^ready' "$log"
+  local name=$1 mib=$2 sum
+  shift 2
+  start "$name" -- "$bin/stasis-bench-workload" --rss-mib "$mib" --dirty 0.1 "$@"
+  wait_for 600 "$mib MiB of the benchmark workload" grep -q '^ready' "$log"
   local ck0 w
   ck0=$(cli checkpoint --workload "$name" --leave-running --json)
   cold=$(json stats.durable_ms <<<"$ck0")
@@ -586,17 +589,20 @@ case_evict-cost() {
   local tracking cold evicted kept
   tracking_expected
   [ "$tracking" = on ] || fail "memory tracking is off here, nothing to compare"
-  evict_round evict-tracked "$mib"
+  evict_round evict-blocks "$mib"
   [ "$kept" != missing ] && [ "$kept" -gt 0 ] || fail "the tracked eviction took nothing from the cold checkpoint"
+  local blocks=("$cold" "$evicted")
+  evict_round evict-tracked "$mib" --churn
   local on=("$cold" "$evicted")
   restart_stasisd --memory-tracking off
-  evict_round evict-untracked "$mib"
+  evict_round evict-untracked "$mib" --churn
   [ "$kept" = 0 ] || fail "the untracked eviction took $kept bytes from the cold checkpoint"
   restart_stasisd
-  local r_on r_off
+  local r_blocks r_on r_off
+  r_blocks=$(ratio "${blocks[1]}" "${blocks[0]}")
   r_on=$(ratio "${on[1]}" "${on[0]}")
   r_off=$(ratio "$evicted" "$cold")
-  echo "SUMMARY: $mib MiB, eviction / cold checkpoint (durable): tracked ${on[1]}/${on[0]} ms (x$r_on), untracked $evicted/$cold ms (x$r_off); target x0.2"
+  echo "SUMMARY: $mib MiB, eviction / cold checkpoint (durable): with heap churn tracked ${on[1]}/${on[0]} ms (x$r_on), untracked $evicted/$cold ms (x$r_off); 1 MiB blocks only, tracked ${blocks[1]}/${blocks[0]} ms (x$r_blocks); target x0.2"
 }
 
 # start_stasisd [FLAG...]: starts stasisd on the guest's state and store (with FLAGs besides),

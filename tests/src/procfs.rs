@@ -2,6 +2,7 @@
 
 use std::collections::BTreeSet;
 use std::fs;
+use std::path::Path;
 
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -189,8 +190,13 @@ static HUGE_PAGES_ALWAYS: std::sync::Mutex<(usize, String)> = std::sync::Mutex::
 
 impl HugePagesAlways {
     /// Sets the mode to "always" (as Debian's kernels default to): any private anonymous
-    /// mapping's aligned 2 MiB may then be given a huge page on its first fault.
-    pub fn set() -> HugePagesAlways {
+    /// mapping's aligned 2 MiB may then be given a huge page on its first fault. `None` on a
+    /// kernel without transparent huge pages.
+    pub fn set() -> Option<HugePagesAlways> {
+        if !Path::new(THP_ENABLED).exists() {
+            eprintln!("no {THP_ENABLED}: this kernel has no transparent huge pages");
+            return None;
+        }
         let mut state = HUGE_PAGES_ALWAYS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if state.0 == 0 {
             let modes = fs::read_to_string(THP_ENABLED).unwrap_or_else(|e| panic!("{THP_ENABLED}: {e}"));
@@ -203,7 +209,7 @@ impl HugePagesAlways {
                 .unwrap_or_else(|e| panic!("setting {THP_ENABLED} to always: {e}"));
         }
         state.0 += 1;
-        HugePagesAlways(())
+        Some(HugePagesAlways(()))
     }
 }
 
