@@ -64,9 +64,9 @@
 #   evict-cost   (on demand: a measurement) the Kubernetes eviction's shape without containerd:
 #                stasis-bench-workload (up to 1 GiB, KM_MEM=6144 for that; half random, half
 #                compressible, heap churn) checkpointed left running (cold), 10% rewritten and
-#                evicted, then restored lazily with its checksum; tracked and untracked, and
-#                tracked without the churn (10% in 1 MiB blocks only); the result gives each
-#                eviction's durable time against its cold checkpoint
+#                evicted, then restored lazily with its checksum; the same without the churn
+#                (10% in 1 MiB blocks only); each tracked and untracked; the result gives each
+#                eviction's durable time against its cold checkpoint and tracked / untracked
 set -euo pipefail
 
 self=$(realpath "$0")
@@ -595,14 +595,17 @@ case_evict-cost() {
   evict_round evict-tracked "$mib" --churn
   local on=("$cold" "$evicted")
   restart_stasisd --memory-tracking off
+  evict_round evict-blocks-untracked "$mib"
+  [ "$kept" = 0 ] || fail "the untracked eviction took $kept bytes from the cold checkpoint"
+  local blocks_off=("$cold" "$evicted")
   evict_round evict-untracked "$mib" --churn
   [ "$kept" = 0 ] || fail "the untracked eviction took $kept bytes from the cold checkpoint"
   restart_stasisd
-  local r_blocks r_on r_off
-  r_blocks=$(ratio "${blocks[1]}" "${blocks[0]}")
-  r_on=$(ratio "${on[1]}" "${on[0]}")
-  r_off=$(ratio "$evicted" "$cold")
-  echo "SUMMARY: $mib MiB, eviction / cold checkpoint (durable): with heap churn tracked ${on[1]}/${on[0]} ms (x$r_on), untracked $evicted/$cold ms (x$r_off); 1 MiB blocks only, tracked ${blocks[1]}/${blocks[0]} ms (x$r_blocks); target x0.2"
+  # shape TRACKED_COLD TRACKED_EVICTED UNTRACKED_COLD UNTRACKED_EVICTED: the line for one shape.
+  shape() {
+    echo "eviction / cold checkpoint tracked $2/$1 ms (x$(ratio "$2" "$1")), untracked $4/$3 ms (x$(ratio "$4" "$3")); eviction tracked / untracked x$(ratio "$2" "$4")"
+  }
+  echo "SUMMARY: $mib MiB, durable times. 10% in 1 MiB blocks: $(shape "${blocks[@]}" "${blocks_off[@]}"). With heap churn: $(shape "${on[@]}" "$cold" "$evicted"). Targets: eviction / cold x0.2, tracked / untracked x0.5"
 }
 
 # start_stasisd [FLAG...]: starts stasisd on the guest's state and store (with FLAGs besides),
