@@ -576,6 +576,14 @@ evict_round() {
   [ "$after" = "$sum" ] || fail "$name: the restored memory's checksum is $after, was $sum"
   kill -KILL "$pid"
   wait_for 60 "end of $name" gone "$pid"
+  # The store is on the guest's tmpfs: a round's checkpoints go before the next round.
+  local id
+  for id in $(cli list --workload "$name" --json | python3 -c '
+import json, sys
+print(" ".join(c["id"] for c in json.load(sys.stdin)["checkpoints"]))'); do
+    cli delete "$id" >/dev/null
+  done
+  cli gc >/dev/null
 }
 
 # On demand only (not in all_cases): the Kubernetes eviction's shape (stasis-bench kube: a
