@@ -29,20 +29,37 @@ impl ReadAhead {
     /// How many chunks to ask for after a fault in the chunk at image address `chunk` (the
     /// window, doubled if this fault continues a walk), and up to which address they were
     /// asked for already (by the fault before, on a walk; else none past `chunk`).
+    ///
+    /// A fault past the last one but within what was asked for already is the job waiting for
+    /// read-ahead still on its way: nothing more is asked for and the window stays as it is
+    /// (as the kernel grows its read-ahead only once a read goes past the window). Doubling
+    /// there would have a job reading a few blocks spread over its memory (each block faulting
+    /// a few times while it arrives) ask for tens of MiB between them that it never reads.
     pub(super) fn window_for(&mut self, chunk: u64, chunk_len: u64) -> (usize, u64) {
-        let walk = self.last.filter(|&(fault, reach)| {
-            // Past the last fault, and within one more window of what it brought in.
-            let slack = self.window as u64 * chunk_len;
-            chunk > fault && chunk <= reach.saturating_add(slack)
-        });
-        self.window = if walk.is_some() { (self.window * 2).min(MOST) } else { LEAST };
-        (self.window, walk.map_or(chunk, |(_, reach)| reach))
+        let Some((_, reach)) = self.last.filter(|&(fault, _)| chunk > fault) else {
+            self.window = LEAST;
+            return (LEAST, chunk);
+        };
+        // Past what the last fault asked for, and within one more window of it.
+        let slack = self.window as u64 * chunk_len;
+        match chunk {
+            c if c <= reach => (0, reach),
+            c if c <= reach.saturating_add(slack) => {
+                self.window = (self.window * 2).min(MOST);
+                (self.window, reach)
+            }
+            _ => {
+                self.window = LEAST;
+                (LEAST, chunk)
+            }
+        }
     }
 
     /// Records the fault at `chunk` and the last chunk asked for after it (`reach`; the fault's
-    /// own when none was).
+    /// own when none was). A fault within what the one before asked for keeps that reach.
     pub(super) fn asked(&mut self, chunk: u64, reach: u64) {
-        self.last = Some((chunk, reach.max(chunk)));
+        let before = self.last.filter(|&(fault, before)| chunk > fault && chunk <= before).map_or(0, |l| l.1);
+        self.last = Some((chunk, reach.max(chunk).max(before)));
     }
 }
 
@@ -68,15 +85,14 @@ mod tests {
     #[test]
     fn a_sequential_read_doubles_the_window_up_to_the_most() {
         let mut ra = ReadAhead::default();
-        // Each fault lands just past what the one before brought in.
+        // Each fault lands just past what the one before asked for.
         let mut at = 0;
-        let mut faults = Vec::new();
+        let mut windows = Vec::new();
         for _ in 0..10 {
-            faults.push(at);
-            let window = ra.clone().window_for(at, CHUNK).0 as u64;
-            at += (window + 1) * CHUNK;
+            let window = walk(&mut ra, &[at])[0];
+            windows.push(window);
+            at += (window as u64 + 1) * CHUNK;
         }
-        let windows = walk(&mut ra, &faults);
         assert_eq!(windows[..7], [LEAST, 30, 60, 120, 240, 480, MOST]);
         assert!(windows[7..].iter().all(|&w| w == MOST));
     }
@@ -84,9 +100,23 @@ mod tests {
     #[test]
     fn a_strided_read_within_a_window_of_the_last_counts_as_a_walk() {
         let mut ra = ReadAhead::default();
-        // Every 1.5 MiB: past the 1 MiB the first fault brings, within one more window.
+        // Every 1.5 MiB: past the 1 MiB the first fault brings, within one more window; the
+        // third lands in what the second asked for (0: on its way), the fourth past it.
         let faults: Vec<u64> = (0..4).map(|i| i * 24 * CHUNK).collect();
-        assert_eq!(walk(&mut ra, &faults), [LEAST, 30, 60, 120]);
+        assert_eq!(walk(&mut ra, &faults), [LEAST, 30, 0, 60]);
+    }
+
+    #[test]
+    fn faults_in_what_was_asked_for_neither_grow_the_window_nor_ask_more() {
+        let mut ra = ReadAhead::default();
+        // A 1 MiB block read page by page while its chunks arrive: every fault after the first
+        // lands in what the first asked for.
+        let block: Vec<u64> = (0..16).map(|i| i * CHUNK).collect();
+        assert_eq!(walk(&mut ra, &block), [[LEAST].as_slice(), &[0; 15]].concat());
+        // The next block, 10 MiB on: far past, so no walk.
+        assert_eq!(walk(&mut ra, &[160 * CHUNK]), [LEAST]);
+        // Reading on past the block: a walk from what the block's fault asked for.
+        assert_eq!(walk(&mut ra, &[176 * CHUNK]), [30]);
     }
 
     #[test]
