@@ -49,7 +49,10 @@ impl FaultServer {
                         self.chunks.get(i, Ask::Urgent).map_err(FaultServerError::Fetch)?;
                         let (window, asked_through) = read_ahead.window_for(addr, CHUNK as u64);
                         let ahead: Vec<(u64, usize)> = pages.chunks_from(addr + 1).take(window).collect();
-                        read_ahead.asked(addr, ahead.last().map_or(addr, |&(at, _)| at));
+                        read_ahead.asked(
+                            addr,
+                            ahead.last().map_or(asked_through, |&(at, _)| at.max(asked_through)),
+                        );
                         // On a walk, the chunks the fault before asked for are on their way.
                         let next: Vec<(u64, usize)> =
                             ahead.into_iter().filter(|&(at, _)| at > asked_through).collect();

@@ -55,11 +55,10 @@ impl ReadAhead {
         }
     }
 
-    /// Records the fault at `chunk` and the last chunk asked for after it (`reach`; the fault's
-    /// own when none was). A fault within what the one before asked for keeps that reach.
+    /// Records the fault at `chunk` and the last chunk asked for after it (`reach`: the last
+    /// one asked for now, else what [`ReadAhead::window_for`] said was asked for already).
     pub(super) fn asked(&mut self, chunk: u64, reach: u64) {
-        let before = self.last.filter(|&(fault, before)| chunk > fault && chunk <= before).map_or(0, |l| l.1);
-        self.last = Some((chunk, reach.max(chunk).max(before)));
+        self.last = Some((chunk, reach.max(chunk)));
     }
 }
 
@@ -75,8 +74,8 @@ mod tests {
         chunks
             .iter()
             .map(|&at| {
-                let (window, _) = ra.window_for(at, CHUNK);
-                ra.asked(at, at + window as u64 * CHUNK);
+                let (window, through) = ra.window_for(at, CHUNK);
+                ra.asked(at, (at + window as u64 * CHUNK).max(through));
                 window
             })
             .collect()
