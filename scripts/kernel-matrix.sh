@@ -8,6 +8,8 @@
 # Environment: KM_CASES (the cases to run, space-separated; default all: counter tcp lazy
 # incremental idle shm tracked rseq; track-cost and evict-cost run only when named), KM_MEM (guest MiB, 1536),
 # KM_PROFILE (the cargo profile whose binaries run: debug, or release for measurements),
+# KM_THP (the guest's transparent-huge-page mode, given on its command line: always, madvise
+# or never; default the kernel's own, "always" in Debian's),
 # KM_SMP (guest CPUs, 2), KM_TIMEOUT (seconds per kernel, 1800), KM_REFRESH=1 (fetch the
 # kernels again), KM_RESULTS (the table's file, default .stasis/kernel-matrix/results.txt).
 #
@@ -363,8 +365,12 @@ script_pid() {
   fail "no process runs $1 in the tree of $pid"
 }
 
+# thp_mode: the kernel's transparent-huge-page mode (always, madvise, never; empty without).
+thp_mode() { sed -n 's/.*\[\(.*\)\].*/\1/p' /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null || true; }
+
 # tracking_expected: sets tracking (on or off) from the `memory tracking:` line of `stasis
-# status`; where CRIU finds soft-dirty tracking in the kernel, stasisd must say on.
+# status`; where CRIU finds soft-dirty tracking in the kernel, stasisd must say on, and under
+# huge pages "always" that it tracks by 2 MiB.
 tracking_expected() {
   local line
   line=$(cli status | grep -m 1 '^memory tracking:' || true)
@@ -375,6 +381,12 @@ tracking_expected() {
     off*) tracking=off ;;
     *) fail "stasis status says neither on nor off: $line" ;;
   esac
+  local thp
+  thp=$(thp_mode)
+  if [ "$tracking" = on ] && { [ "$thp" = always ] || grep -q '2 MiB' <<<"$line"; }; then
+    [ "$thp" = always ] && grep -q "by 2 MiB" <<<"$line" ||
+      fail "transparent huge pages are '$thp' and stasis status says: $line"
+  fi
   if [ "$tracking" = off ] && [ "${1:-}" != off ] &&
     "$root/.stasis/criu/bin/criu" check --feature mem_dirty_track >/dev/null 2>&1; then
     fail "memory tracking is off though CRIU finds soft-dirty tracking here: $line"
@@ -613,7 +625,7 @@ case_evict-cost() {
   shape() {
     echo "eviction / cold checkpoint tracked $2/$1 ms (x$(ratio "$2" "$1")), untracked $4/$3 ms (x$(ratio "$4" "$3")); eviction tracked / untracked x$(ratio "$2" "$4")"
   }
-  echo "SUMMARY: $mib MiB, durable times. 10% in 1 MiB blocks: $(shape "${blocks[@]}" "${blocks_off[@]}"). With heap churn: $(shape "${on[@]}" "$cold" "$evicted"). Targets: eviction / cold x0.2, tracked / untracked x0.5"
+  echo "SUMMARY: $mib MiB, transparent huge pages '$(thp_mode)', durable times. 10% in 1 MiB blocks: $(shape "${blocks[@]}" "${blocks_off[@]}"). With heap churn: $(shape "${on[@]}" "$cold" "$evicted"). Targets: eviction / cold x0.2, tracked / untracked x0.5"
 }
 
 # start_stasisd [FLAG...]: starts stasisd on the guest's state and store (with FLAGs besides),
@@ -737,6 +749,7 @@ guest_main() {
   echo "KMINFO kernel $kernel"
   echo "KMINFO modules: $(cut -d' ' -f1 /proc/modules | sort | tr '\n' ' ')"
   local criu=$root/.stasis/criu/bin/criu
+  echo "KMINFO transparent huge pages: $(thp_mode)"
   echo "KMINFO criu check: $("$criu" check 2>&1 | tail -n 1)"
   for feature in uffd-noncoop mem_dirty_track pidfd_store; do
     echo "KMINFO criu feature $feature: $("$criu" check --feature "$feature" 2>&1 | tail -n 1)"
@@ -942,7 +955,7 @@ run_kernel() {
     -smp "${KM_SMP:-2}" -m "${KM_MEM:-1536}" -display none -monitor none -no-reboot \
     -serial "file:$console" -nic none \
     -kernel "$vmlinuz" -initrd "$initrd" \
-    -append "console=ttyS0 loglevel=3 panic=-1 km.repo=$root km.cases=${cases// /,}" \
+    -append "console=ttyS0 loglevel=3 panic=-1 km.repo=$root km.cases=${cases// /,}${KM_THP:+ transparent_hugepage=$KM_THP}" \
     -virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap" \
     </dev/null || rc=$?
   echo "kernel-matrix: $release done in $((SECONDS - t0)) s (qemu exit $rc)" >&2

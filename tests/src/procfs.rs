@@ -199,12 +199,8 @@ impl HugePagesAlways {
         }
         let mut state = HUGE_PAGES_ALWAYS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if state.0 == 0 {
-            let modes = fs::read_to_string(THP_ENABLED).unwrap_or_else(|e| panic!("{THP_ENABLED}: {e}"));
-            state.1 = modes
-                .split_whitespace()
-                .find_map(|m| m.strip_prefix('[')?.strip_suffix(']'))
-                .unwrap_or_else(|| panic!("{THP_ENABLED} names no current mode: {modes}"))
-                .to_owned();
+            state.1 = stasis_linux::proc::huge_pages_mode()
+                .unwrap_or_else(|| panic!("{THP_ENABLED} names no current mode"));
             fs::write(THP_ENABLED, "always")
                 .unwrap_or_else(|e| panic!("setting {THP_ENABLED} to always: {e}"));
         }

@@ -1,5 +1,6 @@
 //! Read-only and bookkeeping operations: list, show, delete, status.
 
+use super::checkpoint::tracking_report;
 use super::ids::valid_checkpoint_id;
 use super::{Caller, Engine, IdleState, QueryError, Workload};
 use crate::criu::images::{pagemap_file_name, pages_file_name};
@@ -96,7 +97,7 @@ pub struct StatusReport {
     pub socket_support: String,
     /// The network lock in use, or "none (why)".
     pub network_lock: String,
-    /// "on (soft-dirty)", or "off (why)".
+    /// "on (soft-dirty, ...)", or "off (why)" (`checkpoint::tracking_report`).
     pub memory_tracking: String,
     pub workloads: Vec<WorkloadReport>,
 }
@@ -232,10 +233,10 @@ impl Engine {
                 Ok(lock) => lock.name().into(),
                 Err(why) => format!("none ({why}); trees with established TCP connections are refused"),
             },
-            memory_tracking: match &self.support.memory_tracking {
-                Ok(()) => "on (soft-dirty): a later checkpoint reads only the pages written since".into(),
-                Err(why) => format!("off ({why}): every checkpoint reads all memory"),
-            },
+            memory_tracking: tracking_report(
+                &self.support.memory_tracking,
+                self.deps.host.huge_pages_mode().as_deref(),
+            ),
             workloads: self
                 .registry
                 .all()

@@ -171,6 +171,10 @@ async fn probe_criu(
         false => Err("turned off (--memory-tracking off)".into()),
     };
     match &memory_tracking {
+        Ok(()) if host.huge_pages_mode().as_deref() == Some("always") => warn!(
+            "memory tracking on, by 2 MiB where huge pages back memory (transparent huge pages are \
+             'always'; 'madvise' tracks 4 KiB pages): a write anywhere in a huge page counts for all of it"
+        ),
         Ok(()) => info!("memory tracking on: later checkpoints read only the pages written since"),
         Err(why) => info!(reason = %why, "memory tracking off: every checkpoint reads all memory"),
     }
@@ -178,9 +182,9 @@ async fn probe_criu(
 }
 
 /// Logs what of the kernel stasisd found, one line: userfaultfd with its fork, remap and unmap
-/// events (served and lazy restores), soft-dirty tracking, pidfd_getfd (looking at a tree's
-/// sockets), whether CRIU can dump rseq registrations, and the TCP network lock; then, for each
-/// one missing, why.
+/// events (served and lazy restores), soft-dirty tracking and the huge-page mode, pidfd_getfd
+/// (looking at a tree's sockets), whether CRIU can dump rseq registrations, and the TCP network
+/// lock; then, for each one missing, why.
 fn log_kernel_features(
     host: &dyn Host,
     served_memory: &Result<(), String>,
@@ -194,6 +198,7 @@ fn log_kernel_features(
         kernel = %host.kernel_release(),
         userfaultfd_events = has(served_memory),
         soft_dirty = has(&soft_dirty),
+        transparent_huge_pages = host.huge_pages_mode().as_deref().unwrap_or("none"),
         pidfd_getfd = has(&pidfd),
         rseq_dump = has(&rseq),
         network_lock = lock.as_ref().map_or("none", |lock| lock.name()),

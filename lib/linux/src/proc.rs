@@ -402,6 +402,22 @@ pub fn soft_dirty() -> Result<(), String> {
     }
 }
 
+/// Where the kernel says which anonymous memory gets transparent huge pages.
+const HUGE_PAGES_MODE: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
+
+/// The kernel's transparent-huge-page mode for anonymous memory ("always", "madvise" or
+/// "never"), or `None` where the kernel has no transparent huge pages. It matters to memory
+/// tracking: soft-dirty is kept per page table entry, so under "always" a write anywhere in a
+/// huge page marks all 2 MiB of it written.
+pub fn huge_pages_mode() -> Option<String> {
+    current_mode(&fs::read_to_string(HUGE_PAGES_MODE).ok()?)
+}
+
+/// The bracketed word of a sysfs mode list ("always [madvise] never" gives "madvise").
+fn current_mode(modes: &str) -> Option<String> {
+    modes.split_whitespace().find_map(|m| Some(m.strip_prefix('[')?.strip_suffix(']')?.to_owned()))
+}
+
 /// This machine's host name.
 pub fn node_name() -> String {
     nix::sys::utsname::uname()
@@ -454,6 +470,17 @@ mod tests {
                 found.as_ref().is_ok() || found.as_ref().is_err_and(|e| e.contains("CONFIG_MEM")),
                 "{found:?}"
             ),
+        }
+    }
+
+    #[test]
+    fn the_huge_page_mode_is_the_bracketed_word() {
+        assert_eq!(current_mode("always [madvise] never\n").as_deref(), Some("madvise"));
+        assert_eq!(current_mode("[always] madvise never").as_deref(), Some("always"));
+        assert_eq!(current_mode("always madvise never"), None);
+        // This kernel's answer is one of the three, where it has huge pages at all.
+        if let Some(mode) = huge_pages_mode() {
+            assert!(["always", "madvise", "never"].contains(&mode.as_str()), "{mode}");
         }
     }
 

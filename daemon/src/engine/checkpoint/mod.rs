@@ -37,6 +37,7 @@ pub(in crate::engine) use store::tree_options;
 use store::{DumpTiming, Dumped};
 pub(super) use tracking::Chains;
 use tracking::Tracking;
+pub(super) use tracking::tracking_report;
 
 /// Which tree to checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]

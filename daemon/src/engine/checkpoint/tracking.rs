@@ -35,6 +35,24 @@ pub(super) const PARENT_DIR: &str = "parent-dump";
 /// CRIU's inventory image.
 const INVENTORY: &str = "inventory.img";
 
+/// How `stasis status` says whether dumps track memory: `support` is the start's answer (on, or
+/// off and why), `huge_pages` the kernel's transparent-huge-page mode now. Under "always" the
+/// kernel keeps a huge page's soft-dirty bit for all its 2 MiB, so a write anywhere in it
+/// counts for the whole: a job with writes scattered over its memory gains little, and
+/// "madvise" tracks it by 4 KiB pages.
+pub(crate) fn tracking_report(support: &Result<(), String>, huge_pages: Option<&str>) -> String {
+    match (support, huge_pages) {
+        (Ok(()), Some("always")) => {
+            "on (soft-dirty, by 2 MiB where huge pages back memory: transparent huge \
+                                     pages are 'always', 'madvise' tracks 4 KiB pages): a later checkpoint \
+                                     reads only the pages written since"
+                .into()
+        }
+        (Ok(()), _) => "on (soft-dirty): a later checkpoint reads only the pages written since".into(),
+        (Err(why), _) => format!("off ({why}): every checkpoint reads all memory"),
+    }
+}
+
 /// The last tracked checkpoint of a tree, which its next dump builds on.
 #[derive(Debug)]
 struct Link {

@@ -89,3 +89,21 @@ async fn a_failed_checkpoint_another_tree_or_another_workloads_dump_breaks_the_c
     r.host.trees.lock().unwrap().get_mut(&ROOT).unwrap().started.insert(ROOT, 2);
     assert_eq!(left_running(&r).await.stats.bytes_unchanged, 0, "another tree");
 }
+
+#[test]
+fn status_says_tracking_goes_by_huge_pages_under_always() {
+    use super::tracking_report;
+    let on = tracking_report(&Ok(()), Some("always"));
+    assert!(
+        on.starts_with("on (soft-dirty, by 2 MiB") && on.contains("'madvise' tracks 4 KiB pages"),
+        "{on}"
+    );
+    for mode in [Some("madvise"), Some("never"), None] {
+        assert_eq!(
+            tracking_report(&Ok(()), mode),
+            "on (soft-dirty): a later checkpoint reads only the pages written since"
+        );
+    }
+    let off = tracking_report(&Err("no soft-dirty".into()), Some("always"));
+    assert_eq!(off, "off (no soft-dirty): every checkpoint reads all memory");
+}

@@ -333,6 +333,10 @@ impl Host for FakeHost {
         Ok(())
     }
 
+    fn huge_pages_mode(&self) -> Option<String> {
+        Some("madvise".into())
+    }
+
     fn pidfd_getfd(&self) -> Result<(), String> {
         Ok(())
     }

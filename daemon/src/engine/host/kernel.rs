@@ -215,6 +215,10 @@ impl Host for LinuxHost {
         proc::soft_dirty()
     }
 
+    fn huge_pages_mode(&self) -> Option<String> {
+        proc::huge_pages_mode()
+    }
+
     fn pidfd_getfd(&self) -> Result<(), String> {
         sys::pidfd_getfd_works().map_err(|e| format!("pidfd_getfd(2) fails ({e}; it needs Linux 5.6)"))
     }

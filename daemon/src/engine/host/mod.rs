@@ -155,6 +155,9 @@ pub trait Host: Watches + Userfaults + NetworkLocks + Containers {
     /// Whether this kernel tracks soft-dirty pages (CRIU's memory tracking needs it), and if
     /// not why.
     fn soft_dirty(&self) -> Result<(), String>;
+    /// The kernel's transparent-huge-page mode for anonymous memory ("always", "madvise",
+    /// "never"), or `None` without huge pages (see `proc::huge_pages_mode`).
+    fn huge_pages_mode(&self) -> Option<String>;
     /// Whether stasisd can copy a descriptor of another process (pidfd_getfd), and if not why.
     fn pidfd_getfd(&self) -> Result<(), String>;
     /// The CPU's user-space instruction-set extensions (see `proc::cpu_isa_flags`).
