@@ -108,6 +108,12 @@ impl WindowCutter {
         self.addr
     }
 
+    /// Address (or offset) of the first byte of the window the next piece continues: of the
+    /// begun window, or the next byte.
+    pub fn window_start(&self) -> u64 {
+        self.addr - self.partial.len() as u64
+    }
+
     /// Whether a window is begun: bytes of it wait for the rest.
     pub fn within_window(&self) -> bool {
         !self.partial.is_empty()

@@ -35,6 +35,7 @@ mod lease;
 mod memory;
 mod parent;
 mod prefetch;
+mod read_back;
 mod sift;
 mod staging;
 mod stream;

@@ -8,12 +8,13 @@
 //! staged whole, sifted as it arrived, or streamed in blocks.
 
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use stasis_proto::stasis::store::v1::{ChunkRef, MemoryImage, PageRun as StoredRun};
 
 use super::chunks::{CHUNK, ChunkStats, ChunkWriter, UploaderGone, WindowCutter};
 use super::parent::{Parent, ParentError};
+use super::read_back::{Hole, ReadBack};
 use super::staging::Staged;
 use super::stream::{Received, StreamSource, Unfinished};
 use stasis_criu_images::pages::{PAGE_SIZE, PE_PARENT, PageRun};
@@ -63,7 +64,7 @@ pub(super) struct MemoryChunker {
     /// Destinations in the order their first run came.
     order: Vec<u64>,
     images: HashMap<u64, Building>,
-    parent: Option<Parent>,
+    back: ReadBack,
 }
 
 pub(super) struct Building {
@@ -73,6 +74,9 @@ pub(super) struct Building {
     /// Where unchanged pages that end the open stretch, not chunked yet, end; they start where
     /// its cutter stands, at a chunk's start (a window's, or the stretch's).
     pending: Option<u64>,
+    /// Unchanged pages of the open stretch being read back, in address order, which the
+    /// cutter holds as zeros.
+    holes: VecDeque<Hole>,
 }
 
 /// Where the window holding `addr` ends.
@@ -87,22 +91,55 @@ impl Building {
         writer: &mut W,
         windows: &[Cow<'_, [u8]>],
     ) -> Result<(), ChunkingError<W::Error>> {
+        if windows.is_empty() {
+            return Ok(());
+        }
         let windows: Vec<&[u8]> = windows.iter().map(|w| w.as_ref()).collect();
         image.chunks.extend(writer.take(&windows).map_err(ChunkingError::Sink)?);
         Ok(())
+    }
+
+    /// Chunks the windows the cutter completed, the first starting at `start`, in order: a
+    /// window holding pages still being read back is set aside with its place kept.
+    fn emit<W: WindowSink>(
+        &mut self,
+        writer: &mut W,
+        back: &mut ReadBack,
+        windows: Vec<Cow<'_, [u8]>>,
+        mut start: u64,
+    ) -> Result<(), ChunkingError<W::Error>> {
+        let mut ready = Vec::with_capacity(windows.len());
+        for window in windows {
+            let end = start + window.len() as u64;
+            let mut holes = Vec::new();
+            while self.holes.front().is_some_and(|hole| hole.start < end) {
+                holes.extend(self.holes.pop_front());
+            }
+            if holes.is_empty() {
+                ready.push(window);
+            } else {
+                Self::take(&mut self.image, writer, &std::mem::take(&mut ready))?;
+                let place = (self.image.dst_id, self.image.chunks.len(), start);
+                self.image.chunks.push(ChunkRef::default());
+                back.set_aside(writer, place, window.into_owned(), holes)?;
+            }
+            start = end;
+        }
+        Self::take(&mut self.image, writer, &ready)
     }
 
     /// Takes written pages, `pieces`, continuing the open stretch.
     fn written<W: WindowSink>(
         &mut self,
         writer: &mut W,
-        parent: &mut Option<Parent>,
+        back: &mut ReadBack,
         pieces: &[&[u8]],
     ) -> Result<(), ChunkingError<W::Error>> {
-        self.settle(writer, parent)?;
+        self.settle(writer, back)?;
         let (_, cutter) = self.open.as_mut().expect("a stretch is open");
+        let start = cutter.window_start();
         let windows: Vec<Cow<'_, [u8]>> = pieces.iter().flat_map(|piece| cutter.cut(piece)).collect();
-        Self::take(&mut self.image, writer, &windows)
+        self.emit(writer, back, windows, start)
     }
 
     /// Takes the unchanged pages `start..end`, continuing the open stretch: each whole chunk
@@ -111,17 +148,17 @@ impl Building {
     fn unchanged<W: WindowSink>(
         &mut self,
         writer: &mut W,
-        parent: &mut Parent,
+        back: &mut ReadBack,
         start: u64,
         end: u64,
     ) -> Result<(), ChunkingError<W::Error>> {
         if self.pending.is_none() && self.open.as_ref().is_some_and(|(_, cutter)| cutter.within_window()) {
             // A window begun with written pages: its unchanged rest is read back.
-            self.read_back(writer, parent, start, window_end(start).min(end))?;
+            self.read_back(writer, back, start, window_end(start).min(end))?;
         }
         let mut at = self.open.as_ref().expect("a stretch is open").1.addr();
         while at < end && window_end(at) <= end {
-            self.unchanged_chunk(writer, parent, at, window_end(at))?;
+            self.unchanged_chunk(writer, back, at, window_end(at))?;
             at = window_end(at);
         }
         self.pending = (at < end).then_some(end);
@@ -133,36 +170,44 @@ impl Building {
     fn unchanged_chunk<W: WindowSink>(
         &mut self,
         writer: &mut W,
-        parent: &mut Parent,
+        back: &mut ReadBack,
         start: u64,
         end: u64,
     ) -> Result<(), ChunkingError<W::Error>> {
         let dst_id = self.image.dst_id;
         let (_, cutter) = self.open.as_mut().expect("a stretch is open");
-        match parent.memory.exact(dst_id, start, end) {
+        match back.memory().and_then(|memory| memory.exact(dst_id, start, end)) {
             Some(chunk) => {
                 writer.stats().count_known(chunk);
                 self.image.chunks.push(ChunkRef { fresh: false, ..chunk.clone() });
                 cutter.skip(end - start);
                 Ok(())
             }
-            None => self.read_back(writer, parent, start, end),
+            None => self.read_back(writer, back, start, end),
         }
     }
 
     /// The unchanged pages `start..end`, continuing the open stretch, read back from the
-    /// previous checkpoint and chunked as written ones are.
+    /// previous checkpoint (one read per window, running while the dump goes on) and chunked
+    /// as written ones are.
     fn read_back<W: WindowSink>(
         &mut self,
         writer: &mut W,
-        parent: &mut Parent,
+        back: &mut ReadBack,
         start: u64,
         end: u64,
     ) -> Result<(), ChunkingError<W::Error>> {
-        let bytes = parent.bytes(self.image.dst_id, start, end)?;
+        let mut at = start;
+        while at < end {
+            let to = window_end(at).min(end);
+            self.holes.push_back(back.ask(self.image.dst_id, at, to)?);
+            at = to;
+        }
+        let zeros = vec![0u8; (end - start) as usize];
         let (_, cutter) = self.open.as_mut().expect("a stretch is open");
-        let windows = cutter.cut(&bytes);
-        Self::take(&mut self.image, writer, &windows)
+        let first = cutter.window_start();
+        let windows = cutter.cut(&zeros);
+        self.emit(writer, back, windows, first)
     }
 
     /// Unchanged pages waiting at the end of the open stretch are read back and chunked:
@@ -170,33 +215,34 @@ impl Building {
     fn settle<W: WindowSink>(
         &mut self,
         writer: &mut W,
-        parent: &mut Option<Parent>,
+        back: &mut ReadBack,
     ) -> Result<(), ChunkingError<W::Error>> {
         let (Some(end), Some((_, cutter))) = (self.pending.take(), self.open.as_ref()) else {
             return Ok(());
         };
         let start = cutter.addr();
-        let parent = parent.as_mut().expect("pages wait only when a parent gave them");
-        self.read_back(writer, parent, start, end)
+        self.read_back(writer, back, start, end)
     }
 
     fn close<W: WindowSink>(
         &mut self,
         writer: &mut W,
-        parent: &mut Option<Parent>,
+        back: &mut ReadBack,
     ) -> Result<(), ChunkingError<W::Error>> {
-        if let (Some(end), Some(parent)) = (self.pending.take(), parent.as_mut()) {
+        if let Some(end) = self.pending.take() {
             // The stretch ends in unchanged pages: its last chunk, as it was if it was the same.
             let start = self.open.as_ref().expect("pages wait in an open stretch").1.addr();
-            self.unchanged_chunk(writer, parent, start, end)?;
+            self.unchanged_chunk(writer, back, start, end)?;
         }
         if let Some((run, cutter)) = self.open.take() {
             let run = StoredRun { vaddr: run.vaddr, nr_pages: run.nr_pages, flags: run.flags };
             self.image.runs.push(run);
+            let start = cutter.window_start();
             if let Some(last) = cutter.finish() {
-                self.image.chunks.extend(writer.take(&[&last]).map_err(ChunkingError::Sink)?);
+                self.emit(writer, back, vec![Cow::Owned(last)], start)?;
             }
         }
+        debug_assert!(self.holes.is_empty(), "a closed stretch's reads back are all in windows");
         Ok(())
     }
 }
@@ -204,7 +250,7 @@ impl Building {
 impl MemoryChunker {
     /// A chunker whose dump's runs in parent are `parent`'s pages.
     pub(super) fn new(parent: Option<Parent>) -> Self {
-        MemoryChunker { parent, ..Default::default() }
+        MemoryChunker { back: ReadBack::new(parent), ..Default::default() }
     }
 
     /// The image of `dst_id`, made empty when it is new: an image CRIU opened is kept even if
@@ -213,7 +259,12 @@ impl MemoryChunker {
     pub(super) fn image(&mut self, dst_id: u64) -> &mut Building {
         self.images.entry(dst_id).or_insert_with(|| {
             self.order.push(dst_id);
-            Building { image: MemoryImage { dst_id, ..Default::default() }, open: None, pending: None }
+            Building {
+                image: MemoryImage { dst_id, ..Default::default() },
+                open: None,
+                pending: None,
+                holes: VecDeque::new(),
+            }
         })
     }
 
@@ -232,9 +283,9 @@ impl MemoryChunker {
             return self.feed_one(writer, run, false, pieces);
         }
         let end = run.vaddr + run.byte_len();
-        let parts = self.parent.as_ref().and_then(|p| p.memory.flags_over(run.dst_id, run.vaddr, end));
+        let parts = self.back.memory().and_then(|m| m.flags_over(run.dst_id, run.vaddr, end));
         let Some(parts) = parts else {
-            let checkpoint = self.parent.as_ref().map_or("(none)", |p| p.memory.checkpoint()).into();
+            let checkpoint = self.back.memory().map_or("(none)", |m| m.checkpoint()).into();
             let (dst_id, vaddr, nr_pages) = (run.dst_id, run.vaddr, run.nr_pages);
             return Err(ParentError::NotHeld { checkpoint, dst_id, vaddr, nr_pages }.into());
         };
@@ -256,16 +307,15 @@ impl MemoryChunker {
     ) -> Result<(), ChunkingError<W::Error>> {
         self.image(run.dst_id);
         let building = self.images.get_mut(&run.dst_id).expect("just made");
-        let parent = &mut self.parent;
+        let back = &mut self.back;
         if !building.open.as_ref().is_some_and(|(open, _)| open.continued_by(&run)) {
-            building.close(writer, parent)?;
+            building.close(writer, back)?;
             building.open = Some((PageRun { nr_pages: 0, ..run }, WindowCutter::new(run.vaddr)));
         }
         building.open.as_mut().expect("a stretch is open").0.nr_pages += run.nr_pages;
-        match (in_parent, parent.as_mut()) {
-            (false, _) => building.written(writer, parent, pieces),
-            (true, Some(parent)) => building.unchanged(writer, parent, run.vaddr, run.vaddr + run.byte_len()),
-            (true, None) => unreachable!("runs in parent are fed only with a parent"),
+        match in_parent {
+            false => building.written(writer, back, pieces),
+            true => building.unchanged(writer, back, run.vaddr, run.vaddr + run.byte_len()),
         }
     }
 
@@ -273,11 +323,17 @@ impl MemoryChunker {
         mut self,
         writer: &mut W,
     ) -> Result<Vec<MemoryImage>, ChunkingError<W::Error>> {
+        for dst_id in &self.order {
+            let building = self.images.get_mut(dst_id).expect("every destination has an image");
+            building.close(writer, &mut self.back)?;
+        }
+        for (dst_id, index, chunk) in self.back.finish(writer)? {
+            self.images.get_mut(&dst_id).expect("windows are set aside of known images").image.chunks
+                [index] = chunk;
+        }
         let mut images = Vec::with_capacity(self.order.len());
         for dst_id in self.order {
-            let mut building = self.images.remove(&dst_id).expect("every destination has an image");
-            building.close(writer, &mut self.parent)?;
-            images.push(building.image);
+            images.push(self.images.remove(&dst_id).expect("every destination has an image").image);
         }
         Ok(images)
     }

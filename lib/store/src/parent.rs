@@ -6,9 +6,11 @@
 //! referenced again where a chunk of the new dump covers exactly what one of the previous did
 //! (an aligned window unchanged and laid out as before, the common case), and read back only
 //! where a window mixes unchanged and written pages, or its stretch of memory changed shape.
+//! Those reads run beside the dump (`read_back.rs`): [`Parent::ask`] starts them, and a window
+//! waits for its bytes only once many others are set aside.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use stasis_proto::stasis::store::v1::{ChunkRef, MemoryImage};
 use tokio::runtime::Handle;
@@ -40,6 +42,10 @@ pub enum ParentError {
     NotHeld { checkpoint: String, dst_id: u64, vaddr: u64, nr_pages: u64 },
     #[error("reading the previous checkpoint's unchanged pages failed")]
     Read(#[source] Box<StoreError>),
+    #[error("the task reading the previous checkpoint's unchanged pages failed: {0}")]
+    ReadTask(String),
+    #[error("a read of the previous checkpoint's unchanged pages had failed already")]
+    ReadFailedBefore,
 }
 
 impl ParentMemory {
@@ -119,15 +125,73 @@ impl InParent for ParentMemory {
     }
 }
 
-/// Reads a chunk's bytes.
-type ReadChunk = Box<dyn FnMut(&ChunkRef) -> Result<Vec<u8>, ParentError> + Send>;
+/// A chunk's bytes on their way: waiting for them blocks until they are here.
+pub type Reading = Box<dyn FnOnce() -> Result<Vec<u8>, ParentError> + Send>;
+
+/// Starts reading a chunk's bytes.
+type StartRead = Box<dyn FnMut(&ChunkRef) -> Reading + Send>;
+
+/// A chunk of the previous checkpoint asked for: its read under way, or its bytes.
+enum ChunkRead {
+    Reading(Reading),
+    Read(Arc<Vec<u8>>),
+    /// Its read failed; whoever waited first got the error.
+    Failed,
+}
+
+/// One chunk read shared by the windows that need it (the part of a window before a written
+/// page, and the part after).
+type SharedRead = Arc<Mutex<ChunkRead>>;
+
+/// Bytes of the previous checkpoint asked for with [`Parent::ask`]: its chunks are read
+/// meanwhile, so that the windows waiting for them can be many and their reads overlap.
+pub struct Pending {
+    parts: Vec<Part>,
+}
+
+enum Part {
+    Zeros(usize),
+    /// `from..to` of a chunk.
+    Of(SharedRead, usize, usize),
+}
+
+impl Pending {
+    /// The bytes, once their chunks are read.
+    pub fn wait(self) -> Result<Vec<u8>, ParentError> {
+        let mut out = Vec::new();
+        for part in self.parts {
+            match part {
+                Part::Zeros(len) => out.resize(out.len() + len, 0),
+                Part::Of(read, from, to) => out.extend_from_slice(&chunk_bytes(&read)?[from..to]),
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The bytes of a shared chunk read, waiting for them the first time.
+fn chunk_bytes(read: &SharedRead) -> Result<Arc<Vec<u8>>, ParentError> {
+    let mut state = read.lock().unwrap_or_else(|p| p.into_inner());
+    match std::mem::replace(&mut *state, ChunkRead::Failed) {
+        ChunkRead::Reading(reading) => {
+            let bytes = Arc::new(reading()?);
+            *state = ChunkRead::Read(bytes.clone());
+            Ok(bytes)
+        }
+        ChunkRead::Read(bytes) => {
+            *state = ChunkRead::Read(bytes.clone());
+            Ok(bytes)
+        }
+        ChunkRead::Failed => Err(ParentError::ReadFailedBefore),
+    }
+}
 
 /// The previous checkpoint's memory and a way to read its chunks, for the chunker.
 pub struct Parent {
     pub(super) memory: Arc<ParentMemory>,
-    read: ReadChunk,
-    /// The last chunk read, with its bytes: a window's pieces often share one.
-    last: Option<(Vec<u8>, Vec<u8>)>,
+    start: StartRead,
+    /// The last chunk asked for, by hash: a window's pieces often share one.
+    last: Option<(Vec<u8>, SharedRead)>,
 }
 
 impl std::fmt::Debug for Parent {
@@ -137,16 +201,14 @@ impl std::fmt::Debug for Parent {
 }
 
 impl Parent {
-    /// `memory` read through `read` (of a chunk reference, its bytes).
-    pub fn new(
-        memory: Arc<ParentMemory>,
-        read: impl FnMut(&ChunkRef) -> Result<Vec<u8>, ParentError> + Send + 'static,
-    ) -> Self {
-        Parent { memory, read: Box::new(read), last: None }
+    /// `memory` read through `start` (of a chunk reference, its read under way).
+    pub fn new(memory: Arc<ParentMemory>, start: impl FnMut(&ChunkRef) -> Reading + Send + 'static) -> Self {
+        Parent { memory, start: Box::new(start), last: None }
     }
 
-    /// The bytes of `start..end` of pagemap `dst_id` in the previous checkpoint.
-    pub(super) fn bytes(&mut self, dst_id: u64, start: u64, end: u64) -> Result<Vec<u8>, ParentError> {
+    /// Asks for the bytes of `start..end` of pagemap `dst_id` in the previous checkpoint: the
+    /// chunks holding them start being read.
+    pub(super) fn ask(&mut self, dst_id: u64, start: u64, end: u64) -> Result<Pending, ParentError> {
         let memory = self.memory.clone();
         let chunks = memory.covering(dst_id, start, end).ok_or_else(|| ParentError::NotHeld {
             checkpoint: memory.checkpoint.clone(),
@@ -154,44 +216,51 @@ impl Parent {
             vaddr: start,
             nr_pages: (end - start) / stasis_criu_images::pages::PAGE_SIZE,
         })?;
-        let mut out = Vec::with_capacity((end - start) as usize);
+        let mut parts = Vec::with_capacity(chunks.len());
         for (at, (_, chunk, _)) in chunks {
-            let from = start.max(at) - at;
-            let to = end.min(at + u64::from(chunk.len)) - at;
+            let from = (start.max(at) - at) as usize;
+            let to = (end.min(at + u64::from(chunk.len)) - at) as usize;
             if chunk.hash.is_empty() {
-                out.resize(out.len() + (to - from) as usize, 0);
+                parts.push(Part::Zeros(to - from));
                 continue;
             }
             if self.last.as_ref().is_none_or(|(hash, _)| *hash != chunk.hash) {
-                let data = (self.read)(chunk)?;
-                self.last = Some((chunk.hash.clone(), data));
+                let reading = (self.start)(chunk);
+                self.last = Some((chunk.hash.clone(), Arc::new(Mutex::new(ChunkRead::Reading(reading)))));
             }
-            let (_, data) = self.last.as_ref().expect("just read");
-            out.extend_from_slice(&data[from as usize..to as usize]);
+            let (_, read) = self.last.as_ref().expect("just asked for");
+            parts.push(Part::Of(read.clone(), from, to));
         }
-        Ok(out)
+        Ok(Pending { parts })
     }
 }
 
 impl Store {
-    /// `memory` as a dump's parent, its chunks read from this store (blocking, on a thread
-    /// outside the runtime of `handle`).
+    /// `memory` as a dump's parent, its chunks read from this store (on the runtime of
+    /// `handle`, waited for from a thread outside it).
     pub fn parent(&self, memory: Arc<ParentMemory>, handle: Handle) -> Parent {
         let read = self.chunk_reader(memory.checkpoint.clone(), handle);
         Parent::new(memory, read)
     }
 
-    /// Reads chunks of checkpoint `checkpoint` from this store, blocking (on a thread outside
-    /// the runtime of `handle`).
+    /// Starts reads of chunks of checkpoint `checkpoint` from this store, as tasks on the
+    /// runtime of `handle`; each is waited for from a thread outside it.
     fn chunk_reader(
         &self,
         checkpoint: String,
         handle: Handle,
-    ) -> impl FnMut(&ChunkRef) -> Result<Vec<u8>, ParentError> + Send + 'static {
+    ) -> impl FnMut(&ChunkRef) -> Reading + Send + 'static {
         let store = self.clone();
         move |chunk| {
-            let read = store.read_chunk(&checkpoint, "memory", chunk, |hash| store.index.get(hash));
-            handle.block_on(read).map_err(|e| ParentError::Read(Box::new(e)))
+            let (store, checkpoint, chunk) = (store.clone(), checkpoint.clone(), chunk.clone());
+            let task = handle.spawn(async move {
+                store.read_chunk(&checkpoint, "memory", &chunk, |hash| store.index.get(hash)).await
+            });
+            let handle = handle.clone();
+            Box::new(move || match handle.block_on(task) {
+                Ok(read) => read.map_err(|e| ParentError::Read(Box::new(e))),
+                Err(e) => Err(ParentError::ReadTask(e.to_string())),
+            })
         }
     }
 }

@@ -269,3 +269,104 @@ fn the_previous_checkpoint_answers_what_it_holds() {
     );
     assert_eq!(memory.flags_over(DST, 0x16000, 0x18000), None, "past the run's end");
 }
+
+/// A parent of checkpoint `manifest` whose reads run side by side: `gauge` holds the reads
+/// started and not yet waited for, and the most there were at once.
+fn gauged_parent(
+    store: &Store,
+    manifest: &Manifest,
+    gauge: Arc<std::sync::Mutex<(usize, usize, usize)>>,
+) -> Parent {
+    let memory = Arc::new(ParentMemory::new(&manifest.id, &manifest.memory).unwrap());
+    let mut read = store.chunk_reader(manifest.id.clone(), Handle::current());
+    Parent::new(memory, move |chunk| {
+        {
+            let mut g = gauge.lock().unwrap();
+            g.0 += 1;
+            g.1 = g.1.max(g.0);
+            g.2 += 1;
+        }
+        let reading = read(chunk);
+        let gauge = gauge.clone();
+        Box::new(move || {
+            gauge.lock().unwrap().0 -= 1;
+            reading()
+        })
+    })
+}
+
+/// One page written in every window of the first area, as a job scattering small writes over
+/// its memory does: every window mixes written and unchanged pages.
+fn scattered(before: &Memory) -> (Memory, HashSet<u64>) {
+    let mut memory = before.clone();
+    let mut written = HashSet::new();
+    let area = &mut memory[0];
+    for window in 0..area.1.len() / CHUNK {
+        let at = window * CHUNK + (window % 16) * PAGE as usize;
+        area.1[at..at + 8].copy_from_slice(&(window as u64 ^ 0xabcd).to_le_bytes());
+        written.insert(area.0 + at as u64);
+    }
+    (memory, written)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_unchanged_pages_of_windows_with_scattered_writes_are_read_back_side_by_side() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::in_dir(&dir.path().join("store"));
+    let first = first_checkpoint(&store, &dir.path().join("a")).await;
+    let (memory, written) = scattered(&before());
+    let gauge = Arc::new(std::sync::Mutex::new((0, 0, 0)));
+    let parent = gauged_parent(&store, &first, gauge.clone());
+    let pool = BlockPool::default();
+    let (mut sink, sifting) =
+        store.sift(&StagingBudget::new(64 << 20), &dir.path().join("spill"), &pool, 0, Some(parent)).unwrap();
+    let sent = memory.clone();
+    let sifted = tokio::task::spawn_blocking(move || {
+        send(&mut sink, &sent, Some(&written));
+        sink.finish().unwrap();
+        sifting.finish().unwrap()
+    })
+    .await
+    .unwrap();
+    let (_, most_at_once, reads) = *gauge.lock().unwrap();
+    // Each of the 64 mixed windows reads its chunk once (both sides of its written page share
+    // the read), and the reads wait side by side rather than one after another.
+    assert_eq!(reads, 64, "chunks read back");
+    assert!(most_at_once >= 32, "at most {most_at_once} reads ran at once");
+    assert_eq!(sifted.stats().chunks_new, 64, "every mixed window is a new chunk");
+    let (_, restored) = stored_and_restored(
+        &store,
+        &dir.path().join("b"),
+        DumpPages::Sifted(Box::new(sifted)),
+        "20261127-000001-bbbbbb",
+    )
+    .await;
+    assert!(restored == whole(&memory), "the tracked checkpoint restores byte for byte");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_read_back_fails_the_dump_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::in_dir(&dir.path().join("store"));
+    let first = first_checkpoint(&store, &dir.path().join("a")).await;
+    let (memory, written) = scattered(&before());
+    let memory_of_first = Arc::new(ParentMemory::new(&first.id, &first.memory).unwrap());
+    let parent = Parent::new(memory_of_first, |_| {
+        Box::new(|| Err(ParentError::ReadTask("the disk went away".into())))
+    });
+    let pool = BlockPool::default();
+    let (mut sink, sifting) =
+        store.sift(&StagingBudget::new(64 << 20), &dir.path().join("spill"), &pool, 0, Some(parent)).unwrap();
+    let failed = tokio::task::spawn_blocking(move || {
+        // The sink may see the store stop taking pages once the sifter failed.
+        let sending = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            send(&mut sink, &memory, Some(&written));
+            let _ = sink.finish();
+        }));
+        drop(sending);
+        sifting.finish().unwrap_err()
+    })
+    .await
+    .unwrap();
+    assert!(failed.to_string().contains("the disk went away"), "{failed}");
+}
