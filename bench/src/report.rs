@@ -100,7 +100,7 @@ impl Results {
                 "restore time, ms: `stasis restore` vs unpack to tmpfs + `criu restore`",
                 rs(&|r| ms(r.wall)),
                 rs(&|r| ms(r.peer.total)),
-                Some(0.5),
+                Some(0.3),
             ),
             row(
                 "stasisd peak RSS (1st checkpoint) vs staging bound + 256 MiB, MiB",

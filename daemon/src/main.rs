@@ -15,6 +15,8 @@ fn main() -> anyhow::Result<()> {
         LogFormat::Json => logs.json().init(),
         LogFormat::Text => logs.init(),
     }
+    // Freed buffers are reused rather than unmapped (the server hands them back every 10 s).
+    stasis_daemon::linux::sys::keep_freed_memory();
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(stasis_daemon::server::serve(config)).context("stasisd failed")
 }

@@ -45,6 +45,7 @@ pub enum ServeError {
 /// Runs stasisd until SIGTERM or SIGINT, then drains running jobs.
 pub async fn serve(config: DaemonConfig) -> Result<(), ServeError> {
     let engine = Engine::start(config.engine).await?;
+    tokio::spawn(release_freed_memory());
     if let Some(addr) = config.metrics_listen {
         crate::metrics::serve(addr, engine.metrics())
             .await
@@ -129,6 +130,21 @@ fn open_to_group(path: &Path, group: &str) -> Result<(), ServeError> {
     std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o660)).map_err(err)?;
     info!(group, "members of the socket group may connect, each acting on its own");
     Ok(())
+}
+
+/// How long memory stasisd freed stays kept for its next buffers before it goes back.
+const FREED_MEMORY_KEPT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Hands the memory stasisd's allocator keeps (see `main`) back to the system every
+/// [`FREED_MEMORY_KEPT`]: a restore or a dump reuses its freed buffers meanwhile, and a
+/// stasisd with nothing to do gives them back within that.
+async fn release_freed_memory() {
+    let mut every = tokio::time::interval(FREED_MEMORY_KEPT);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let _ = tokio::task::spawn_blocking(crate::linux::sys::release_freed_memory).await;
+    }
 }
 
 #[cfg(test)]
