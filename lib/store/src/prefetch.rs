@@ -448,8 +448,9 @@ async fn fetch_batch(
     };
     let verify = shared.clone();
     let cipher = store.cipher.clone();
-    let decoded = tokio::task::spawn_blocking(move || {
-        let mut out = Vec::new();
+    // Each chunk is cached as soon as it is verified: the first of a batch (the one a fault
+    // waits for) need not wait for the rest to be decompressed.
+    tokio::task::spawn_blocking(move || {
         for (pack, chunks, blobs) in fetched {
             for (i, blob) in chunks.into_iter().zip(blobs) {
                 let (hash, loc) = verify.memory.chunks[i].stored.as_ref().expect("stored");
@@ -462,27 +463,30 @@ async fn fetch_batch(
                         reason: reason.to_string(),
                     }
                 })?;
-                out.push((i, Arc::new(data)));
+                cache(&verify, i, Arc::new(data));
             }
         }
-        Ok(out)
+        Ok(())
     })
     .await
     .map_err(|e| LazyFetchError::Task { id: shared.memory.id.clone(), reason: e.to_string() })??;
-    let mut st = shared.lock();
-    for (i, data) in decoded {
-        if st.released[i] {
-            // Released while it was fetched, and not asked for since: nobody needs it.
-            st.slots[i] = Slot::Absent;
-            st.held -= u64::from(shared.memory.chunks[i].len);
-            shared.wake.notify_one();
-        } else {
-            st.slots[i] = Slot::Ready(data);
-            st.arrived.push(i);
-        }
-    }
-    drop(st);
     debug!(chunks = batch.len(), "lazy restore: chunks cached");
-    shared.tell_arrived();
     Ok(())
+}
+
+/// Puts fetched chunk `i` in the cache, unless it was released meanwhile, and tells the fault
+/// server.
+fn cache(shared: &Shared, i: usize, data: Arc<Vec<u8>>) {
+    let mut st = shared.lock();
+    if st.released[i] {
+        // Released while it was fetched, and not asked for since: nobody needs it.
+        st.slots[i] = Slot::Absent;
+        st.held -= u64::from(shared.memory.chunks[i].len);
+        shared.wake.notify_one();
+        return;
+    }
+    st.slots[i] = Slot::Ready(data);
+    st.arrived.push(i);
+    drop(st);
+    shared.tell_arrived();
 }

@@ -5,7 +5,7 @@
 use std::os::fd::AsFd;
 use std::time::Instant;
 
-use tracing::info;
+use tracing::{debug, info};
 
 use super::server::{Fault, FaultServer, FaultServerError, Task};
 use crate::engine::host::FaultEvent;
@@ -41,7 +41,7 @@ impl FaultServer {
             self.add_task(Task::new(pid, child, pages));
         }
         for event in others {
-            let Task { pages, read_ahead, .. } = &mut self.tasks[t];
+            let Task { pid, pages, read_ahead, .. } = &mut self.tasks[t];
             match event {
                 Event::PageFault { address } => {
                     let page = address & !(PAGE - 1);
@@ -54,8 +54,15 @@ impl FaultServer {
                             ahead.last().map_or(asked_through, |&(at, _)| at.max(asked_through)),
                         );
                         // On a walk, the chunks the fault before asked for are on their way.
-                        let next: Vec<(u64, usize)> =
+                        let mut next: Vec<(u64, usize)> =
                             ahead.into_iter().filter(|&(at, _)| at > asked_through).collect();
+                        let strides = read_ahead.strides_ahead(addr, CHUNK as u64);
+                        if let Some(first) = strides.first() {
+                            debug!(pid = *pid, fault = addr, next = first.start, "a strided read");
+                        }
+                        for block in strides {
+                            next.extend(pages.chunks_from(block.start).take_while(|&(at, _)| at < block.end));
+                        }
                         for &(_, j) in &next {
                             self.chunks.get(j, Ask::Soon).map_err(FaultServerError::Fetch)?;
                         }

@@ -5,11 +5,24 @@
 //! did not write since the last checkpoint (model weights, a read-mostly table), which the
 //! fresh-first prefetch does not bring early, thus gets it in ever larger requests; random
 //! faults ask for no more than before.
+//!
+//! A job reading blocks spaced evenly apart (every tenth MiB of a table, one layer's slice of
+//! each tensor) faults far from the last fault each time, which is no walk. When two such
+//! jumps in a row cover the same distance, the read is strided: each jump then also asks for
+//! the blocks [`STRIDES_AHEAD`] strides on, so that the job finds them in place. A jump by a
+//! few strides at once (the job read the blocks asked for without faulting) keeps the stride.
 
 /// Chunks asked for after a fault that follows no walk (64 KiB each: about 1 MiB).
 pub(super) const LEAST: usize = 15;
 /// The most chunks asked for at once (32 MiB); the prefetch cache bounds what is held.
 pub(super) const MOST: usize = 512;
+/// Blocks asked for ahead of a strided read, each of [`LEAST`] + 1 chunks from where the next
+/// fault is due (and some around it).
+pub(super) const STRIDES_AHEAD: u64 = 8;
+
+/// Chunks a strided block is asked for before and after where it is due: the mean stride
+/// puts it within a chunk or so.
+const SPREAD: u64 = 2;
 
 /// One process's read-ahead.
 #[derive(Debug, Clone)]
@@ -17,11 +30,25 @@ pub(super) struct ReadAhead {
     window: usize,
     /// The last fault's image address and the address of the last chunk asked for after it.
     last: Option<(u64, u64)>,
+    /// The last fault that followed no walk (a jump), and the distance it jumped.
+    jump: Option<(u64, u64)>,
+    /// The read's stride, once two jumps in a row agree.
+    stride: Option<Stride>,
+}
+
+/// Blocks spaced evenly: the jump the stride was first seen from, the strides since, and
+/// their mean length (the faults land a chunk early or late: a block's first chunk may have
+/// been in place already, or its start not on a chunk's).
+#[derive(Debug, Clone, Copy)]
+struct Stride {
+    from: u64,
+    strides: u64,
+    mean: u64,
 }
 
 impl Default for ReadAhead {
     fn default() -> Self {
-        ReadAhead { window: LEAST, last: None }
+        ReadAhead { window: LEAST, last: None, jump: None, stride: None }
     }
 }
 
@@ -37,8 +64,7 @@ impl ReadAhead {
     /// a few times while it arrives) ask for tens of MiB between them that it never reads.
     pub(super) fn window_for(&mut self, chunk: u64, chunk_len: u64) -> (usize, u64) {
         let Some((_, reach)) = self.last.filter(|&(fault, _)| chunk > fault) else {
-            self.window = LEAST;
-            return (LEAST, chunk);
+            return self.jumped(chunk, chunk_len);
         };
         // Past what the last fault asked for, and within one more window of it.
         let slack = self.window as u64 * chunk_len;
@@ -48,11 +74,51 @@ impl ReadAhead {
                 self.window = (self.window * 2).min(MOST);
                 (self.window, reach)
             }
-            _ => {
-                self.window = LEAST;
-                (LEAST, chunk)
-            }
+            _ => self.jumped(chunk, chunk_len),
         }
+    }
+
+    /// A fault at `chunk` that follows no walk: the window falls back to its least, and the
+    /// jump tells whether the read is strided. Two distances agree within two chunks per
+    /// stride.
+    fn jumped(&mut self, chunk: u64, chunk_len: u64) -> (usize, u64) {
+        self.window = LEAST;
+        let distance = self.jump.and_then(|(at, _)| chunk.checked_sub(at)).filter(|&d| d > 0);
+        let agree = |d: u64, stride: u64, k: u64| d.abs_diff(k * stride) <= 2 * k * chunk_len;
+        self.stride = match (distance, self.stride, self.jump) {
+            // On by one stride, or by a few (the blocks between were in place: no faults).
+            (Some(d), Some(s), _) => {
+                let k = (d + s.mean / 2) / s.mean.max(1);
+                ((1..=STRIDES_AHEAD + 1).contains(&k) && agree(d, s.mean, k)).then(|| {
+                    let strides = s.strides + k;
+                    Stride { from: s.from, strides, mean: (chunk - s.from) / strides }
+                })
+            }
+            (Some(d), None, Some((at, before))) if before > 0 && agree(d, before, 1) => {
+                let from = at - before;
+                Some(Stride { from, strides: 2, mean: (chunk - from) / 2 })
+            }
+            _ => None,
+        };
+        self.jump = Some((chunk, distance.unwrap_or(0)));
+        (LEAST, chunk)
+    }
+
+    /// The next [`STRIDES_AHEAD`] blocks of a strided read that the fault at `chunk` continued
+    /// (none unless that fault was a jump by the stride): where each is due, widened by
+    /// [`SPREAD`] chunks on each side, as a range of image addresses.
+    pub(super) fn strides_ahead(&self, chunk: u64, chunk_len: u64) -> Vec<std::ops::Range<u64>> {
+        let (Some(stride), Some((at, _))) = (self.stride, self.jump) else { return Vec::new() };
+        if at != chunk {
+            return Vec::new();
+        }
+        let block = (LEAST as u64 + 1) * chunk_len;
+        (1..=STRIDES_AHEAD)
+            .filter_map(|k| {
+                let due = chunk.checked_add(k * stride.mean)?;
+                Some(due.saturating_sub(SPREAD * chunk_len)..due.saturating_add(block + SPREAD * chunk_len))
+            })
+            .collect()
     }
 
     /// Records the fault at `chunk` and the last chunk asked for after it (`reach`: the last
@@ -125,6 +191,64 @@ mod tests {
         ra.asked(0, 15 * CHUNK);
         assert_eq!(ra.window_for(16 * CHUNK, CHUNK), (30, 15 * CHUNK));
         assert_eq!(ra.window_for(1 << 40, CHUNK), (LEAST, 1 << 40), "elsewhere: all of it anew");
+    }
+
+    /// The first chunk of each block the next fault after `at` asks for strides ahead.
+    fn due(ra: &ReadAhead, at: u64) -> Vec<u64> {
+        ra.strides_ahead(at, CHUNK).iter().map(|r| r.start).collect()
+    }
+
+    #[test]
+    fn blocks_spaced_evenly_are_asked_for_strides_ahead() {
+        let mut ra = ReadAhead::default();
+        // 1 MiB blocks every 10 MiB, each read page by page.
+        let block = |b: u64| -> Vec<u64> { (0..16).map(|i| (b * 160 + i) * CHUNK).collect() };
+        walk(&mut ra, &block(0));
+        assert!(due(&ra, 0).is_empty(), "one block says nothing");
+        walk(&mut ra, &block(1));
+        assert!(due(&ra, 160 * CHUNK).is_empty(), "one distance says nothing yet");
+        walk(&mut ra, &block(2)[..1]);
+        let ahead = ra.strides_ahead(320 * CHUNK, CHUNK);
+        assert_eq!(ahead.len() as u64, STRIDES_AHEAD);
+        for (k, range) in (1..).zip(&ahead) {
+            let start = (2 + k) * 160 * CHUNK;
+            assert!(range.start <= start && start + 16 * CHUNK <= range.end, "block {k}: {range:?}");
+        }
+        walk(&mut ra, &block(2)[1..]);
+        assert!(due(&ra, 321 * CHUNK).is_empty(), "only a jump asks for strides");
+        // The job read the blocks asked for without faulting, and faults next at block 11, a
+        // chunk late (its first chunk was in place).
+        walk(&mut ra, &[(11 * 160 + 1) * CHUNK]);
+        let next = ra.strides_ahead((11 * 160 + 1) * CHUNK, CHUNK);
+        assert!(next[0].contains(&(12 * 160 * CHUNK)), "the stride holds: {:?}", next[0]);
+        // Elsewhere: no longer strided.
+        let far = (11 * 160 + 7) * CHUNK + (1 << 30);
+        walk(&mut ra, &[far]);
+        assert!(due(&ra, far).is_empty());
+    }
+
+    #[test]
+    fn distances_a_chunk_apart_agree() {
+        let mut ra = ReadAhead::default();
+        // Block starts 160 and 161 chunks apart, as faults landing a chunk late make them.
+        for at in [0, 160, 321, 481, 642] {
+            walk(&mut ra, &[at * CHUNK]);
+        }
+        assert_eq!(due(&ra, 642 * CHUNK).len() as u64, STRIDES_AHEAD);
+    }
+
+    #[test]
+    fn random_faults_are_not_strided() {
+        let mut ra = ReadAhead::default();
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..1000 {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let at = seed % (1 << 15) * CHUNK;
+            walk(&mut ra, &[at]);
+            assert!(due(&ra, at).is_empty(), "a stride found in random faults at {at:#x}");
+        }
     }
 
     #[test]
