@@ -11,7 +11,7 @@ use crate::chunks::CHUNK;
 use crate::sift::tests::stored_and_restored;
 use crate::staging::StagingBudget;
 use crate::stream::{BlockPool, stream};
-use crate::{DumpPages, Manifest};
+use crate::{DumpPages, Manifest, Sifted};
 use stasis_criu_images::pages::{PAGE_SIZE, PE_LAZY, PE_PARENT, PE_PRESENT, PageSink};
 
 const PAGE: u64 = PAGE_SIZE;
@@ -137,6 +137,27 @@ async fn first_checkpoint(store: &Store, dir: &Path) -> Manifest {
     manifest
 }
 
+/// Sifts `memory` with `parent` as a tracked dump that wrote `written` sends it.
+async fn sift_tracked(
+    store: &Store,
+    dir: &Path,
+    parent: Parent,
+    memory: &Memory,
+    written: HashSet<u64>,
+) -> Sifted {
+    let pool = BlockPool::default();
+    let (mut sink, sifting) =
+        store.sift(&StagingBudget::new(64 << 20), &dir.join("spill"), &pool, 0, Some(parent)).unwrap();
+    let sent = memory.clone();
+    tokio::task::spawn_blocking(move || {
+        send(&mut sink, &sent, Some(&written));
+        sink.finish().unwrap();
+        sifting.finish().unwrap()
+    })
+    .await
+    .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_sifted_dump_in_parent_restores_what_a_full_one_does_reading_back_only_mixed_windows() {
     let dir = tempfile::tempdir().unwrap();
@@ -146,19 +167,7 @@ async fn a_sifted_dump_in_parent_restores_what_a_full_one_does_reading_back_only
 
     let reads = Arc::new(AtomicUsize::new(0));
     let parent = counted_parent(&store, &first, reads.clone());
-    let pool = BlockPool::default();
-    let spill = dir.path().join("spill");
-    let (mut sink, sifting) =
-        store.sift(&StagingBudget::new(64 << 20), &spill, &pool, 0, Some(parent)).unwrap();
-    let sent = memory.clone();
-    let sifted = tokio::task::spawn_blocking(move || {
-        send(&mut sink, &sent, Some(&written));
-        sink.finish().unwrap();
-        sifting.finish().unwrap()
-    })
-    .await
-    .unwrap();
-    let (_, written) = after(&before());
+    let sifted = sift_tracked(&store, dir.path(), parent, &memory, written.clone()).await;
     assert_eq!(sifted.stats().bytes_unchanged, unchanged_bytes(&memory, &written));
     // Window 5 (a page written inside it), the second area's two reshaped chunks; window 40's
     // written page leaves its unchanged neighbours in the same chunk.
@@ -175,7 +184,7 @@ async fn a_sifted_dump_in_parent_restores_what_a_full_one_does_reading_back_only
 
     // A full dump of the same memory: the same runs (flags included: unchanged pages stay
     // ones a lazy restore leaves in the store) and chunks.
-    let (sink, source) = stream(&pool);
+    let (sink, source) = stream(&BlockPool::default());
     let mut sink = sink;
     let full_dir = dir.path().join("c");
     let storing =
@@ -317,17 +326,7 @@ async fn the_unchanged_pages_of_windows_with_scattered_writes_are_read_back_side
     let (memory, written) = scattered(&before());
     let gauge = Arc::new(std::sync::Mutex::new((0, 0, 0)));
     let parent = gauged_parent(&store, &first, gauge.clone());
-    let pool = BlockPool::default();
-    let (mut sink, sifting) =
-        store.sift(&StagingBudget::new(64 << 20), &dir.path().join("spill"), &pool, 0, Some(parent)).unwrap();
-    let sent = memory.clone();
-    let sifted = tokio::task::spawn_blocking(move || {
-        send(&mut sink, &sent, Some(&written));
-        sink.finish().unwrap();
-        sifting.finish().unwrap()
-    })
-    .await
-    .unwrap();
+    let sifted = sift_tracked(&store, dir.path(), parent, &memory, written).await;
     let (_, most_at_once, reads) = *gauge.lock().unwrap();
     // Each of the 64 mixed windows reads its chunk once (both sides of its written page share
     // the read), and the reads wait side by side rather than one after another.
