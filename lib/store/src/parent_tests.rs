@@ -158,6 +158,16 @@ async fn sift_tracked(
     .unwrap()
 }
 
+/// Stores and commits `sifted` as the second checkpoint, and checks that it restores `memory`
+/// byte for byte.
+async fn stored_whole(store: &Store, dir: &Path, sifted: Sifted, memory: &Memory) -> Manifest {
+    let pages = DumpPages::Sifted(Box::new(sifted));
+    let (tracked, restored) =
+        stored_and_restored(store, &dir.join("b"), pages, "20261127-000001-bbbbbb").await;
+    assert!(restored == whole(memory), "the tracked checkpoint restores byte for byte");
+    tracked
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_sifted_dump_in_parent_restores_what_a_full_one_does_reading_back_only_mixed_windows() {
     let dir = tempfile::tempdir().unwrap();
@@ -173,14 +183,7 @@ async fn a_sifted_dump_in_parent_restores_what_a_full_one_does_reading_back_only
     // written page leaves its unchanged neighbours in the same chunk.
     let read = reads.load(Ordering::SeqCst);
     assert!((1..=6).contains(&read), "{read} chunks read back of {}", first.memory[0].chunks.len());
-    let (tracked, restored) = stored_and_restored(
-        &store,
-        &dir.path().join("b"),
-        DumpPages::Sifted(Box::new(sifted)),
-        "20261127-000001-bbbbbb",
-    )
-    .await;
-    assert!(restored == whole(&memory), "the tracked checkpoint restores byte for byte");
+    let tracked = stored_whole(&store, dir.path(), sifted, &memory).await;
 
     // A full dump of the same memory: the same runs (flags included: unchanged pages stay
     // ones a lazy restore leaves in the store) and chunks.
@@ -333,14 +336,7 @@ async fn the_unchanged_pages_of_windows_with_scattered_writes_are_read_back_side
     assert_eq!(reads, 64, "chunks read back");
     assert!(most_at_once >= 32, "at most {most_at_once} reads ran at once");
     assert_eq!(sifted.stats().chunks_new, 64, "every mixed window is a new chunk");
-    let (_, restored) = stored_and_restored(
-        &store,
-        &dir.path().join("b"),
-        DumpPages::Sifted(Box::new(sifted)),
-        "20261127-000001-bbbbbb",
-    )
-    .await;
-    assert!(restored == whole(&memory), "the tracked checkpoint restores byte for byte");
+    stored_whole(&store, dir.path(), sifted, &memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
