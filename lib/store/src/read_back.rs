@@ -8,7 +8,7 @@
 //! place, and sets it aside, keeping its reference's place in the image; it goes on with the
 //! pages that follow while the reads run on the store's runtime. A window set aside is
 //! completed (its holes filled, then hashed and stored like any other) when more than
-//! [`WAITING`] wait, and all of them at the end of the dump.
+//! [`WAITING`] wait ([`TOGETHER`] at a time), and all of them at the end of the dump.
 
 use std::collections::VecDeque;
 
@@ -20,6 +20,9 @@ use super::parent::{Parent, ParentError, ParentMemory, Pending};
 /// Windows set aside at most: their reads run at the same time. Each holds its window and
 /// the previous checkpoint's chunk once read, 128 KiB at most.
 const WAITING: usize = 64;
+/// Windows completed together, the oldest first: the sink hashes and compresses them as one
+/// batch, in parallel.
+const TOGETHER: usize = 16;
 
 /// Bytes of an open stretch still being read from the previous checkpoint, within one window:
 /// the cutter holds zeros in their place.
@@ -77,7 +80,7 @@ impl ReadBack {
         holes: Vec<Hole>,
     ) -> Result<(), ChunkingError<W::Error>> {
         self.waiting.push_back(Waiting { dst_id, index, start, bytes, holes });
-        while self.waiting.len() > WAITING {
+        if self.waiting.len() > WAITING {
             self.complete_oldest(writer)?;
         }
         Ok(())
@@ -95,19 +98,25 @@ impl ReadBack {
         Ok(self.done)
     }
 
-    /// Fills the oldest window's holes as their reads arrive, and stores it.
+    /// Fills the holes of the oldest windows (up to [`TOGETHER`]) as their reads arrive, and
+    /// stores them.
     fn complete_oldest<W: WindowSink>(&mut self, writer: &mut W) -> Result<(), ChunkingError<W::Error>> {
-        let Some(Waiting { dst_id, index, start, mut bytes, holes }) = self.waiting.pop_front() else {
-            return Ok(());
-        };
-        for hole in holes {
-            let read = hole.bytes.wait()?;
-            let at = (hole.start - start) as usize;
-            bytes[at..at + read.len()].copy_from_slice(&read);
+        let count = self.waiting.len().min(TOGETHER);
+        let mut filled = Vec::with_capacity(count);
+        for Waiting { dst_id, index, start, mut bytes, holes } in self.waiting.drain(..count) {
+            for hole in holes {
+                let read = hole.bytes.wait()?;
+                let at = (hole.start - start) as usize;
+                bytes[at..at + read.len()].copy_from_slice(&read);
+            }
+            filled.push((dst_id, index, bytes));
         }
-        let mut refs = writer.take(&[&bytes]).map_err(ChunkingError::Sink)?;
-        let reference = refs.pop().expect("one reference per window");
-        self.done.push((dst_id, index, reference));
+        let windows: Vec<&[u8]> = filled.iter().map(|(_, _, bytes)| bytes.as_slice()).collect();
+        let refs = writer.take(&windows).map_err(ChunkingError::Sink)?;
+        assert_eq!(refs.len(), filled.len(), "a window sink gives one reference per window");
+        self.done.extend(
+            filled.into_iter().zip(refs).map(|((dst_id, index, _), reference)| (dst_id, index, reference)),
+        );
         Ok(())
     }
 }
