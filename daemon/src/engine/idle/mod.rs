@@ -137,7 +137,7 @@ impl Engine {
         for w in self.registry.all() {
             if let Some(reclaimed) = w.reclaimed {
                 info!(workload = %w.name, checkpoint = %reclaimed.checkpoint, "workload still reclaimed; waiting for its use");
-                self.arm_waker(&w.name, reclaimed);
+                self.arm_waker(&w.name, reclaimed, None);
             }
         }
         let engine = Arc::downgrade(self);

@@ -50,11 +50,13 @@ impl Engine {
             ports,
             connections,
         };
+        // Before the reclaim shows: a client that sees it may connect at once.
+        let held = self.hold_until_listening(name, &reclaimed);
         if let Err(e) = self.registry.update(name, |w| w.reclaimed = Some(reclaimed.clone())) {
             warn!(workload = name, error = %e, "cannot record the reclaim in the registry; a restart forgets it");
         }
         info!(workload = name, checkpoint = %outcome.id, listeners = ?reclaimed.listeners, ports = ?reclaimed.ports, "workload reclaimed");
-        self.arm_waker(name, reclaimed.clone());
+        self.arm_waker(name, reclaimed.clone(), held);
         Ok(Some(reclaimed))
     }
 

@@ -134,12 +134,21 @@ async fn reclaim_and_wake(r: &Rig, name: &str) -> Result<RestoreOutcome, PolicyE
 }
 
 #[tokio::test]
-async fn a_wake_lets_go_of_its_hold_on_new_connections_once_the_tree_runs() {
+async fn new_connections_are_held_from_the_reclaim_until_the_waker_listens_and_during_the_wake() {
     let r = rig(FakeCriu::default(), FakeGpu::default());
     let (name, port) = listening_rig(&r).await;
-    assert_eq!(reclaim_and_wake(&r, &name).await.unwrap().pid, ROOT);
-    // One hold, on the listener's port, no longer in place.
-    assert_eq!(*r.host.holds.lock().unwrap(), [(vec![port], false)]);
+    r.engine.reclaim(&name).await.unwrap().expect("reclaimed");
+    // Held as the reclaim shows, let go once the waker listens.
+    assert_eq!(r.host.holds.lock().unwrap()[0].0, [port], "held from the end of the tree");
+    let listening = async {
+        while r.host.holds.lock().unwrap()[0].1 {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(10), listening).await.expect("the waker listens");
+    assert_eq!(r.engine.wake(&name, Caller::Root).await.unwrap().pid, ROOT);
+    // The wake's own hold, on the listener's port, no longer in place either.
+    assert_eq!(*r.host.holds.lock().unwrap(), [(vec![port], false), (vec![port], false)]);
 }
 
 #[tokio::test]

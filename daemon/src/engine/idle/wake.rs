@@ -62,16 +62,27 @@ enum Trigger {
 impl Engine {
     /// Starts waiting for the next use of reclaimed workload `name`; returns where a
     /// `stasis wake` asks it.
+    /// `held` holds back new connections to the workload's ports (see
+    /// [`Engine::hold_until_listening`]) until the waker listens.
     pub(super) fn arm_waker(
         self: &Arc<Self>,
         name: &str,
         reclaimed: Reclaimed,
+        held: Option<Hold>,
     ) -> mpsc::UnboundedSender<WakeReply> {
         let (requests, asked) = mpsc::unbounded_channel();
         self.workloads.with(name, |slot| slot.idle.waker = Some(Waker { requests: requests.clone() }));
         let host = self.deps.host.clone();
-        tokio::spawn(wait_and_wake(Arc::downgrade(self), host, name.to_owned(), reclaimed, asked));
+        tokio::spawn(wait_and_wake(Arc::downgrade(self), host, name.to_owned(), reclaimed, asked, held));
         requests
+    }
+
+    /// Holds back new connections to the listening ports of reclaimed workload `name`, from
+    /// the end of its tree until its waker listens: a client that connects meanwhile sends its
+    /// request again a moment later instead of being refused.
+    pub(super) fn hold_until_listening(&self, name: &str, reclaimed: &Reclaimed) -> Option<Hold> {
+        let ports: Vec<u16> = reclaimed.listeners.iter().map(SocketAddr::port).collect();
+        hold_new_connections(self.deps.host.as_ref(), name, &ports)
     }
 
     /// Wakes reclaimed workload `name` now; returns once it runs (its memory may still be
@@ -83,7 +94,7 @@ impl Engine {
             self.workloads.read(name, |slot| slot.idle.waker.as_ref().map(|w| w.requests.clone())).flatten();
         let requests = match waker {
             Some(requests) => requests,
-            None => self.arm_waker(name, reclaimed),
+            None => self.arm_waker(name, reclaimed, None),
         };
         let (reply, answer) = oneshot::channel();
         requests.send(reply).map_err(|_| PolicyError::WokenElsewhere(name.into()))?;
@@ -148,8 +159,8 @@ async fn wait_and_wake(
     name: String,
     reclaimed: Reclaimed,
     mut asked: mpsc::UnboundedReceiver<WakeReply>,
+    mut held: Option<Hold>,
 ) {
-    let mut held = None;
     loop {
         let Some(Wanted { accepted, mut replies, hold }) =
             wait_for_use(host.as_ref(), &name, &reclaimed, &mut asked, held.take()).await
@@ -223,7 +234,8 @@ async fn wait_for_use(
         port = uses.next() => Trigger::Segment(port),
         reply = asked.recv() => Trigger::Asked(reply?),
     };
-    let hold = hold_new_connections(host, name, &listeners);
+    let ports: Vec<u16> = listeners.iter().map(|(_, addr)| addr.port()).collect();
+    let hold = hold_new_connections(host, name, &ports);
     let mut wanted = Wanted { accepted: Vec::new(), replies: Vec::new(), hold };
     match trigger {
         Trigger::Connection(stream, addr) => {
@@ -246,20 +258,15 @@ async fn wait_for_use(
     Some(wanted)
 }
 
-/// Holds back new connections to the ports of `listeners` (logged when it cannot: they are
-/// then refused while nothing listens).
-fn hold_new_connections(
-    host: &dyn Watches,
-    name: &str,
-    listeners: &[(TcpListener, SocketAddr)],
-) -> Option<Hold> {
+/// Holds back new connections to `ports` (logged when it cannot: they are then refused while
+/// nothing listens).
+fn hold_new_connections(host: &dyn Watches, name: &str, ports: &[u16]) -> Option<Hold> {
     static HOLDS: AtomicU64 = AtomicU64::new(0);
-    if listeners.is_empty() {
+    if ports.is_empty() {
         return None;
     }
-    let ports: Vec<u16> = listeners.iter().map(|(_, addr)| addr.port()).collect();
     let table = format!("stasis-wake-{}-{}", std::process::id(), HOLDS.fetch_add(1, Ordering::Relaxed));
-    (host.hold_new_connections(&table, &ports))
+    (host.hold_new_connections(&table, ports))
         .inspect_err(|e| warn!(workload = name, error = %e, "cannot hold back new connections during the wake; some may be refused"))
         .ok()
 }
