@@ -6,9 +6,10 @@
 //! first segment with data on a locked connection, or `stasis wake`, starts a lazy restore.
 //! Connections the waker accepted are relayed to the restored listeners; the locked
 //! connections resume as they were, their peers' retransmissions answered by the restored
-//! sockets. New connections that arrive while nothing listens (between the waker closing its
-//! listeners and the restored ones being there) are held back, not refused: their peers send
-//! them again until the restored tree answers. A failed wake leaves the workload reclaimed,
+//! sockets. New connections that arrive while nothing listens (from the end of the reclaimed
+//! tree until the waker listens, and between the waker closing its listeners and the restored
+//! ones being there) are held back, not refused: their peers send them again until something
+//! answers. A failed wake leaves the workload reclaimed,
 //! and the waker listening again.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
