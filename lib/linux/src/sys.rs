@@ -233,8 +233,8 @@ const HEAP_KEPT: libc::c_int = 1 << 30;
 
 /// Keeps memory freed by this process for its next allocations, instead of unmapping it:
 /// the allocator then stops mapping, faulting in and zeroing fresh pages for every buffer of
-/// a restore's or a dump's (a fetched range of a pack, a decompressed chunk), which took a
-/// fifth of an eager restore's CPU. [`release_freed_memory`] hands what stays free back.
+/// a restore's or a dump's (a fetched range of a pack, a decompressed chunk), which took
+/// about 15 % of an eager restore's CPU. [`release_freed_memory`] hands what stays free back.
 /// glibc's allocator only; elsewhere it does nothing.
 pub fn keep_freed_memory() {
     #[cfg(target_env = "gnu")]

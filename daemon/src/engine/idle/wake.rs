@@ -9,8 +9,7 @@
 //! sockets. New connections that arrive while nothing listens (from the end of the reclaimed
 //! tree until the waker listens, and between the waker closing its listeners and the restored
 //! ones being there) are held back, not refused: their peers send them again until something
-//! answers. A failed wake leaves the workload reclaimed,
-//! and the waker listening again.
+//! answers. A failed wake leaves the workload reclaimed, and the waker listening again.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -63,6 +62,7 @@ enum Trigger {
 impl Engine {
     /// Starts waiting for the next use of reclaimed workload `name`; returns where a
     /// `stasis wake` asks it.
+    ///
     /// `held` holds back new connections to the workload's ports (see
     /// [`Engine::hold_until_listening`]) until the waker listens.
     pub(super) fn arm_waker(
@@ -268,7 +268,7 @@ fn hold_new_connections(host: &dyn Watches, name: &str, ports: &[u16]) -> Option
     }
     let table = format!("stasis-wake-{}-{}", std::process::id(), HOLDS.fetch_add(1, Ordering::Relaxed));
     (host.hold_new_connections(&table, ports))
-        .inspect_err(|e| warn!(workload = name, error = %e, "cannot hold back new connections during the wake; some may be refused"))
+        .inspect_err(|e| warn!(workload = name, error = %e, "cannot hold back new connections while nothing listens; some may be refused"))
         .ok()
 }
 
