@@ -3,24 +3,34 @@
 //! after the restore; a pseudo-terminal whose both sides the tree holds (tmux, screen,
 //! expect) is the tree's own, restored as it was rather than swapped for a new terminal, and so
 //! is /dev/tty opened on it by the session it controls; an evicted tree whose parent reaps it
-//! late counts as gone once it is dead.
+//! late counts as gone once it is dead; memory the tree cleared (pages of zeros it wrote)
+//! comes back as resident memory of its own, as after CRIU's restore.
 
 #![forbid(unsafe_code)]
 
 use std::os::unix::fs::MetadataExt;
 
-use stasis_tests::{Daemon, TIMEOUT, Workload, expect_within, procfs, python_workload, skip_unless_ready};
+use nix::sys::signal::Signal;
+use stasis_tests::{
+    Daemon, DaemonOptions, TIMEOUT, Workload, expect_within, procfs, python_workload, skip_unless_ready,
+};
 
 /// Evicts `w` (a checkpoint without --leave-running), waits for its tree to go, and restores
-/// it.
-fn evict_and_restore(d: &Daemon, w: &mut Workload) {
+/// it with `restore` (extra `stasis restore` flags).
+fn evict_and_restore_with(d: &Daemon, w: &mut Workload, restore: &[&str]) {
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     assert_eq!(ck["left_running"], false, "{ck}");
     let pid = w.pid;
     expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(pid)).then_some(()));
-    let r = d.json(&["restore", "--workload", &w.name, "--json"]);
+    let mut args = vec!["restore", "--workload", &w.name, "--json"];
+    args.extend_from_slice(restore);
+    let r = d.json(&args);
     assert_eq!(r["id"], ck["id"], "{r}");
     w.restored(&r);
+}
+
+fn evict_and_restore(d: &Daemon, w: &mut Workload) {
+    evict_and_restore_with(d, w, &[]);
 }
 
 /// Whether /proc/locks lists an open-file-description lock on the file with inode `ino`.
@@ -117,4 +127,56 @@ fn an_eviction_does_not_wait_for_a_parent_that_reaps_late() {
     let r = d.json(&["restore", ck["id"].as_str().unwrap(), "--json"]);
     assert!(procfs::running(stasis_tests::pid_of(&r)), "{r}");
     procfs::kill9(stasis_tests::pid_of(&r));
+}
+
+/// The checksum memhog.py prints for its memory on SIGUSR2.
+fn memhog_checksum(w: &Workload) -> String {
+    let seen = w.lines().len();
+    procfs::signal(w.main_pid(), Signal::SIGUSR2);
+    let (_, line) = w.wait_line_after(seen, "memhog's checksum", |l| l.starts_with("checksum "));
+    line
+}
+
+/// A program that holds 16 MiB of random bytes and 64 MiB it cleared (wrote zeros to) is
+/// evicted and restored with `restore` flags: its memory is what it was, and the cleared
+/// part is resident again, its own, before the program touches it. Served as the shared zero
+/// page instead, it would hold a fraction of what it held, and allocate the rest on its first
+/// writes, past the point where a restore can still fail cleanly for want of memory.
+fn cleared_memory_comes_back_resident(options: &DaemonOptions, restore: &[&str]) {
+    let d = Daemon::start_with(options);
+    let mut w = d.run("cleared", &python_workload("memhog.py", &["16", "64"]));
+    w.wait_line_after(0, "memhog to be ready", |l| l == "ready");
+    let sum = memhog_checksum(&w);
+    let before = procfs::rollup_kib(w.main_pid(), "Anonymous").unwrap();
+    assert!(before >= 80 << 10, "memhog holds its 80 MiB before the checkpoint: {before} KiB");
+
+    evict_and_restore_with(&d, &mut w, restore);
+    let after = procfs::rollup_kib(w.main_pid(), "Anonymous").unwrap();
+    let ratio = after as f64 / before as f64;
+    assert!(
+        ratio >= 0.95,
+        "{restore:?}: the restored program holds {after} KiB of anonymous memory, {before} KiB \
+         before the checkpoint (x{ratio:.2}): its cleared memory did not come back as its own"
+    );
+    assert_eq!(memhog_checksum(&w), sum, "{restore:?}: the restored memory differs");
+}
+
+#[test]
+fn an_eager_restore_gives_back_cleared_memory_resident() {
+    skip_unless_ready!();
+    cleared_memory_comes_back_resident(&DaemonOptions::default(), &[]);
+}
+
+#[test]
+fn a_lazy_restore_gives_back_cleared_memory_resident() {
+    skip_unless_ready!();
+    cleared_memory_comes_back_resident(&DaemonOptions::default(), &["--lazy"]);
+}
+
+#[test]
+fn a_restore_from_image_files_gives_back_cleared_memory_resident() {
+    skip_unless_ready!();
+    let options =
+        DaemonOptions { args: vec!["--eager-restore".into(), "files".into()], ..Default::default() };
+    cleared_memory_comes_back_resident(&options, &[]);
 }

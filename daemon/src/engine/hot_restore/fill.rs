@@ -1,13 +1,22 @@
-//! Putting chunks in place: copying (or zeroing) what a process still lacks of a chunk into
-//! it, coping with what the process did meanwhile, and choosing what to put in place next
-//! when no fault waits. Each chunk leaves the cache once no process lacks any of it.
+//! Putting chunks in place: copying what a process still lacks of a chunk into it, coping
+//! with what the process did meanwhile, and choosing what to put in place next when no fault
+//! waits. Each chunk leaves the cache once no process lacks any of it.
+//!
+//! A chunk of zeros is copied like any other: its pages were in the process's memory when it
+//! was checkpointed, and a restore gives them back as the process had them (as plain CRIU
+//! does), not as the shared zero page, which would leave the tree holding less memory than it
+//! held and allocate it on the process's first writes instead. Only memory the checkpoint
+//! has nothing for gets the zero page.
 
 use super::pages::{Pages, Piece};
 use super::server::{FaultServer, FaultServerError};
 use crate::linux::uffd::FillError;
 use crate::pages::PAGE_SIZE as PAGE;
-use crate::store::{Ask, ChunkData};
+use crate::store::{Ask, CHUNK, ChunkData};
 use tracing::debug;
+
+/// The bytes of a zero chunk, or of any part of one.
+static ZEROS: [u8; CHUNK] = [0; CHUNK];
 
 /// Bytes put in place in the background between two looks for faults.
 const BACKGROUND_BUDGET: u64 = 512 << 10;
@@ -37,7 +46,7 @@ impl FaultServer {
         let mut registered = None;
         'again: loop {
             for piece in self.tasks[t].pages.pieces(addr) {
-                match self.place(t, piece, data)? {
+                match self.place(t, piece, Some(data))? {
                     Placed::All => self.filled(t, addr, piece.offset, piece.len),
                     Placed::Interrupted(done) => {
                         self.filled(t, addr, piece.offset, done);
@@ -100,7 +109,7 @@ impl FaultServer {
     /// `false` when it has to wait for a mapping change to finish first.
     pub(super) fn put_zero_page(&mut self, t: usize, page: u64) -> Result<bool, FaultServerError> {
         let piece = Piece { offset: 0, len: PAGE, address: page };
-        match self.place(t, piece, &ChunkData::Zero)? {
+        match self.place(t, piece, None)? {
             Placed::Interrupted(_) => {
                 self.read_events(t)?;
                 self.changing = true;
@@ -149,20 +158,20 @@ impl FaultServer {
         }
     }
 
-    /// Copies (or zeroes) one piece into task `t`. A span that crosses mappings is cut in
-    /// halves until each piece lies in one.
-    fn place(&self, t: usize, piece: Piece, data: &ChunkData) -> Result<Placed, FaultServerError> {
+    /// Copies one piece of a chunk's `data` into task `t`, or maps the zero page there when
+    /// there is no chunk. A span that crosses mappings is cut in halves until each piece lies
+    /// in one.
+    fn place(&self, t: usize, piece: Piece, data: Option<&ChunkData>) -> Result<Placed, FaultServerError> {
         let task = &self.tasks[t];
         let (mut at, mut span) = (0u64, piece.len);
         while at < piece.len {
             let len = span.min(piece.len - at);
             let dst = piece.address + at;
+            let from = (piece.offset + at) as usize;
             let result = match data {
-                ChunkData::Zero => task.uffd.zero(dst, len),
-                ChunkData::Bytes(bytes) => {
-                    let from = (piece.offset + at) as usize;
-                    task.uffd.copy(dst, &bytes[from..from + len as usize])
-                }
+                None => task.uffd.zero(dst, len),
+                Some(ChunkData::Zero) => task.uffd.copy(dst, &ZEROS[from..from + len as usize]),
+                Some(ChunkData::Bytes(bytes)) => task.uffd.copy(dst, &bytes[from..from + len as usize]),
             };
             let FillError { errno, done } = match result {
                 Ok(()) => {
