@@ -98,6 +98,9 @@ struct State {
     /// Chunks asked for ahead of faults, or dropped and wanted again: fetched next, while the
     /// cache has room.
     soon: VecDeque<usize>,
+    /// Which chunks `soon` holds (a fault asks for tens of chunks ahead: looked up by index,
+    /// not by a walk of the queue).
+    in_soon: Vec<bool>,
     failure: Option<LazyFetchError>,
     stopped: bool,
     /// Only chunks asked for are fetched until the prefetch is started.
@@ -196,6 +199,7 @@ impl Store {
             held: 0,
             urgent: VecDeque::new(),
             soon: VecDeque::new(),
+            in_soon: vec![false; n],
             failure: None,
             stopped: false,
             prefetching: prefetch_now,
@@ -239,7 +243,10 @@ impl ChunkReader {
                 // A duplicate entry is skipped when its turn comes.
                 match ask {
                     Ask::Urgent => st.urgent.push_front(i),
-                    _ if !st.soon.contains(&i) => st.soon.push_back(i),
+                    _ if !st.in_soon[i] => {
+                        st.in_soon[i] = true;
+                        st.soon.push_back(i);
+                    }
                     _ => {}
                 }
                 self.shared.wake.notify_one();
@@ -381,7 +388,13 @@ fn next_batch(
         let soon_fits = urgent_bytes == 0 || bytes - urgent_bytes < SOON_WITH_URGENT;
         let (next, urgent) = match st.urgent.pop_front() {
             Some(i) => (Some(i), true),
-            None if room && soon_fits => (st.soon.pop_front(), false),
+            None if room && soon_fits => {
+                let next = st.soon.pop_front();
+                if let Some(i) = next {
+                    st.in_soon[i] = false;
+                }
+                (next, false)
+            }
             None => (None, false),
         };
         let Some(i) = next else { break };
