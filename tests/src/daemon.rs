@@ -258,6 +258,22 @@ impl Daemon {
         workload
     }
 
+    /// Evicts workload `w` (a checkpoint without --leave-running), waits until its tree is
+    /// gone, and restores that checkpoint with the extra `stasis restore` flags `restore`;
+    /// the restore's answer.
+    pub fn evict_and_restore(&self, w: &mut Workload, restore: &[&str]) -> Value {
+        let ck = self.json(&["checkpoint", "--workload", &w.name, "--json"]);
+        assert_eq!(ck["left_running"], false, "{ck}");
+        let pid = w.pid;
+        crate::expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(pid)).then_some(()));
+        let mut args = vec!["restore", "--workload", &w.name, "--json"];
+        args.extend_from_slice(restore);
+        let r = self.json(&args);
+        assert_eq!(r["id"], ck["id"], "{r}");
+        w.restored(&r);
+        r
+    }
+
     /// Workload `name` in `status --json`.
     pub fn workload(&self, name: &str) -> Value {
         let all = self.workloads();

@@ -23,6 +23,15 @@ impl Workload {
         procfs::command_of(self.pid)
     }
 
+    /// Asks memhog.py (its init passes SIGUSR2 on) for the SHA-256 of its memory, and waits
+    /// for the answer after the log's current lines.
+    pub fn memhog_checksum(&self) -> String {
+        let skip = self.lines().len();
+        procfs::signal(self.pid, nix::sys::signal::Signal::SIGUSR2);
+        let (_, line) = self.wait_line_after(skip, "memhog's checksum", |l| l.starts_with("checksum "));
+        line["checksum ".len()..].to_owned()
+    }
+
     /// The thread ids of its command, as its pid namespace numbers them (the same across
     /// restores).
     pub fn threads(&self) -> std::collections::BTreeSet<i32> {

@@ -69,18 +69,6 @@ fn assert_pss_kept(what: &str, before: u64, after: u64) {
     );
 }
 
-/// Evicts workload `w` and restores it with `restore` (extra `stasis restore` flags); the
-/// restore's answer.
-fn evict_and_restore(d: &Daemon, w: &mut Workload, restore: &[&str]) -> serde_json::Value {
-    d.json(&["checkpoint", "--workload", &w.name, "--json"]);
-    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
-    let mut args = vec!["restore", "--workload", &w.name, "--json"];
-    args.extend_from_slice(restore);
-    let r = d.json(&args);
-    w.restored(&r);
-    r
-}
-
 /// Runs the tree under a daemon with `options`, checkpoints it (evicting it) and restores it
 /// with `restore` (extra `stasis restore` flags); the tree's memory and its sharing must be
 /// what they were. With `leave_running_first`, a `--leave-running` checkpoint comes first,
@@ -98,7 +86,7 @@ fn restore_keeps_sharing(what: &str, options: &DaemonOptions, restore: &[&str], 
         d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
         assert_pss_kept(&format!("{what}, left running"), before, tree_pss_kib(w.pid));
     }
-    let r = evict_and_restore(&d, &mut w, restore);
+    let r = d.evict_and_restore(&mut w, restore);
     if restore.contains(&"--lazy") {
         assert!(r["stats"]["resident_ms"].as_u64().unwrap_or(0) > 0, "a lazy restore's answer: {r}");
     }
@@ -139,7 +127,7 @@ fn shared_next_to_own_memory_is_restored(restore: &[&str]) {
         (w.lines().iter().filter(|l| l.starts_with("ready ")).count() == 3).then_some(())
     });
     let sums = checksums_of(&w, 3);
-    evict_and_restore(&d, &mut w, restore);
+    d.evict_and_restore(&mut w, restore);
     assert_eq!(checksums_of(&w, 3), sums, "{restore:?}: the tree's memory differs after the restore");
     // Huge pages were off while CRIU put memory in place, and are on again as checkpointed.
     for pid in std::iter::once(w.pid).chain(procfs::descendants(w.pid)) {

@@ -10,7 +10,6 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use nix::sys::signal::Signal;
 use stasis_tests::{
     Daemon, DaemonOptions, TIMEOUT, Workload, expect_within, pid_of, procfs, python_workload,
     skip_unless_ready,
@@ -18,14 +17,6 @@ use stasis_tests::{
 
 /// Milliseconds after the request at which stasisd is killed.
 const KILL_AFTER_MS: [u64; 8] = [0, 40, 120, 250, 400, 600, 900, 1400];
-
-/// Asks the memhog workload (if it runs) for the SHA-256 of its memory.
-fn checksum(w: &Workload) -> String {
-    let skip = w.lines().len();
-    procfs::signal(w.pid, Signal::SIGUSR2);
-    let (_, line) = w.wait_line_after(skip, "a checksum line", |l| l.starts_with("checksum "));
-    line["checksum ".len()..].to_string()
-}
 
 fn ids(d: &Daemon, w: &Workload) -> Vec<String> {
     let listed = d.json(&["list", "--workload", &w.name, "--json"]);
@@ -59,7 +50,7 @@ fn settled(d: &Daemon, w: &mut Workload, sum: &str, point: &str) -> &'static str
         w.restored(&d.json(&["restore", &newest, "--json"]));
         "restored"
     };
-    assert_eq!(checksum(w), sum, "{point}: the memory ({outcome})");
+    assert_eq!(w.memhog_checksum(), sum, "{point}: the memory ({outcome})");
     // One tree only: none that a restore before the crash started runs on beside it.
     let tree: Vec<i32> = std::iter::once(w.pid).chain(procfs::descendants(w.pid)).collect();
     let strays: Vec<i32> =
@@ -77,7 +68,7 @@ fn stasisd_killed_at_any_point_loses_neither_the_job_nor_its_checkpoint() {
     });
     let mut w = d.run("crashy", &python_workload("memhog.py", &["128"]));
     w.wait_line_after(0, "`ready`", |l| l == "ready");
-    let sum = checksum(&w);
+    let sum = w.memhog_checksum();
     let mut seen = Vec::new();
     for after in KILL_AFTER_MS {
         let name = w.name.clone();
@@ -182,7 +173,7 @@ fn criu_killed_mid_dump_leaves_the_job_running() {
     let d = Daemon::start();
     let mut w = d.run("crashy", &python_workload("memhog.py", &["128"]));
     w.wait_line_after(0, "`ready`", |l| l == "ready");
-    let sum = checksum(&w);
+    let sum = w.memhog_checksum();
     let mut killed = 0;
     // Into CRIU's own life: as it starts, while it sends the pages, as it ends.
     for moment in [None, Some("page-xfer: Transferring pages"), Some("Running post-dump scripts")] {

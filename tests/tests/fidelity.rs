@@ -10,28 +10,9 @@
 
 use std::os::unix::fs::MetadataExt;
 
-use nix::sys::signal::Signal;
 use stasis_tests::{
-    Daemon, DaemonOptions, TIMEOUT, Workload, expect_within, procfs, python_workload, skip_unless_ready,
+    Daemon, DaemonOptions, TIMEOUT, expect_within, procfs, python_workload, skip_unless_ready,
 };
-
-/// Evicts `w` (a checkpoint without --leave-running), waits for its tree to go, and restores
-/// it with `restore` (extra `stasis restore` flags).
-fn evict_and_restore_with(d: &Daemon, w: &mut Workload, restore: &[&str]) {
-    let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
-    assert_eq!(ck["left_running"], false, "{ck}");
-    let pid = w.pid;
-    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(pid)).then_some(()));
-    let mut args = vec!["restore", "--workload", &w.name, "--json"];
-    args.extend_from_slice(restore);
-    let r = d.json(&args);
-    assert_eq!(r["id"], ck["id"], "{r}");
-    w.restored(&r);
-}
-
-fn evict_and_restore(d: &Daemon, w: &mut Workload) {
-    evict_and_restore_with(d, w, &[]);
-}
 
 /// Whether /proc/locks lists an open-file-description lock on the file with inode `ino`.
 fn ofd_locked(ino: u64) -> bool {
@@ -51,7 +32,7 @@ fn an_open_file_description_lock_is_checkpointed_and_held_again() {
     let ino = std::fs::metadata(&file).unwrap().ino();
     assert!(ofd_locked(ino), "the workload holds its lock");
 
-    evict_and_restore(&d, &mut w);
+    d.evict_and_restore(&mut w, &[]);
     let before = w.last_number("count ").unwrap();
     w.wait_number("count ", before + 5);
     assert!(ofd_locked(ino), "the restored workload holds its lock again");
@@ -64,7 +45,7 @@ fn a_pseudo_terminal_the_tree_holds_both_sides_of_is_restored_as_its_own() {
     let mut w = d.run("pty-pair", &python_workload("pty_pair.py", &[]));
     w.wait_number("pty ", 5);
 
-    evict_and_restore(&d, &mut w);
+    d.evict_and_restore(&mut w, &[]);
     let before = w.last_number("pty ").unwrap();
     let after = w.wait_number("pty ", before + 10);
     let numbers = w.numbers("pty ");
@@ -83,7 +64,7 @@ fn dev_tty_on_a_terminal_the_tree_owns_is_restored_for_its_session_leader_and_ch
     w.wait_number("tty child ", 3);
     // Only the first process to hold /dev/tty in CRIU's order is checked: its child, which
     // holds it too, is not refused for the terminal its parent holds first.
-    evict_and_restore(&d, &mut w);
+    d.evict_and_restore(&mut w, &[]);
     for who in ["tty parent ", "tty child "] {
         let before = w.last_number(who).unwrap();
         w.wait_number(who, before + 5);
@@ -129,14 +110,6 @@ fn an_eviction_does_not_wait_for_a_parent_that_reaps_late() {
     procfs::kill9(stasis_tests::pid_of(&r));
 }
 
-/// The checksum memhog.py prints for its memory on SIGUSR2.
-fn memhog_checksum(w: &Workload) -> String {
-    let seen = w.lines().len();
-    procfs::signal(w.main_pid(), Signal::SIGUSR2);
-    let (_, line) = w.wait_line_after(seen, "memhog's checksum", |l| l.starts_with("checksum "));
-    line
-}
-
 /// A program that holds 16 MiB of random bytes and 64 MiB it cleared (wrote zeros to) is
 /// evicted and restored with `restore` flags: its memory is what it was, and the cleared
 /// part is resident again, its own, before the program touches it. Served as the shared zero
@@ -146,11 +119,11 @@ fn cleared_memory_comes_back_resident(options: &DaemonOptions, restore: &[&str])
     let d = Daemon::start_with(options);
     let mut w = d.run("cleared", &python_workload("memhog.py", &["16", "64"]));
     w.wait_line_after(0, "memhog to be ready", |l| l == "ready");
-    let sum = memhog_checksum(&w);
+    let sum = w.memhog_checksum();
     let before = procfs::rollup_kib(w.main_pid(), "Anonymous").unwrap();
     assert!(before >= 80 << 10, "memhog holds its 80 MiB before the checkpoint: {before} KiB");
 
-    evict_and_restore_with(&d, &mut w, restore);
+    d.evict_and_restore(&mut w, restore);
     let after = procfs::rollup_kib(w.main_pid(), "Anonymous").unwrap();
     let ratio = after as f64 / before as f64;
     assert!(
@@ -158,7 +131,7 @@ fn cleared_memory_comes_back_resident(options: &DaemonOptions, restore: &[&str])
         "{restore:?}: the restored program holds {after} KiB of anonymous memory, {before} KiB \
          before the checkpoint (x{ratio:.2}): its cleared memory did not come back as its own"
     );
-    assert_eq!(memhog_checksum(&w), sum, "{restore:?}: the restored memory differs");
+    assert_eq!(w.memhog_checksum(), sum, "{restore:?}: the restored memory differs");
 }
 
 #[test]

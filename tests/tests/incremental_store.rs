@@ -14,14 +14,6 @@ fn daemon() -> Daemon {
     Daemon::start_with(&DaemonOptions { args, ..Default::default() })
 }
 
-/// Asks the memhog workload for the SHA-256 of its buffer.
-fn checksum(w: &Workload) -> String {
-    let skip = w.lines().len();
-    procfs::signal(w.pid, Signal::SIGUSR2);
-    let (_, line) = w.wait_line_after(skip, "a checksum line", |l| l.starts_with("checksum "));
-    line["checksum ".len()..].to_string()
-}
-
 fn dirty(w: &Workload) {
     let skip = w.lines().len();
     procfs::signal(w.pid, Signal::SIGUSR1);
@@ -40,7 +32,7 @@ fn stat(ck: &serde_json::Value, key: &str) -> u64 {
 fn restore_and_check(d: &Daemon, w: &mut Workload, id: &str, expected: &str) {
     let r = d.json(&["restore", id, "--json"]);
     w.restored(&r);
-    assert_eq!(checksum(w), expected, "memory of checkpoint {id} after restore");
+    assert_eq!(w.memhog_checksum(), expected, "memory of checkpoint {id} after restore");
 }
 
 #[test]
@@ -50,10 +42,10 @@ fn second_checkpoint_uploads_what_changed_and_each_restores_alone() {
     let mut w = d.run("memhog", &python_workload("memhog.py", &[]));
     w.wait_line_after(0, "`ready`", |l| l == "ready");
 
-    let c1 = checksum(&w);
+    let c1 = w.memhog_checksum();
     let ck1 = d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
     dirty(&w);
-    let c2 = checksum(&w);
+    let c2 = w.memhog_checksum();
     assert_ne!(c1, c2, "dirtying changed the memory");
     let ck2 = d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
 
@@ -88,7 +80,7 @@ fn a_checkpoint_after_heap_churn_uploads_what_was_written_not_what_moved() {
     procfs::signal(w.pid, Signal::SIGUSR1);
     let (_, line) = w.wait_line_after(skip, "`dirtied W`", |l| l.starts_with("dirtied "));
     let written: u64 = line["dirtied ".len()..].parse::<u64>().expect("a window count") << 16;
-    let c2 = checksum(&w);
+    let c2 = w.memhog_checksum();
     let ck2 = d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
     let up2 = stat(&ck2, "bytes_uploaded");
     eprintln!(
@@ -111,7 +103,7 @@ fn gc_reclaims_dead_checkpoints_and_keeps_live_ones() {
     for w in [&live, &dead] {
         w.wait_line_after(0, "`ready`", |l| l == "ready");
     }
-    let live_sum = checksum(&live);
+    let live_sum = live.memhog_checksum();
     let live_ck = d.json(&["checkpoint", "--workload", &live.name, "--json"]);
     let dead_ck = d.json(&["checkpoint", "--workload", &dead.name, "--json"]);
     let packs = || std::fs::read_dir(d.store_dir().join("packs")).map(|r| r.count()).unwrap_or(0);
@@ -147,7 +139,7 @@ fn pages_beyond_the_staging_bound_spill_and_restore_intact() {
     let d = Daemon::start_with(&DaemonOptions { args, ..Default::default() });
     let mut w = d.run("spill", &python_workload("memhog.py", &[]));
     w.wait_line_after(0, "`ready`", |l| l == "ready");
-    let sum = checksum(&w);
+    let sum = w.memhog_checksum();
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     // 64 MiB of random memory plus the interpreter; the spill file itself is not a CRIU image.
     assert!(stat(&ck, "bytes_uploaded") < 100 << 20, "the upload is inflated: {ck}");

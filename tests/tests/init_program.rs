@@ -7,16 +7,7 @@
 
 use std::path::PathBuf;
 
-use nix::sys::signal::Signal;
-use stasis_tests::{
-    Daemon, TIMEOUT, Workload, expect_within, pid_of, procfs, python_workload, skip_unless_ready,
-};
-
-fn checksum(w: &Workload) -> String {
-    let skip = w.lines().len();
-    procfs::signal(w.pid, Signal::SIGUSR2);
-    w.wait_line_after(skip, "a checksum", |l| l.starts_with("checksum ")).1
-}
+use stasis_tests::{Daemon, TIMEOUT, expect_within, pid_of, procfs, python_workload, skip_unless_ready};
 
 #[test]
 fn a_checkpoint_restores_where_its_stasis_init_build_is_missing() {
@@ -28,7 +19,7 @@ fn a_checkpoint_restores_where_its_stasis_init_build_is_missing() {
     let name = exe.file_name().unwrap().to_string_lossy().into_owned();
     assert!(exe.starts_with("/var/lib/stasis/init") && name.starts_with("stasis-init-"), "{}", exe.display());
     let program = std::fs::read(&exe).unwrap();
-    let before = checksum(&w);
+    let before = w.memhog_checksum();
 
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     let id = ck["id"].as_str().unwrap();
@@ -45,5 +36,5 @@ fn a_checkpoint_restores_where_its_stasis_init_build_is_missing() {
     assert_eq!(back.ok().as_deref(), Some(program.as_slice()), "the same build, put back");
     w.restored(&restored);
     assert!(procfs::running(pid_of(&restored)));
-    assert_eq!(checksum(&w), before, "the same memory");
+    assert_eq!(w.memhog_checksum(), before, "the same memory");
 }
