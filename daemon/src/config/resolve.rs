@@ -92,6 +92,7 @@ fn engine_config(
         gc_grace: secs(s.gc_grace_secs, d.settings.gc_grace),
         lazy: FetchSettings {
             cache_bytes: mib(s.lazy_cache_mib).unwrap_or(d.settings.lazy.cache_bytes),
+            prefetch_bytes: d.settings.lazy.prefetch_bytes,
             timeout: secs(s.lazy_timeout_secs, d.settings.lazy.timeout),
             fresh_first: s
                 .lazy_prefetch
@@ -239,7 +240,12 @@ mod tests {
         );
         assert_eq!(
             e.settings.lazy,
-            FetchSettings { cache_bytes: 1 << 30, timeout: secs(60), fresh_first: true }
+            FetchSettings {
+                cache_bytes: 1 << 30,
+                prefetch_bytes: 64 << 20,
+                timeout: secs(60),
+                fresh_first: true
+            }
         );
         assert_eq!((e.staging_limit, e.settings.eager_served), (None, true));
         assert_eq!((e.network_lock, e.network_lock_keep), (None, secs(1800)));

@@ -98,6 +98,7 @@ pub(super) fn rig_with(mut criu: FakeCriu, gpu: FakeGpu, extras: Extras) -> Rig 
             keep_last: None,
             lazy: FetchSettings {
                 cache_bytes: 64 << 20,
+                prefetch_bytes: 64 << 20,
                 timeout: Duration::from_secs(5),
                 fresh_first: false,
             },

@@ -87,6 +87,7 @@ impl Default for Settings {
             gc_grace: Duration::from_secs(DEFAULT_GC_GRACE_SECS),
             lazy: FetchSettings {
                 cache_bytes: DEFAULT_LAZY_CACHE_MIB << 20,
+                prefetch_bytes: crate::store::PREFETCH_BYTES,
                 timeout: Duration::from_secs(DEFAULT_LAZY_TIMEOUT_SECS),
                 fresh_first: true,
             },

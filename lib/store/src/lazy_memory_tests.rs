@@ -13,8 +13,12 @@ use super::{
 use stasis_criu_images::pages::{PAGE_SIZE, PE_LAZY, PE_PRESENT, PageRun, PageSink};
 
 const PID: u64 = 42;
-const SETTINGS: FetchSettings =
-    FetchSettings { cache_bytes: 1 << 20, timeout: Duration::from_secs(10), fresh_first: true };
+const SETTINGS: FetchSettings = FetchSettings {
+    cache_bytes: 1 << 20,
+    prefetch_bytes: 1 << 20,
+    timeout: Duration::from_secs(10),
+    fresh_first: true,
+};
 
 /// `n` bytes of a pseudo-random sequence seeded with `seed`.
 pub(crate) fn bytes(n: usize, seed: u64) -> Vec<u8> {
@@ -167,6 +171,30 @@ async fn chunks_asked_for_ahead_wait_for_room_in_the_cache_and_a_fault_does_not(
     // Once the first leaves the cache there is room again.
     reader.release(full);
     assert!(arrival(&reader, ahead, Duration::from_secs(5)).await.is_some(), "it never came");
+    fetch.stop();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_prefetch_fills_only_its_share_of_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, memory) = all_lazy(dir.path()).await;
+    // The chunks that hold data (64, 32 and 32 KiB), in the prefetcher's order.
+    let stored: Vec<usize> = (0..memory.len()).filter(|&i| memory.chunks[i].stored.is_some()).collect();
+    let [first, second, third] = stored[..].try_into().unwrap();
+    // Room for all of them, of which one chunk's for the prefetcher's own order.
+    let settings = FetchSettings { prefetch_bytes: 64 << 10, ..SETTINGS };
+    let (reader, fetch) = store.start_lazy_fetch(memory, settings, true).unwrap();
+    assert!(arrival(&reader, first, Duration::from_secs(5)).await.is_some(), "nothing prefetched");
+    assert!(
+        arrival(&reader, second, Duration::from_millis(300)).await.is_none(),
+        "the prefetch went on past its share of the cache"
+    );
+    // Chunks asked for have the rest of it.
+    reader.get(third, Ask::Soon).unwrap();
+    assert!(arrival(&reader, third, Duration::from_secs(5)).await.is_some(), "a chunk asked for never came");
+    // Once the first is in place (released), the prefetch goes on.
+    reader.release(first);
+    assert!(arrival(&reader, second, Duration::from_secs(5)).await.is_some(), "the prefetch stopped");
     fetch.stop();
 }
 

@@ -41,6 +41,9 @@ const BATCH_BYTES: u64 = 16 << 20;
 /// fault back (a process walking its memory asks for up to 32 MiB ahead). The rest go in
 /// batches of their own.
 const SOON_WITH_URGENT: u64 = 1 << 20;
+/// Of a session's cache, how much the prefetcher fills by default (see
+/// [`FetchSettings::prefetch_bytes`]).
+pub const PREFETCH_BYTES: u64 = 64 << 20;
 /// Batches fetched at the same time...
 const BATCHES_IN_FLIGHT: usize = 4;
 /// ...and prefetch batches, while a batch something waits for is under way.
@@ -51,6 +54,11 @@ const BATCHES_WHILE_URGENT: usize = 2;
 pub struct FetchSettings {
     /// Bytes of fetched memory not yet put in place that may be held.
     pub cache_bytes: u64,
+    /// Of those, how many may be chunks in the prefetcher's own order; the rest is for chunks
+    /// asked for. Prefetched chunks are put in place when no fault that follows a pattern
+    /// waits, so while a job keeps faulting more would only wait in the cache, having taken
+    /// the store's and the decoder's time from the chunks the job asks for.
+    pub prefetch_bytes: u64,
     /// How long a read waits for the store before the session fails.
     pub timeout: Duration,
     /// Prefetch the chunks new in the checkpoint first (else in address order only).
@@ -312,7 +320,7 @@ impl ChunkReader {
 
 /// The prefetcher: urgent chunks first, then the prefetch order while there is room.
 async fn prefetch(store: Store, shared: Arc<Shared>, settings: FetchSettings) {
-    let FetchSettings { cache_bytes: capacity, timeout, fresh_first } = settings;
+    let FetchSettings { cache_bytes: capacity, prefetch_bytes, timeout, fresh_first } = settings;
     let order = shared.memory.prefetch_order(fresh_first);
     let mut cursor = 0usize;
     let mut in_flight = FuturesUnordered::new();
@@ -333,7 +341,8 @@ async fn prefetch(store: Store, shared: Arc<Shared>, settings: FetchSettings) {
             }
             let prefetches = in_flight.len() - urgent_in_flight;
             let prefetch = prefetching && (urgent_in_flight == 0 || prefetches < BATCHES_WHILE_URGENT);
-            let (batch, is_urgent) = next_batch(&shared, &order, &mut cursor, capacity, prefetch);
+            let room = if prefetch { capacity.min(prefetch_bytes) } else { 0 };
+            let (batch, is_urgent) = next_batch(&shared, &order, &mut cursor, capacity, room);
             if batch.is_empty() {
                 break;
             }
@@ -371,13 +380,14 @@ async fn prefetch(store: Store, shared: Arc<Shared>, settings: FetchSettings) {
 }
 
 /// Picks the next chunks to fetch and marks them `Fetching`: those something waits for, or
-/// else (when `prefetch`) the next ones in prefetch order. Says whether they are waited for.
+/// else the next ones in prefetch order while the cache holds less than `prefetch_room`
+/// (none: 0). Says whether they are waited for.
 fn next_batch(
     shared: &Shared,
     order: &[usize],
     cursor: &mut usize,
     capacity: u64,
-    prefetch: bool,
+    prefetch_room: u64,
 ) -> (Vec<usize>, bool) {
     let chunks = &shared.memory.chunks;
     let mut st = shared.lock();
@@ -411,8 +421,7 @@ fn next_batch(
         st.held += bytes;
         return (batch, true);
     }
-    let limit = if prefetch { BATCH_BYTES } else { 0 };
-    while bytes < limit && *cursor < order.len() && st.held + bytes < capacity {
+    while bytes < BATCH_BYTES && *cursor < order.len() && st.held + bytes < prefetch_room {
         let i = order[*cursor];
         *cursor += 1;
         if matches!(st.slots[i], Slot::Absent) && !st.released[i] {

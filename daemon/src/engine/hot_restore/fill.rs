@@ -18,8 +18,10 @@ use tracing::debug;
 /// The bytes of a zero chunk, or of any part of one.
 static ZEROS: [u8; CHUNK] = [0; CHUNK];
 
-/// Bytes put in place in the background between two looks for faults.
+/// Bytes put in place in the background between two looks for faults...
 const BACKGROUND_BUDGET: u64 = 512 << 10;
+/// ...and between two looks for the chunks that faults wait for.
+const WAITING_BUDGET: u64 = 128 << 10;
 
 /// How putting one piece in place went.
 enum Placed {
@@ -201,9 +203,11 @@ impl FaultServer {
 
     /// Puts chunks that are here in place: those asked for after a fault first, then the
     /// others as they arrived (the prefetcher's order), then what is left in address order;
-    /// whether it stopped for its budget (more is ready).
+    /// whether it stopped for its budget (more is ready). It runs while faults that follow no
+    /// pattern wait for their chunks too (a little at a time): the cache drains, so the
+    /// prefetcher, which fetches only so far ahead of what is in place, goes on.
     pub(super) fn background(&mut self) -> Result<bool, FaultServerError> {
-        let mut budget = BACKGROUND_BUDGET;
+        let mut budget = if self.faults.is_empty() { BACKGROUND_BUDGET } else { WAITING_BUDGET };
         while budget > 0 {
             let Some((t, addr, data)) = self.next_ready()? else { return Ok(false) };
             let before = self.stats.bytes_placed;

@@ -34,11 +34,13 @@ pub(super) struct ReadAhead {
     jump: Option<(u64, u64)>,
     /// The read's stride, once two jumps in a row agree.
     stride: Option<Stride>,
+    /// The block of a strided read the last jump landed in (image addresses), as asked for.
+    block: Option<std::ops::Range<u64>>,
 }
 
-/// Blocks spaced evenly: the jump the stride was first seen from, the strides since, and
-/// their mean length (the faults land a chunk early or late: a block's first chunk may have
-/// been in place already, or its start not on a chunk's).
+/// Blocks spaced evenly: the jump the stride was first seen from, the block the faults are
+/// in now (counted from there), and the mean stride (the faults land a chunk early or late: a
+/// block's start need not be a chunk's).
 #[derive(Debug, Clone, Copy)]
 struct Stride {
     from: u64,
@@ -46,9 +48,35 @@ struct Stride {
     mean: u64,
 }
 
+impl Stride {
+    /// Block `n` as asked for: where it is due, [`LEAST`] + 1 chunks, and [`SPREAD`] chunks
+    /// more on each side.
+    fn block(&self, n: u64, chunk_len: u64) -> Option<std::ops::Range<u64>> {
+        let due = self.from.checked_add(n.checked_mul(self.mean)?)?;
+        let len = (LEAST as u64 + 1 + SPREAD) * chunk_len;
+        Some(due.saturating_sub(SPREAD * chunk_len)..due.checked_add(len)?)
+    }
+
+    /// The stride after a jump to `chunk`, if the jump continued it: `chunk` lies in one of
+    /// the next [`STRIDES_AHEAD`] + 1 blocks (more than one on: the job read the blocks
+    /// between without faulting; anywhere in it: its first chunks were in place already). A
+    /// fault where a block is due refines the mean.
+    fn went_on(self, chunk: u64, chunk_len: u64) -> Option<Stride> {
+        let spread = SPREAD * chunk_len;
+        let n = chunk.checked_add(spread)?.checked_sub(self.from)? / self.mean.max(1);
+        let ahead = n.checked_sub(self.strides)?;
+        if !(1..=STRIDES_AHEAD + 1).contains(&ahead) || !self.block(n, chunk_len)?.contains(&chunk) {
+            return None;
+        }
+        let due = self.from + n * self.mean;
+        let mean = if chunk.abs_diff(due) <= spread { (chunk - self.from) / n } else { self.mean };
+        Some(Stride { strides: n, mean, ..self })
+    }
+}
+
 impl Default for ReadAhead {
     fn default() -> Self {
-        ReadAhead { window: LEAST, last: None, jump: None, stride: None }
+        ReadAhead { window: LEAST, last: None, jump: None, stride: None, block: None }
     }
 }
 
@@ -66,6 +94,9 @@ impl ReadAhead {
         let Some((_, reach)) = self.last.filter(|&(fault, _)| chunk > fault) else {
             return self.jumped(chunk, chunk_len);
         };
+        if let Some(block) = self.block.as_ref().filter(|b| b.contains(&chunk)) {
+            return (0, reach.max(block.end - chunk_len));
+        }
         // Past what the last fault asked for, and within one more window of it.
         let slack = self.window as u64 * chunk_len;
         match chunk {
@@ -80,45 +111,39 @@ impl ReadAhead {
 
     /// A fault at `chunk` that follows no walk: the window falls back to its least, and the
     /// jump tells whether the read is strided. Two distances agree within two chunks per
-    /// stride.
+    /// stride; once a stride is known, a fault anywhere in one of the next blocks continues it.
     fn jumped(&mut self, chunk: u64, chunk_len: u64) -> (usize, u64) {
         self.window = LEAST;
         let distance = self.jump.and_then(|(at, _)| chunk.checked_sub(at)).filter(|&d| d > 0);
-        let agree = |d: u64, stride: u64, k: u64| d.abs_diff(k * stride) <= 2 * k * chunk_len;
         self.stride = match (distance, self.stride, self.jump) {
-            // On by one stride, or by a few (the blocks between were in place: no faults).
-            (Some(d), Some(s), _) => {
-                let k = (d + s.mean / 2) / s.mean.max(1);
-                ((1..=STRIDES_AHEAD + 1).contains(&k) && agree(d, s.mean, k)).then(|| {
-                    let strides = s.strides + k;
-                    Stride { from: s.from, strides, mean: (chunk - s.from) / strides }
-                })
-            }
-            (Some(d), None, Some((at, before))) if before > 0 && agree(d, before, 1) => {
+            (_, Some(s), _) => s.went_on(chunk, chunk_len),
+            (Some(d), None, Some((at, before))) if before > 0 && d.abs_diff(before) <= 2 * chunk_len => {
                 let from = at - before;
                 Some(Stride { from, strides: 2, mean: (chunk - from) / 2 })
             }
             _ => None,
         };
         self.jump = Some((chunk, distance.unwrap_or(0)));
+        self.block = None;
         (LEAST, chunk)
     }
 
     /// The next [`STRIDES_AHEAD`] blocks of a strided read that the fault at `chunk` continued
     /// (none unless that fault was a jump by the stride): where each is due, widened by
-    /// [`SPREAD`] chunks on each side, as a range of image addresses.
-    pub(super) fn strides_ahead(&self, chunk: u64, chunk_len: u64) -> Vec<std::ops::Range<u64>> {
+    /// [`SPREAD`] chunks on each side, as a range of image addresses. The block the fault is in
+    /// is remembered until the next jump.
+    pub(super) fn strides_ahead(&mut self, chunk: u64, chunk_len: u64) -> Vec<std::ops::Range<u64>> {
         let (Some(stride), Some((at, _))) = (self.stride, self.jump) else { return Vec::new() };
         if at != chunk {
             return Vec::new();
         }
-        let block = (LEAST as u64 + 1) * chunk_len;
-        (1..=STRIDES_AHEAD)
-            .filter_map(|k| {
-                let due = chunk.checked_add(k * stride.mean)?;
-                Some(due.saturating_sub(SPREAD * chunk_len)..due.saturating_add(block + SPREAD * chunk_len))
-            })
-            .collect()
+        self.block = stride.block(stride.strides, chunk_len);
+        (1..=STRIDES_AHEAD).filter_map(|k| stride.block(stride.strides + k, chunk_len)).collect()
+    }
+
+    /// Whether the faults follow a pattern: a walk (the window grew) or a stride.
+    pub(super) fn following(&self) -> bool {
+        self.window > LEAST || self.stride.is_some()
     }
 
     /// Records the fault at `chunk` and the last chunk asked for after it (`reach`: the last
@@ -194,7 +219,7 @@ mod tests {
     }
 
     /// The first chunk of each block the next fault after `at` asks for strides ahead.
-    fn due(ra: &ReadAhead, at: u64) -> Vec<u64> {
+    fn due(ra: &mut ReadAhead, at: u64) -> Vec<u64> {
         ra.strides_ahead(at, CHUNK).iter().map(|r| r.start).collect()
     }
 
@@ -204,9 +229,9 @@ mod tests {
         // 1 MiB blocks every 10 MiB, each read page by page.
         let block = |b: u64| -> Vec<u64> { (0..16).map(|i| (b * 160 + i) * CHUNK).collect() };
         walk(&mut ra, &block(0));
-        assert!(due(&ra, 0).is_empty(), "one block says nothing");
+        assert!(due(&mut ra, 0).is_empty(), "one block says nothing");
         walk(&mut ra, &block(1));
-        assert!(due(&ra, 160 * CHUNK).is_empty(), "one distance says nothing yet");
+        assert!(due(&mut ra, 160 * CHUNK).is_empty(), "one distance says nothing yet");
         walk(&mut ra, &block(2)[..1]);
         let ahead = ra.strides_ahead(320 * CHUNK, CHUNK);
         assert_eq!(ahead.len() as u64, STRIDES_AHEAD);
@@ -215,7 +240,7 @@ mod tests {
             assert!(range.start <= start && start + 16 * CHUNK <= range.end, "block {k}: {range:?}");
         }
         walk(&mut ra, &block(2)[1..]);
-        assert!(due(&ra, 321 * CHUNK).is_empty(), "only a jump asks for strides");
+        assert!(due(&mut ra, 321 * CHUNK).is_empty(), "only a jump asks for strides");
         // The job read the blocks asked for without faulting, and faults next at block 11, a
         // chunk late (its first chunk was in place).
         walk(&mut ra, &[(11 * 160 + 1) * CHUNK]);
@@ -224,7 +249,46 @@ mod tests {
         // Elsewhere: no longer strided.
         let far = (11 * 160 + 7) * CHUNK + (1 << 30);
         walk(&mut ra, &[far]);
-        assert!(due(&ra, far).is_empty());
+        assert!(due(&mut ra, far).is_empty());
+    }
+
+    #[test]
+    fn the_tail_of_a_strided_block_is_no_walk() {
+        let mut ra = ReadAhead::default();
+        // 1 MiB blocks every 10 MiB that straddle 17 chunks (not aligned to one): the first
+        // fault of a block asks for 15 more, the 17th chunk faults past them.
+        let mut windows = Vec::new();
+        for b in 0..6u64 {
+            let start = (b * 160 + 3) * CHUNK;
+            windows.push(walk(&mut ra, &[start])[0]);
+            due(&mut ra, start);
+            windows.push(walk(&mut ra, &[start + 16 * CHUNK])[0]);
+        }
+        // Before the stride is known the tail is a walk (30 chunks: 2 MiB the job skips);
+        // once it is, the blocks asked for strides ahead hold the tail.
+        assert_eq!(windows[..4], [LEAST, 30, LEAST, 30]);
+        assert_eq!(windows[4..], [LEAST, 0, LEAST, 0, LEAST, 0, LEAST, 0]);
+    }
+
+    #[test]
+    fn a_fault_into_a_block_keeps_the_stride_where_the_blocks_are() {
+        let mut ra = ReadAhead::default();
+        let start = |b: u64| (b * 160 + 3) * CHUNK;
+        for b in 0..3 {
+            walk(&mut ra, &[start(b)]);
+        }
+        // Blocks 3 and 5 had their first chunks in place: the faults land 8 and 11 chunks in.
+        for (b, into) in [(3, 8), (5, 11)] {
+            let at = start(b) + into * CHUNK;
+            walk(&mut ra, &[at]);
+            let ahead = ra.strides_ahead(at, CHUNK);
+            assert!(ra.following());
+            assert_eq!(ahead.len() as u64, STRIDES_AHEAD, "block {b}: the stride holds");
+            for (k, range) in (1..).zip(&ahead) {
+                let due = start(b + k);
+                assert!(range.start <= due && due + 17 * CHUNK <= range.end, "block {}: {range:?}", b + k);
+            }
+        }
     }
 
     #[test]
@@ -234,7 +298,7 @@ mod tests {
         for at in [0, 160, 321, 481, 642] {
             walk(&mut ra, &[at * CHUNK]);
         }
-        assert_eq!(due(&ra, 642 * CHUNK).len() as u64, STRIDES_AHEAD);
+        assert_eq!(due(&mut ra, 642 * CHUNK).len() as u64, STRIDES_AHEAD);
     }
 
     #[test]
@@ -247,7 +311,7 @@ mod tests {
             seed ^= seed << 17;
             let at = seed % (1 << 15) * CHUNK;
             walk(&mut ra, &[at]);
-            assert!(due(&ra, at).is_empty(), "a stride found in random faults at {at:#x}");
+            assert!(due(&mut ra, at).is_empty(), "a stride found in random faults at {at:#x}");
         }
     }
 
@@ -255,8 +319,10 @@ mod tests {
     fn a_fault_elsewhere_falls_back_to_the_least() {
         let mut ra = ReadAhead::default();
         assert_eq!(walk(&mut ra, &[0, 16 * CHUNK, 47 * CHUNK]), [LEAST, 30, 60]);
+        assert!(ra.following(), "a walk");
         // Backwards, then far ahead: random.
         assert_eq!(walk(&mut ra, &[CHUNK]), [LEAST]);
+        assert!(!ra.following(), "no walk, no stride");
         assert_eq!(walk(&mut ra, &[1 << 40]), [LEAST]);
         // The same chunk again (another page of it) is no walk either.
         assert_eq!(walk(&mut ra, &[1 << 40]), [LEAST]);

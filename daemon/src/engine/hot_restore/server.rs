@@ -225,7 +225,11 @@ impl FaultServer {
         self.talk_to_restore()?;
         self.read_all_events()?;
         self.answer_faults()?;
-        if self.finished && self.faults.is_empty() { self.background() } else { Ok(false) }
+        // While faults that follow a walk or a stride wait, what they asked for ahead comes
+        // next and nothing else is put in place; other faults (random ones) do not hold the
+        // rest back.
+        let following = self.faults.iter().any(|f| self.tasks[f.task].read_ahead.following());
+        if self.finished && !following { self.background() } else { Ok(false) }
     }
 
     /// Takes CRIU's connection and what it announced.
