@@ -205,9 +205,11 @@ impl FaultServer {
     /// others as they arrived (the prefetcher's order), then what is left in address order;
     /// whether it stopped for its budget (more is ready). It runs while faults that follow no
     /// pattern wait for their chunks too (a little at a time): the cache drains, so the
-    /// prefetcher, which fetches only so far ahead of what is in place, goes on.
+    /// prefetcher, which fetches only so far ahead of what is in place, goes on. A new fault
+    /// ends it at once.
     pub(super) fn background(&mut self) -> Result<bool, FaultServerError> {
         let mut budget = if self.faults.is_empty() { BACKGROUND_BUDGET } else { WAITING_BUDGET };
+        let waiting = self.faults.len();
         while budget > 0 {
             let Some((t, addr, data)) = self.next_ready()? else { return Ok(false) };
             let before = self.stats.bytes_placed;
@@ -215,6 +217,12 @@ impl FaultServer {
                 return Ok(false);
             }
             budget = budget.saturating_sub((self.stats.bytes_placed - before).max(PAGE));
+            // A fault that came meanwhile is answered first (a job walking its memory faults
+            // on the chunk after the one it waited for, often here already).
+            self.read_all_events()?;
+            if self.faults.len() > waiting {
+                break;
+            }
         }
         Ok(true)
     }

@@ -111,9 +111,12 @@ impl ReadAhead {
 
     /// A fault at `chunk` that follows no walk: the window falls back to its least, and the
     /// jump tells whether the read is strided. Two distances agree within two chunks per
-    /// stride; once a stride is known, a fault anywhere in one of the next blocks continues it.
+    /// stride; once a stride is known, a fault anywhere in one of the next blocks continues it,
+    /// and asks for no more than the rest of that block (asked for already, by the jumps
+    /// before).
     fn jumped(&mut self, chunk: u64, chunk_len: u64) -> (usize, u64) {
         self.window = LEAST;
+        let continues = self.stride.is_some();
         let distance = self.jump.and_then(|(at, _)| chunk.checked_sub(at)).filter(|&d| d > 0);
         self.stride = match (distance, self.stride, self.jump) {
             (_, Some(s), _) => s.went_on(chunk, chunk_len),
@@ -125,7 +128,13 @@ impl ReadAhead {
         };
         self.jump = Some((chunk, distance.unwrap_or(0)));
         self.block = None;
-        (LEAST, chunk)
+        let rest = |s: Stride| {
+            s.block(s.strides, chunk_len).map(|b| (b.end.saturating_sub(chunk) / chunk_len).saturating_sub(1))
+        };
+        match self.stride.filter(|_| continues).and_then(rest) {
+            Some(rest) => (rest.min(LEAST as u64) as usize, chunk),
+            None => (LEAST, chunk),
+        }
     }
 
     /// The next [`STRIDES_AHEAD`] blocks of a strided read that the fault at `chunk` continued
@@ -280,7 +289,8 @@ mod tests {
         // Blocks 3 and 5 had their first chunks in place: the faults land 8 and 11 chunks in.
         for (b, into) in [(3, 8), (5, 11)] {
             let at = start(b) + into * CHUNK;
-            walk(&mut ra, &[at]);
+            // Only the rest of the block (16 chunks and 2 more) is asked for with the fault.
+            assert_eq!(walk(&mut ra, &[at])[0] as u64, 18 - into - 1, "block {b}");
             let ahead = ra.strides_ahead(at, CHUNK);
             assert!(ra.following());
             assert_eq!(ahead.len() as u64, STRIDES_AHEAD, "block {b}: the stride holds");

@@ -272,7 +272,7 @@ impl FaultServer {
         self.tasks.push(task);
     }
 
-    fn read_all_events(&mut self) -> Result<(), FaultServerError> {
+    pub(super) fn read_all_events(&mut self) -> Result<(), FaultServerError> {
         for task in 0..self.tasks.len() {
             self.read_events(task)?;
         }
