@@ -140,12 +140,13 @@ impl Engine {
         let control = Arc::new(Control::new().map_err(LazyError::Start)?);
         let total = memory.bytes();
         // An eager restore puts chunks in place as fast as they arrive: a little cache keeps
-        // the store busy; a lazy one holds more, ahead of the tree's faults.
+        // the store busy, all of it the prefetcher's (no fault can come); a lazy one holds
+        // more, ahead of the tree's faults.
         let settings = match hold {
-            true => FetchSettings {
-                cache_bytes: self.settings.lazy.cache_bytes.min(EAGER_CACHE_BYTES),
-                ..self.settings.lazy
-            },
+            true => {
+                let cache_bytes = self.settings.lazy.cache_bytes.min(EAGER_CACHE_BYTES);
+                FetchSettings { cache_bytes, prefetch_bytes: cache_bytes, ..self.settings.lazy }
+            }
             false => self.settings.lazy,
         };
         // A lazy restore fetches only what faults ask for until CRIU is done: the tree's first
