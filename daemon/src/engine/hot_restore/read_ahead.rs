@@ -34,8 +34,6 @@ pub(super) struct ReadAhead {
     jump: Option<(u64, u64)>,
     /// The read's stride, once two jumps in a row agree.
     stride: Option<Stride>,
-    /// The block of a strided read the last jump landed in (image addresses), as asked for.
-    block: Option<std::ops::Range<u64>>,
 }
 
 /// Blocks spaced evenly: the jump the stride was first seen from, the block the faults are
@@ -76,7 +74,7 @@ impl Stride {
 
 impl Default for ReadAhead {
     fn default() -> Self {
-        ReadAhead { window: LEAST, last: None, jump: None, stride: None, block: None }
+        ReadAhead { window: LEAST, last: None, jump: None, stride: None }
     }
 }
 
@@ -94,7 +92,7 @@ impl ReadAhead {
         let Some((_, reach)) = self.last.filter(|&(fault, _)| chunk > fault) else {
             return self.jumped(chunk, chunk_len);
         };
-        if let Some(block) = self.block.as_ref().filter(|b| b.contains(&chunk)) {
+        if let Some(block) = self.current_block(chunk_len).filter(|b| b.contains(&chunk)) {
             return (0, reach.max(block.end - chunk_len));
         }
         // Past what the last fault asked for, and within one more window of it.
@@ -127,26 +125,28 @@ impl ReadAhead {
             _ => None,
         };
         self.jump = Some((chunk, distance.unwrap_or(0)));
-        self.block = None;
-        let rest = |s: Stride| {
-            s.block(s.strides, chunk_len).map(|b| (b.end.saturating_sub(chunk) / chunk_len).saturating_sub(1))
-        };
-        match self.stride.filter(|_| continues).and_then(rest) {
-            Some(rest) => (rest.min(LEAST as u64) as usize, chunk),
+        match self.current_block(chunk_len).filter(|_| continues) {
+            Some(block) => {
+                let rest = (block.end.saturating_sub(chunk) / chunk_len).saturating_sub(1);
+                (rest.min(LEAST as u64) as usize, chunk)
+            }
             None => (LEAST, chunk),
         }
     }
 
+    /// The block of a strided read the faults are in (image addresses), as asked for.
+    fn current_block(&self, chunk_len: u64) -> Option<std::ops::Range<u64>> {
+        self.stride.and_then(|s| s.block(s.strides, chunk_len))
+    }
+
     /// The next [`STRIDES_AHEAD`] blocks of a strided read that the fault at `chunk` continued
     /// (none unless that fault was a jump by the stride): where each is due, widened by
-    /// [`SPREAD`] chunks on each side, as a range of image addresses. The block the fault is in
-    /// is remembered until the next jump.
-    pub(super) fn strides_ahead(&mut self, chunk: u64, chunk_len: u64) -> Vec<std::ops::Range<u64>> {
+    /// [`SPREAD`] chunks on each side, as a range of image addresses.
+    pub(super) fn strides_ahead(&self, chunk: u64, chunk_len: u64) -> Vec<std::ops::Range<u64>> {
         let (Some(stride), Some((at, _))) = (self.stride, self.jump) else { return Vec::new() };
         if at != chunk {
             return Vec::new();
         }
-        self.block = stride.block(stride.strides, chunk_len);
         (1..=STRIDES_AHEAD).filter_map(|k| stride.block(stride.strides + k, chunk_len)).collect()
     }
 
@@ -228,7 +228,7 @@ mod tests {
     }
 
     /// The first chunk of each block the next fault after `at` asks for strides ahead.
-    fn due(ra: &mut ReadAhead, at: u64) -> Vec<u64> {
+    fn due(ra: &ReadAhead, at: u64) -> Vec<u64> {
         ra.strides_ahead(at, CHUNK).iter().map(|r| r.start).collect()
     }
 
@@ -238,9 +238,9 @@ mod tests {
         // 1 MiB blocks every 10 MiB, each read page by page.
         let block = |b: u64| -> Vec<u64> { (0..16).map(|i| (b * 160 + i) * CHUNK).collect() };
         walk(&mut ra, &block(0));
-        assert!(due(&mut ra, 0).is_empty(), "one block says nothing");
+        assert!(due(&ra, 0).is_empty(), "one block says nothing");
         walk(&mut ra, &block(1));
-        assert!(due(&mut ra, 160 * CHUNK).is_empty(), "one distance says nothing yet");
+        assert!(due(&ra, 160 * CHUNK).is_empty(), "one distance says nothing yet");
         walk(&mut ra, &block(2)[..1]);
         let ahead = ra.strides_ahead(320 * CHUNK, CHUNK);
         assert_eq!(ahead.len() as u64, STRIDES_AHEAD);
@@ -249,7 +249,7 @@ mod tests {
             assert!(range.start <= start && start + 16 * CHUNK <= range.end, "block {k}: {range:?}");
         }
         walk(&mut ra, &block(2)[1..]);
-        assert!(due(&mut ra, 321 * CHUNK).is_empty(), "only a jump asks for strides");
+        assert!(due(&ra, 321 * CHUNK).is_empty(), "only a jump asks for strides");
         // The job read the blocks asked for without faulting, and faults next at block 11, a
         // chunk late (its first chunk was in place).
         walk(&mut ra, &[(11 * 160 + 1) * CHUNK]);
@@ -258,7 +258,7 @@ mod tests {
         // Elsewhere: no longer strided.
         let far = (11 * 160 + 7) * CHUNK + (1 << 30);
         walk(&mut ra, &[far]);
-        assert!(due(&mut ra, far).is_empty());
+        assert!(due(&ra, far).is_empty());
     }
 
     #[test]
@@ -270,7 +270,7 @@ mod tests {
         for b in 0..6u64 {
             let start = (b * 160 + 3) * CHUNK;
             windows.push(walk(&mut ra, &[start])[0]);
-            due(&mut ra, start);
+            due(&ra, start);
             windows.push(walk(&mut ra, &[start + 16 * CHUNK])[0]);
         }
         // Before the stride is known the tail is a walk (30 chunks: 2 MiB the job skips);
@@ -308,7 +308,7 @@ mod tests {
         for at in [0, 160, 321, 481, 642] {
             walk(&mut ra, &[at * CHUNK]);
         }
-        assert_eq!(due(&mut ra, 642 * CHUNK).len() as u64, STRIDES_AHEAD);
+        assert_eq!(due(&ra, 642 * CHUNK).len() as u64, STRIDES_AHEAD);
     }
 
     #[test]
@@ -321,7 +321,7 @@ mod tests {
             seed ^= seed << 17;
             let at = seed % (1 << 15) * CHUNK;
             walk(&mut ra, &[at]);
-            assert!(due(&mut ra, at).is_empty(), "a stride found in random faults at {at:#x}");
+            assert!(due(&ra, at).is_empty(), "a stride found in random faults at {at:#x}");
         }
     }
 
