@@ -22,10 +22,21 @@ fn become_subreaper() {
     ONCE.call_once(|| nix::sys::prctl::set_child_subreaper(true).expect("PR_SET_CHILD_SUBREAPER"));
 }
 
-/// Starts `argv` in `dir` as a child of this test (in its session: a shell job), with stdin
-/// from /dev/null and stdout and stderr appended to `dir/log`.
+/// Starts `argv` in `dir` as a child of this test, with stdin from /dev/null and stdout and
+/// stderr appended to `dir/log`.
+///
+/// It runs in this test's session (a shell job), as a program started from a terminal does,
+/// unless that session's leader is outside this pid namespace (as where the tests run in a
+/// container): neither CRIU nor stasis can record such a tree, so it then leads a session of
+/// its own (setsid(1) execs in place, keeping the pid), as a service does. Every driver starts
+/// its programs here, so each is compared on the same tree.
 pub(super) fn spawn(argv: &[String], dir: &Path) -> Tree {
     become_subreaper();
+    let argv: Vec<String> = if session_leader_outside() {
+        std::iter::once("setsid".to_owned()).chain(argv.iter().cloned()).collect()
+    } else {
+        argv.to_vec()
+    };
     let log = dir.join("log");
     // Appended, as a shell's `>>` would: CRIU checks the size of other files it restores.
     let out = File::options().create(true).append(true).open(&log).expect("the program's log");
@@ -39,6 +50,11 @@ pub(super) fn spawn(argv: &[String], dir: &Path) -> Tree {
         .spawn()
         .unwrap_or_else(|e| panic!("starting {argv:?}: {e}"));
     Tree { root: child.id() as i32, log }
+}
+
+/// Whether this process's session leader is outside its pid namespace (getsid reports 0).
+fn session_leader_outside() -> bool {
+    nix::unistd::getsid(None).expect("getsid of this process").as_raw() == 0
 }
 
 /// Waits until each of `pids` is gone: reaped here when this process is its parent, else by

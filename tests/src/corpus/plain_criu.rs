@@ -8,8 +8,8 @@ use super::driver::Driver;
 use super::{Tree, outside};
 use crate::{TIMEOUT, criu_path, expect_within, wait_for};
 
-/// What every dump and restore gets: the programs are started in this test's session (a shell
-/// job) and may hold connections, locks and Unix sockets whose peers are outside the tree.
+/// What every dump and restore gets: the programs may be started in this test's session (a
+/// shell job) and may hold connections, locks and Unix sockets whose peers are outside the tree.
 const OPTIONS: [&str; 6] =
     ["--shell-job", "--tcp-established", "--file-locks", "--network-lock", "nftables", "-v4"];
 
@@ -67,11 +67,7 @@ impl Driver for PlainCriu {
     fn start(&mut self, argv: &[String], dir: &Path) -> Tree {
         self.images = dir.join("images");
         std::fs::create_dir_all(&self.images).expect("the images directory");
-        // It leads a session of its own (setsid(1) execs in place, keeping the pid): CRIU
-        // refuses a tree whose session leader is outside its pid namespace, as this test's
-        // can be where the tests run in a container.
-        let argv: Vec<String> = std::iter::once("setsid".to_owned()).chain(argv.iter().cloned()).collect();
-        outside::spawn(&argv, dir)
+        outside::spawn(argv, dir)
     }
 
     fn checkpoint(&mut self, tree: &Tree, leave_running: bool) -> Result<String, String> {
