@@ -15,6 +15,8 @@ seam=(
                  # (host/locks.rs), for the locks CRIU leaves on connections, and its
                  # Containers (host/containers.rs), for Kubernetes containers' namespaces,
                  # cgroups, pids and descriptors
+  host/container_cuda.rs # Containers::cuda_in: the CUDA driver inside a container, reached
+                 # by running the pod bundle's helper there (pids translated through /proc)
   inspect.rs     # Host::inspect: what a tree holds, read from /proc
   unsupported.rs # Host::inspect's refusals: what of a tree CRIU cannot dump
   sockets/mod.rs # Host::sockets and Host::leave_repair: a tree's sockets, read from /proc and

@@ -108,6 +108,9 @@ pub struct RegisterArgs {
     /// Restore a checkpoint into it whatever image the checkpoint's container ran.
     #[arg(long)]
     pub any_image: bool,
+    /// An NVIDIA GPU device file the container was given (/dev/nvidia0); once per GPU.
+    #[arg(long, value_name = "PATH")]
+    pub gpu_device: Vec<String>,
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,

@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 
-use stasis_proto::nri::{Container, ContainerAdjustment, KeyValue, Mount, PodSandbox};
+use stasis_proto::nri::{Container, ContainerAdjustment, KeyValue, LinuxDevice, Mount, PodSandbox};
 use stasis_proto::stasis::v1::RegisterContainerRequest;
 
 pub const OPT_IN: &str = "stasis.dev/checkpoint";
@@ -23,6 +23,11 @@ pub const ANY_IMAGE: &str = "stasis.dev/any-image";
 
 /// The image a container runs, as containerd and CRI-O annotate it.
 const IMAGE_ANNOTATIONS: [&str; 2] = ["io.kubernetes.cri.image-name", "io.kubernetes.cri-o.ImageName"];
+
+/// The character devices' major number of NVIDIA's GPUs: minor N is `/dev/nvidiaN`, the
+/// highest minors are the driver's own (`nvidiactl` 255, `nvidia-modeset` 254).
+const NVIDIA_MAJOR: i64 = 195;
+const NVIDIA_FIRST_CONTROL_MINOR: i64 = 254;
 
 /// Where an opted-in container finds stasis: the pod bundle and the pod endpoint's directory
 /// (host paths), mounted read-only at fixed paths inside.
@@ -60,7 +65,20 @@ pub fn registration(pod: &PodSandbox, container: &Container) -> RegisterContaine
         container: container.name.clone(),
         checkpoint_every_ms: pod.annotations.get(CHECKPOINT_EVERY).and_then(|d| millis(d)).unwrap_or(0),
         any_image: annotation(ANY_IMAGE) == "true",
+        gpu_devices: gpu_devices(container),
     }
+}
+
+/// The NVIDIA GPU device files a container was given (by a device plugin or CDI, which the
+/// runtime has resolved into its devices by now), sorted.
+fn gpu_devices(container: &Container) -> Vec<String> {
+    let is_gpu = |d: &&LinuxDevice| {
+        d.r#type == "c" && d.major == NVIDIA_MAJOR && (0..NVIDIA_FIRST_CONTROL_MINOR).contains(&d.minor)
+    };
+    let devices = container.linux.as_ref().map(|l| l.devices.as_slice()).unwrap_or_default();
+    let mut gpus: Vec<String> = devices.iter().filter(is_gpu).map(|d| d.path.clone()).collect();
+    gpus.sort();
+    gpus
 }
 
 /// Milliseconds of a duration as stasis reads them everywhere (Kubernetes' "1h30m", and
@@ -129,6 +147,29 @@ mod tests {
         assert_eq!((r.container.as_str(), r.init_pid, r.image.as_str()), ("main", 4242, "example/train:1"));
         assert!(!r.any_image, "the same image only, unless the pod says otherwise");
         assert!(registration(&pod(&[], &[(ANY_IMAGE, "true")]), &container()).any_image);
+    }
+
+    #[test]
+    fn the_nvidia_gpus_among_a_container_s_devices_are_reported() {
+        let device = |path: &str, kind: &str, major, minor| LinuxDevice {
+            path: path.into(),
+            r#type: kind.into(),
+            major,
+            minor,
+        };
+        let mut gpu = container();
+        gpu.linux = Some(stasis_proto::nri::LinuxContainer {
+            devices: vec![
+                device("/dev/nvidia1", "c", 195, 1),
+                device("/dev/nvidiactl", "c", 195, 255),
+                device("/dev/nvidia-modeset", "c", 195, 254),
+                device("/dev/nvidia-uvm", "c", 508, 0),
+                device("/dev/fuse", "c", 10, 229),
+                device("/dev/nvidia0", "c", 195, 0),
+            ],
+        });
+        assert_eq!(registration(&pod(&[], &[]), &gpu).gpu_devices, ["/dev/nvidia0", "/dev/nvidia1"]);
+        assert!(registration(&pod(&[], &[]), &container()).gpu_devices.is_empty());
     }
 
     #[test]

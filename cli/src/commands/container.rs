@@ -29,6 +29,7 @@ async fn register(client: &mut Client, args: RegisterArgs) -> anyhow::Result<()>
         container: args.container,
         checkpoint_every_ms: args.checkpoint_every.map_or(0, |d| d.as_millis() as u64),
         any_image: args.any_image,
+        gpu_devices: args.gpu_device,
     };
     let workload =
         client.rpc.register_container(request).await.map_err(|s| client.error(s))?.into_inner().workload;

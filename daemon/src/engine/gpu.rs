@@ -74,6 +74,8 @@ pub struct Suspended {
     pub devices: Vec<GpuDevice>,
     /// Host memory the checkpoints created to hold device memory (see [`new_ranges`]).
     pub host_memory: Vec<AddressRange>,
+    /// The driver's CUDA version (`cuDriverGetVersion`).
+    pub driver_version: i32,
 }
 
 /// Locks and checkpoints every process of `pids` (those using CUDA), whose mappings are read
@@ -189,17 +191,30 @@ fn rollback(gpu: &Arc<dyn GpuCheckpointer>, locked: &[i32]) {
 }
 
 impl Engine {
-    /// Moves the device memory of the tree's CUDA processes into host memory, if it has any.
+    /// The driver a tree's processes are reached through: stasisd's own, or for a tree in a
+    /// Kubernetes container (whose init is `container_init`) the driver as the container sees
+    /// it, each call made inside the container. None where this node has no driver.
+    pub(super) fn gpu_for(&self, container_init: Option<i32>) -> Option<Arc<dyn GpuCheckpointer>> {
+        let own = self.deps.gpu.clone()?;
+        Some(match container_init {
+            None => own,
+            Some(init) => self.deps.host.cuda_in(&self.deps.reaper, init),
+        })
+    }
+
+    /// Moves the device memory of the tree's CUDA processes into host memory, if it has any;
+    /// `container_init` as for [`Engine::gpu_for`].
     pub(super) async fn suspend_gpu(
         &self,
         pids: &[i32],
+        container_init: Option<i32>,
         progress: &ProgressFn,
     ) -> Result<Option<Suspended>, CheckpointError> {
         let candidates = self.deps.host.cuda_candidates(pids);
         if candidates.is_empty() {
             return Ok(None);
         }
-        let gpu = self.deps.gpu.clone().ok_or_else(|| GpuError::NoDriver(candidates.clone()))?;
+        let gpu = self.gpu_for(container_init).ok_or_else(|| GpuError::NoDriver(candidates.clone()))?;
         progress(ProgressUpdate { phase: "gpu checkpoint", done: 0, total: 0 });
         let host = self.deps.host.clone();
         let suspended = tokio::task::spawn_blocking(move || {
@@ -217,6 +232,7 @@ impl Engine {
             let rss_after = host.resident_bytes(&users);
             suspended.bytes = rss_after.saturating_sub(rss_before);
             suspended.devices = devices;
+            suspended.driver_version = gpu.driver_version();
             Ok::<_, GpuError>(suspended)
         })
         .await
@@ -224,9 +240,17 @@ impl Engine {
         Ok(Some(suspended))
     }
 
-    /// Puts device memory back and unlocks CUDA; returns how long it took.
-    pub(super) async fn resume_gpu(&self, pids: &[i32]) -> Result<u64, CheckpointError> {
-        let (Some(gpu), false) = (self.deps.gpu.clone(), pids.is_empty()) else { return Ok(0) };
+    /// Puts device memory back and unlocks CUDA; returns how long it took. `container_init`
+    /// as for [`Engine::gpu_for`].
+    pub(super) async fn resume_gpu(
+        &self,
+        container_init: Option<i32>,
+        pids: &[i32],
+    ) -> Result<u64, CheckpointError> {
+        if pids.is_empty() {
+            return Ok(0);
+        }
+        let Some(gpu) = self.gpu_for(container_init) else { return Ok(0) };
         let pids = pids.to_vec();
         let took = tokio::task::spawn_blocking(move || resume(&gpu, &pids))
             .await

@@ -186,7 +186,8 @@ impl Engine {
                 Placement::Home(self.restored_home(&manifest, &name, params.caller)?)
             }
         };
-        let preflight = self.preflight(&manifest, &params.gpu_map, params.tcp_close).await?;
+        let preflight =
+            self.preflight(&manifest, &params.gpu_map, params.tcp_close, params.into.as_ref()).await?;
         let lazy = params.lazy;
         let bytes = manifest.stats.map(|s| s.bytes_total).unwrap_or_default();
         let work = self
@@ -229,7 +230,12 @@ impl Engine {
         }
         let watch = session.map(|s| s.watch(progress.clone()));
         let gpu_pids = self.restored_pids(&manifest, pid, &manifest.gpu_pids);
-        let gpu_restore_ms = self.reattach_gpu(&manifest, gpu_pids, preflight.gpu_pairs, &progress).await?;
+        let container_init = match &placement {
+            Placement::Container(c) => Some(c.init_pid),
+            Placement::Home(_) => None,
+        };
+        let gpu_restore_ms =
+            self.reattach_gpu(&manifest, gpu_pids, preflight.gpu_pairs, container_init, &progress).await?;
         restored.armed = false;
         let stats = RestoreStats::running(started, fetched, bytes_fetched, gpu_restore_ms, lazy);
         self.remember_restore(&manifest, &placement, &name, pid);
@@ -317,14 +323,15 @@ impl Engine {
         pids.iter().filter_map(inside).collect()
     }
 
-    /// Checks, before anything is restored, that this node can take the checkpoint: its pids
-    /// free (unless it brings a pid namespace of its own), its sockets' ports and addresses,
-    /// its GPUs.
+    /// Checks, before anything is restored, that this node (or container `into`) can take
+    /// the checkpoint: its pids free (unless it brings a pid namespace of its own), its
+    /// sockets' ports and addresses, its GPUs.
     pub(super) async fn preflight(
         &self,
         manifest: &Manifest,
         gpu_map: &[(GpuUuid, GpuUuid)],
         tcp_close: bool,
+        into: Option<&ContainerRef>,
     ) -> Result<Preflight, RestoreError> {
         let id = manifest.id.clone();
         // A tree with a pid namespace of its own, or restored into a container's, takes no pid
@@ -350,11 +357,21 @@ impl Engine {
         if let Some(reason) = compat::mismatch(manifest, &self.deps.host.cpu_flags(), self.support.version) {
             return Err(RestoreError::Incompatible { id, reason });
         }
-        if manifest.pod.is_some() && !manifest.gpu_pids.is_empty() {
-            let reason = "restoring GPU state into a container is not supported yet".to_owned();
+        if let Some(c) = into
+            && !manifest.gpu_pids.is_empty()
+            && c.gpu_devices.len() < manifest.gpus.len().max(1)
+        {
+            let reason = format!(
+                "its CUDA processes used {} GPU(s), and container {} was given {} ({}): give the \
+                 pod as many GPUs as the one it replaces",
+                manifest.gpus.len().max(1),
+                c.id,
+                c.gpu_devices.len(),
+                c.gpu_devices.join(", ")
+            );
             return Err(RestoreError::Incompatible { id, reason });
         }
-        let gpu_pairs = self.place_gpus(manifest, gpu_map)?;
+        let gpu_pairs = self.place_gpus(manifest, gpu_map, into.map(|c| c.init_pid)).await?;
         Ok(Preflight { warnings, gpu_pairs })
     }
 
@@ -503,21 +520,22 @@ impl Engine {
         Ok(outcome)
     }
 
-    /// Puts the device memory of the restored CUDA processes (`pids`, as restored) back and
-    /// unlocks them. On failure
+    /// Puts the device memory of the restored CUDA processes (`pids`, as restored, in the
+    /// container whose init is `container_init` if any) back and unlocks them. On failure
     /// the caller's [`Restored`] kills the tree: a job without its GPU state must not run on.
     async fn reattach_gpu(
         &self,
         manifest: &Manifest,
         pids: Vec<i32>,
         pairs: Vec<(GpuUuid, GpuUuid)>,
+        container_init: Option<i32>,
         progress: &ProgressFn,
     ) -> Result<u64, RestoreError> {
         if manifest.gpu_pids.is_empty() {
             return Ok(0);
         }
         let id = manifest.id.clone();
-        let Some(gpu) = self.deps.gpu.clone() else {
+        let Some(gpu) = self.gpu_for(container_init) else {
             return Err(RestoreError::Gpu { id, source: GpuError::NoDriver(manifest.gpu_pids.clone()) });
         };
         progress(ProgressUpdate { phase: "gpu restore", done: 0, total: 0 });
@@ -527,23 +545,27 @@ impl Engine {
         result.map_err(|source| RestoreError::Gpu { id, source })
     }
 
-    /// Where the checkpoint's GPU state goes on this node; refuses an incompatible node
+    /// Where the checkpoint's GPU state goes on this node, among the GPUs the container whose
+    /// init is `container_init` was given if it goes into one; refuses an incompatible target
     /// before anything is restored.
-    fn place_gpus(
+    async fn place_gpus(
         &self,
         manifest: &Manifest,
         explicit: &[(GpuUuid, GpuUuid)],
+        container_init: Option<i32>,
     ) -> Result<Vec<(GpuUuid, GpuUuid)>, RestoreError> {
         if manifest.gpu_pids.is_empty() {
             return Ok(Vec::new());
         }
         let id = manifest.id.clone();
-        let gpu = self.deps.gpu.as_ref().ok_or_else(|| RestoreError::Gpu {
+        let gpu = self.gpu_for(container_init).ok_or_else(|| RestoreError::Gpu {
             id: id.clone(),
             source: GpuError::NoDriver(manifest.gpu_pids.clone()),
         })?;
-        let present =
-            gpu.gpus().map_err(|e| RestoreError::Gpu { id: id.clone(), source: GpuError::Query(e) })?;
+        let present = tokio::task::spawn_blocking(move || gpu.gpus())
+            .await
+            .map_err(RestoreError::panicked("GPU thread"))?
+            .map_err(|e| RestoreError::Gpu { id: id.clone(), source: GpuError::Query(e) })?;
         gpu_map::plan(&manifest.gpus, &present, explicit)
             .map_err(|source| RestoreError::GpuPlacement { id, source: Box::new(source) })
     }

@@ -237,6 +237,7 @@ impl Stasis for StasisService {
                 init_pid: r.init_pid,
                 image: r.image,
                 any_image: r.any_image,
+                gpu_devices: r.gpu_devices,
                 ..Default::default()
             },
             identity: Identity {

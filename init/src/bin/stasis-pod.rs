@@ -14,6 +14,10 @@
 //! container's tree for eviction and returns once the checkpoint is durable (the tree is gone
 //! then) or has failed (the tree runs on, and is stopped as usual). `stasis-pod ready` is its
 //! startup probe: it succeeds once the workload runs.
+//!
+//! `stasis-pod cuda CALL` is not for the container: stasisd runs it inside the container's
+//! namespaces to make one CUDA driver call on the container's processes (`stasis_cuda::remote`),
+//! with the node's driver library, which stasisd opened, as standard input.
 #![deny(unsafe_code)]
 
 use std::io::{BufRead, BufReader, Write};
@@ -26,6 +30,7 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use nix::unistd::Pid;
 use serde_json::Value;
+use stasis_cuda::{CudaDriver, GpuCheckpointer, remote};
 use stasis_init::supervise::{handle_signals, supervise};
 use stasis_init::sys::own_session;
 
@@ -55,6 +60,10 @@ enum Mode {
     },
     /// Exit 0 once the workload runs (the startup probe): started, or restored.
     Ready,
+    /// Make one CUDA driver call (JSON, see stasis_cuda::remote) with the driver library open
+    /// as standard input, and print the answer as one JSON line (run by stasisd).
+    #[command(hide = true)]
+    Cuda { call: String },
 }
 
 /// How long a starting container waits for stasisd's endpoint to answer at all.
@@ -69,7 +78,20 @@ fn main() -> anyhow::Result<ExitCode> {
             let answer = ask(&args.socket, serde_json::json!({ "op": "ready" }), Duration::ZERO)?;
             Ok(if answer["ready"] == true { ExitCode::SUCCESS } else { ExitCode::FAILURE })
         }
+        Mode::Cuda { call } => cuda(&call),
     }
+}
+
+/// Where the driver library stasisd hands over is open.
+const HANDED_LIBRARY: &str = "/proc/self/fd/0";
+
+fn cuda(call: &str) -> anyhow::Result<ExitCode> {
+    let call: remote::Call =
+        serde_json::from_str(call).with_context(|| format!("a malformed call: {call}"))?;
+    let driver = CudaDriver::load_from(HANDED_LIBRARY);
+    let answer = remote::serve(driver.as_ref().map(|d| d as &dyn GpuCheckpointer), &call);
+    println!("{}", serde_json::to_string(&answer)?);
+    Ok(ExitCode::SUCCESS)
 }
 
 fn run(socket: &Path, command: &[String]) -> anyhow::Result<ExitCode> {

@@ -77,6 +77,10 @@ pub enum CudaError {
     /// A GPU UUID string that cannot be parsed.
     #[error("invalid GPU UUID {input:?}: {reason}")]
     InvalidUuid { input: String, reason: &'static str },
+    /// The helper inside a container could not use the driver there (see `remote.rs`), or
+    /// could not be run at all.
+    #[error("inside the container: {message}")]
+    InContainer { message: String },
     /// More GPU pairs than the driver can be handed.
     #[error("too many GPU pairs for one restore: {count}")]
     TooManyGpuPairs { count: usize },

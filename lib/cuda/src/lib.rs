@@ -37,6 +37,7 @@ pub mod fake;
 #[allow(unsafe_code)]
 pub mod nvml;
 mod procs;
+pub mod remote;
 #[allow(unsafe_code)]
 mod sys;
 mod uuid;
@@ -48,7 +49,7 @@ use std::time::Instant;
 use tracing::{debug, info};
 
 pub use error::{CallTarget, CudaError, code, error_name};
-pub use procs::{cuda_candidates, nvidia_device_holders, open_gpu_minors, uuid_of_minor};
+pub use procs::{cuda_candidates, loaded_driver, nvidia_device_holders, open_gpu_minors, uuid_of_minor};
 pub use uuid::{GpuUuid, format_uuid, parse_uuid};
 
 /// One GPU as the CUDA driver sees it.
@@ -89,6 +90,21 @@ impl ProcessState {
             4 => Self::Checkpointing,
             5 => Self::Restoring,
             other => Self::Unknown(other),
+        }
+    }
+}
+
+impl ProcessState {
+    /// The raw `CUprocessState` value.
+    pub fn raw(self) -> i32 {
+        match self {
+            Self::Running => 0,
+            Self::Locked => 1,
+            Self::Checkpointed => 2,
+            Self::Failed => 3,
+            Self::Checkpointing => 4,
+            Self::Restoring => 5,
+            Self::Unknown(v) => v,
         }
     }
 }
@@ -194,7 +210,11 @@ impl CudaDriver {
     /// a [`CudaError::Call`] when `cuInit` fails (e.g. `CUDA_ERROR_NO_DEVICE` with the
     /// library but no GPU).
     pub fn load() -> Result<Self, CudaError> {
-        let library = Self::LIBRARY;
+        Self::load_from(Self::LIBRARY)
+    }
+
+    /// [`CudaDriver::load`] from `library`: a name the dynamic loader looks up, or a path.
+    pub fn load_from(library: &'static str) -> Result<Self, CudaError> {
         let api = sys::Api::load(library).map_err(|e| match e {
             sys::LoadError::Open(source) => CudaError::NotInstalled { library, source },
             sys::LoadError::Symbol(symbol, source) => CudaError::MissingSymbol { library, symbol, source },
@@ -371,6 +391,7 @@ mod tests {
         ];
         for (raw, state) in all {
             assert_eq!(ProcessState::from_raw(raw), state);
+            assert_eq!(state.raw(), raw);
         }
         assert_eq!(ProcessState::Checkpointed.to_string(), "checkpointed");
         assert_eq!(ProcessState::Unknown(32718).to_string(), "unknown (32718)");

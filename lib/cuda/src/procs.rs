@@ -59,18 +59,30 @@ fn scan(proc: &Path, pid: i32, maps_line: fn(&str) -> bool) -> io::Result<bool> 
     Ok(false)
 }
 
-/// One line of `/proc/PID/maps`: `start-end perms offset dev inode   path`.
+/// The driver library (`libcuda.so*`) this process has loaded, as its maps name it.
+pub fn loaded_driver() -> Option<std::path::PathBuf> {
+    let maps = fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().filter_map(maps_path).find(|path| is_driver_library(path)).map(Into::into)
+}
+
+/// The path of one line of `/proc/PID/maps` (`start-end perms offset dev inode   path`): the
+/// rest of the line after five single-space-separated fields, padded with spaces; it may
+/// itself contain spaces.
+fn maps_path(line: &str) -> Option<&str> {
+    line.splitn(6, ' ').nth(5).map(str::trim_start)
+}
+
+fn is_driver_library(path: &str) -> bool {
+    path.rsplit('/').next().unwrap_or(path).starts_with("libcuda.so")
+}
+
 fn maps_line_is_cuda(line: &str) -> bool {
-    // The path is the rest of the line after five single-space-separated fields, padded with
-    // spaces, and may itself contain spaces.
-    let Some(path) = line.splitn(6, ' ').nth(5).map(str::trim_start) else { return false };
-    let file = path.rsplit('/').next().unwrap_or(path);
-    file.starts_with("libcuda.so") || is_nvidia_device(path)
+    maps_path(line).is_some_and(|path| is_driver_library(path) || is_nvidia_device(path))
 }
 
 /// One line of `/proc/PID/maps` mapping an NVIDIA device file.
 fn maps_line_is_device(line: &str) -> bool {
-    line.splitn(6, ' ').nth(5).is_some_and(|path| is_nvidia_device(path.trim_start()))
+    maps_path(line).is_some_and(is_nvidia_device)
 }
 
 /// `/dev/nvidia0`, `/dev/nvidiactl`, `/dev/nvidia-uvm`, `/dev/nvidia-caps/...`.

@@ -140,15 +140,27 @@ impl Reaper {
     /// [`Reaper::run`], keeping what `cmd` wrote to stdout too: (how it ended, stdout, stderr).
     pub async fn run_output(
         &self,
+        cmd: std::process::Command,
+    ) -> std::io::Result<(ExitKind, String, String)> {
+        let this = self.clone();
+        let run = tokio::task::spawn_blocking(move || this.run_blocking(cmd, std::process::Stdio::null()));
+        run.await.map_err(std::io::Error::other)?
+    }
+
+    /// Runs `cmd` to its end on this (blocking) thread, with `stdin` as its standard input:
+    /// (how it ended, stdout, stderr). The way to run a short program from a blocking thread.
+    pub fn run_blocking(
+        &self,
         mut cmd: std::process::Command,
+        stdin: std::process::Stdio,
     ) -> std::io::Result<(ExitKind, String, String)> {
         use std::io::Read;
         use std::process::Stdio;
-        let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+        let mut child = cmd.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
         let pid = child.id() as i32;
         self.forget_earlier_exit(pid);
         let read = |pipe: Option<Box<dyn Read + Send>>| {
-            tokio::task::spawn_blocking(move || {
+            std::thread::spawn(move || {
                 let mut text = String::new();
                 if let Some(mut pipe) = pipe {
                     let _ = pipe.read_to_string(&mut text);
@@ -158,8 +170,14 @@ impl Reaper {
         };
         let stdout = read(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
         let stderr = read(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
-        let (stdout, stderr) = (stdout.await.unwrap_or_default(), stderr.await.unwrap_or_default());
-        Ok((self.wait_exit(pid).await, stdout, stderr))
+        let (stdout, stderr) = (stdout.join().unwrap_or_default(), stderr.join().unwrap_or_default());
+        loop {
+            self.reap_all();
+            if let Some(kind) = self.take_exit(pid) {
+                return Ok((kind, stdout, stderr));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// Waits until none of `pids` is present (their pids free again: every zombie of ours

@@ -42,10 +42,20 @@ pub(super) struct HeldTree {
     pub images: PathBuf,
     pub network_lock: Option<String>,
     pub reuse_addr: Vec<u64>,
+    /// The init of the container the tree runs in (a Kubernetes container's): its CUDA state
+    /// is reached inside it.
+    #[serde(default)]
+    pub container_init: Option<i32>,
 }
 
 impl HeldTree {
-    pub fn new(id: &str, tree: &TreeInfo, stopped_before: &[i32], images: &Path) -> HeldTree {
+    pub fn new(
+        id: &str,
+        tree: &TreeInfo,
+        stopped_before: &[i32],
+        images: &Path,
+        container_init: Option<i32>,
+    ) -> HeldTree {
         let processes = tree.pids.iter().filter_map(|pid| Some((*pid, *tree.started.get(pid)?))).collect();
         HeldTree {
             id: id.into(),
@@ -54,6 +64,7 @@ impl HeldTree {
             images: images.to_path_buf(),
             network_lock: tree.options.network_lock.map(|l| l.name().into()),
             reuse_addr: tree.sockets.reuse_addr.iter().copied().collect(),
+            container_init,
         }
     }
 
@@ -160,6 +171,7 @@ impl Engine {
             reuse_addr: &reuse_addr,
             images: &held.images,
             lock: held.network_lock.as_deref().and_then(NetworkLock::from_name),
+            container_init: held.container_init,
         };
         let problems = self.give_tree_back(tree).await;
         for problem in problems {
@@ -180,6 +192,7 @@ mod tests {
             images: "/nonexistent/images".into(),
             network_lock: None,
             reuse_addr: Vec::new(),
+            container_init: None,
         }
     }
 

@@ -190,8 +190,9 @@ impl Engine {
         info!(checkpoint = %id, workload = %workload, pid, pids = tree.pids.len(), options = ?tree.options.describe(), "dumping");
         let leave_running = params.leave_running;
         let job = Job { id, workload, pid, created_unix_ms, started, leave_running, reclaim: params.reclaim };
-        let mut hold = Hold::new(self, &job.id, &tree, work.path());
-        match self.suspend_gpu(&tree.pids, &progress).await {
+        let container_init = self.registry.get(&job.workload).and_then(|w| w.container).map(|c| c.init_pid);
+        let mut hold = Hold::new(self, &job.id, &tree, work.path(), container_init);
+        match self.suspend_gpu(&tree.pids, container_init, &progress).await {
             Ok(suspended) => hold.suspended_gpu(suspended),
             Err(e) => return Err(hold.give_back(e).await),
         }

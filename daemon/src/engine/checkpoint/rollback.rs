@@ -33,14 +33,23 @@ pub(super) struct Hold<'a> {
     gpu: Option<Suspended>,
     /// Whether the CUDA state is still in host memory (not yet put back).
     gpu_suspended: bool,
+    /// The init of the container the tree runs in, if it does: its CUDA state is reached
+    /// inside it.
+    container_init: Option<i32>,
     settled: bool,
 }
 
 impl<'a> Hold<'a> {
     /// Takes hold of `tree` for checkpoint `id`; call before anything touches it.
-    pub fn new(engine: &'a Engine, id: &str, tree: &'a TreeInfo, images: &'a Path) -> Hold<'a> {
+    pub fn new(
+        engine: &'a Engine,
+        id: &str,
+        tree: &'a TreeInfo,
+        images: &'a Path,
+        container_init: Option<i32>,
+    ) -> Hold<'a> {
         let stopped_before = engine.deps.host.stopped(&tree.pids);
-        let record = HeldTree::new(id, tree, &stopped_before, images);
+        let record = HeldTree::new(id, tree, &stopped_before, images, container_init);
         let hold = Hold {
             engine,
             tree,
@@ -49,6 +58,7 @@ impl<'a> Hold<'a> {
             stopped_before,
             gpu: None,
             gpu_suspended: false,
+            container_init,
             settled: false,
         };
         hold.save_record();
@@ -85,7 +95,7 @@ impl<'a> Hold<'a> {
     async fn resume_gpu(&mut self) -> Result<u64, CheckpointError> {
         let pids = self.suspended_pids();
         self.gpu_suspended = false;
-        self.engine.resume_gpu(&pids).await
+        self.engine.resume_gpu(self.container_init, &pids).await
     }
 
     /// The processes whose CUDA state is still in host memory.
@@ -130,6 +140,7 @@ impl<'a> Hold<'a> {
             images: self.images,
             lock: self.tree.options.network_lock,
             gpu_pids: self.suspended_pids(),
+            container_init: self.container_init,
         };
         self.gpu_suspended = false;
         let problems = self.engine.give_tree_back(tree).await;
@@ -154,6 +165,8 @@ pub(super) struct HeldProcesses<'a> {
     pub lock: Option<NetworkLock>,
     /// Those whose CUDA state is in host memory.
     pub gpu_pids: Vec<i32>,
+    /// The init of the container the tree runs in, if it does.
+    pub container_init: Option<i32>,
 }
 
 impl Engine {
@@ -170,7 +183,7 @@ impl Engine {
             sockets::unlock(&self.deps.host, &self.deps.reaper, &reopened, tree.images, tree.lock).await,
         );
         self.continue_stopped(&tree.pids, tree.stopped_before);
-        if let Err(e) = self.resume_gpu(&tree.gpu_pids).await {
+        if let Err(e) = self.resume_gpu(tree.container_init, &tree.gpu_pids).await {
             problems.push(crate::error_chain(&e));
         }
         problems

@@ -139,7 +139,7 @@ impl Engine {
             gpu_pids: gpu.map(|g| g.pids.clone()).unwrap_or_default(),
             gpus: gpu.map(|g| g.devices.clone()).unwrap_or_default(),
             gpu_host_memory: gpu.map(|g| g.host_memory.clone()).unwrap_or_default(),
-            cuda_driver: self.deps.gpu.as_ref().map(|g| g.driver_version()).unwrap_or_default(),
+            cuda_driver: gpu.map(|g| g.driver_version).unwrap_or_default(),
             stats: Some(stats),
             sockets: d.tree.sockets.records.clone(),
             owner_uid: owner_of(&d.tree.uids),

@@ -1,14 +1,17 @@
 //! What Kubernetes containers ask of the kernel (see `engine/pods/`): which pid namespace a
 //! process is in, a container's init and its children, readying a container for a CRIU that
-//! enters it, reserving the pids a restored tree needs there, and its init's descriptors.
+//! enters it, reserving the pids a restored tree needs there, its init's descriptors, and the
+//! CUDA driver inside it (`container_cuda.rs`).
 //! [`super::LinuxHost`] does it through /proc, pidfds and nsenter (`linux/container.rs`).
 
 use std::io;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use async_trait::async_trait;
 
+use crate::cuda::GpuCheckpointer;
 use crate::linux::reaper::Reaper;
 
 /// The kernel's containers.
@@ -36,4 +39,8 @@ pub trait Containers: Send + Sync {
     /// and waits (a while) until none of `needed` is in use there; commands run through
     /// `reaper`.
     async fn reserve_pids(&self, reaper: &Reaper, init: i32, highest: i32, needed: &[i32]) -> io::Result<()>;
+    /// The CUDA driver as the processes of the container whose init is `init` see it: its
+    /// calls take this host's pids and are made inside the container (running helpers
+    /// through `reaper`). Call only where stasisd has a driver of its own.
+    fn cuda_in(&self, reaper: &Reaper, init: i32) -> Arc<dyn GpuCheckpointer>;
 }

@@ -6,12 +6,14 @@ use std::fs::File;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 
 use super::Containers;
 use super::fake::FakeHost;
+use crate::cuda::GpuCheckpointer;
+use crate::cuda::fake::FakeGpu;
 use crate::linux::reaper::Reaper;
 
 #[derive(Debug, Default)]
@@ -21,6 +23,9 @@ pub struct FakeContainers {
     /// The pids reserved, in order: in the namespace of which init, above which pid, and the
     /// pids needed free there.
     pub reserved: Mutex<Vec<(i32, i32, Vec<i32>)>>,
+    /// The CUDA driver inside each container (by init), made on first use; each records the
+    /// calls made on it.
+    pub cuda: Mutex<HashMap<i32, Arc<FakeGpu>>>,
 }
 
 impl FakeHost {
@@ -88,5 +93,9 @@ impl Containers for FakeHost {
         self.check("reserve_pids")?;
         self.containers.reserved.lock().unwrap().push((init, highest, needed.to_vec()));
         Ok(())
+    }
+
+    fn cuda_in(&self, _reaper: &Reaper, init: i32) -> Arc<dyn GpuCheckpointer> {
+        self.containers.cuda.lock().unwrap().entry(init).or_default().clone()
     }
 }

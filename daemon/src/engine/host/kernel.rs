@@ -8,14 +8,17 @@ use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use nix::sys::signal::Signal;
 
+use super::container_cuda::ContainerCuda;
 use super::{
     Containers, FaultEvent, FaultFd, Hold, Host, NetworkLocks, PortUses, TcpSockets, Usage, Userfaults,
     Watches,
 };
+use crate::cuda::GpuCheckpointer;
 use crate::engine::inspect::{self, TreeInfo};
 use crate::engine::sockets::{self, Connection, TreeSockets};
 use crate::linux::cgroup::{self, WorkloadCgroup};
@@ -310,6 +313,10 @@ impl Containers for LinuxHost {
 
     async fn reserve_pids(&self, reaper: &Reaper, init: i32, highest: i32, needed: &[i32]) -> io::Result<()> {
         container::reserve_pids(reaper, init, highest, needed).await
+    }
+
+    fn cuda_in(&self, reaper: &Reaper, init: i32) -> Arc<dyn GpuCheckpointer> {
+        Arc::new(ContainerCuda::new(reaper.clone(), init))
     }
 }
 

@@ -4,6 +4,7 @@
 //! tests of the jobs' failure paths use [`fake::FakeHost`], so those paths run without root,
 //! CRIU or a workload.
 
+mod container_cuda;
 mod containers;
 mod faults;
 mod kernel;

@@ -57,6 +57,10 @@ pub struct ContainerRef {
     /// A checkpoint of another image may be restored into it (the pod says so).
     #[serde(default)]
     pub any_image: bool,
+    /// The NVIDIA GPU device files it was given (`/dev/nvidia0`, ...), as the runtime
+    /// reported them: a checkpoint of CUDA processes goes only into a container with as many.
+    #[serde(default)]
+    pub gpu_devices: Vec<String>,
 }
 
 /// What the NRI plugin reports of a container that opted in.

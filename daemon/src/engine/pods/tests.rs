@@ -34,6 +34,11 @@ fn container(r: &Rig) -> (String, ContainerRef) {
     (r.engine.register_container(registration).unwrap(), c)
 }
 
+/// The driver inside the rig's container.
+fn container_gpu(r: &Rig) -> std::sync::Arc<FakeGpu> {
+    r.host.containers.cuda.lock().unwrap()[&INIT].clone()
+}
+
 /// Evicts workload `name`'s tree, as its container's preStop hook asks.
 async fn evict(r: &Rig, name: &str) -> Result<CheckpointOutcome, CheckpointError> {
     let w = r.engine.registry.get(name).unwrap();
@@ -59,11 +64,13 @@ async fn an_eviction_whose_container_cannot_be_entered_fails_and_gives_the_tree_
     assert!(matches!(&err, CheckpointError::Local { what: "entering the container", .. }), "{err}");
     assert!(error_chain(&err).contains("Permission denied"), "{}", error_chain(&err));
     assert!(r.criu.calls().is_empty(), "CRIU was not asked to dump");
-    // The tree runs on as it was: never stopped, nothing killed, its CUDA state back.
+    // The tree runs on as it was: never stopped, nothing killed, its CUDA state back, all
+    // through the driver inside the container, none through stasisd's own.
     assert!(r.host.signals.lock().unwrap().is_empty());
     assert_eq!(r.host.children(INIT), [ROOT]);
     let expected = ["lock", "checkpoint", "restore", "unlock"].map(|c| format!("{c} {ROOT}"));
-    assert_eq!(r.gpu.calls(), expected);
+    assert_eq!(container_gpu(&r).calls(), expected);
+    assert!(r.gpu.calls().is_empty(), "stasisd's own driver is not asked about a container's processes");
     assert_eq!(r.checkpoints().await, 0);
     assert_eq!(r.held_records(), 0);
     assert_eq!(marks(&r, &name), (false, false), "the container is not marked evicted");
@@ -76,8 +83,8 @@ async fn an_eviction_whose_container_cannot_be_entered_fails_and_gives_the_tree_
     assert_eq!(marks(&r, &name), (false, true));
 }
 
-/// The rig's container, its tree (without CUDA: a restore into a container cannot put CUDA
-/// state back yet) evicted: the checkpoint stored, the tree killed.
+/// The rig's container, its tree (without CUDA) evicted: the checkpoint stored, the tree
+/// killed.
 async fn evicted() -> (Rig, String, ContainerRef, String) {
     let r = rig_with(
         FakeCriu::default(),
@@ -128,4 +135,32 @@ async fn a_container_restore_that_cannot_enter_the_container_is_refused_before_c
     let (r, name, c, id) = evicted().await;
     refused(&r, &name, &c, "ensure_tmp").await;
     restored(&r, &name, &c, &id).await;
+}
+
+#[tokio::test]
+async fn a_cuda_tree_goes_only_into_a_container_given_its_gpus_and_through_the_driver_there() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    let (name, mut c) = container(&r);
+    let id = evict(&r, &name).await.unwrap().id;
+    let dumped = ["lock", "checkpoint"].map(|call| format!("{call} {ROOT}"));
+    assert_eq!(container_gpu(&r).calls(), dumped, "left checkpointed: the tree is gone");
+    r.host.signals.lock().unwrap().clear();
+
+    // A container without a GPU cannot take it: refused before CRIU, saying why.
+    let err = r.engine.start_container(&name, &c, quiet()).await.unwrap_err();
+    assert!(matches!(&err, RestoreError::Incompatible { .. }), "{err}");
+    assert!(
+        error_chain(&err).contains("used 1 GPU(s), and container c0ffee was given 0"),
+        "{}",
+        error_chain(&err)
+    );
+    assert!(!criu_restored(&r), "CRIU was not asked to restore");
+    assert_eq!(r.checkpoints().await, 1, "the checkpoint stays");
+
+    // One given a GPU takes it, and the CUDA state is put back inside it.
+    c.gpu_devices = vec!["/dev/nvidia0".into()];
+    restored(&r, &name, &c, &id).await;
+    let all = ["lock", "checkpoint", "restore", "unlock"].map(|call| format!("{call} {ROOT}"));
+    assert_eq!(container_gpu(&r).calls(), all);
+    assert!(r.gpu.calls().is_empty(), "stasisd's own driver is not asked about a container's processes");
 }
