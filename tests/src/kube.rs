@@ -108,6 +108,30 @@ pub fn with_host_paths(mut pod: serde_json::Value, paths: &[(&str, &str)]) -> se
     pod
 }
 
+/// The host directories a container needs to run the virtual environment's Python: /usr (also
+/// as /lib and /lib64, the loader's paths), the Python installation the environment was made
+/// from, the environment, and the test workloads.
+pub fn python_paths(python: &str) -> Vec<(String, String)> {
+    let venv = Path::new(python).parent().and_then(Path::parent).expect("a venv's python").to_path_buf();
+    let config = std::fs::read_to_string(venv.join("pyvenv.cfg")).unwrap_or_default();
+    let home =
+        config.lines().find_map(|l| l.strip_prefix("home = ")).map(|h| Path::new(h.trim()).to_path_buf());
+    let prefix = home.and_then(|h| h.parent().map(Path::to_path_buf)).expect("the venv's base Python");
+    let workloads =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("workloads").canonicalize().expect("the test workloads");
+    let mut paths = vec![
+        ("/usr".to_owned(), "/usr".to_owned()),
+        ("/usr/lib".to_owned(), "/lib".to_owned()),
+        ("/usr/lib64".to_owned(), "/lib64".to_owned()),
+    ];
+    for dir in [prefix, venv, workloads] {
+        if !dir.starts_with("/usr") {
+            paths.push((dir.display().to_string(), dir.display().to_string()));
+        }
+    }
+    paths
+}
+
 /// A pod as the kubelet gets it from the API server: admitted by stasis' webhook (its
 /// AdmissionReview answered and the answer's JSONPatch applied).
 pub fn admitted(pod: &serde_json::Value) -> serde_json::Value {

@@ -14,8 +14,8 @@ use std::path::Path;
 use stasis_tests::containerd::{Containerd, NEXT_IMAGE};
 use stasis_tests::disk::SmallDisk;
 use stasis_tests::kube::{
-    Kubelet, NriPlugin, RunningPod, admitted, bundle, grace, pre_stop, startup_probe, stateful_pod,
-    stdout_lines, translate, with_host_paths,
+    Kubelet, NriPlugin, RunningPod, admitted, bundle, grace, pre_stop, python_paths, startup_probe,
+    stateful_pod, stdout_lines, translate, with_host_paths,
 };
 use stasis_tests::podman::{IMAGE, Podman};
 use stasis_tests::{Daemon, DaemonOptions, TIMEOUT, expect_within, skip_unless_ready, wait_for};
@@ -240,29 +240,6 @@ async fn the_nri_plugin_survives_a_containerd_restart_and_synchronizes_again() {
     expect_within(TIMEOUT, "the new pod to count", || (counted(&b).len() >= 3).then_some(()));
     kubelet.delete(a, grace(&first)).await;
     kubelet.delete(b, grace(&second)).await;
-}
-
-/// The host directories a container needs to run the virtual environment's Python: /usr (also
-/// as /lib and /lib64, the loader's paths), the Python installation the environment was made
-/// from, the environment, and the test workloads.
-fn python_paths(python: &str) -> Vec<(String, String)> {
-    let venv = Path::new(python).parent().and_then(Path::parent).expect("a venv's python").to_path_buf();
-    let config = std::fs::read_to_string(venv.join("pyvenv.cfg")).unwrap_or_default();
-    let home =
-        config.lines().find_map(|l| l.strip_prefix("home = ")).map(|h| Path::new(h.trim()).to_path_buf());
-    let prefix = home.and_then(|h| h.parent().map(Path::to_path_buf)).expect("the venv's base Python");
-    let workloads = Path::new(env!("CARGO_MANIFEST_DIR")).join("workloads").canonicalize().unwrap();
-    let mut paths = vec![
-        ("/usr".to_owned(), "/usr".to_owned()),
-        ("/usr/lib".to_owned(), "/lib".to_owned()),
-        ("/usr/lib64".to_owned(), "/lib64".to_owned()),
-    ];
-    for dir in [prefix, venv, workloads] {
-        if !dir.starts_with("/usr") {
-            paths.push((dir.display().to_string(), dir.display().to_string()));
-        }
-    }
-    paths
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -302,12 +302,14 @@ impl Engine {
     }
 
     /// The pids that `pids` (as the checkpoint recorded them) have in the tree restored with
-    /// root `root`: the same, unless the tree has its own pid namespace, whose restore numbers
-    /// them anew outside it (matched by their pids inside it).
+    /// root `root`: the same, unless the tree has its own pid namespace or was a container's,
+    /// whose restore numbers them anew outside it (matched by their pids inside it).
     fn restored_pids(&self, manifest: &Manifest, root: i32, pids: &[i32]) -> Vec<i32> {
-        if !manifest.own_pid_namespace {
-            return pids.to_vec();
-        }
+        let inner_pids = match (manifest.own_pid_namespace, &manifest.pod) {
+            (true, _) => &manifest.ns_pids,
+            (false, Some(pod)) => &pod.inner_pids,
+            (false, None) => return pids.to_vec(),
+        };
         let now: Vec<(i32, Option<i32>)> = self
             .deps
             .host
@@ -317,7 +319,7 @@ impl Engine {
             .collect();
         let inside = |pid: &i32| {
             let at = manifest.pids.iter().position(|p| p == pid)?;
-            let ns_pid = *manifest.ns_pids.get(at)?;
+            let ns_pid = *inner_pids.get(at)?;
             now.iter().find(|(_, inner)| *inner == Some(ns_pid)).map(|(p, _)| *p)
         };
         pids.iter().filter_map(inside).collect()

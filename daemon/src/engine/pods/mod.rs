@@ -111,7 +111,7 @@ impl Engine {
         if !self.deps.host.is_namespace_init(r.container.init_pid) {
             return Err(PodError::SharedPids(r.container.id));
         }
-        let id = r.container.id.clone();
+        let (id, gpus) = (r.container.id.clone(), r.container.gpu_devices.clone());
         let every_ms = r.checkpoint_every.map(|d| d.as_millis() as u64);
         let registered = match self.registry.get(&name) {
             // A record root made for this container before (it restarted): it goes on.
@@ -132,7 +132,7 @@ impl Engine {
         };
 
         registered.map_err(|source| PodError::Registry { id: id.clone(), source })?;
-        info!(container = %id, workload = %name, "container registered");
+        info!(container = %id, workload = %name, ?gpus, "container registered");
         Ok(name)
     }
 
