@@ -214,3 +214,45 @@ mod tests {
         assert_eq!(HeldTree::all(dir.path()).into_iter().map(Result::unwrap).collect::<Vec<_>>(), [new]);
     }
 }
+
+#[cfg(test)]
+mod settle_tests {
+    use super::*;
+    use crate::cuda::ProcessState;
+    use crate::cuda::fake::FakeGpu;
+    use crate::criu::fake::FakeCriu;
+    use crate::engine::host::Containers;
+    use crate::engine::rollback_tests::{ROOT, rig};
+
+    /// A container's init, above Linux's largest pid_max like the rig's tree.
+    const INIT: i32 = 4_194_400;
+
+    #[tokio::test]
+    async fn a_crash_inside_a_container_s_gpu_phase_is_settled_through_the_driver_in_the_container() {
+        let r = rig(FakeCriu::default(), FakeGpu::default());
+        r.host.add_container(INIT, ROOT);
+        // A stasisd died with the container's tree checkpointed on its GPU, no manifest written.
+        let inside = r.host.cuda_in(&r.engine.deps.reaper, INIT);
+        inside.lock(ROOT, 1000).unwrap();
+        inside.checkpoint(ROOT).unwrap();
+        let held = HeldTree {
+            id: "20261127-000000-cccccc".into(),
+            processes: vec![(ROOT, r.host.start_time(ROOT).unwrap())],
+            stopped_before: Vec::new(),
+            images: "/nonexistent/images".into(),
+            network_lock: None,
+            reuse_addr: Vec::new(),
+            container_init: Some(INIT),
+        };
+        held.save(&r.engine.deps.state.held_dir()).unwrap();
+
+        r.engine.recover_held().await;
+
+        let fake = r.host.containers.cuda.lock().unwrap()[&INIT].clone();
+        assert_eq!(fake.states.lock().unwrap().get(&ROOT), Some(&ProcessState::Running));
+        let calls = ["lock", "checkpoint", "restore", "unlock"].map(|c| format!("{c} {ROOT}"));
+        assert_eq!(fake.calls(), calls, "put back inside the container");
+        assert!(r.gpu.calls().is_empty(), "stasisd's own driver is not asked about a container's processes");
+        assert_eq!(r.held_records(), 0);
+    }
+}
