@@ -218,9 +218,9 @@ mod tests {
 #[cfg(test)]
 mod settle_tests {
     use super::*;
+    use crate::criu::fake::FakeCriu;
     use crate::cuda::ProcessState;
     use crate::cuda::fake::FakeGpu;
-    use crate::criu::fake::FakeCriu;
     use crate::engine::host::Containers;
     use crate::engine::rollback_tests::{ROOT, rig};
 
