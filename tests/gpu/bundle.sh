@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Prepares what tests/gpu/device_check.sh runs on a GPU machine that reaches no package
 # registry: release builds of stasisd, stasis, the lazy-restore guard, stasis-init and the GPU
-# test programs, stripped, and CRIU's private prefix (scripts/setup-criu.sh), all in
-# .gpu-bundle/ (ignored by git; the device tool carries it). Run from anywhere, on x86-64.
+# test programs and stasis-pod, stripped, and CRIU's private prefix (scripts/setup-criu.sh), all
+# in .gpu-bundle/ (ignored by git; the device tool carries it; device_check.sh makes the pod
+# bundle from them there). Run from anywhere, on x86-64.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -21,4 +22,5 @@ done
 # without documentation.
 cp -a .stasis/criu "$bundle/criu"
 rm -rf "$bundle/criu/bin" "$bundle/criu/usr/share"
+strip -o "$bundle/stasis-pod" target/release/stasis-pod
 du -sh "$bundle"

@@ -28,6 +28,9 @@
 #   kill        kill -9 of stasisd in the GPU phase, during CRIU's dump and during the upload of
 #               an eviction; after a restart the job runs on or restores, never CUDA-locked
 #   lazy        run_gpu_tests.sh's evicted memtest with a lazy restore
+#   container   container_test.sh: the memtest in a container (namespaces of its own, stasis-pod
+#               its init, the pod bundle mounted; no container runtime), evicted through its
+#               preStop hook and restored into another, the CUDA phase made inside each
 #   bench       bench_gpu.sh at BENCH_SIZES GiB (1 8): GPU phase GB/s against pinned D2H, frozen,
 #               durable and restore times
 #   idle        idle_test.sh: idle reclaim of a CUDA job through NVML
@@ -352,6 +355,12 @@ kill_at() {
 }
 sec_kill() { for p in gpu dump upload; do kill_at "$p"; done; }
 
+sec_container() {
+    # The pod bundle, from the carried CRIU prefix and stasis-pod (carrying it would double CRIU).
+    scripts/pod-bundle.sh "$OUT/pod-bundle" "$CRIU" >/dev/null && cp "$BUNDLE/stasis-pod" "$OUT/pod-bundle/" &&
+        POD_BUNDLE=$OUT/pod-bundle bash tests/gpu/container_test.sh
+}
+
 # --- the run ---------------------------------------------------------------------------------
 # section NAME ESTIMATE_S LIMIT_S
 section() {
@@ -391,7 +400,7 @@ criu_wrapper
 note "# device check $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), budget $BUDGET_S s"
 have_gpu || note "(no GPU here: the GPU sections say so and end)"
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(env e2e bandwidth incremental kill lazy bench idle dataloader)
+[ ${#sections[@]} -eq 0 ] && sections=(env e2e bandwidth incremental kill lazy container bench idle dataloader)
 for s in "${sections[@]}"; do
     case $s in
         env) section env 5 60 ;;
@@ -400,6 +409,7 @@ for s in "${sections[@]}"; do
         incremental) section incremental 35 90 ;;
         kill) section kill 60 130 ;;
         lazy) section lazy 30 80 ;;
+        container) section container 30 90 ;;
         idle) section idle 60 120 ;;
         dataloader) section dataloader 40 90 ;;
         bench) section bench 60 150 ;;

@@ -163,7 +163,13 @@ async fn a_cuda_job_in_a_container_is_evicted_and_restored_through_the_driver_in
     let (sandbox, main) = pod(&kubelet, Some(&gpu));
     let second = kubelet.run(sandbox, main).await;
     let counts = wait_for(TIMEOUT, || (!counted(&second).is_empty()).then_some(()));
-    assert!(counts.is_some(), "the restored job does not count\n{}\n{}", d.log_tail(20), nri.log_text());
+    let log = std::fs::read_to_string(&second.log).unwrap_or_default();
+    assert!(
+        counts.is_some(),
+        "the restored job does not count: {log}\n{:?}\n{}",
+        calls(&states),
+        d.log_tail(30)
+    );
     let (init, _, restored_inner) = job(&mut kubelet, &second).await;
     assert_eq!(restored_inner, inner, "the job keeps its pid inside the container");
     assert_eq!(counted(&second)[0], last + 1, "the job went on from where it stopped\n{}", d.log_tail(30));
@@ -176,4 +182,26 @@ async fn a_cuda_job_in_a_container_is_evicted_and_restored_through_the_driver_in
         assert_eq!((*pidns, *mntns), inside_second, "{call} was made inside the new container");
     }
     kubelet.delete(second, grace(&spec)).await;
+}
+
+/// The GPU device check's container section (tests/gpu/container_test.sh: a container made
+/// with unshare, no runtime) passes on the fake driver, so that it is known to work before a
+/// GPU machine runs it with the memtest.
+#[test]
+fn the_device_check_s_container_script_passes_on_the_fake_driver() {
+    skip_unless_ready!();
+    let dir = tempfile::tempdir().expect("a directory for the pod bundle");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = std::process::Command::new("bash")
+        .arg("tests/gpu/container_test.sh")
+        .current_dir(&root)
+        .env("FAKE_CUDA", stasis_tests::bin("libstasis_fake_cuda.so"))
+        .env("STASISD", stasis_tests::bin("stasisd"))
+        .env("STASIS", stasis_tests::bin("stasis"))
+        .env("POD_BUNDLE", bundle(dir.path()))
+        .env("CRIU", stasis_tests::criu_path())
+        .output()
+        .expect("running container_test.sh");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("PASS:"), "container_test.sh:\n{text}");
 }

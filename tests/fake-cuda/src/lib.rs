@@ -53,8 +53,14 @@ fn state(pid: i32) -> Result<i32, u32> {
     }
 }
 
+/// Sets the state of `pid`, atomically: a process polling its own state never reads a file
+/// half written.
 fn set_state(pid: i32, state: i32) -> u32 {
-    let written = fs::create_dir_all(STATE_DIR).and_then(|()| fs::write(state_file(pid), state.to_string()));
+    let file = state_file(pid);
+    let staging = file.with_extension(format!("{}.new", std::process::id()));
+    let written = fs::create_dir_all(STATE_DIR)
+        .and_then(|()| fs::write(&staging, state.to_string()))
+        .and_then(|()| fs::rename(&staging, &file));
     if written.is_ok() { SUCCESS } else { OPERATING_SYSTEM }
 }
 

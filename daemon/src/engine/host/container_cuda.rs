@@ -95,7 +95,11 @@ impl GpuCheckpointer for ContainerCuda {
         }
     }
 
+    /// None for a process that is gone, as the driver answers for one.
     fn state(&self, pid: i32) -> Result<Option<ProcessState>, CudaError> {
+        if !crate::linux::proc::is_running(pid) {
+            return Ok(None);
+        }
         match self.call(&Call::State { pid: self.inside(pid)? }, CallTarget::Pid(pid))? {
             Answer::State { state } => Ok(state.map(ProcessState::from_raw)),
             other => Err(unexpected(&other)),
