@@ -35,6 +35,12 @@ pub enum GpuError {
          'forkserver' method"
     )]
     DeviceFilesWithoutContext(Vec<i32>),
+    #[error(
+        "pids {0:?} still hold NVIDIA device files after their CUDA checkpoint (NVML, or a driver \
+         before 570, keeps them open); CRIU cannot dump them. Their CUDA state was put back and \
+         nothing was frozen"
+    )]
+    DeviceFilesAfterCheckpoint(Vec<i32>),
     #[error("cannot list this node's GPUs")]
     Query(#[source] CudaError),
     #[error("GPU checkpoint of pid {pid} failed; the process was rolled back and runs on")]
@@ -229,6 +235,13 @@ impl Engine {
             let devices = gpu_devices(&gpu, &users);
             let rss_before = host.resident_bytes(&users);
             let mut suspended = suspend(&gpu, host.as_ref(), &users)?;
+            // The checkpoint released the GPU: a device file still open would fail CRIU's dump
+            // of a frozen tree, so refuse before it runs.
+            let holding = host.nvidia_device_holders(&users);
+            if !holding.is_empty() {
+                rollback(&gpu, &suspended.pids);
+                return Err(GpuError::DeviceFilesAfterCheckpoint(holding));
+            }
             let rss_after = host.resident_bytes(&users);
             suspended.bytes = rss_after.saturating_sub(rss_before);
             suspended.devices = devices;

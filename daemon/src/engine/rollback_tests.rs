@@ -226,6 +226,22 @@ async fn a_failed_gpu_checkpoint_rolls_back_and_leaves_no_record() {
 }
 
 #[tokio::test]
+async fn device_files_left_open_by_the_gpu_checkpoint_are_refused_before_criu() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    r.host.device_holders.lock().unwrap().push(ROOT);
+    let err = r.checkpoint(false).await.unwrap_err();
+    assert!(
+        crate::error_chain(&err).contains("still hold NVIDIA device files"),
+        "{}",
+        crate::error_chain(&err)
+    );
+    assert!(r.criu.calls().is_empty(), "CRIU was not asked to dump");
+    let calls = ["lock", "checkpoint", "restore", "unlock"].map(|c| format!("{c} {ROOT}"));
+    assert_eq!(r.gpu.calls(), calls, "the CUDA state is put back");
+    assert_eq!(r.held_records(), 0);
+}
+
+#[tokio::test]
 async fn a_failed_dump_puts_the_cuda_state_back_and_touches_nothing_else() {
     let criu =
         FakeCriu { fail_dump: Some("Error (criu/sk-inet.c:1): injected".into()), ..Default::default() };

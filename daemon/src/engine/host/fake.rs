@@ -42,6 +42,9 @@ pub struct FakeHost {
     pub stopped: Mutex<HashSet<i32>>,
     /// Processes with CUDA loaded.
     pub cuda: Vec<i32>,
+    /// Processes holding NVIDIA device files whatever their CUDA state (none by default: a
+    /// CUDA process's go with its checkpoint).
+    pub device_holders: Mutex<Vec<i32>>,
     /// Every signal sent, in order.
     pub signals: Mutex<Vec<(i32, Signal)>>,
     /// Calls of `leave_repair`.
@@ -239,7 +242,8 @@ impl Host for FakeHost {
     }
 
     fn nvidia_device_holders(&self, pids: &[i32]) -> Vec<i32> {
-        self.cuda_candidates(pids)
+        let holders = self.device_holders.lock().unwrap();
+        pids.iter().copied().filter(|p| holders.contains(p)).collect()
     }
 
     fn sockets(&self, _pids: &[i32]) -> TreeSockets {
