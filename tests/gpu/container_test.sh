@@ -40,7 +40,7 @@ WORK=$(mktemp -d /tmp/stasis-gpu-container.XXXXXX)
 SOCK=$WORK/stasisd.sock
 DLOG=$WORK/stasisd.log
 JOB_LOG=$WORK/job.log
-FAKE_STATES=/run/stasis-fake-cuda
+FAKE_STATES=$WORK/lib/states
 DAEMON_PID=
 UNSHARES=
 FAILED=0
@@ -62,14 +62,12 @@ cleanup() {
     if [ -n "$DAEMON_PID" ] && alive "$DAEMON_PID"; then kill -TERM "$DAEMON_PID"; sleep 1; kill -9 "$DAEMON_PID" 2>/dev/null; fi
     rmdir /.stasis /.stasis-run 2>/dev/null
     [ -n "$MADE_GPU" ] && rm -f /dev/nvidia0
-    [ -n "$FAKE_CUDA" ] && rm -rf "$FAKE_STATES"
     if [ "$FAILED" = 0 ]; then rm -rf "$WORK"; else echo "work directory kept: $WORK"; fi
 }
 trap cleanup EXIT
 
 if [ -n "$FAKE_CUDA" ]; then
     mkdir -p "$WORK/lib" && cp "$FAKE_CUDA" "$WORK/lib/libcuda.so.1"
-    rm -rf "$FAKE_STATES"
     export LD_LIBRARY_PATH=$WORK/lib
     # The GPU the fake sees (NVIDIA's major; nothing opens it), while the test runs.
     if [ ! -e /dev/nvidia0 ]; then
@@ -113,7 +111,7 @@ container() {
     local name=$1 unshare_pid
     # The container's shell closes what this shell's caller left open beyond stdio (CRIU
     # cannot dump a descriptor of a mount the container does not see).
-    unshare --pid --mount --fork --propagation private -- /bin/bash -c "
+    unshare --pid --mount --fork --kill-child --propagation private -- /bin/bash -c "
         mount -t proc proc /proc &&
         for fd in /proc/\$\$/fd/*; do n=\${fd##*/}; if [ \$n -gt 2 ]; then eval \"exec \$n>&-\"; fi; done;
         mount --bind '$POD_BUNDLE' /.stasis && mount --bind '$WORK/run' /.stasis-run &&

@@ -19,9 +19,8 @@ use stasis_tests::kube::{
 use stasis_tests::podman::{IMAGE, Podman};
 use stasis_tests::{Daemon, DaemonOptions, TIMEOUT, expect_within, procfs, skip_unless_ready, wait_for};
 
-/// Where the fake driver keeps its states and its log of calls (its `STATE_DIR`).
-const FAKE_STATES: &str = "/run/stasis-fake-cuda";
-/// Where the containers find the fake driver library.
+/// Where the containers find the fake driver library, and (`states` beside it, writable) its
+/// states and its log of calls, which stasisd's helper finds beside the node's copy.
 const FAKE_LIBRARY: &str = "/opt/fake-cuda";
 
 /// The numbers the pod's job wrote.
@@ -29,18 +28,29 @@ fn counted(pod: &RunningPod) -> Vec<u64> {
     stdout_lines(&pod.log).iter().filter_map(|l| l.trim().parse().ok()).collect()
 }
 
-/// One checkpoint call the fake driver logged: (call, pid, pid namespace, mount namespace).
-fn calls(states: &Path) -> Vec<(String, i32, u64, u64)> {
+/// Where a call was made: its caller's pid and mount namespaces and root directory.
+type Place = (u64, u64, String);
+
+/// The checkpoint calls the fake driver logged: (call, pid, where it was made).
+fn calls(states: &Path) -> Vec<(String, i32, Place)> {
     let log = std::fs::read_to_string(states.join("calls")).unwrap_or_default();
     let field = |word: &str, key: &str| word.strip_prefix(key).and_then(|v| v.parse().ok()).unwrap_or(0);
     log.lines()
         .filter_map(|line| {
             let words: Vec<&str> = line.split(' ').collect();
             let (call, pid) = (words.first()?.to_string(), words.get(1)?.parse().ok()?);
-            Some((call, pid, field(words.get(2)?, "pidns="), field(words.get(3)?, "mntns=")))
+            let root = words.get(4)?.strip_prefix("root=")?.to_owned();
+            Some((call, pid, (field(words.get(2)?, "pidns="), field(words.get(3)?, "mntns="), root)))
         })
         .filter(|(call, ..)| call != "restore-thread")
         .collect()
+}
+
+/// Where container init `init`'s processes are: its namespaces and its root directory.
+fn place_of(init: i32) -> Place {
+    use std::os::unix::fs::MetadataExt;
+    let root = std::fs::metadata(format!("/proc/{init}/root")).expect("the container's root");
+    (namespace(init, "pid"), namespace(init, "mnt"), format!("{}:{}", root.dev(), root.ino()))
 }
 
 /// The inode of namespace `kind` of process `pid`.
@@ -64,7 +74,7 @@ async fn job(kubelet: &mut Kubelet<'_>, pod: &RunningPod) -> (i32, i32, i32) {
 /// `config` given the GPU device file `gpu` (when some) and the fake driver's states.
 fn with_gpu(mut config: ContainerConfig, gpu: Option<&Path>, states: &Path) -> ContainerConfig {
     config.mounts.push(Mount {
-        container_path: FAKE_STATES.into(),
+        container_path: format!("{FAKE_LIBRARY}/states"),
         host_path: states.display().to_string(),
         readonly: false,
     });
@@ -82,7 +92,8 @@ async fn a_cuda_job_in_a_container_is_evicted_and_restored_through_the_driver_in
     let Some(podman) = Podman::start() else { return };
     let Some(containerd) = Containerd::start(&podman) else { return };
     // The fake driver as libcuda.so.1, a GPU device file for the pods (NVIDIA's major; nothing
-    // opens it), and the directory of the driver's states the containers share.
+    // opens it), and the directory of the driver's states beside it, which the containers
+    // share.
     let fake = tempfile::tempdir().expect("a directory for the fake driver");
     let library = fake.path().join("lib");
     std::fs::create_dir(&library).unwrap();
@@ -96,7 +107,7 @@ async fn a_cuda_job_in_a_container_is_evicted_and_restored_through_the_driver_in
         device,
     )
     .expect("mknod of the GPU device file");
-    let states = fake.path().join("states");
+    let states = library.join("states");
     std::fs::create_dir(&states).unwrap();
 
     let endpoint = tempfile::tempdir().expect("endpoint directory");
@@ -135,14 +146,14 @@ async fn a_cuda_job_in_a_container_is_evicted_and_restored_through_the_driver_in
     let (init, _, inner) = job(&mut kubelet, &first).await;
     let (code, out, err) = kubelet.exec(&first, pre_stop(&spec), grace(&spec)).await;
     assert_eq!(code, 0, "preStop: {out}{err}\n{}\n{}", d.log_tail(40), nri.log_text());
-    let inside_first = (namespace(init, "pid"), namespace(init, "mnt"));
+    let inside_first = place_of(init);
     let last = *counted(&first).last().unwrap();
     let dumped = calls(&states);
     let names: Vec<&str> = dumped.iter().map(|(c, ..)| c.as_str()).collect();
     assert_eq!(names, ["lock", "checkpoint"], "the eviction's CUDA calls: {dumped:?}");
-    for (call, pid, pidns, mntns) in &dumped {
+    for (call, pid, place) in &dumped {
         assert_eq!(*pid, inner, "{call} names the job as its container numbers it");
-        assert_eq!((*pidns, *mntns), inside_first, "{call} was made inside the container");
+        assert_eq!(*place, inside_first, "{call} was made inside the container, in its root");
     }
     assert_ne!(inside_first.0, namespace(std::process::id() as i32, "pid"));
     kubelet.delete(first, grace(&spec)).await;
@@ -173,13 +184,13 @@ async fn a_cuda_job_in_a_container_is_evicted_and_restored_through_the_driver_in
     let (init, _, restored_inner) = job(&mut kubelet, &second).await;
     assert_eq!(restored_inner, inner, "the job keeps its pid inside the container");
     assert_eq!(counted(&second)[0], last + 1, "the job went on from where it stopped\n{}", d.log_tail(30));
-    let inside_second = (namespace(init, "pid"), namespace(init, "mnt"));
-    let restored: Vec<(String, i32, u64, u64)> = calls(&states).split_off(dumped.len());
+    let inside_second = place_of(init);
+    let restored = calls(&states).split_off(dumped.len());
     let names: Vec<&str> = restored.iter().map(|(c, ..)| c.as_str()).collect();
     assert_eq!(names, ["restore", "unlock"], "the restore's CUDA calls: {restored:?}");
-    for (call, pid, pidns, mntns) in &restored {
+    for (call, pid, place) in &restored {
         assert_eq!(*pid, inner, "{call} names the job as its container numbers it");
-        assert_eq!((*pidns, *mntns), inside_second, "{call} was made inside the new container");
+        assert_eq!(*place, inside_second, "{call} was made inside the new container, in its root");
     }
     kubelet.delete(second, grace(&spec)).await;
 }

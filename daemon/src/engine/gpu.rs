@@ -41,6 +41,8 @@ pub enum GpuError {
          nothing was frozen"
     )]
     DeviceFilesAfterCheckpoint(Vec<i32>),
+    #[error("found {found} of the {recorded} CUDA processes the checkpoint recorded in the restored tree")]
+    Missing { found: usize, recorded: usize },
     #[error("cannot list this node's GPUs")]
     Query(#[source] CudaError),
     #[error("GPU checkpoint of pid {pid} failed; the process was rolled back and runs on")]
@@ -92,6 +94,9 @@ pub fn suspend(gpu: &Arc<dyn GpuCheckpointer>, host: &dyn Host, pids: &[i32]) ->
     let started = Instant::now();
     for &pid in pids {
         if let Err(source) = gpu.lock(pid, LOCK_TIMEOUT.as_millis() as u32) {
+            // A lock reported failed may have been made all the same (its answer lost on the
+            // way from a container): the rollback asks each process's state, this one's too.
+            locked.push(pid);
             rollback(gpu, &locked);
             return Err(GpuError::Suspend { pid, source });
         }
@@ -313,6 +318,16 @@ mod tests {
             *fake.calls.lock().unwrap(),
             ["lock 1", "lock 2", "checkpoint 1", "restore 1", "unlock 1", "unlock 2"]
         );
+    }
+
+    #[test]
+    fn a_lock_reported_failed_is_undone_all_the_same() {
+        let fake = Arc::new(FakeGpu { lose_lock_of: Some(2), ..Default::default() });
+        let gpu: Arc<dyn GpuCheckpointer> = fake.clone();
+        let err = suspend(&gpu, &FakeHost::default(), &[1, 2]).unwrap_err();
+        assert!(matches!(err, GpuError::Suspend { pid: 2, .. }));
+        assert!(fake.states.lock().unwrap().values().all(|s| *s == ProcessState::Running));
+        assert_eq!(*fake.calls.lock().unwrap(), ["lock 1", "lock 2", "unlock 1", "unlock 2"]);
     }
 
     #[test]

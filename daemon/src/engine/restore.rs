@@ -359,6 +359,10 @@ impl Engine {
         if let Some(reason) = compat::mismatch(manifest, &self.deps.host.cpu_flags(), self.support.version) {
             return Err(RestoreError::Incompatible { id, reason });
         }
+        if manifest.pod.is_some() && !manifest.gpu_pids.is_empty() && into.is_none() {
+            let reason = "a container's CUDA processes are restored only into a container".to_owned();
+            return Err(RestoreError::Incompatible { id, reason });
+        }
         if let Some(c) = into
             && !manifest.gpu_pids.is_empty()
             && c.gpu_devices.len() < manifest.gpus.len().max(1)
@@ -537,6 +541,10 @@ impl Engine {
             return Ok(0);
         }
         let id = manifest.id.clone();
+        if pids.len() != manifest.gpu_pids.len() {
+            let source = GpuError::Missing { found: pids.len(), recorded: manifest.gpu_pids.len() };
+            return Err(RestoreError::Gpu { id, source });
+        }
         let Some(gpu) = self.gpu_for(container_init) else {
             return Err(RestoreError::Gpu { id, source: GpuError::NoDriver(manifest.gpu_pids.clone()) });
         };

@@ -15,9 +15,12 @@
 //! then) or has failed (the tree runs on, and is stopped as usual). `stasis-pod ready` is its
 //! startup probe: it succeeds once the workload runs.
 //!
-//! `stasis-pod cuda CALL` is not for the container: stasisd runs it inside the container's
-//! namespaces to make one CUDA driver call on the container's processes (`stasis_cuda::remote`),
-//! with the node's driver library, which stasisd opened, as standard input.
+//! `stasis-pod cuda --root DIR CALL` is not for the container: stasisd runs its own copy in
+//! the container's namespaces, from its own root directory, to make one CUDA driver call on the
+//! container's processes (`stasis_cuda::remote`). It loads the node's driver library, which
+//! stasisd opened and hands over as standard input, then moves into the container's root `DIR`
+//! and only there initialises the driver, which so sees the container's devices and files:
+//! nothing of the container's image is loaded or run as code.
 #![deny(unsafe_code)]
 
 use std::io::{BufRead, BufReader, Write};
@@ -61,9 +64,14 @@ enum Mode {
     /// Exit 0 once the workload runs (the startup probe): started, or restored.
     Ready,
     /// Make one CUDA driver call (JSON, see stasis_cuda::remote) with the driver library open
-    /// as standard input, and print the answer as one JSON line (run by stasisd).
+    /// as standard input, initialised in root directory ROOT, and print the answer as one
+    /// JSON line (run by stasisd).
     #[command(hide = true)]
-    Cuda { call: String },
+    Cuda {
+        #[arg(long)]
+        root: PathBuf,
+        call: String,
+    },
 }
 
 /// How long a starting container waits for stasisd's endpoint to answer at all.
@@ -78,17 +86,22 @@ fn main() -> anyhow::Result<ExitCode> {
             let answer = ask(&args.socket, serde_json::json!({ "op": "ready" }), Duration::ZERO)?;
             Ok(if answer["ready"] == true { ExitCode::SUCCESS } else { ExitCode::FAILURE })
         }
-        Mode::Cuda { call } => cuda(&call),
+        Mode::Cuda { root, call } => cuda(&root, &call),
     }
 }
 
 /// Where the driver library stasisd hands over is open.
 const HANDED_LIBRARY: &str = "/proc/self/fd/0";
 
-fn cuda(call: &str) -> anyhow::Result<ExitCode> {
+fn cuda(root: &Path, call: &str) -> anyhow::Result<ExitCode> {
     let call: remote::Call =
         serde_json::from_str(call).with_context(|| format!("a malformed call: {call}"))?;
-    let driver = CudaDriver::load_from(HANDED_LIBRARY);
+    let driver = CudaDriver::open(HANDED_LIBRARY).and_then(|open| {
+        enter_root(root).map_err(|e| stasis_cuda::CudaError::InContainer {
+            message: format!("entering the container's root {}: {e}", root.display()),
+        })?;
+        open.init()
+    });
     let answer = remote::serve(driver.as_ref().map(|d| d as &dyn GpuCheckpointer), &call);
     println!("{}", serde_json::to_string(&answer)?);
     Ok(ExitCode::SUCCESS)
@@ -152,6 +165,12 @@ fn prestop(socket: &Path, grace_seconds: Option<u64>) -> anyhow::Result<ExitCode
             Ok(ExitCode::FAILURE)
         }
     }
+}
+
+/// Makes `root` this process's root directory and working directory.
+fn enter_root(root: &Path) -> nix::Result<()> {
+    nix::unistd::chroot(root)?;
+    nix::unistd::chdir("/")
 }
 
 /// Sends `request` to the pod endpoint and returns its answer; retries connecting for up to

@@ -11,6 +11,8 @@ pub struct FakeGpu {
     /// Every call, as "lock 7", "checkpoint 7", ...
     pub calls: Mutex<Vec<String>>,
     pub fail_checkpoint_of: Option<i32>,
+    /// Its lock is made, but reported failed (an answer lost on its way back).
+    pub lose_lock_of: Option<i32>,
     pub fail_restore_of: Option<i32>,
     pub states: Mutex<HashMap<i32, ProcessState>>,
 }
@@ -45,7 +47,10 @@ impl GpuCheckpointer for FakeGpu {
 
     fn lock(&self, pid: i32, _timeout_ms: u32) -> Result<(), CudaError> {
         self.log("lock", pid, ProcessState::Locked);
-        Ok(())
+        match self.lose_lock_of == Some(pid) {
+            true => Err(Self::injected()),
+            false => Ok(()),
+        }
     }
 
     fn checkpoint(&self, pid: i32) -> Result<(), CudaError> {

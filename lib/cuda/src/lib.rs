@@ -92,9 +92,7 @@ impl ProcessState {
             other => Self::Unknown(other),
         }
     }
-}
 
-impl ProcessState {
     /// The raw `CUprocessState` value.
     pub fn raw(self) -> i32 {
         match self {
@@ -192,6 +190,25 @@ pub struct CudaDriver {
     version: i32,
 }
 
+/// The driver library opened and checked, not yet initialised ([`CudaDriver::open`]).
+pub struct OpenDriver {
+    api: sys::Api,
+    version: i32,
+}
+
+impl OpenDriver {
+    /// Calls `cuInit(0)` (which `cuCheckpointProcessRestore` requires of its caller unless
+    /// persistence mode is on): the driver is ready.
+    pub fn init(self) -> Result<CudaDriver, CudaError> {
+        let rc = self.api.init();
+        if rc != sys::CUDA_SUCCESS {
+            return Err(named(&self.api, "cuInit", CallTarget::Driver, rc));
+        }
+        info!(cuda_version = %format_driver_version(self.version), "CUDA driver loaded");
+        Ok(CudaDriver { api: self.api, version: self.version })
+    }
+}
+
 impl fmt::Debug for CudaDriver {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CudaDriver").field("version", &self.version).finish_non_exhaustive()
@@ -210,11 +227,14 @@ impl CudaDriver {
     /// a [`CudaError::Call`] when `cuInit` fails (e.g. `CUDA_ERROR_NO_DEVICE` with the
     /// library but no GPU).
     pub fn load() -> Result<Self, CudaError> {
-        Self::load_from(Self::LIBRARY)
+        Self::open(Self::LIBRARY)?.init()
     }
 
-    /// [`CudaDriver::load`] from `library`: a name the dynamic loader looks up, or a path.
-    pub fn load_from(library: &'static str) -> Result<Self, CudaError> {
+    /// The first half of [`CudaDriver::load`]: opens `library` (a name the dynamic loader
+    /// looks up, or a path), resolves the symbols and checks the driver's version, without
+    /// calling `cuInit`, so that a caller may change what the driver's initialisation sees (its
+    /// root directory, say) before [`OpenDriver::init`].
+    pub fn open(library: &'static str) -> Result<OpenDriver, CudaError> {
         let api = sys::Api::load(library).map_err(|e| match e {
             sys::LoadError::Open(source) => CudaError::NotInstalled { library, source },
             sys::LoadError::Symbol(symbol, source) => CudaError::MissingSymbol { library, symbol, source },
@@ -234,12 +254,7 @@ impl CudaDriver {
                 ),
             });
         }
-        let rc = api.init();
-        if rc != sys::CUDA_SUCCESS {
-            return Err(named(&api, "cuInit", CallTarget::Driver, rc));
-        }
-        info!(cuda_version = %format_driver_version(version), "CUDA driver loaded");
-        Ok(Self { api, version })
+        Ok(OpenDriver { api, version })
     }
 
     /// `cuCheckpointProcessGetRestoreThreadId`: the driver thread of `pid` that performs

@@ -65,27 +65,15 @@ pub enum Answer {
     State {
         state: Option<i32>,
     },
-    /// A driver call failed (`code` is its `CUresult`), or the driver could not be used
-    /// (no `code`).
+    /// A driver call failed (`code` is its `CUresult`, `name` the driver's name for it), or
+    /// the driver could not be used (no `code`); `message` is the whole error, its causes
+    /// included.
     Failed {
         call: Option<String>,
         code: Option<u32>,
+        name: Option<String>,
         message: String,
     },
-}
-
-impl Call {
-    /// The pid the call is about, if any.
-    pub fn pid(&self) -> Option<i32> {
-        match self {
-            Self::Version | Self::Gpus => None,
-            Self::State { pid }
-            | Self::Lock { pid, .. }
-            | Self::Checkpoint { pid }
-            | Self::Restore { pid, .. }
-            | Self::Unlock { pid } => Some(*pid),
-        }
-    }
 }
 
 /// Makes `call` on `driver` (or reports why there is none): the helper's side.
@@ -126,11 +114,11 @@ fn remote_gpu(g: &GpuInfo) -> RemoteGpu {
 }
 
 fn failed(e: &CudaError) -> Answer {
-    let call = match e {
-        CudaError::Call { call, .. } => Some((*call).to_owned()),
-        _ => None,
+    let (call, name) = match e {
+        CudaError::Call { call, name, .. } => (Some((*call).to_owned()), Some(name.clone())),
+        _ => (None, None),
     };
-    Answer::Failed { call, code: e.code(), message: e.to_string() }
+    Answer::Failed { call, code: e.code(), name, message: stasis_errors::error_chain(e) }
 }
 
 /// The driver calls a helper may name, as `'static` names for [`CudaError::Call`].
@@ -155,9 +143,9 @@ impl Answer {
     /// [`CudaError::is_lock_timeout`] and the like still tell what happened.
     pub fn into_result(self, target: CallTarget) -> Result<Self, CudaError> {
         match self {
-            Self::Failed { call, code: Some(code), message } => {
+            Self::Failed { call, code: Some(code), name, message } => {
                 match call.and_then(|c| CALLS.iter().chain([&GET_STATE]).find(|k| **k == c)) {
-                    Some(call) => Err(CudaError::call_named(call, target, code, None)),
+                    Some(call) => Err(CudaError::call_named(call, target, code, name)),
                     None => Err(CudaError::InContainer { message }),
                 }
             }
@@ -227,6 +215,7 @@ mod tests {
         let timeout = Answer::Failed {
             call: Some("cuCheckpointProcessLock".into()),
             code: Some(code::CUDA_ERROR_NOT_READY),
+            name: Some("CUDA_ERROR_NOT_READY".into()),
             message: "timed out".into(),
         };
         let err = timeout.into_result(CallTarget::Pid(4321)).unwrap_err();

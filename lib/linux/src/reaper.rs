@@ -143,16 +143,22 @@ impl Reaper {
         cmd: std::process::Command,
     ) -> std::io::Result<(ExitKind, String, String)> {
         let this = self.clone();
-        let run = tokio::task::spawn_blocking(move || this.run_blocking(cmd, std::process::Stdio::null()));
+        let run =
+            tokio::task::spawn_blocking(move || this.run_blocking(cmd, std::process::Stdio::null(), None));
         run.await.map_err(std::io::Error::other)?
     }
 
     /// Runs `cmd` to its end on this (blocking) thread, with `stdin` as its standard input:
     /// (how it ended, stdout, stderr). The way to run a short program from a blocking thread.
+    ///
+    /// With `deadline`, a program still running then is killed with its process group (give
+    /// `cmd` one of its own, `process_group(0)`, for its children to go too), and the run
+    /// fails with `TimedOut`.
     pub fn run_blocking(
         &self,
         mut cmd: std::process::Command,
         stdin: std::process::Stdio,
+        deadline: Option<Duration>,
     ) -> std::io::Result<(ExitKind, String, String)> {
         use std::io::Read;
         use std::process::Stdio;
@@ -170,14 +176,27 @@ impl Reaper {
         };
         let stdout = read(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
         let stderr = read(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
-        let (stdout, stderr) = (stdout.join().unwrap_or_default(), stderr.join().unwrap_or_default());
-        loop {
+        let started = std::time::Instant::now();
+        let mut killed = false;
+        let exit = loop {
             self.reap_all();
             if let Some(kind) = self.take_exit(pid) {
-                return Ok((kind, stdout, stderr));
+                break kind;
+            }
+            if !killed && deadline.is_some_and(|d| started.elapsed() >= d) {
+                // Its group first (a group of its own has its pid as id), then itself.
+                let _ = nix::sys::signal::kill(Pid::from_raw(-pid), nix::sys::signal::Signal::SIGKILL);
+                let _ = nix::sys::signal::kill(Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+                killed = true;
             }
             std::thread::sleep(Duration::from_millis(5));
+        };
+        let (stdout, stderr) = (stdout.join().unwrap_or_default(), stderr.join().unwrap_or_default());
+        if killed {
+            let after = deadline.unwrap_or_default();
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("killed after {after:?}")));
         }
+        Ok((exit, stdout, stderr))
     }
 
     /// Waits until none of `pids` is present (their pids free again: every zombie of ours

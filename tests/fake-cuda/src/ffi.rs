@@ -7,7 +7,7 @@ use std::ffi::{c_char, c_int, c_uint, c_void};
 
 use super::{
     CHECKPOINTED, INVALID_DEVICE, LOCKED, RUNNING, SUCCESS, create_context, error_name, gpu_minors, log,
-    state, synchronize, transition, uuid_of,
+    state, state_dir, synchronize, transition, uuid_of,
 };
 
 /// The CUDA version it claims: 13.0 (driver 580), which restores onto other GPUs.
@@ -42,6 +42,9 @@ pub extern "C" fn cuInit(_flags: c_uint) -> u32 {
 /// `out` is null or valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDriverGetVersion(out: *mut c_int) -> u32 {
+    // The first call a loader of the driver makes: the states are found while the caller's
+    // root is still the one it loaded the library from.
+    state_dir();
     // SAFETY: the caller's contract.
     unsafe { put(out, VERSION) }
 }

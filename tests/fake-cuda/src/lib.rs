@@ -4,12 +4,15 @@
 //!
 //! - The checkpoint API moves each process through the driver's states (running, locked,
 //!   checkpointed) and refuses a call from the wrong state, as the driver does. The states
-//!   are kept in files, one per pid, in [`STATE_DIR`], so that every process loading the
-//!   library (the program, stasisd, a helper in a container) sees the same ones; a test
-//!   shares the directory with the containers it runs. The pids are those of the caller's
-//!   pid namespace, as the driver's are.
-//! - Every checkpoint call is logged to `STATE_DIR/calls` with the pid and mount namespaces
-//!   of the process that made it: a test can tell where the call was made.
+//!   are kept in files, one per pid, in the directory `states` beside the library's file, so
+//!   that every process loading the library (the program, stasisd, a helper in a container)
+//!   sees the same ones; a test shares the directory with the containers it runs. It is
+//!   opened at the first call and reached through its descriptor, so that a caller that
+//!   changes its root directory afterwards (stasis' helper does) still finds it. The pids
+//!   are those of the caller's pid namespace, as the driver's are.
+//! - Every checkpoint call is logged to `states/calls` with the pid and mount namespaces and
+//!   the root directory (device and inode) of the process that made it: a test can tell
+//!   where the call was made.
 //! - The GPUs are the `/dev/nvidiaN` files the caller sees (none need work: nothing opens
 //!   them), so a container sees those it was given.
 //! - A program's `cuCtxCreate_v2` makes it a CUDA process (running); its
@@ -19,13 +22,12 @@
 
 mod ffi;
 
-use std::fs;
+use std::fs::{self, File};
 use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::time::Duration;
-
-/// Where the states and the log of calls are kept.
-pub const STATE_DIR: &str = "/run/stasis-fake-cuda";
 
 /// `CUresult` codes it answers.
 const SUCCESS: u32 = 0;
@@ -39,8 +41,34 @@ const RUNNING: i32 = 0;
 const LOCKED: i32 = 1;
 const CHECKPOINTED: i32 = 2;
 
+/// The file of this library, as the process's maps name it.
+fn own_file() -> Option<PathBuf> {
+    let here = own_file as *const () as usize;
+    let maps = fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().find_map(|line| {
+        let (range, rest) = line.split_once(' ')?;
+        let (start, end) = range.split_once('-')?;
+        let (start, end) = (usize::from_str_radix(start, 16).ok()?, usize::from_str_radix(end, 16).ok()?);
+        let path = rest.splitn(5, ' ').nth(4)?.trim_start();
+        (start <= here && here < end).then(|| PathBuf::from(path))
+    })
+}
+
+/// The directory of states (made if need be), as a path through its open descriptor.
+fn state_dir() -> &'static Path {
+    static DIR: OnceLock<Option<(File, PathBuf)>> = OnceLock::new();
+    let open = || {
+        let dir = own_file()?.parent()?.join("states");
+        fs::create_dir_all(&dir).ok()?;
+        let file = File::open(&dir).ok()?;
+        let path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+        Some((file, path))
+    };
+    DIR.get_or_init(open).as_ref().map_or(Path::new("/nonexistent/stasis-fake-cuda"), |(_, path)| path)
+}
+
 fn state_file(pid: i32) -> PathBuf {
-    Path::new(STATE_DIR).join(pid.to_string())
+    state_dir().join(pid.to_string())
 }
 
 /// The state of `pid`, or the driver's answer for a process without CUDA (one that exists)
@@ -58,9 +86,7 @@ fn state(pid: i32) -> Result<i32, u32> {
 fn set_state(pid: i32, state: i32) -> u32 {
     let file = state_file(pid);
     let staging = file.with_extension(format!("{}.new", std::process::id()));
-    let written = fs::create_dir_all(STATE_DIR)
-        .and_then(|()| fs::write(&staging, state.to_string()))
-        .and_then(|()| fs::rename(&staging, &file));
+    let written = fs::write(&staging, state.to_string()).and_then(|()| fs::rename(&staging, &file));
     if written.is_ok() { SUCCESS } else { OPERATING_SYSTEM }
 }
 
@@ -73,10 +99,11 @@ fn namespace(kind: &str) -> String {
 
 /// Appends `call pid ...` to the log of calls.
 fn log(call: &str, pid: i32, detail: &str) {
-    let line = format!("{call} {pid} pidns={} mntns={} {detail}\n", namespace("pid"), namespace("mnt"));
-    let file = fs::create_dir_all(STATE_DIR).and_then(|()| {
-        fs::OpenOptions::new().create(true).append(true).open(Path::new(STATE_DIR).join("calls"))
-    });
+    use std::os::unix::fs::MetadataExt;
+    let root = fs::metadata("/").map(|m| format!("{}:{}", m.dev(), m.ino())).unwrap_or_default();
+    let (pidns, mntns) = (namespace("pid"), namespace("mnt"));
+    let line = format!("{call} {pid} pidns={pidns} mntns={mntns} root={root} {detail}\n");
+    let file = fs::OpenOptions::new().create(true).append(true).open(state_dir().join("calls"));
     if let Ok(mut file) = file {
         let _ = file.write_all(line.as_bytes());
     }

@@ -1,22 +1,37 @@
 //! The CUDA driver as a Kubernetes container's processes see it (`Containers::cuda_in`).
 //!
-//! Each call runs the pod bundle's `stasis-pod cuda CALL` inside the container's namespaces
-//! (nsenter, as CRIU is run there), with the pids as the container numbers them. Its driver
-//! library is the node's, the one stasisd itself loaded, handed over as its standard input:
-//! a library of the container's image never runs with stasisd's privileges. The answer comes
-//! back as one JSON line (`stasis_cuda::remote`).
+//! Each call runs `stasis-pod cuda` (stasisd's own copy, beside it) in the container's
+//! namespaces (nsenter), with the pids as the container numbers them. It starts from stasisd's
+//! root directory, so that its loader, its libraries and the driver library (the node's, the
+//! one stasisd loaded, handed over as its standard input) are stasisd's, never the image's
+//! (whose `/etc/ld.so.preload` or libraries would otherwise run with stasisd's privileges);
+//! only then does it move into the container's root and initialise the driver there, which
+//! so sees the container's GPU devices. A call that does not end in [`CALL_LIMIT`] is killed.
+//! The answer comes back as one JSON line (`stasis_cuda::remote`).
 
 use std::fs::File;
-use std::path::Path;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use tracing::debug;
 
-use super::super::pods::BUNDLE_MOUNT;
 use crate::cuda::remote::{Answer, Call};
 use crate::cuda::{CallTarget, CudaError, GpuCheckpointer, GpuInfo, GpuUuid, ProcessState, format_uuid};
 use crate::linux::reaper::{ExitKind, Reaper};
+
+/// How long one driver call may take: a checkpoint or restore copies all of a process's
+/// device memory (tens of GB at a few GB/s at worst).
+const CALL_LIMIT: Duration = Duration::from_secs(15 * 60);
+
+/// The helper stasisd runs: `stasis-pod` beside stasisd's own program.
+fn helper() -> Result<PathBuf, CudaError> {
+    let exe = std::env::current_exe()
+        .map_err(|e| CudaError::InContainer { message: format!("finding stasisd's program: {e}") })?;
+    Ok(exe.with_file_name("stasis-pod"))
+}
 
 /// The driver inside the container whose init is `init` (a pid of this host).
 pub struct ContainerCuda {
@@ -32,7 +47,10 @@ impl ContainerCuda {
 
     /// `pid` (this host's) as the container numbers it.
     fn inside(&self, pid: i32) -> Result<i32, CudaError> {
-        crate::linux::proc::pid_inside(pid, self.init).ok_or_else(|| CudaError::InContainer {
+        let namespace = crate::linux::container::pid_namespace;
+        let same = matches!((namespace(pid), namespace(self.init)), (Ok(a), Ok(b)) if a == b);
+        let inner = crate::linux::proc::pid_inside(pid, self.init).filter(|_| same);
+        inner.ok_or_else(|| CudaError::InContainer {
             message: format!("process {pid} is not in the pid namespace of container init {}", self.init),
         })
     }
@@ -45,19 +63,18 @@ impl ContainerCuda {
             .ok_or_else(|| fail("stasisd has no CUDA driver library loaded to hand over".into()))?;
         let library =
             File::open(&library).map_err(|e| fail(format!("opening {}: {e}", library.display())))?;
-        let bundle = Path::new(BUNDLE_MOUNT);
         let text = serde_json::to_string(call).map_err(|e| fail(e.to_string()))?;
         let mut cmd = Command::new("nsenter");
-        cmd.args(["--target", &self.init.to_string(), "--all", "--"])
-            .arg(bundle.join("ld.so"))
-            .arg("--library-path")
-            .arg(bundle.join("lib"))
-            .arg(bundle.join("stasis-pod"))
-            .args(["cuda", &text])
-            .env_clear();
+        // Its root and working directory stay stasisd's ("/" as stasisd sees it) in the
+        // container's namespaces; the helper moves into the container's root itself.
+        cmd.args(["--target", &self.init.to_string(), "--all", "--root=/", "--wd=/", "--"])
+            .arg(helper()?)
+            .args(["cuda", "--root", &format!("/proc/{}/root", self.init), &text])
+            .env_clear()
+            .process_group(0);
         let (exit, stdout, stderr) = self
             .reaper
-            .run_blocking(cmd, library.into())
+            .run_blocking(cmd, library.into(), Some(CALL_LIMIT))
             .map_err(|e| fail(format!("running the CUDA helper in container init {}: {e}", self.init)))?;
         debug!(init = self.init, call = %text, %exit, answer = %stdout.trim(), "CUDA call inside a container");
         if exit != ExitKind::Exited(0) {
