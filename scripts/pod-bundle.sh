@@ -8,7 +8,9 @@
 #   OUT/criu      CRIU itself, run as `OUT/ld.so --library-path OUT/lib OUT/criu`
 #   (and libgcc_s in OUT/lib, which stasis-pod needs besides)
 #
-# stasis-pod (the container's init) is copied in next to CRIU afterwards (deploy/kubernetes/Dockerfile
+# stasis-pod (the container's init) and libstasis_enter_root.so (preloaded into CRIU, which starts
+# with the bundle as its root: it moves CRIU into the container's root once CRIU's libraries are
+# loaded) are copied in next to CRIU afterwards (deploy/kubernetes/Dockerfile
 # does); stasis-nri mounts the bundle into opted-in containers (`stasis-nri --bundle OUT`).
 #
 # Usage: scripts/pod-bundle.sh OUT [CRIU]   (CRIU: what scripts/setup-criu.sh printed; default:

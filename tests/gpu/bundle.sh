@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Prepares what tests/gpu/device_check.sh runs on a GPU machine that reaches no package
 # registry: release builds of stasisd, stasis, the lazy-restore guard, stasis-init and the GPU
-# test programs and stasis-pod, stripped, and CRIU's private prefix (scripts/setup-criu.sh), all
+# test programs, stasis-pod and libstasis_enter_root.so, stripped, and CRIU's private prefix (scripts/setup-criu.sh), all
 # in .gpu-bundle/ (ignored by git; the device tool carries it; device_check.sh makes the pod
 # bundle from them there). Run from anywhere, on x86-64.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 bundle=$root/.gpu-bundle
-cargo build --release --quiet -p stasis-daemon -p stasis-cli -p stasis-init -p stasis-gpu-tests
+cargo build --release --quiet -p stasis-daemon -p stasis-cli -p stasis-init -p stasis-enter-root -p stasis-gpu-tests
 criu=$(scripts/setup-criu.sh | tail -n 1)
 case $criu in
   "$root"/.stasis/criu/bin/criu) ;;
@@ -23,4 +23,5 @@ done
 cp -a .stasis/criu "$bundle/criu"
 rm -rf "$bundle/criu/bin" "$bundle/criu/usr/share"
 strip -o "$bundle/stasis-pod" target/release/stasis-pod
+strip -o "$bundle/libstasis_enter_root.so" target/release/libstasis_enter_root.so
 du -sh "$bundle"

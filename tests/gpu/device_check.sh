@@ -356,8 +356,10 @@ kill_at() {
 sec_kill() { for p in gpu dump upload; do kill_at "$p"; done; }
 
 sec_container() {
-    # The pod bundle, from the carried CRIU prefix and stasis-pod (carrying it would double CRIU).
-    scripts/pod-bundle.sh "$OUT/pod-bundle" "$CRIU" >/dev/null && cp "$BUNDLE/stasis-pod" "$OUT/pod-bundle/" &&
+    # The pod bundle, from the carried CRIU prefix, stasis-pod and libstasis_enter_root.so
+    # (carrying a bundle would double CRIU).
+    scripts/pod-bundle.sh "$OUT/pod-bundle" "$CRIU" >/dev/null &&
+        cp "$BUNDLE/stasis-pod" "$BUNDLE/libstasis_enter_root.so" "$OUT/pod-bundle/" &&
         POD_BUNDLE=$OUT/pod-bundle bash tests/gpu/container_test.sh
 }
 

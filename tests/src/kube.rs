@@ -219,7 +219,7 @@ pub fn grace(pod: &serde_json::Value) -> i64 {
 }
 
 /// The pod bundle in `dir`: scripts/pod-bundle.sh's (CRIU and its libraries) and this build's
-/// stasis-pod.
+/// stasis-pod and libstasis_enter_root.so.
 pub fn bundle(dir: &Path) -> PathBuf {
     let made = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.stasis/pod-bundle");
     let out = std::process::Command::new("cp").arg("-a").arg(&made).arg(dir).output().expect("cp");
@@ -230,7 +230,9 @@ pub fn bundle(dir: &Path) -> PathBuf {
         String::from_utf8_lossy(&out.stderr)
     );
     let bundle = dir.join("pod-bundle");
-    std::fs::copy(crate::bin("stasis-pod"), bundle.join("stasis-pod")).expect("stasis-pod into the bundle");
+    for file in ["stasis-pod", "libstasis_enter_root.so"] {
+        std::fs::copy(crate::bin(file), bundle.join(file)).expect("this build's programs into the bundle");
+    }
     bundle
 }
 

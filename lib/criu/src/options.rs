@@ -65,9 +65,12 @@ impl TreeOptions {
 
 /// Where CRIU runs when the tree lives in a container: inside every namespace of the
 /// container's init `pid` (a host pid), so that the tree's mounts, pids and files are CRIU's
-/// own; from the pod bundle the container mounts at `bundle` (see `scripts/pod-bundle.sh`),
-/// since nothing of the host's filesystem is visible there; in the cgroups whose
-/// `cgroup.procs` files are `cgroups`, which a restored tree inherits.
+/// own; from the pod bundle the container mounts at `bundle` (see `scripts/pod-bundle.sh`);
+/// in the cgroups whose `cgroup.procs` files are `cgroups`, which a restored tree inherits.
+///
+/// CRIU starts with the bundle as its root directory, so that its loader and libraries are the
+/// bundle's and nothing of the image (its `/etc/ld.so.preload`, its libraries) runs in it; the
+/// bundle's `libstasis_enter_root.so`, preloaded, then moves it into the container's root.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Enter {
     pub pid: i32,

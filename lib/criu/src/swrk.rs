@@ -26,6 +26,10 @@ pub(super) struct Session {
 
 /// What enters a container's namespaces for CRIU (util-linux).
 const NSENTER: &str = "nsenter";
+/// The pod bundle's library that moves CRIU into the container's root, as the bundle's root
+/// names it, and the variable naming the descriptor of that root (`lib/enter-root`).
+const ENTER_ROOT: &str = "/libstasis_enter_root.so";
+const ENTER_ROOT_FD: &str = "STASIS_ENTER_ROOT_FD";
 
 /// Opens the `cgroup.procs` files a CRIU joins before it runs.
 fn open_cgroups(files: &[PathBuf]) -> Result<Vec<std::fs::File>, CriuError> {
@@ -39,22 +43,27 @@ const LIVENESS_EVERY_MS: u16 = 1000;
 impl Session {
     /// Starts `criu swrk` with one end of a fresh socketpair; `keep_fds` are passed on to CRIU
     /// under the same numbers (for `ps.fd`, `inherit_fd` and an entered images directory).
-    /// With `enter`, CRIU runs inside a container (`nsenter` forks it there), from the
-    /// container's mount of the pod bundle.
+    /// With `enter`, CRIU runs inside a container (`nsenter` forks it there), started from
+    /// the container's mount of the pod bundle as its root (see [`Enter`]).
     pub(super) fn start(criu: &Path, keep_fds: &[RawFd], enter: Option<&Enter>) -> Result<Self, CriuError> {
         let (ours, theirs) =
             socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
                 .map_err(|e| CriuError::Io(e.into()))?;
-        let (mut cmd, cgroups) = match enter {
-            None => (Command::new(criu), Vec::new()),
+        let (mut cmd, cgroups, root) = match enter {
+            None => (Command::new(criu), Vec::new(), None),
             Some(enter) => {
+                // The container's root, and the bundle in it, as this host reaches them.
+                let root = PathBuf::from(format!("/proc/{}/root", enter.pid));
+                let bundle = root.join(enter.bundle.strip_prefix("/").unwrap_or(&enter.bundle));
+                let root = std::fs::File::open(&root)
+                    .map_err(|source| CriuError::Spawn { path: root.clone(), source })?;
                 let mut cmd = Command::new(NSENTER);
-                cmd.args(["--target", &enter.pid.to_string(), "--all", "--"])
-                    .arg(enter.bundle.join("ld.so"))
-                    .arg("--library-path")
-                    .arg(enter.bundle.join("lib"))
-                    .arg(enter.bundle.join("criu"));
-                (cmd, open_cgroups(&enter.cgroups)?)
+                let (root_opt, wd_opt) =
+                    (format!("--root={}", bundle.display()), format!("--wd={}", bundle.display()));
+                cmd.args(["--target", &enter.pid.to_string(), "--all", &root_opt, &wd_opt, "--"])
+                    .args(["/ld.so", "--preload", ENTER_ROOT, "--library-path", "/lib", "/criu"])
+                    .env(ENTER_ROOT_FD, root.as_raw_fd().to_string());
+                (cmd, open_cgroups(&enter.cgroups)?, Some(root))
             }
         };
         // CRIU writes its log to a file in the images directory; its stderr carries only
@@ -66,6 +75,7 @@ impl Session {
             .stderr(Stdio::null());
         let mut keep = vec![theirs.as_raw_fd()];
         keep.extend_from_slice(keep_fds);
+        keep.extend(root.as_ref().map(AsRawFd::as_raw_fd));
         let peer_inode = nix::sys::stat::fstat(&theirs).map_err(|e| CriuError::Io(e.into()))?.st_ino;
         let cgroup_procs = cgroups.iter().map(AsRawFd::as_raw_fd).collect();
         let child = spawn(&mut cmd, ChildSetup { keep_fds: keep, cgroup_procs, ..Default::default() })
