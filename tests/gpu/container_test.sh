@@ -144,6 +144,9 @@ job_line() {
     return 1
 }
 
+# The checksum a memtest line (ready, verify) names.
+checksum_of() { printf '%s\n' "$1" | sed -n 's/.*checksum=\([0-9a-f]*\).*/\1/p'; }
+
 container first
 first_init=$C_INIT
 if [ -n "$FAKE_CUDA" ]; then
@@ -151,7 +154,7 @@ if [ -n "$FAKE_CUDA" ]; then
 else
     ready=$(job_line 0 '^ready' 180) || fail "no \`ready\` from the memtest"
     job_line 0 '^verify ok' 60 >/dev/null || fail "no \`verify ok\` before the eviction"
-    sum=$(printf '%s\n' "$ready" | sed -n 's/.*checksum=\([0-9a-f]*\).*/\1/p')
+    sum=$(checksum_of "$ready")
 fi
 # The inode of namespace $2 of process $1.
 ns_of() { readlink "/proc/$1/ns/$2" | tr -dc 0-9; }
@@ -183,7 +186,7 @@ if [ -n "$FAKE_CUDA" ]; then
     done
 else
     v=$(job_line "$lines" '^verify' 120) || fail "the restored memtest does not verify"
-    [ "$(printf '%s\n' "$v" | sed -n 's/.*checksum=\([0-9a-f]*\).*/\1/p')" = "$sum" ] ||
+    [ "$(checksum_of "$v")" = "$sum" ] ||
         fail "the restored memtest's checksum changed: $v (was $sum)"
     say "the restored memtest verifies: $v"
 fi

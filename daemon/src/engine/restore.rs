@@ -363,14 +363,15 @@ impl Engine {
             let reason = "a container's CUDA processes are restored only into a container".to_owned();
             return Err(RestoreError::Incompatible { id, reason });
         }
+        // At least one GPU: a checkpoint's CUDA processes had one open, named or not.
+        let needed = manifest.gpus.len().max(1);
         if let Some(c) = into
             && !manifest.gpu_pids.is_empty()
-            && c.gpu_devices.len() < manifest.gpus.len().max(1)
+            && c.gpu_devices.len() < needed
         {
             let reason = format!(
-                "its CUDA processes used {} GPU(s), and container {} was given {} ({}): give the \
-                 pod as many GPUs as the one it replaces",
-                manifest.gpus.len().max(1),
+                "its CUDA processes used {needed} GPU(s), and container {} was given {} ({}): give \
+                 the pod as many GPUs as the one it replaces",
                 c.id,
                 c.gpu_devices.len(),
                 c.gpu_devices.join(", ")

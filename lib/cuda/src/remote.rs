@@ -3,9 +3,10 @@
 //! A container's CUDA processes use the driver library the container was given (the NVIDIA
 //! container toolkit mounts the node's), see only the container's GPU device files, and are
 //! numbered in the container's pid namespace. So stasisd does not call its own driver for
-//! them: it runs a helper (`stasis-pod cuda CALL`, from the pod bundle) inside the
-//! container's namespaces for each call, with pids as the container numbers them. The helper
-//! loads the driver there, makes the one call and prints the [`Answer`] as one JSON line.
+//! them: it runs a helper (its own `stasis-pod cuda CALL`) in the container's namespaces for
+//! each call, with pids as the container numbers them. The helper loads the node's driver
+//! library, initialises it in the container's root, makes the one call and prints the
+//! [`Answer`] as one JSON line (the daemon's `engine/host/container_cuda.rs` runs it).
 //!
 //! This module is both sides' part that is not process handling: the [`Call`] and [`Answer`]
 //! (serde, JSON), [`serve`] (the helper's side, over any [`GpuCheckpointer`]) and

@@ -33,9 +33,6 @@ pub(super) struct Hold<'a> {
     gpu: Option<Suspended>,
     /// Whether the CUDA state is still in host memory (not yet put back).
     gpu_suspended: bool,
-    /// The init of the container the tree runs in, if it does: its CUDA state is reached
-    /// inside it.
-    container_init: Option<i32>,
     settled: bool,
 }
 
@@ -58,7 +55,6 @@ impl<'a> Hold<'a> {
             stopped_before,
             gpu: None,
             gpu_suspended: false,
-            container_init,
             settled: false,
         };
         hold.save_record();
@@ -95,7 +91,7 @@ impl<'a> Hold<'a> {
     async fn resume_gpu(&mut self) -> Result<u64, CheckpointError> {
         let pids = self.suspended_pids();
         self.gpu_suspended = false;
-        self.engine.resume_gpu(self.container_init, &pids).await
+        self.engine.resume_gpu(self.record.container_init, &pids).await
     }
 
     /// The processes whose CUDA state is still in host memory.
@@ -140,7 +136,7 @@ impl<'a> Hold<'a> {
             images: self.images,
             lock: self.tree.options.network_lock,
             gpu_pids: self.suspended_pids(),
-            container_init: self.container_init,
+            container_init: self.record.container_init,
         };
         self.gpu_suspended = false;
         let problems = self.engine.give_tree_back(tree).await;
