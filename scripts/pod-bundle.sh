@@ -6,6 +6,8 @@
 #   OUT/ld.so     the dynamic loader CRIU was linked for
 #   OUT/lib/      every shared library CRIU loads
 #   OUT/criu      CRIU itself, run as `OUT/ld.so --library-path OUT/lib OUT/criu`
+#   OUT/plugins/  empty: CRIU's plugin directory (CRIU_LIBS_DIR), so that it loads no plugin
+#                 from the container's root (its default, /usr/lib/criu, is the image's there)
 #   (and libgcc_s in OUT/lib, which stasis-pod needs besides)
 #
 # stasis-pod (the container's init) and libstasis_enter_root.so (preloaded into CRIU, which starts
@@ -33,7 +35,7 @@ else
 fi
 [ -x "$loader" ] && [ -f "$binary" ] || { echo "pod-bundle: cannot tell how $criu runs" >&2; exit 1; }
 
-rm -rf "$out.tmp" && mkdir -p "$out.tmp/lib"
+rm -rf "$out.tmp" && mkdir -p "$out.tmp/lib" "$out.tmp/plugins"
 cp -L "$loader" "$out.tmp/ld.so"
 cp -L "$binary" "$out.tmp/criu"
 "${list[@]}" | sed -n 's/.*=> \(\/[^ ]*\) (0x.*/\1/p' | while read -r lib; do

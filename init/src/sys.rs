@@ -49,3 +49,74 @@ pub fn own_session(cmd: &mut std::process::Command) {
         })
     };
 }
+
+/// `AUDIT_ARCH_*` of the system calls this build makes (linux/audit.h).
+#[cfg(target_arch = "x86_64")]
+const AUDIT_ARCH: u32 = 0xc000_003e;
+#[cfg(target_arch = "aarch64")]
+const AUDIT_ARCH: u32 = 0xc000_00b7;
+/// x86_64's x32 calls carry this bit in their number, under the same architecture.
+const X32_SYSCALL_BIT: u32 = 0x4000_0000;
+
+/// Forbids this process and its threads, now and later, to start programs: `execve` and
+/// `execveat` fail with EPERM (a seccomp filter; a call of another ABI kills the process).
+/// Irrevocable, and also sets no-new-privileges.
+pub fn forbid_exec() -> io::Result<()> {
+    use libc::{
+        BPF_ABS, BPF_JEQ, BPF_JGE, BPF_JMP, BPF_K, BPF_LD, BPF_RET, BPF_W, SECCOMP_RET_ALLOW,
+        SECCOMP_RET_ERRNO, SECCOMP_RET_KILL_PROCESS, sock_filter,
+    };
+    let stmt = |code: u32, k: u32| sock_filter { code: code as u16, jt: 0, jf: 0, k };
+    let jump = |k: u32, jt: u8, jf: u8| sock_filter { code: (BPF_JMP | BPF_JEQ | BPF_K) as u16, jt, jf, k };
+    let (arch_at, nr_at) =
+        (std::mem::offset_of!(libc::seccomp_data, arch), std::mem::offset_of!(libc::seccomp_data, nr));
+    let filter = [
+        stmt(BPF_LD | BPF_W | BPF_ABS, arch_at as u32),
+        jump(AUDIT_ARCH, 0, 6),
+        stmt(BPF_LD | BPF_W | BPF_ABS, nr_at as u32),
+        sock_filter { code: (BPF_JMP | BPF_JGE | BPF_K) as u16, jt: 4, jf: 0, k: X32_SYSCALL_BIT },
+        jump(libc::SYS_execve as u32, 1, 0),
+        jump(libc::SYS_execveat as u32, 0, 1),
+        stmt(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | libc::EPERM as u32),
+        stmt(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+        stmt(BPF_RET | BPF_K, SECCOMP_RET_KILL_PROCESS),
+    ];
+    let program = libc::sock_fprog { len: filter.len() as u16, filter: filter.as_ptr().cast_mut() };
+    // SAFETY: PR_SET_NO_NEW_PRIVS takes plain integers and touches no memory.
+    if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `program` points at `filter`, which outlives the call; the kernel copies it.
+    let set = unsafe {
+        libc::syscall(
+            libc::SYS_seccomp,
+            libc::SECCOMP_SET_MODE_FILTER,
+            libc::SECCOMP_FILTER_FLAG_TSYNC,
+            &raw const program,
+        )
+    };
+    match set {
+        0 => Ok(()),
+        -1 => Err(io::Error::last_os_error()),
+        thread => Err(io::Error::other(format!("thread {thread} could not take the filter"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_forbidden_to_exec_cannot_start_a_program_and_its_other_calls_work() {
+        // In a child, so that this test process keeps its freedom.
+        let mut cmd = std::process::Command::new("/bin/true");
+        use std::os::unix::process::CommandExt;
+        // SAFETY: the closure runs in the forked child before exec; it calls prctl and
+        // seccomp only (forbid_exec allocates nothing before them but the filter on the stack).
+        unsafe { cmd.pre_exec(forbid_exec) };
+        let err = cmd.status().expect_err("the exec is refused");
+        assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
+        // This process itself still execs.
+        assert!(std::process::Command::new("/bin/true").status().unwrap().success());
+    }
+}

@@ -22,6 +22,7 @@ mod logs;
 pub mod memtest;
 mod peer;
 pub mod podman;
+pub mod preload;
 pub mod procfs;
 pub mod proxy;
 pub mod resp;

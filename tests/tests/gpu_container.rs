@@ -4,7 +4,9 @@
 //! mount namespaces are the container's, their pids the container's numbering), and a pod not
 //! given the GPU the checkpoint's job had is refused the restore. Run through containerd's CRI
 //! and NRI as tests/tests/kubernetes.rs runs pods, the GPU given as a device plugin's
-//! allocation reaches the runtime: a device of the container.
+//! allocation reaches the runtime: a device of the container. The pods' image preloads a
+//! library into everything its loader starts: nothing stasisd runs as root in the containers
+//! (CRIU, the CUDA helper) may load it, and the helper may start no program there.
 
 #![forbid(unsafe_code)]
 
@@ -17,11 +19,16 @@ use stasis_tests::kube::{
     stdout_lines, translate, with_host_paths,
 };
 use stasis_tests::podman::{IMAGE, Podman};
+use stasis_tests::preload::{loaders, marker_library};
 use stasis_tests::{Daemon, DaemonOptions, TIMEOUT, expect_within, procfs, skip_unless_ready, wait_for};
 
 /// Where the containers find the fake driver library, and (`states` beside it, writable) its
 /// states and its log of calls, which stasisd's helper finds beside the node's copy.
 const FAKE_LIBRARY: &str = "/opt/fake-cuda";
+
+/// Where the pods find the library their image preloads, and where it writes who loaded it.
+const MARK: &str = "/opt/mark";
+const MARK_OUT: &str = "/opt/mark-out";
 
 /// The numbers the pod's job wrote.
 fn counted(pod: &RunningPod) -> Vec<u64> {
@@ -109,6 +116,9 @@ async fn a_cuda_job_in_a_container_is_evicted_and_restored_through_the_driver_in
     .expect("mknod of the GPU device file");
     let states = library.join("states");
     std::fs::create_dir(&states).unwrap();
+    // The driver, initialised in a container's root, starts a program there (as the real one
+    // starts nvidia-modprobe): one the image's loader runs, with its preloaded library.
+    std::fs::write(states.join("init-runs"), "/usr/bin/true").unwrap();
 
     let endpoint = tempfile::tempdir().expect("endpoint directory");
     let socket = endpoint.path().join("pod.sock").display().to_string();
@@ -127,8 +137,17 @@ async fn a_cuda_job_in_a_container_is_evicted_and_restored_through_the_driver_in
     let python = stasis_tests::venv_python("ctypes");
     let script = stasis_tests::workload_script("cuda_counter.py");
     let driver = format!("{FAKE_LIBRARY}/libcuda.so.1");
+    // The image preloads a library into every program its loader starts (its
+    // /etc/ld.so.preload): the job loads it, nothing stasisd runs as root may.
+    let mark = tempfile::tempdir().expect("a directory for the preloaded library");
+    let loaded_by = tempfile::tempdir().expect("a directory for the library's marker");
+    let library_inside = format!("{MARK}/mark.so");
+    marker_library(mark.path(), &Path::new(MARK_OUT).join("loaded-by"));
+    std::fs::write(mark.path().join("ld.so.preload"), format!("{library_inside}\n")).unwrap();
     let mut paths = python_paths(&python);
     paths.push((library.display().to_string(), FAKE_LIBRARY.to_owned()));
+    paths.push((mark.path().display().to_string(), MARK.to_owned()));
+    paths.push((mark.path().join("ld.so.preload").display().to_string(), "/etc/ld.so.preload".to_owned()));
     let paths: Vec<(&str, &str)> = paths.iter().map(|(h, i)| (h.as_str(), i.as_str())).collect();
     let job_command = [python.as_str(), script.as_str(), driver.as_str()];
     let spec = admitted(&with_host_paths(
@@ -136,7 +155,12 @@ async fn a_cuda_job_in_a_container_is_evicted_and_restored_through_the_driver_in
         &paths,
     ));
     let pod = |kubelet: &Kubelet<'_>, gpu: Option<&Path>| {
-        let (sandbox, main) = translate(kubelet, &spec);
+        let (sandbox, mut main) = translate(kubelet, &spec);
+        main.mounts.push(Mount {
+            container_path: MARK_OUT.into(),
+            host_path: loaded_by.path().display().to_string(),
+            readonly: false,
+        });
         (sandbox, with_gpu(main, gpu, &states))
     };
 
@@ -193,6 +217,19 @@ async fn a_cuda_job_in_a_container_is_evicted_and_restored_through_the_driver_in
         assert_eq!(*place, inside_second, "{call} was made inside the new container, in its root");
     }
     kubelet.delete(second, grace(&spec)).await;
+
+    // The job loaded the image's preloaded library (so the image's loader configuration was in
+    // force in the container), and nothing with the node's capabilities did: not CRIU, not the
+    // CUDA helper.
+    let loaded = loaders(&loaded_by.path().join("loaded-by"));
+    assert!(loaded.iter().any(|l| !l.sys_admin && l.exe.contains("python")), "the job loads it: {loaded:?}");
+    let privileged: Vec<_> = loaded.iter().filter(|l| l.sys_admin).collect();
+    assert!(privileged.is_empty(), "the image's preload ran with the node's capabilities: {privileged:?}");
+    let started = std::fs::read_to_string(states.join("init-ran")).unwrap_or_default();
+    assert!(
+        !started.is_empty() && started.lines().all(|l| l.starts_with("refused") && l.contains("os error 1")),
+        "the CUDA helper may start no program in the container: {started:?}"
+    );
 }
 
 /// The GPU device check's container section (tests/gpu/container_test.sh: a container made

@@ -4,13 +4,15 @@
 //! containerd's CRI as a kubelet drives it (tests/src/kube.rs), with stasis-nri registered
 //! with containerd's NRI: it injects the pod bundle and the endpoint and tells stasisd of the
 //! container. Containers reach only themselves through the pod endpoint; an eviction whose
-//! store fails leaves the job to stop as it would have without stasis.
+//! store fails leaves the job to stop as it would have without stasis. Nothing of a pod's image
+//! (its CRIU plugins, its preloaded libraries) runs in the CRIU stasisd runs in the container.
 
 #![forbid(unsafe_code)]
 
 use std::io::{BufRead, Write};
 use std::path::Path;
 
+use stasis_proto::cri::Mount;
 use stasis_tests::containerd::{Containerd, NEXT_IMAGE};
 use stasis_tests::disk::SmallDisk;
 use stasis_tests::kube::{
@@ -18,6 +20,7 @@ use stasis_tests::kube::{
     stateful_pod, stdout_lines, translate, with_host_paths,
 };
 use stasis_tests::podman::{IMAGE, Podman};
+use stasis_tests::preload::{loaders, marker_library};
 use stasis_tests::{Daemon, DaemonOptions, TIMEOUT, expect_within, skip_unless_ready, wait_for};
 
 /// Counts on stdout, one number every 100 ms, from 1: its state is in its memory alone.
@@ -117,6 +120,67 @@ async fn an_evicted_pod_continues_its_job_in_the_pod_that_replaces_it() {
     kubelet.delete(fourth, grace(&pod)).await;
     assert!(nri.log_text().contains("injecting stasis"), "{}", nri.log_text());
     assert!(nri.log_text().contains("image=sha256:"), "images are known by digest: {}", nri.log_text());
+}
+
+/// Where the pod's image keeps CRIU plugins and the library its /etc/ld.so.preload names, and
+/// where that library writes who loaded it.
+const PLUGINS: &str = "/usr/lib/criu";
+const MARK_OUT: &str = "/opt/mark-out";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nothing_of_a_pod_s_image_runs_in_the_criu_stasisd_runs_in_its_container() {
+    skip_unless_ready!();
+    let Some(podman) = Podman::start() else { return };
+    let Some(containerd) = Containerd::start(&podman) else { return };
+    let endpoint = tempfile::tempdir().expect("endpoint directory");
+    let d = daemon(endpoint.path());
+    let nri = NriPlugin::start(&containerd, &d.socket(), &bundle(d.dir()), endpoint.path());
+    let mut kubelet = Kubelet::new(&containerd).await;
+    // The image has a CRIU plugin in CRIU's default plugin directory, and preloads it into every
+    // program its loader starts: a CRIU that loaded either would run it as root on the node.
+    let mark = tempfile::tempdir().expect("a directory for the library");
+    let loaded_by = tempfile::tempdir().expect("a directory for the library's marker");
+    marker_library(mark.path(), &Path::new(MARK_OUT).join("loaded-by"));
+    let preload = mark.path().join("ld.so.preload");
+    std::fs::write(&preload, format!("{PLUGINS}/mark.so\n")).unwrap();
+    let mounts =
+        [(mark.path().to_str().unwrap(), PLUGINS), (preload.to_str().unwrap(), "/etc/ld.so.preload")];
+    let spec = admitted(&with_host_paths(
+        stateful_pod("marked-0", "marked", "0", &[("main", IMAGE, &COUNTER)]),
+        &mounts,
+    ));
+    let pod = |kubelet: &Kubelet<'_>| {
+        let (sandbox, mut main) = translate(kubelet, &spec);
+        let host_path = loaded_by.path().display().to_string();
+        main.mounts.push(Mount { container_path: MARK_OUT.into(), host_path, readonly: false });
+        (sandbox, main)
+    };
+
+    let (sandbox, main) = pod(&kubelet);
+    let first = kubelet.run(sandbox, main).await;
+    registered(&d, &nri, &first);
+    expect_within(TIMEOUT, "the pod to count", || (counted(&first).len() >= 3).then_some(()));
+    // The image's preload is in force for the bundle's loader run in the container's root (as
+    // stasisd once ran CRIU), with the container's own privileges.
+    let bundle_loader = ["/.stasis/ld.so", "--library-path", "/.stasis/lib", "/.stasis/criu", "--version"];
+    let (code, out, err) = kubelet.exec(&first, bundle_loader.map(String::from).to_vec(), 10).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let marker = loaded_by.path().join("loaded-by");
+    let loaded = loaders(&marker);
+    assert!(loaded.iter().any(|l| !l.sys_admin), "the container's loader loads it: {loaded:?}");
+
+    let (code, out, err) = kubelet.exec(&first, pre_stop(&spec), grace(&spec)).await;
+    assert_eq!(code, 0, "preStop: {out}{err}\n{}", d.log_tail(40));
+    let last = *counted(&first).last().unwrap();
+    kubelet.delete(first, grace(&spec)).await;
+    let (sandbox, main) = pod(&kubelet);
+    let second = kubelet.run(sandbox, main).await;
+    expect_within(TIMEOUT, "the restored pod to count", || (!counted(&second).is_empty()).then_some(()));
+    assert_eq!(counted(&second)[0], last + 1, "restored\n{}", d.log_tail(40));
+    kubelet.delete(second, grace(&spec)).await;
+
+    let privileged: Vec<_> = loaders(&marker).into_iter().filter(|l| l.sys_admin).collect();
+    assert!(privileged.is_empty(), "the image's code ran with the node's capabilities: {privileged:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

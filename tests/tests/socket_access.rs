@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 use serde_json::Value;
+use stasis_tests::preload::{loaders, marker_library};
 use stasis_tests::{
     Daemon, DaemonOptions, TIMEOUT, bin, expect_within, pid_of, procfs, python, skip_unless_ready,
 };
@@ -184,25 +185,6 @@ fn has_cap_sys_resource() -> bool {
     u64::from_str_radix(eff, 16).is_ok_and(|caps| caps & (1 << 24) != 0)
 }
 
-/// A shared library whose constructor appends `euid=N` of whatever process loads it to
-/// `marker`.
-fn preload_library(dir: &std::path::Path, marker: &std::path::Path) -> PathBuf {
-    let source = dir.join("mark.c");
-    let library = dir.join("mark.so");
-    std::fs::write(
-        &source,
-        format!(
-            "#include <stdio.h>\n#include <unistd.h>\n\
-             __attribute__((constructor)) static void mark(void) {{\n\
-             FILE *f = fopen(\"{}\", \"a\"); if (f) {{ fprintf(f, \"euid=%d\\n\", (int)geteuid()); fclose(f); }} }}\n",
-            marker.display()
-        ),
-    )
-    .unwrap();
-    run_ok(Command::new("cc").args(["-shared", "-fPIC", "-o"]).arg(&library).arg(&source));
-    library
-}
-
 #[test]
 fn nothing_a_group_member_chooses_runs_as_root() {
     skip_unless_ready!();
@@ -214,7 +196,7 @@ fn nothing_a_group_member_chooses_runs_as_root() {
     let shared = tempfile::Builder::new().prefix("stasis-preload").tempdir_in("/tmp").unwrap();
     std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
     let marker = shared.path().join("loaded-by");
-    let library = preload_library(shared.path(), &marker);
+    let library = marker_library(shared.path(), &marker);
 
     for host_pids in [false, true] {
         let _ = std::fs::remove_file(&marker);
@@ -228,13 +210,16 @@ fn nothing_a_group_member_chooses_runs_as_root() {
         let text = expect_within(TIMEOUT, "the workload to print its environment", || {
             std::fs::read_to_string(&log).ok().filter(|t| t.contains("done"))
         });
-        let loaded = std::fs::read_to_string(&marker).unwrap_or_default();
+        let loaded = loaders(&marker);
         let what = if host_pids { "with host pids" } else { "under stasis-init" };
         assert!(
-            loaded.contains(&format!("euid={}", user.uid)),
+            loaded.iter().any(|l| l.euid == user.uid),
             "{what}: the workload loads it as itself: {loaded:?}"
         );
-        assert!(!loaded.contains("euid=0"), "{what}: the caller's LD_PRELOAD ran as root: {loaded:?}");
+        assert!(
+            loaded.iter().all(|l| l.euid != 0),
+            "{what}: the caller's LD_PRELOAD ran as root: {loaded:?}"
+        );
         assert!(!text.contains(&secret), "{what}: stasisd's environment reached the workload:\n{text}");
         assert!(
             text.contains(&format!("USER={name}")),

@@ -35,7 +35,7 @@ use nix::unistd::Pid;
 use serde_json::Value;
 use stasis_cuda::{CudaDriver, GpuCheckpointer, remote};
 use stasis_init::supervise::{handle_signals, supervise};
-use stasis_init::sys::own_session;
+use stasis_init::sys::{forbid_exec, own_session};
 
 #[derive(Debug, Parser)]
 #[command(version, about)]
@@ -65,7 +65,7 @@ enum Mode {
     Ready,
     /// Make one CUDA driver call (JSON, see stasis_cuda::remote) with the driver library open
     /// as standard input, initialised in root directory ROOT, and print the answer as one
-    /// JSON line (run by stasisd).
+    /// JSON line (run by stasisd). The helper may start no program.
     #[command(hide = true)]
     Cuda {
         #[arg(long)]
@@ -96,12 +96,18 @@ const HANDED_LIBRARY: &str = "/proc/self/fd/0";
 fn cuda(root: &Path, call: &str) -> anyhow::Result<ExitCode> {
     let call: remote::Call =
         serde_json::from_str(call).with_context(|| format!("a malformed call: {call}"))?;
-    let driver = CudaDriver::open(HANDED_LIBRARY).and_then(|open| {
-        enter_root(root).map_err(|e| stasis_cuda::CudaError::InContainer {
-            message: format!("entering the container's root {}: {e}", root.display()),
-        })?;
-        open.init()
-    });
+    let in_container = |message: String| stasis_cuda::CudaError::InContainer { message };
+    // Nothing this process starts could be trusted once it is in the container's root: a
+    // program there (the driver may run `nvidia-modprobe`) would be the image's, run as root.
+    let driver = forbid_exec()
+        .map_err(|e| in_container(format!("forbidding this helper to start programs: {e}")))
+        .and_then(|()| CudaDriver::open(HANDED_LIBRARY))
+        .and_then(|open| {
+            enter_root(root).map_err(|e| {
+                in_container(format!("entering the container's root {}: {e}", root.display()))
+            })?;
+            open.init()
+        });
     let answer = remote::serve(driver.as_ref().map(|d| d as &dyn GpuCheckpointer), &call);
     println!("{}", serde_json::to_string(&answer)?);
     Ok(ExitCode::SUCCESS)

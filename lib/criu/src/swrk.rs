@@ -30,6 +30,18 @@ const NSENTER: &str = "nsenter";
 /// names it, and the variable naming the descriptor of that root (`lib/enter-root`).
 const ENTER_ROOT: &str = "/libstasis_enter_root.so";
 const ENTER_ROOT_FD: &str = "STASIS_ENTER_ROOT_FD";
+/// The `PATH` of a CRIU in a container, below the bundle as the container mounts it (read-only):
+/// CRIU runs helper programs by name (`sh -c "iptables -w ..."` when it probes the kernel,
+/// `ip`, `tar`), and found in the container's root each would be the image's program, run as
+/// root with every capability. This names the bundle's CRIU, a file, so no program is ever
+/// found under it: CRIU's probes fail and it does without (stasis uses none of what they are
+/// for in a container, whose network and mount namespaces it leaves to the runtime).
+const NO_PROGRAMS: &str = "criu";
+/// The variable naming CRIU's plugin directory, and the bundle's empty one it names for a CRIU
+/// in a container: CRIU loads every `*.so` there once in the container's root, where its
+/// default (`/usr/lib/criu`) is the image's.
+const PLUGINS_VAR: &str = "CRIU_LIBS_DIR";
+const NO_PLUGINS: &str = "plugins";
 
 /// Opens the `cgroup.procs` files a CRIU joins before it runs.
 fn open_cgroups(files: &[PathBuf]) -> Result<Vec<std::fs::File>, CriuError> {
@@ -57,12 +69,15 @@ impl Session {
                 let bundle = root.join(enter.bundle.strip_prefix("/").unwrap_or(&enter.bundle));
                 let root = std::fs::File::open(&root)
                     .map_err(|source| CriuError::Spawn { path: root.clone(), source })?;
-                let mut cmd = Command::new(NSENTER);
+                // Found here, in stasisd's PATH: the one set below is CRIU's.
+                let mut cmd = Command::new(stasis_linux::find_program(NSENTER).unwrap_or(NSENTER.into()));
                 let (root_opt, wd_opt) =
                     (format!("--root={}", bundle.display()), format!("--wd={}", bundle.display()));
                 cmd.args(["--target", &enter.pid.to_string(), "--all", &root_opt, &wd_opt, "--"])
                     .args(["/ld.so", "--preload", ENTER_ROOT, "--library-path", "/lib", "/criu"])
-                    .env(ENTER_ROOT_FD, root.as_raw_fd().to_string());
+                    .env(ENTER_ROOT_FD, root.as_raw_fd().to_string())
+                    .env("PATH", enter.bundle.join(NO_PROGRAMS))
+                    .env(PLUGINS_VAR, enter.bundle.join(NO_PLUGINS));
                 (cmd, open_cgroups(&enter.cgroups)?, Some(root))
             }
         };

@@ -35,6 +35,7 @@ fn minor_of(dev: c_int) -> Option<u32> {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuInit(_flags: c_uint) -> u32 {
+    crate::run_on_init();
     SUCCESS
 }
 

@@ -13,6 +13,7 @@
 //! - Every checkpoint call is logged to `states/calls` with the pid and mount namespaces and
 //!   the root directory (device and inode) of the process that made it: a test can tell
 //!   where the call was made.
+//! - A `cuInit` after a change of root runs a program a test names (see [`run_on_init`]).
 //! - The GPUs are the `/dev/nvidiaN` files the caller sees (none need work: nothing opens
 //!   them), so a container sees those it was given.
 //! - A program's `cuCtxCreate_v2` makes it a CUDA process (running); its
@@ -54,17 +55,49 @@ fn own_file() -> Option<PathBuf> {
     })
 }
 
-/// The directory of states (made if need be), as a path through its open descriptor.
-fn state_dir() -> &'static Path {
-    static DIR: OnceLock<Option<(File, PathBuf)>> = OnceLock::new();
+/// The directory of states (made if need be) as a path through its open descriptor, and the
+/// caller's root directory (device and inode) when it was opened.
+fn states() -> Option<&'static (File, PathBuf, String)> {
+    static DIR: OnceLock<Option<(File, PathBuf, String)>> = OnceLock::new();
     let open = || {
         let dir = own_file()?.parent()?.join("states");
         fs::create_dir_all(&dir).ok()?;
         let file = File::open(&dir).ok()?;
         let path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
-        Some((file, path))
+        Some((file, path, root()))
     };
-    DIR.get_or_init(open).as_ref().map_or(Path::new("/nonexistent/stasis-fake-cuda"), |(_, path)| path)
+    DIR.get_or_init(open).as_ref()
+}
+
+/// The directory of states, as a path through its open descriptor.
+fn state_dir() -> &'static Path {
+    states().map_or(Path::new("/nonexistent/stasis-fake-cuda"), |(_, path, _)| path)
+}
+
+/// The caller's root directory, as `device:inode`.
+fn root() -> String {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata("/").map(|m| format!("{}:{}", m.dev(), m.ino())).unwrap_or_default()
+}
+
+/// What `cuInit` does in a caller that changed its root since it loaded the library (stasis'
+/// helper in a container): as the real driver starts `nvidia-modprobe` to make device files
+/// it misses, it starts the program named in `states/init-runs`, if any (a path in the new
+/// root), and appends how that went to `states/init-ran`.
+fn run_on_init() {
+    let Some((_, dir, loaded_in)) = states() else { return };
+    let Ok(program) = fs::read_to_string(dir.join("init-runs")) else { return };
+    if root() == *loaded_in {
+        return;
+    }
+    let outcome = match std::process::Command::new(program.trim()).status() {
+        Ok(status) => format!("ran: {status}"),
+        Err(e) => format!("refused: {e}"),
+    };
+    let file = fs::OpenOptions::new().create(true).append(true).open(dir.join("init-ran"));
+    if let Ok(mut file) = file {
+        let _ = writeln!(file, "{outcome}");
+    }
 }
 
 fn state_file(pid: i32) -> PathBuf {
@@ -99,8 +132,7 @@ fn namespace(kind: &str) -> String {
 
 /// Appends `call pid ...` to the log of calls.
 fn log(call: &str, pid: i32, detail: &str) {
-    use std::os::unix::fs::MetadataExt;
-    let root = fs::metadata("/").map(|m| format!("{}:{}", m.dev(), m.ino())).unwrap_or_default();
+    let root = root();
     let (pidns, mntns) = (namespace("pid"), namespace("mnt"));
     let line = format!("{call} {pid} pidns={pidns} mntns={mntns} root={root} {detail}\n");
     let file = fs::OpenOptions::new().create(true).append(true).open(state_dir().join("calls"));
