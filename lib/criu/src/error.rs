@@ -20,6 +20,11 @@ pub enum CriuError {
         #[source]
         source: io::Error,
     },
+    #[error(
+        "the container's pod bundle lacks {missing}: rebuild it with this version's \
+         scripts/pod-bundle.sh and copy libstasis_enter_root.so into it"
+    )]
+    Bundle { missing: String },
     #[error("cannot talk to CRIU")]
     Io(#[source] io::Error),
     #[error("CRIU exited before answering{}", log_suffix(.log_tail))]

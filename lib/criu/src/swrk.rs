@@ -43,6 +43,21 @@ const NO_PROGRAMS: &str = "criu";
 const PLUGINS_VAR: &str = "CRIU_LIBS_DIR";
 const NO_PLUGINS: &str = "plugins";
 
+/// Refuses a pod bundle that lacks what keeps the image out of CRIU (one made by an older
+/// `scripts/pod-bundle.sh`): CRIU would fail on it with no word of why.
+fn check_bundle(bundle: &Path) -> Result<(), CriuError> {
+    let shim = bundle.join(ENTER_ROOT.trim_start_matches('/'));
+    let plugins = bundle.join(NO_PLUGINS);
+    let missing: Vec<String> = [(shim.is_file(), shim), (plugins.is_dir(), plugins)]
+        .into_iter()
+        .filter_map(|(there, path)| (!there).then(|| path.display().to_string()))
+        .collect();
+    match missing.is_empty() {
+        true => Ok(()),
+        false => Err(CriuError::Bundle { missing: missing.join(", ") }),
+    }
+}
+
 /// Opens the `cgroup.procs` files a CRIU joins before it runs.
 fn open_cgroups(files: &[PathBuf]) -> Result<Vec<std::fs::File>, CriuError> {
     let open = |file: &PathBuf| std::fs::OpenOptions::new().write(true).open(file);
@@ -67,6 +82,7 @@ impl Session {
                 // The container's root, and the bundle in it, as this host reaches them.
                 let root = PathBuf::from(format!("/proc/{}/root", enter.pid));
                 let bundle = root.join(enter.bundle.strip_prefix("/").unwrap_or(&enter.bundle));
+                check_bundle(&bundle)?;
                 let root = std::fs::File::open(&root)
                     .map_err(|source| CriuError::Spawn { path: root.clone(), source })?;
                 // Found here, in stasisd's PATH: the one set below is CRIU's.
@@ -238,5 +254,20 @@ mod tests {
             !proc::is_running(helper)
         });
         assert!(gone, "the helper holding the socket was left running");
+    }
+
+    #[test]
+    fn a_bundle_without_the_root_shim_or_the_empty_plugin_directory_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = |dir: &Path| match check_bundle(dir) {
+            Err(CriuError::Bundle { missing }) => missing,
+            other => panic!("{other:?}"),
+        };
+        let (shim, plugins) = (dir.path().join("libstasis_enter_root.so"), dir.path().join("plugins"));
+        assert_eq!(missing(dir.path()), format!("{}, {}", shim.display(), plugins.display()));
+        std::fs::write(&shim, "").unwrap();
+        assert_eq!(missing(dir.path()), plugins.display().to_string());
+        std::fs::create_dir(&plugins).unwrap();
+        check_bundle(dir.path()).expect("a whole bundle");
     }
 }
