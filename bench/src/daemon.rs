@@ -236,9 +236,6 @@ pub fn settle() {
     };
     let _ = wait_until("writeback", Duration::from_secs(60), || pending() < 16 << 10);
     std::thread::sleep(Duration::from_secs(3));
-    if std::env::var_os("BENCH_DROP_CACHES").is_some() {
-        let _ = std::fs::write("/proc/sys/vm/drop_caches", "3");
-    }
 }
 
 /// The first line of `log` starting with `prefix`.

@@ -143,8 +143,15 @@ async fn nothing_of_a_pod_s_image_runs_in_the_criu_stasisd_runs_in_its_container
     marker_library(mark.path(), &Path::new(MARK_OUT).join("loaded-by"));
     let preload = mark.path().join("ld.so.preload");
     std::fs::write(&preload, format!("{PLUGINS}/mark.so\n")).unwrap();
-    let mounts =
-        [(mark.path().to_str().unwrap(), PLUGINS), (preload.to_str().unwrap(), "/etc/ld.so.preload")];
+    // And a CRIU configuration file naming that plugin directory: CRIU reads its default
+    // configuration (/etc/criu/default.conf) wherever its root is.
+    let config = tempfile::tempdir().expect("a directory for the configuration");
+    std::fs::write(config.path().join("default.conf"), format!("libdir {PLUGINS}\n")).unwrap();
+    let mounts = [
+        (mark.path().to_str().unwrap(), PLUGINS),
+        (preload.to_str().unwrap(), "/etc/ld.so.preload"),
+        (config.path().to_str().unwrap(), "/etc/criu"),
+    ];
     let spec = admitted(&with_host_paths(
         stateful_pod("marked-0", "marked", "0", &[("main", IMAGE, &COUNTER)]),
         &mounts,

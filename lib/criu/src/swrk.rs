@@ -86,11 +86,20 @@ impl Session {
                 let root = std::fs::File::open(&root)
                     .map_err(|source| CriuError::Spawn { path: root.clone(), source })?;
                 // Found here, in stasisd's PATH: the one set below is CRIU's.
-                let mut cmd = Command::new(stasis_linux::find_program(NSENTER).unwrap_or(NSENTER.into()));
+                let nsenter = stasis_linux::find_program(NSENTER).ok_or_else(|| CriuError::Spawn {
+                    path: NSENTER.into(),
+                    source: std::io::Error::new(std::io::ErrorKind::NotFound, "not in stasisd's PATH"),
+                })?;
+                let mut cmd = Command::new(nsenter);
                 let (root_opt, wd_opt) =
                     (format!("--root={}", bundle.display()), format!("--wd={}", bundle.display()));
                 cmd.args(["--target", &enter.pid.to_string(), "--all", &root_opt, &wd_opt, "--"])
                     .args(["/ld.so", "--preload", ENTER_ROOT, "--library-path", "/lib", "/criu"])
+                    // CRIU reads /etc/criu/default.conf and ~/.criu/default.conf (and the file
+                    // CRIU_CONFIG_FILE names) wherever its root is: in the container's, they are
+                    // the image's, and could name plugins or action scripts to run as root.
+                    .arg("--no-default-config")
+                    .env_remove("CRIU_CONFIG_FILE")
                     .env(ENTER_ROOT_FD, root.as_raw_fd().to_string())
                     .env("PATH", enter.bundle.join(NO_PROGRAMS))
                     .env(PLUGINS_VAR, enter.bundle.join(NO_PLUGINS));
