@@ -82,3 +82,10 @@ pub fn loaders(marker: &Path) -> Vec<Loader> {
         })
         .collect()
 }
+
+/// The lines of marker file `marker` written by a process with CAP_SYS_ADMIN in its bounding
+/// set, read as text (so that a line [`loaders`] cannot parse is not missed).
+pub fn privileged_lines(marker: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(marker).unwrap_or_default();
+    text.lines().filter(|l| l.contains("sysadmin=1")).map(str::to_owned).collect()
+}

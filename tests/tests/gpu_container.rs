@@ -19,7 +19,7 @@ use stasis_tests::kube::{
     stdout_lines, translate, with_host_paths,
 };
 use stasis_tests::podman::{IMAGE, Podman};
-use stasis_tests::preload::{loaders, marker_library};
+use stasis_tests::preload::{loaders, marker_library, privileged_lines};
 use stasis_tests::{Daemon, DaemonOptions, TIMEOUT, expect_within, procfs, skip_unless_ready, wait_for};
 
 /// Where the containers find the fake driver library, and (`states` beside it, writable) its
@@ -223,7 +223,7 @@ async fn a_cuda_job_in_a_container_is_evicted_and_restored_through_the_driver_in
     // CUDA helper.
     let loaded = loaders(&loaded_by.path().join("loaded-by"));
     assert!(loaded.iter().any(|l| !l.sys_admin && l.exe.contains("python")), "the job loads it: {loaded:?}");
-    let privileged: Vec<_> = loaded.iter().filter(|l| l.sys_admin).collect();
+    let privileged = privileged_lines(&loaded_by.path().join("loaded-by"));
     assert!(privileged.is_empty(), "the image's preload ran with the node's capabilities: {privileged:?}");
     let started = std::fs::read_to_string(states.join("init-ran")).unwrap_or_default();
     assert!(

@@ -20,7 +20,7 @@ use stasis_tests::kube::{
     stateful_pod, stdout_lines, translate, with_host_paths,
 };
 use stasis_tests::podman::{IMAGE, Podman};
-use stasis_tests::preload::{loaders, marker_library};
+use stasis_tests::preload::{loaders, marker_library, privileged_lines};
 use stasis_tests::{Daemon, DaemonOptions, TIMEOUT, expect_within, skip_unless_ready, wait_for};
 
 /// Counts on stdout, one number every 100 ms, from 1: its state is in its memory alone.
@@ -186,7 +186,7 @@ async fn nothing_of_a_pod_s_image_runs_in_the_criu_stasisd_runs_in_its_container
     assert_eq!(counted(&second)[0], last + 1, "restored\n{}", d.log_tail(40));
     kubelet.delete(second, grace(&spec)).await;
 
-    let privileged: Vec<_> = loaders(&marker).into_iter().filter(|l| l.sys_admin).collect();
+    let privileged = privileged_lines(&marker);
     assert!(privileged.is_empty(), "the image's code ran with the node's capabilities: {privileged:?}");
 }
 

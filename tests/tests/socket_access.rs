@@ -315,3 +315,59 @@ fn a_group_member_cannot_take_a_containers_name() {
     // Root may (the node agent registers containers as root).
     d.json(&["run", "--workload", "k8s.ns.statefulset.db.0.main", "--json", "--", "/bin/sleep", "60"]);
 }
+
+/// A restore hands a process no file its own user may not open: CRIU reopens files by path as
+/// root and checks only their size and mode, so a file replaced since the checkpoint by one of
+/// root's with the same size and mode must not reach the restored process. The job opens
+/// files as nobody (its filesystem ids) while its other ids stay root's: this VM's root lacks
+/// CAP_SYS_RESOURCE, without which CRIU cannot checkpoint another user's process at all.
+#[test]
+fn a_restored_process_gets_no_file_its_user_may_not_open() {
+    skip_unless_ready!();
+    let d = Daemon::start();
+    let dir = tempfile::Builder::new().prefix("stasis-owned").tempdir_in("/var/tmp").unwrap();
+    let file = dir.path().join("notes");
+    // `notes` as nobody's file (mode 0600), or as root's of the same size and mode.
+    let put = |text: &str, owner: u32| {
+        let staged = dir.path().join("staged");
+        std::fs::write(&staged, text).unwrap();
+        std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o600)).unwrap();
+        std::os::unix::fs::chown(&staged, Some(owner), Some(owner)).unwrap();
+        std::fs::rename(&staged, &file).unwrap();
+    };
+    put("nobody's own notes\n", 65534);
+    let script = format!(
+        "import ctypes, time\nf = open('{}')\nlibc = ctypes.CDLL(None)\nlibc.setfsgid(65534)\n\
+         libc.setfsuid(65534)\nprint('ready', flush=True)\ntime.sleep(600)",
+        file.display()
+    );
+    let mut job = d.run("owned", &[python(), "-c".into(), script]);
+    expect_within(TIMEOUT, "the job to hold the file", || (!holders(&file).is_empty()).then_some(()));
+    let ck = d.json(&["checkpoint", "--workload", &job.name, "--json"]);
+    expect_within(TIMEOUT, "the evicted job to be gone", || (!procfs::exists(job.pid)).then_some(()));
+
+    // The path now leads to a file of root's: the restore is refused before the job runs.
+    put("root's secret notes", 0);
+    let err = d.cli_err(&["restore", "--workload", &job.name, "--json"]);
+    assert!(err.contains("may not open") && err.contains("notes"), "{err}\n{}", d.log_tail(30));
+    assert_eq!(holders(&file), Vec::<i32>::new(), "a restored process holds root's file");
+
+    // With nobody's file back, the same checkpoint restores.
+    put("nobody's own notes\n", 65534);
+    let restored = d.json(&["restore", "--workload", &job.name, "--json"]);
+    assert_eq!(restored["id"], ck["id"], "{restored}");
+    job.restored(&restored);
+    let command = procfs::command_of(job.pid);
+    assert_eq!(holders(&file), vec![command], "it holds the file again");
+}
+
+/// The processes holding `file` open.
+fn holders(file: &std::path::Path) -> Vec<i32> {
+    let pids =
+        std::fs::read_dir("/proc").unwrap().flatten().filter_map(|e| e.file_name().to_str()?.parse().ok());
+    pids.filter(|pid: &i32| {
+        let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).into_iter().flatten().flatten();
+        fds.into_iter().any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t == file))
+    })
+    .collect()
+}

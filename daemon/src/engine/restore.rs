@@ -453,6 +453,9 @@ impl Engine {
         };
         session.iter().for_each(LazySession::arm);
         let faults = session.as_ref().map(LazySession::fault_guard);
+        if let Some(guard) = &faults {
+            guard.hand_over(spec.inherit_fds.iter().filter_map(|(_, fd)| file_id(fd)).collect());
+        }
         let lazy = session.as_ref().is_some_and(LazySession::is_lazy);
         let pre_resume = session.as_ref().map(LazySession::pre_resume);
         let mut on_notify =
@@ -654,6 +657,11 @@ fn replacement_files(
 /// The restored tree's roots as known before CRIU runs: the recorded pids, or none yet for a
 /// tree with its own pid namespace or restored into a container (its root is known once CRIU
 /// created it).
+/// The device and inode of the file open as `fd`.
+fn file_id(fd: &std::os::fd::OwnedFd) -> Option<(u64, u64)> {
+    nix::sys::stat::fstat(fd).ok().map(|st| (st.st_dev, st.st_ino))
+}
+
 fn initial_roots(manifest: &Manifest) -> Roots {
     let renumbered = manifest.own_pid_namespace || manifest.pod.is_some();
     let known = if renumbered { Vec::new() } else { manifest.pids.clone() };

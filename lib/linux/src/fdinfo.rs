@@ -1,6 +1,7 @@
 //! What `/proc/PID/fdinfo/N` tells of one open descriptor beyond its path: the locks held
 //! through it (every kind: POSIX, flock and open-file-description locks, which `/proc/locks`
-//! shows with pid -1), and, for a pseudo-terminal master, the index of its slave.
+//! shows with pid -1), for a pseudo-terminal master, the index of its slave, and its open
+//! flags.
 
 use std::fs;
 use std::io;
@@ -12,6 +13,8 @@ pub struct FdInfo {
     pub holds_lock: bool,
     /// For a pseudo-terminal master (`/dev/ptmx`): its slave's number (`/dev/pts/N`).
     pub tty_index: Option<u32>,
+    /// The descriptor's open flags (`O_RDWR`, `O_PATH`, ...).
+    pub flags: Option<i32>,
 }
 
 impl FdInfo {
@@ -29,6 +32,7 @@ impl FdInfo {
             match key {
                 "lock" => info.holds_lock |= !value.contains("->"), // "->": waiting for it
                 "tty-index" => info.tty_index = value.trim().parse().ok(),
+                "flags" => info.flags = i32::from_str_radix(value.trim(), 8).ok(),
                 _ => {}
             }
         }
@@ -53,13 +57,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn locks_of_every_kind_and_a_masters_index_are_read() {
+    fn locks_of_every_kind_a_masters_index_and_the_flags_are_read() {
         let ofd = "pos:\t0\nflags:\t02\nmnt_id:\t30\nino:\t12\nlock:\t1: OFDLCK  ADVISORY  WRITE -1 08:01:12 0 EOF\n";
-        assert_eq!(FdInfo::parse(ofd), FdInfo { holds_lock: true, tty_index: None });
+        assert_eq!(FdInfo::parse(ofd), FdInfo { holds_lock: true, tty_index: None, flags: Some(2) });
         let waiting = "pos:\t0\nlock:\t1: -> FLOCK  ADVISORY  WRITE 77 08:01:12 0 EOF\n";
         assert!(!FdInfo::parse(waiting).holds_lock);
         let master = "pos:\t0\nflags:\t0100002\nmnt_id:\t25\nino:\t2\ntty-index:\t7\n";
-        assert_eq!(FdInfo::parse(master), FdInfo { holds_lock: false, tty_index: Some(7) });
+        assert_eq!(
+            FdInfo::parse(master),
+            FdInfo { holds_lock: false, tty_index: Some(7), flags: Some(0o100002) }
+        );
         assert_eq!(pty_slave_index("/dev/pts/12"), Some(12));
         assert_eq!(pty_slave_index("/dev/pts/ptmx"), None);
         assert!(is_pty_master("/dev/ptmx") && !is_pty_master("/dev/pts/0"));

@@ -14,6 +14,7 @@ pub mod iptables;
 pub mod net;
 pub mod netlink;
 pub mod nft;
+pub mod owner_access;
 pub mod port_watch;
 pub mod private_dir;
 pub mod proc;

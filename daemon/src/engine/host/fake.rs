@@ -45,6 +45,8 @@ pub struct FakeHost {
     /// Processes holding NVIDIA device files whatever their CUDA state (none by default: a
     /// CUDA process's go with its checkpoint).
     pub device_holders: Mutex<Vec<i32>>,
+    /// Files processes hold that their user may not open (none by default).
+    pub foreign_files: Mutex<HashMap<i32, Vec<String>>>,
     /// Every signal sent, in order.
     pub signals: Mutex<Vec<(i32, Signal)>>,
     /// Calls of `leave_repair`.
@@ -244,6 +246,14 @@ impl Host for FakeHost {
     fn nvidia_device_holders(&self, pids: &[i32]) -> Vec<i32> {
         let holders = self.device_holders.lock().unwrap();
         pids.iter().copied().filter(|p| holders.contains(p)).collect()
+    }
+
+    fn files_its_user_may_not_open(
+        &self,
+        pid: i32,
+        _exempt: &HashSet<(u64, u64)>,
+    ) -> io::Result<Vec<String>> {
+        Ok(self.foreign_files.lock().unwrap().get(&pid).cloned().unwrap_or_default())
     }
 
     fn sockets(&self, _pids: &[i32]) -> TreeSockets {

@@ -148,6 +148,10 @@ impl Host for LinuxHost {
         crate::cuda::nvidia_device_holders(pids)
     }
 
+    fn files_its_user_may_not_open(&self, pid: i32, exempt: &HashSet<(u64, u64)>) -> io::Result<Vec<String>> {
+        crate::linux::owner_access::files_its_user_may_not_open(pid, exempt)
+    }
+
     fn sockets(&self, pids: &[i32]) -> TreeSockets {
         sockets::survey(pids)
     }

@@ -113,6 +113,10 @@ pub trait Host: Watches + Userfaults + NetworkLocks + Containers {
     fn cuda_candidates(&self, pids: &[i32]) -> Vec<i32>;
     /// Which of `pids` hold NVIDIA device files (open or mapped).
     fn nvidia_device_holders(&self, pids: &[i32]) -> Vec<i32>;
+    /// The files process `pid` holds (descriptors and mappings) that its own user may not open
+    /// with the access it holds them with, leaving out those in `exempt` (device and inode);
+    /// none for a process of root's (see `linux::owner_access`).
+    fn files_its_user_may_not_open(&self, pid: i32, exempt: &HashSet<(u64, u64)>) -> io::Result<Vec<String>>;
     /// The sockets `pids` hold (see `sockets::survey`).
     fn sockets(&self, pids: &[i32]) -> TreeSockets;
     /// The sockets of stasisd's own network namespace, now.

@@ -13,6 +13,7 @@
 //! It is started with the session (a plain spawn, in the background), so neither CRIU nor
 //! the tree waits for it.
 
+use std::collections::HashSet;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -62,6 +63,19 @@ pub enum GuardError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "restored process {pid} would hold files its user may not open: {}; CRIU reopens files by \
+         path as root, so a path that leads elsewhere since the checkpoint (a file replaced by a \
+         link) would hand it another file: the tree was killed before it ran",
+        files.join(", ")
+    )]
+    NotItsFiles { pid: i32, files: Vec<String> },
+    #[error("cannot tell which files restored process {pid} may open")]
+    FilesUnknown {
+        pid: i32,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// The guard of one session.
@@ -76,6 +90,8 @@ pub(in crate::engine) struct FaultGuard {
     ran: Arc<AtomicBool>,
     /// Why the guard could not start (CRIU only logs a failed notification and goes on).
     failure: Arc<Mutex<Option<Arc<GuardError>>>>,
+    /// Files stasisd hands the tree itself (device, inode): not asked about at pre-resume.
+    handed: Arc<Mutex<HashSet<(u64, u64)>>>,
 }
 
 /// Where the guard process is.
@@ -183,7 +199,29 @@ impl FaultGuard {
             process: Arc::new(Mutex::new(Slot::Starting(rx))),
             ran: Default::default(),
             failure: Default::default(),
+            handed: Default::default(),
         }
+    }
+
+    /// Files (device, inode) stasisd hands the tree itself, in place of what it had open.
+    pub(in crate::engine) fn hand_over(&self, files: HashSet<(u64, u64)>) {
+        *lock(&self.handed) = files;
+    }
+
+    /// Refuses a tree any of whose processes would run holding a file its user may not open
+    /// (one CRIU, as root, reopened by a path that may since lead elsewhere).
+    fn check_files(&self, pids: &[i32]) -> Result<(), GuardError> {
+        let handed = lock(&self.handed).clone();
+        for &pid in pids {
+            let files = self
+                .host
+                .files_its_user_may_not_open(pid, &handed)
+                .map_err(|source| GuardError::FilesUnknown { pid, source })?;
+            if !files.is_empty() {
+                return Err(GuardError::NotItsFiles { pid, files });
+            }
+        }
+        Ok(())
     }
 
     /// The tree's processes, root first, now that CRIU (process `criu`) has created them.
@@ -207,7 +245,10 @@ impl FaultGuard {
     /// Has the guard hold the tree's userfaultfds, at CRIU's (process `criu`) pre-resume. A
     /// failure is recorded: the restore then kills the tree rather than let it run unguarded.
     pub(in crate::engine) fn start(&self, criu: i32) -> Result<(), Arc<GuardError>> {
-        let result = self.pids(criu).and_then(|pids| self.try_start(&pids)).map_err(Arc::new);
+        let result = self
+            .pids(criu)
+            .and_then(|pids| self.check_files(&pids).and_then(|()| self.try_start(&pids)))
+            .map_err(Arc::new);
         if let Err(reason) = &result {
             *lock(&self.failure) = Some(reason.clone());
         }
@@ -297,6 +338,23 @@ mod tests {
         assert!(matches!(*why, GuardError::NoNamespaceRoot(CRIU)), "{why}");
         assert!(matches!(guard.failed().as_deref(), Some(GuardError::NoNamespaceRoot(CRIU))));
         assert!(lock(&roots).is_empty(), "no root to kill was made up");
+        assert!(!guard.holding());
+        guard.release();
+    }
+
+    #[test]
+    fn a_tree_holding_a_file_its_user_may_not_open_is_refused_before_the_guard_holds_it() {
+        let host = FakeHost::default();
+        host.foreign_files.lock().unwrap().insert(CRIU + 2, vec!["fd 5 (/etc/shadow)".into()]);
+        let control = Arc::new(Control::new().unwrap());
+        let guard = FaultGuard::new(Arc::new(host), control, TreePids::Recorded(vec![CRIU + 1, CRIU + 2]));
+        let err = guard.start(CRIU).unwrap_err();
+        assert!(
+            matches!(&*err, GuardError::NotItsFiles { pid, files } if *pid == CRIU + 2 && files.len() == 1)
+        );
+        assert!(err.to_string().contains("/etc/shadow") && err.to_string().contains("killed"), "{err}");
+        let why = guard.not_started().expect("refused before it held anything");
+        assert!(matches!(*why, GuardError::NotItsFiles { .. }), "{why}");
         assert!(!guard.holding());
         guard.release();
     }
