@@ -144,9 +144,13 @@ mod tests {
             "exec 5<>'{}'; exec setpriv --reuid nobody --regid nogroup --clear-groups -- sh -c 'echo ready; exec sleep 30' 6</dev/null",
             file.display()
         );
+        // Its stdin and stderr are /dev/null, not whatever this test runner has (a log file
+        // of root's, say, which user nobody may not write to).
         let mut child = std::process::Command::new("sh")
             .args(["-c", &script])
+            .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
         let mut line = String::new();
