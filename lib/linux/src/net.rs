@@ -54,6 +54,9 @@ pub struct SocketEntry {
     pub path: Option<String>,
     /// Unix sockets: listening.
     pub listening: bool,
+    /// TCP and UDP: the receive queue, which for a TCP listener is the number of connections
+    /// waiting to be accepted.
+    pub queued: u32,
 }
 
 /// Every socket of one network namespace, by inode.
@@ -129,6 +132,7 @@ fn parse_inet_table(text: &str, kind: SocketKind) -> Vec<(u64, SocketEntry)> {
             let local = parse_hex_addr(cols.get(1)?)?;
             let remote = parse_hex_addr(cols.get(2)?)?;
             let state = u8::from_str_radix(cols.get(3)?, 16).ok()?;
+            let queued = cols.get(4)?.split_once(':').and_then(|(_, rx)| u32::from_str_radix(rx, 16).ok())?;
             let inode: u64 = cols.get(9)?.parse().ok()?;
             let state = match kind {
                 SocketKind::Tcp => tcp_state_name(state),
@@ -137,7 +141,8 @@ fn parse_inet_table(text: &str, kind: SocketKind) -> Vec<(u64, SocketEntry)> {
                 _ => "",
             };
             let remote = (!remote.ip().is_unspecified() || remote.port() != 0).then_some(remote);
-            let entry = SocketEntry { kind, state, local: Some(local), remote, path: None, listening: false };
+            let entry =
+                SocketEntry { kind, state, local: Some(local), remote, path: None, listening: false, queued };
             Some((inode, entry))
         })
         .collect()
@@ -200,6 +205,7 @@ fn parse_unix_table(text: &str) -> Vec<(u64, SocketEntry)> {
                 remote: None,
                 path: cols.get(7).map(|p| p.to_string()),
                 listening: flags & UNIX_ACCEPTCON != 0,
+                queued: 0,
             };
             Some((inode, entry))
         })
@@ -212,7 +218,16 @@ fn parse_inode_column(text: &str, column: usize, kind: SocketKind) -> Vec<(u64, 
         .skip(1)
         .filter_map(|line| line.split_whitespace().nth(column)?.parse().ok())
         .map(|inode| {
-            (inode, SocketEntry { kind, state: "", local: None, remote: None, path: None, listening: false })
+            let entry = SocketEntry {
+                kind,
+                state: "",
+                local: None,
+                remote: None,
+                path: None,
+                listening: false,
+                queued: 0,
+            };
+            (inode, entry)
         })
         .collect()
 }
@@ -281,6 +296,26 @@ pub fn own_netns() -> io::Result<u64> {
     Ok(fs::metadata("/proc/self/ns/net")?.ino())
 }
 
+/// The TCP listeners of processes `pids` with connections waiting to be accepted: a client
+/// that connected before they were stopped, which an eviction would leave unanswered.
+pub fn listeners_with_waiting_connections(pids: &[i32]) -> Vec<SocketAddr> {
+    let mut found = Vec::new();
+    for &pid in pids {
+        let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else { continue };
+        let table = SocketTable::of(pid);
+        for fd in fds.flatten() {
+            let Some(inode) = fs::read_link(fd.path()).ok().as_deref().and_then(socket_inode) else {
+                continue;
+            };
+            let Some(entry) = table.by_inode.get(&inode) else { continue };
+            if entry.kind == SocketKind::Tcp && entry.state == "listen" && entry.queued > 0 {
+                found.extend(entry.local.filter(|l| !found.contains(l)));
+            }
+        }
+    }
+    found
+}
+
 /// The inode of a `socket:[N]` link target.
 pub fn socket_inode(target: &std::path::Path) -> Option<u64> {
     target.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok()
@@ -297,6 +332,23 @@ mod tests {
     const TCP6: &str = "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
    0: 00000000000000000000000001000000:0035 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3333 1 0 100 0 0 10 0
 ";
+
+    #[test]
+    fn a_listener_with_a_connection_not_yet_accepted_is_found_until_it_is_accepted() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let me = [std::process::id() as i32];
+        assert!(!listeners_with_waiting_connections(&me).contains(&addr), "nothing waits yet");
+        let _client = std::net::TcpStream::connect(addr).unwrap();
+        let waiting = (0..100).find_map(|_| {
+            let found = listeners_with_waiting_connections(&me);
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            found.contains(&addr).then_some(found)
+        });
+        assert!(waiting.is_some(), "the connection waits in {addr}'s accept queue");
+        let _accepted = listener.accept().unwrap();
+        assert!(!listeners_with_waiting_connections(&me).contains(&addr), "accepted, nothing waits");
+    }
 
     #[test]
     fn inet_rows_give_addresses_and_states() {

@@ -206,7 +206,7 @@ impl Engine {
             send(job.outcome(true, *stats));
         }
         match stored {
-            Ok(stats) if job.used_during_reclaim() => {
+            Ok(stats) if job.used_during_reclaim() || self.connections_waiting(&job, &tree) => {
                 // What could not be undone is logged; the checkpoint itself is good.
                 hold.resume().await;
                 let job = Job { leave_running: true, ..job };
@@ -218,6 +218,21 @@ impl Engine {
             }
             Err(e) => Err(hold.give_back(e).await),
         }
+    }
+
+    /// Whether `job` is an idle reclaim whose stopped tree has connections waiting to be
+    /// accepted: a client that connected before the reclaim watched its ports, or before the
+    /// tree stopped. Stopping the tree would leave it unanswered (CRIU leaves such connections
+    /// out), so the reclaim backs off and the tree answers it.
+    fn connections_waiting(&self, job: &Job, tree: &TreeInfo) -> bool {
+        if job.leave_running || job.reclaim.is_none() {
+            return false;
+        }
+        let waiting = self.deps.host.listeners_with_waiting_connections(&self.tree_now(tree));
+        if !waiting.is_empty() {
+            info!(checkpoint = %job.id, listeners = ?waiting, "connections wait to be accepted: the reclaim backs off");
+        }
+        !waiting.is_empty()
     }
 
     /// Inspects the tree of `pid` and refuses, before anything touches it, what cannot be

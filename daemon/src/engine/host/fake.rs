@@ -45,6 +45,8 @@ pub struct FakeHost {
     /// Processes holding NVIDIA device files whatever their CUDA state (none by default: a
     /// CUDA process's go with its checkpoint).
     pub device_holders: Mutex<Vec<i32>>,
+    /// Listeners with connections waiting to be accepted (none by default).
+    pub waiting_connections: Mutex<Vec<SocketAddr>>,
     /// Files processes hold that their user may not open (none by default).
     pub foreign_files: Mutex<HashMap<i32, Vec<String>>>,
     /// Every signal sent, in order.
@@ -258,6 +260,10 @@ impl Host for FakeHost {
 
     fn sockets(&self, _pids: &[i32]) -> TreeSockets {
         self.sockets.lock().unwrap().clone()
+    }
+
+    fn listeners_with_waiting_connections(&self, _pids: &[i32]) -> Vec<SocketAddr> {
+        self.waiting_connections.lock().unwrap().clone()
     }
 
     fn socket_table(&self) -> SocketTable {

@@ -156,6 +156,10 @@ impl Host for LinuxHost {
         sockets::survey(pids)
     }
 
+    fn listeners_with_waiting_connections(&self, pids: &[i32]) -> Vec<SocketAddr> {
+        net::listeners_with_waiting_connections(pids)
+    }
+
     fn socket_table(&self) -> SocketTable {
         SocketTable::own()
     }

@@ -29,6 +29,7 @@ mod tests;
 use std::collections::HashSet;
 use std::fs::File;
 use std::io;
+use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -119,6 +120,8 @@ pub trait Host: Watches + Userfaults + NetworkLocks + Containers {
     fn files_its_user_may_not_open(&self, pid: i32, exempt: &HashSet<(u64, u64)>) -> io::Result<Vec<String>>;
     /// The sockets `pids` hold (see `sockets::survey`).
     fn sockets(&self, pids: &[i32]) -> TreeSockets;
+    /// The TCP listeners of `pids` with connections waiting to be accepted.
+    fn listeners_with_waiting_connections(&self, pids: &[i32]) -> Vec<SocketAddr>;
     /// The sockets of stasisd's own network namespace, now.
     fn socket_table(&self) -> SocketTable;
     /// The processes that hold socket `inode`, as pid and command name.

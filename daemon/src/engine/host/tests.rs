@@ -143,6 +143,7 @@ async fn a_restore_whose_port_is_taken_here_is_refused_before_criu_and_gives_the
         remote: None,
         path: None,
         listening: false,
+        queued: 0,
     };
     r.host.namespace_sockets.lock().unwrap().insert(77, (taken, 4242));
     let err = r.restore(&id).await.unwrap_err();

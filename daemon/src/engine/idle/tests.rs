@@ -115,6 +115,22 @@ async fn a_use_seen_during_the_reclaim_leaves_the_workload_running() {
 }
 
 #[tokio::test]
+async fn a_connection_waiting_to_be_accepted_when_the_tree_stopped_leaves_the_workload_running() {
+    // A client connected before the reclaim watched the ports (no use is seen), and the tree
+    // stopped before accepting it: stopping the tree for good would leave it unanswered.
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    let (name, port) = listening_rig(&r).await;
+    let listener = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    r.host.waiting_connections.lock().unwrap().push(listener);
+    assert_eq!(r.engine.reclaim(&name).await.unwrap(), None, "the reclaim backs off");
+    assert!(r.host.signals_of(Signal::SIGKILL).is_empty());
+    assert_eq!(r.workload(&name).reclaimed, None);
+    // An eviction that is not a reclaim stops the tree whatever waits.
+    let evicted = r.checkpoint(false).await.unwrap();
+    assert!(!evicted.left_running);
+}
+
+#[tokio::test]
 async fn a_reclaim_whose_watches_cannot_be_installed_goes_on_unwatched() {
     let r = rig(FakeCriu::default(), FakeGpu::default());
     let (name, port) = listening_rig(&r).await;
