@@ -654,14 +654,14 @@ fn replacement_files(
     Ok(files)
 }
 
-/// The restored tree's roots as known before CRIU runs: the recorded pids, or none yet for a
-/// tree with its own pid namespace or restored into a container (its root is known once CRIU
-/// created it).
 /// The device and inode of the file open as `fd`.
 fn file_id(fd: &std::os::fd::OwnedFd) -> Option<(u64, u64)> {
     nix::sys::stat::fstat(fd).ok().map(|st| (st.st_dev, st.st_ino))
 }
 
+/// The restored tree's roots as known before CRIU runs: the recorded pids, or none yet for a
+/// tree with its own pid namespace or restored into a container (its root is known once CRIU
+/// created it).
 fn initial_roots(manifest: &Manifest) -> Roots {
     let renumbered = manifest.own_pid_namespace || manifest.pod.is_some();
     let known = if renumbered { Vec::new() } else { manifest.pids.clone() };

@@ -299,14 +299,12 @@ pub fn own_netns() -> io::Result<u64> {
 /// The TCP listeners of processes `pids` with connections waiting to be accepted: a client
 /// that connected before they were stopped, which an eviction would leave unanswered.
 pub fn listeners_with_waiting_connections(pids: &[i32]) -> Vec<SocketAddr> {
+    let mut tables: HashMap<u64, SocketTable> = HashMap::new();
     let mut found = Vec::new();
     for &pid in pids {
-        let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else { continue };
-        let table = SocketTable::of(pid);
-        for fd in fds.flatten() {
-            let Some(inode) = fs::read_link(fd.path()).ok().as_deref().and_then(socket_inode) else {
-                continue;
-            };
+        let (Ok(netns), Ok(fds)) = (netns_of(pid), super::proc::fd_targets(pid)) else { continue };
+        let table = tables.entry(netns).or_insert_with(|| SocketTable::of(pid));
+        for inode in fds.iter().filter_map(|(_, target)| socket_inode(target)) {
             let Some(entry) = table.by_inode.get(&inode) else { continue };
             if entry.kind == SocketKind::Tcp && entry.state == "listen" && entry.queued > 0 {
                 found.extend(entry.local.filter(|l| !found.contains(l)));

@@ -60,18 +60,9 @@ fn ids_of(status: &str) -> Option<Ids> {
     Some(Ids { uid, gid, groups })
 }
 
-/// Opens `link` (a `/proc` link to a file) as `O_PATH`; `None` for a file without a path, one
-/// in `exempt`, or one gone meanwhile.
+/// Opens `link` (a `/proc` link to a file with a path) as `O_PATH`; `None` for a socket, a
+/// file in `exempt`, or one gone meanwhile.
 fn open_held(link: &str, exempt: &HashSet<FileId>) -> io::Result<Option<OwnedFd>> {
-    let target = match fs::read_link(link) {
-        Ok(target) => target,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    // `pipe:[..]`, `socket:[..]`, `anon_inode:..`: nothing CRIU opens by path.
-    if !target.is_absolute() {
-        return Ok(None);
-    }
     let file = match fs::OpenOptions::new().read(true).custom_flags(libc::O_PATH).open(link) {
         Ok(file) => file,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
@@ -85,10 +76,12 @@ fn open_held(link: &str, exempt: &HashSet<FileId>) -> io::Result<Option<OwnedFd>
 /// Process `pid`'s descriptors of files with a path, with the access each was opened for.
 fn descriptors(pid: i32, exempt: &HashSet<FileId>) -> io::Result<Vec<Held>> {
     let mut held = Vec::new();
-    for entry in fs::read_dir(format!("/proc/{pid}/fd"))? {
-        let Ok(fd) = entry?.file_name().to_string_lossy().parse::<i32>() else { continue };
-        let link = format!("/proc/{pid}/fd/{fd}");
-        let Some(file) = open_held(&link, exempt)? else { continue };
+    for (fd, target) in crate::proc::fd_targets(pid)? {
+        // `pipe:[..]`, `socket:[..]`, `anon_inode:..`: nothing CRIU opens by path.
+        if !target.is_absolute() {
+            continue;
+        }
+        let Some(file) = open_held(&format!("/proc/{pid}/fd/{fd}"), exempt)? else { continue };
         let Some(flags) = FdInfo::read(pid, fd).ok().and_then(|i| i.flags) else { continue };
         let mode = match flags & libc::O_ACCMODE {
             _ if flags & libc::O_PATH != 0 => continue,
@@ -96,8 +89,7 @@ fn descriptors(pid: i32, exempt: &HashSet<FileId>) -> io::Result<Vec<Held>> {
             libc::O_RDWR => libc::R_OK | libc::W_OK,
             _ => libc::R_OK,
         };
-        let path = fs::read_link(&link).map(|p| p.display().to_string()).unwrap_or_default();
-        held.push(Held { what: format!("fd {fd} ({path})"), file, mode });
+        held.push(Held { what: format!("fd {fd} ({})", target.display()), file, mode });
     }
     Ok(held)
 }

@@ -206,7 +206,7 @@ impl Engine {
             send(job.outcome(true, *stats));
         }
         match stored {
-            Ok(stats) if job.used_during_reclaim() || self.connections_waiting(&job, &tree) => {
+            Ok(stats) if self.reclaim_backs_off(&job, &tree) => {
                 // What could not be undone is logged; the checkpoint itself is good.
                 hold.resume().await;
                 let job = Job { leave_running: true, ..job };
@@ -220,19 +220,21 @@ impl Engine {
         }
     }
 
-    /// Whether `job` is an idle reclaim whose stopped tree has connections waiting to be
-    /// accepted: a client that connected before the reclaim watched its ports, or before the
-    /// tree stopped. Stopping the tree would leave it unanswered (CRIU leaves such connections
-    /// out), so the reclaim backs off and the tree answers it.
-    fn connections_waiting(&self, job: &Job, tree: &TreeInfo) -> bool {
-        if job.leave_running || job.reclaim.is_none() {
-            return false;
+    /// Whether `job` is an idle reclaim that must give its stopped tree back rather than stop
+    /// it: the workload was used meanwhile, or its tree has connections waiting to be accepted
+    /// (a client that connected before the reclaim watched its ports, or before the tree
+    /// stopped, which CRIU leaves out and stopping the tree would leave unanswered).
+    fn reclaim_backs_off(&self, job: &Job, tree: &TreeInfo) -> bool {
+        let Some(used) = job.reclaim.as_ref().filter(|_| !job.leave_running) else { return false };
+        if used.load(Ordering::SeqCst) {
+            return true;
         }
         let waiting = self.deps.host.listeners_with_waiting_connections(&self.tree_now(tree));
-        if !waiting.is_empty() {
-            info!(checkpoint = %job.id, listeners = ?waiting, "connections wait to be accepted: the reclaim backs off");
+        if waiting.is_empty() {
+            return false;
         }
-        !waiting.is_empty()
+        info!(checkpoint = %job.id, listeners = ?waiting, "connections wait to be accepted: the reclaim backs off");
+        true
     }
 
     /// Inspects the tree of `pid` and refuses, before anything touches it, what cannot be
@@ -484,11 +486,6 @@ impl Engine {
 }
 
 impl Job {
-    /// An idle reclaim whose workload was used meanwhile (checked before an eviction stops it).
-    fn used_during_reclaim(&self) -> bool {
-        !self.leave_running && self.reclaim.as_ref().is_some_and(|used| used.load(Ordering::SeqCst))
-    }
-
     /// Tells `on_resumed` and `progress` that the tree runs again (or is held stopped).
     fn resumed(&self, timing: &DumpTiming, on_resumed: OnResumed, progress: &ProgressFn) {
         progress(ProgressUpdate { phase: "resumed", done: 0, total: 0 });
