@@ -5,7 +5,8 @@
 //! with containerd's NRI: it injects the pod bundle and the endpoint and tells stasisd of the
 //! container. Containers reach only themselves through the pod endpoint; an eviction whose
 //! store fails leaves the job to stop as it would have without stasis. Nothing of a pod's image
-//! (its CRIU plugins, its preloaded libraries) runs in the CRIU stasisd runs in the container.
+//! (its CRIU plugins, its preloaded libraries, its configuration) runs in or steers the CRIU
+//! stasisd runs in the container.
 
 #![forbid(unsafe_code)]
 
@@ -147,6 +148,11 @@ async fn nothing_of_a_pod_s_image_runs_in_the_criu_stasisd_runs_in_its_container
     // configuration (/etc/criu/default.conf) wherever its root is.
     let config = tempfile::tempdir().expect("a directory for the configuration");
     std::fs::write(config.path().join("default.conf"), format!("libdir {PLUGINS}\n")).unwrap();
+    // And a cache of kernel facts where CRIU looks for one: CRIU would load it (this one is
+    // stale, so CRIU would delete it as root) or save its own there.
+    let run = tempfile::tempdir().expect("a directory for /run");
+    let facts = run.path().join("criu.kdat");
+    std::fs::write(&facts, b"the image's kernel facts").unwrap();
     let mounts = [
         (mark.path().to_str().unwrap(), PLUGINS),
         (preload.to_str().unwrap(), "/etc/ld.so.preload"),
@@ -160,6 +166,8 @@ async fn nothing_of_a_pod_s_image_runs_in_the_criu_stasisd_runs_in_its_container
         let (sandbox, mut main) = translate(kubelet, &spec);
         let host_path = loaded_by.path().display().to_string();
         main.mounts.push(Mount { container_path: MARK_OUT.into(), host_path, readonly: false });
+        let host_path = run.path().display().to_string();
+        main.mounts.push(Mount { container_path: "/run".into(), host_path, readonly: false });
         (sandbox, main)
     };
 
@@ -188,6 +196,14 @@ async fn nothing_of_a_pod_s_image_runs_in_the_criu_stasisd_runs_in_its_container
 
     let privileged = privileged_lines(&marker);
     assert!(privileged.is_empty(), "the image's code ran with the node's capabilities: {privileged:?}");
+    let kept = std::fs::read(&facts).ok();
+    assert_eq!(
+        kept.as_deref(),
+        Some(&b"the image's kernel facts"[..]),
+        "CRIU used the image's /run/criu.kdat"
+    );
+    let left: Vec<_> = std::fs::read_dir(run.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left, ["criu.kdat"], "CRIU left files in the container's /run");
 }
 
 #[tokio::test(flavor = "multi_thread")]
