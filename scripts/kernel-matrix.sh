@@ -393,25 +393,32 @@ tracking_expected() {
   fi
 }
 
-# unchanged CHECKPOINT_JSON: its stats.bytes_unchanged (fails where the field is missing).
+# unchanged CHECKPOINT_JSON [FIELD]: its stats.bytes_unchanged, or stats.FIELD (0 where the
+# JSON leaves a zero out; "missing" where the stats are).
 unchanged() {
   python3 -c '
 import json, sys
-v = json.loads(sys.argv[1])["stats"].get("bytes_unchanged")
-print("missing" if v is None else v)' "$1"
+stats = json.loads(sys.argv[1]).get("stats")
+print("missing" if stats is None else stats.get(sys.argv[2], 0))' "$1" "${2:-bytes_unchanged}"
 }
 
-# expect_unchanged WHAT CHECKPOINT_JSON zero|some: the checkpoint took no memory from the one
-# before (zero), or at least 12 MiB of it (some: most of tracked.py's 24 MiB did not change).
+# expect_unchanged WHAT CHECKPOINT_JSON zero|some [mixed]: the checkpoint took no memory from
+# the one before (zero), or at least 12 MiB of it (some: most of tracked.py's 24 MiB did not
+# change); with mixed (pages rewritten here and there, so that chunks mix written and unchanged
+# pages), some unchanged pages were read from the stopped tree rather than from that checkpoint.
 expect_unchanged() {
-  local what=$1 bytes
+  local what=$1 bytes from_tree
   bytes=$(unchanged "$2")
-  echo "$what: $(json id <<<"$2"), bytes_unchanged $bytes of $(json stats.bytes_total <<<"$2"), frozen $(json stats.frozen_ms <<<"$2") ms, $(json stats.chunks_new <<<"$2") of $(json stats.chunks_total <<<"$2") chunks new"
-  [ "$bytes" != missing ] || fail "$what: the checkpoint's stats have no bytes_unchanged"
+  from_tree=$(unchanged "$2" bytes_from_tree)
+  echo "$what: $(json id <<<"$2"), bytes_unchanged $bytes of $(json stats.bytes_total <<<"$2") ($from_tree from the tree), frozen $(json stats.frozen_ms <<<"$2") ms, $(json stats.chunks_new <<<"$2") of $(json stats.chunks_total <<<"$2") chunks new"
+  [ "$bytes" != missing ] || fail "$what: the checkpoint has no stats"
   case $3 in
     zero) [ "$bytes" = 0 ] || fail "$what: bytes_unchanged $bytes, expected 0 (tracking $tracking)" ;;
     some) [ "$bytes" -ge $((12 << 20)) ] || fail "$what: bytes_unchanged $bytes, expected at least 12 MiB (tracking $tracking)" ;;
   esac
+  if [ "${4:-}" = mixed ] && [ "$3" = some ] && [ "$from_tree" -le 0 ]; then
+    fail "$what: no unchanged page beside a written one was read from the stopped tree"
+  fi
 }
 
 # tracked_step N: SIGUSR1 to tracked.py, whose step N ends with `phase N sum S`; sets sum=S.
@@ -464,7 +471,7 @@ case_tracked() {
   tracked_step 1
   sum1=$sum
   ck2=$(cli checkpoint --workload tracked --leave-running --json)
-  expect_unchanged "checkpoint 2 (after rewriting 10%)" "$ck2" $some
+  expect_unchanged "checkpoint 2 (after rewriting 10%)" "$ck2" $some mixed
   tracked_step 2
   tracked_step 3
   restart_stasisd --keep-last 4
@@ -476,7 +483,7 @@ case_tracked() {
   tracked_step 4
   sum4=$sum
   ck=$(cli checkpoint --workload tracked --leave-running --json)
-  expect_unchanged "checkpoint 4 (after rewriting 5% again)" "$ck" $some
+  expect_unchanged "checkpoint 4 (after rewriting 5% again)" "$ck" $some mixed
   tracked_verify "$sum4" "after checkpoint 4, left running"
   evict tracked
   expect_unchanged "checkpoint 5 (the eviction)" "$ck" $some
@@ -578,7 +585,7 @@ evict_round() {
   evict "$name"
   evicted=$(json stats.durable_ms <<<"$ck")
   kept=$(unchanged "$ck")
-  echo "$name: cold checkpoint durable $cold ms ($(json stats.bytes_uploaded <<<"$ck0") bytes uploaded); eviction durable $evicted ms, frozen $(json stats.frozen_ms <<<"$ck") ms, $(json stats.bytes_uploaded <<<"$ck") bytes uploaded, bytes_unchanged $kept"
+  echo "$name: cold checkpoint durable $cold ms ($(json stats.bytes_uploaded <<<"$ck0") bytes uploaded); eviction durable $evicted ms, frozen $(json stats.frozen_ms <<<"$ck") ms, $(json stats.bytes_uploaded <<<"$ck") bytes uploaded, bytes_unchanged $kept ($(unchanged "$ck" bytes_from_tree) from the tree)"
   restore "$name" --lazy
   w=$(script_pid stasis-bench-workload)
   kill -USR2 "$w"

@@ -32,6 +32,7 @@ fn stats() -> CheckpointStats {
         gpu_restore_ms: 450,
         gpu_bytes: 1 << 30,
         bytes_unchanged: 3 << 20,
+        bytes_from_tree: 1 << 16,
     }
 }
 
@@ -93,7 +94,7 @@ fn checkpoint_result_nests_its_stats() {
                 "gpu_lock_ms": 1,
                 "gpu_checkpoint_ms": 900,
                 "gpu_restore_ms": 450,
-                "gpu_bytes": 1 << 30, "bytes_unchanged": 3 << 20,
+                "gpu_bytes": 1 << 30, "bytes_unchanged": 3 << 20, "bytes_from_tree": 1 << 16,
             },
         })
     );

@@ -47,6 +47,12 @@ pub trait PageSink {
 
     /// Takes a run; when it has data, exactly `run.byte_len()` bytes must be read from `data`.
     fn run(&mut self, run: PageRun, data: &mut dyn Read) -> io::Result<()>;
+
+    /// CRIU sent its last page and waits for its close to be answered: the tree it dumps is
+    /// still stopped until then. An error fails the dump.
+    fn close(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// The memory of a tree's previous checkpoint, as a dump tracking dirty pages sees it: CRIU

@@ -16,9 +16,9 @@
 //! tree's previous checkpoint has that pagemap, so that CRIU sends pages unchanged since then as
 //! "in parent" runs without data (`ADD_F` with the parent flag, or `HOLE`); 0 otherwise, and
 //! CRIU sends every page. An in-parent run is accepted only for such a pagemap and only where
-//! the previous checkpoint holds its pages. `PARENT` is answered with a 4-byte int, and `CLOSE`/`FORCE_CLOSE` with a
-//! 4-byte zero once everything is received. `ADD_F` with the present flag is followed by the
-//! pages' bytes. Nothing else is answered.
+//! the previous checkpoint holds its pages. `PARENT` is answered with a 4-byte int, and
+//! `CLOSE`/`FORCE_CLOSE` with a 4-byte zero once everything is received and the sink closed.
+//! `ADD_F` with the present flag is followed by the pages' bytes. Nothing else is answered.
 //!
 //! `OPEN`/`OPEN2` name a pagemap CRIU's restore will want, whether or not any page of it
 //! follows: a shared anonymous mapping never written has none, and its pagemap must still
@@ -177,6 +177,7 @@ pub fn serve<C: Read + Write>(
                 }
             }
             IOV_CLOSE | IOV_FORCE_CLOSE => {
+                sink.close().map_err(PageServerError::Sink)?;
                 conn.write_all(&0i32.to_ne_bytes()).map_err(PageServerError::Io)?;
                 return Ok(stats);
             }

@@ -227,6 +227,26 @@ pub fn share_memory(a: i32, b: i32) -> io::Result<bool> {
     }
 }
 
+/// `len` bytes at `addr` of process `pid`'s memory (`process_vm_readv`). A range not wholly
+/// mapped and readable is an error, not a short read.
+pub fn read_memory(pid: i32, addr: u64, len: usize) -> io::Result<Vec<u8>> {
+    let mut bytes = vec![0u8; len];
+    let local = libc::iovec { iov_base: bytes.as_mut_ptr().cast(), iov_len: len };
+    let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len };
+    // SAFETY: `local` describes `bytes`, which outlives the call and is written only within
+    // its length; `remote` is an address in the other process, which the kernel checks and
+    // only reads.
+    let read = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+    match usize::try_from(read) {
+        Err(_) => Err(io::Error::last_os_error()),
+        Ok(read) if read != len => Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!("{read} of {len} bytes at {addr:#x} of process {pid} readable"),
+        )),
+        Ok(_) => Ok(bytes),
+    }
+}
+
 /// Bytes under which an allocation comes from the heap rather than a mapping of its own.
 const HEAP_ALLOCATIONS_UP_TO: libc::c_int = 32 << 20;
 /// Free memory at a heap's top that the allocator keeps rather than handing back at once.
@@ -291,6 +311,35 @@ mod tests {
         let mut buf = [0u8; 16];
         let (n, fds) = recv_with_fds(theirs.as_fd(), &mut buf).unwrap().expect("a message is waiting");
         assert_eq!((n, fds.len()), (1, 200));
+    }
+
+    #[test]
+    fn a_process_s_memory_is_read_whole_or_not_at_all() {
+        let page = 4096;
+        let mut map = memmap2::MmapMut::map_anon(2 * page).unwrap();
+        map.iter_mut().enumerate().for_each(|(i, b)| *b = (i / 7) as u8);
+        let (addr, pid) = (map.as_ptr() as u64, std::process::id() as i32);
+        assert_eq!(read_memory(pid, addr + 100, page).unwrap(), map[100..100 + page]);
+        // Past the mapping's end (the page after it is left unmapped here), and nowhere.
+        let map_end = addr + 2 * page as u64;
+        // SAFETY: MAP_FIXED_NOREPLACE maps the page after the mapping only if nothing is there
+        // (it fails rather than replace anything); the probe is unmapped again below.
+        let probe = unsafe {
+            libc::mmap(
+                map_end as *mut libc::c_void,
+                page,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            )
+        };
+        if probe as u64 == map_end {
+            assert!(read_memory(pid, map_end - 10, 20).is_err(), "a range running into a PROT_NONE page");
+            // SAFETY: `probe` is the page mapped just above, used by nothing else.
+            unsafe { libc::munmap(probe, page) };
+        }
+        assert!(read_memory(pid, 8, 16).is_err());
     }
 }
 

@@ -38,6 +38,9 @@ pub struct ChunkStats {
     /// Bytes of memory CRIU did not read again, unchanged since the previous checkpoint of
     /// the tree (dirty-page tracking), and taken from it.
     pub bytes_unchanged: u64,
+    /// Of those, bytes sharing a chunk with written pages that were read from the stopped tree
+    /// rather than from the previous checkpoint (`tree_pages.rs`).
+    pub bytes_from_tree: u64,
 }
 
 /// Packs held in memory at once, being filled, queued or uploaded, by all checkpoints
@@ -424,6 +427,7 @@ mod tests {
                 chunks_zero: 1,
                 bytes_new: 2 * CHUNK as u64,
                 bytes_unchanged: 0,
+                bytes_from_tree: 0,
             }
         );
         assert!(refs[2].hash.is_empty());

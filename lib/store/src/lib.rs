@@ -39,6 +39,7 @@ mod read_back;
 mod sift;
 mod staging;
 mod stream;
+mod tree_pages;
 mod upload;
 
 use std::sync::Arc;
@@ -61,6 +62,7 @@ pub use sift::{Sifted, Sifting};
 pub use staging::{Staged, Staging, StagingBudget};
 pub use stasis_proto::stasis::store::v1::{Manifest, PodInfo};
 pub use stream::{BlockPool, StreamSink, StreamSource, stream};
+pub use tree_pages::TreeMemory;
 pub use upload::{DumpPages, StoredDump};
 
 use index::ChunkIndex;

@@ -77,6 +77,9 @@ pub(super) struct Building {
     /// Unchanged pages of the open stretch being read back, in address order, which the
     /// cutter holds as zeros.
     holes: VecDeque<Hole>,
+    /// Unchanged pages of the open stretch read from the stopped tree, by address, until their
+    /// window is cut (`tree_pages.rs`).
+    from_tree: HashMap<u64, Vec<u8>>,
 }
 
 /// Where the window holding `addr` ends.
@@ -187,9 +190,9 @@ impl Building {
         }
     }
 
-    /// The unchanged pages `start..end`, continuing the open stretch, read back from the
-    /// previous checkpoint (one read per window, running while the dump goes on) and chunked
-    /// as written ones are.
+    /// The unchanged pages `start..end`, continuing the open stretch, as the stopped tree
+    /// gave them or else read back from the previous checkpoint (one read per window, running
+    /// while the dump goes on), and chunked as written ones are.
     fn read_back<W: WindowSink>(
         &mut self,
         writer: &mut W,
@@ -197,16 +200,22 @@ impl Building {
         start: u64,
         end: u64,
     ) -> Result<(), ChunkingError<W::Error>> {
+        let mut bytes = vec![0u8; (end - start) as usize];
         let mut at = start;
         while at < end {
             let to = window_end(at).min(end);
-            self.holes.push_back(back.ask(self.image.dst_id, at, to)?);
+            match self.from_tree.remove(&at).filter(|read| read.len() as u64 == to - at) {
+                Some(read) => {
+                    writer.stats().bytes_from_tree += to - at;
+                    bytes[(at - start) as usize..(to - start) as usize].copy_from_slice(&read);
+                }
+                None => self.holes.push_back(back.ask(self.image.dst_id, at, to)?),
+            }
             at = to;
         }
-        let zeros = vec![0u8; (end - start) as usize];
         let (_, cutter) = self.open.as_mut().expect("a stretch is open");
         let first = cutter.window_start();
-        let windows = cutter.cut(&zeros);
+        let windows = cutter.cut(&bytes);
         self.emit(writer, back, windows, first)
     }
 
@@ -243,6 +252,8 @@ impl Building {
             }
         }
         debug_assert!(self.holes.is_empty(), "a closed stretch's reads back are all in windows");
+        // Pieces the tree gave that a window did not need (the previous checkpoint had its chunk).
+        self.from_tree.clear();
         Ok(())
     }
 }
@@ -264,6 +275,7 @@ impl MemoryChunker {
                 open: None,
                 pending: None,
                 holes: VecDeque::new(),
+                from_tree: HashMap::new(),
             }
         })
     }
@@ -316,6 +328,29 @@ impl MemoryChunker {
         match in_parent {
             false => building.written(writer, back, pieces),
             true => building.unchanged(writer, back, run.vaddr, run.vaddr + run.byte_len()),
+        }
+    }
+
+    /// Takes what the page server passed on: an image opened, a block of runs, or unchanged
+    /// pages read from the tree for a block to come. Returns the bytes of a block's pages.
+    pub(super) fn receive<W: WindowSink>(
+        &mut self,
+        writer: &mut W,
+        received: Received<'_>,
+    ) -> Result<u64, ChunkingError<W::Error>> {
+        match received {
+            Received::Opened(dst_id) => {
+                self.image(dst_id);
+                Ok(0)
+            }
+            Received::Block(block) => {
+                self.feed(writer, block.run, &[block.bytes()])?;
+                Ok(block.bytes().len() as u64)
+            }
+            Received::Unchanged(piece) => {
+                self.image(piece.dst_id).from_tree.insert(piece.start, piece.bytes);
+                Ok(0)
+            }
         }
     }
 
@@ -391,15 +426,7 @@ pub(super) fn streamed_images(
 ) -> Result<Vec<MemoryImage>, StreamFailure> {
     let mut chunker = MemoryChunker::new(parent);
     let taken = source.each(|received| {
-        match received {
-            Received::Opened(dst_id) => {
-                chunker.image(dst_id);
-            }
-            Received::Block(block) => {
-                chunker.feed(writer, block.run, &[block.bytes()])?;
-                advance(block.bytes().len() as u64);
-            }
-        }
+        advance(chunker.receive(writer, received)?);
         Ok(())
     });
     match taken {

@@ -11,7 +11,7 @@ use crate::chunks::CHUNK;
 use crate::sift::tests::stored_and_restored;
 use crate::staging::StagingBudget;
 use crate::stream::{BlockPool, stream};
-use crate::{DumpPages, Manifest, Sifted};
+use crate::{DumpPages, Manifest, Sifted, TreeMemory};
 use stasis_criu_images::pages::{PAGE_SIZE, PE_LAZY, PE_PARENT, PE_PRESENT, PageSink};
 
 const PAGE: u64 = PAGE_SIZE;
@@ -145,9 +145,24 @@ async fn sift_tracked(
     memory: &Memory,
     written: HashSet<u64>,
 ) -> Sifted {
+    sift_tracked_from(store, dir, parent, memory, written, None).await
+}
+
+/// [`sift_tracked`], with the page server reading unchanged pages from `tree`.
+async fn sift_tracked_from(
+    store: &Store,
+    dir: &Path,
+    parent: Parent,
+    memory: &Memory,
+    written: HashSet<u64>,
+    tree: Option<Box<dyn TreeMemory>>,
+) -> Sifted {
     let pool = BlockPool::default();
     let (mut sink, sifting) =
         store.sift(&StagingBudget::new(64 << 20), &dir.join("spill"), &pool, 0, Some(parent)).unwrap();
+    if let Some(tree) = tree {
+        sink = sink.reading_unchanged_from(tree);
+    }
     let sent = memory.clone();
     tokio::task::spawn_blocking(move || {
         send(&mut sink, &sent, Some(&written));
@@ -200,6 +215,49 @@ async fn a_sifted_dump_in_parent_restores_what_a_full_one_does_reading_back_only
     let ((full, _), sent) = tokio::join!(storing, sending);
     sent.unwrap();
     assert_eq!(layout(&tracked), layout(&full));
+}
+
+/// A stopped tree's memory, as the daemon reads it: `memory` with every byte XORed with `flip`.
+struct Tree(Memory, u8);
+
+impl TreeMemory for Tree {
+    fn read(&self, dst_id: u64, addr: u64, len: usize) -> Option<Vec<u8>> {
+        assert_eq!(dst_id, DST);
+        let (start, bytes) =
+            self.0.iter().find(|(start, b)| (*start..start + b.len() as u64).contains(&addr))?;
+        let at = (addr - start) as usize;
+        Some(bytes.get(at..at + len)?.iter().map(|b| b ^ self.1).collect())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unchanged_pages_beside_written_ones_come_from_the_stopped_tree_and_only_if_it_matches() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::in_dir(&dir.path().join("store"));
+    let first = first_checkpoint(&store, &dir.path().join("a")).await;
+    let (memory, written) = after(&before());
+
+    let reads = Arc::new(AtomicUsize::new(0));
+    let parent = counted_parent(&store, &first, reads.clone());
+    let tree = Box::new(Tree(memory.clone(), 0));
+    let sifted = sift_tracked_from(&store, dir.path(), parent, &memory, written.clone(), Some(tree)).await;
+    // The tree is read from once a written page of it matched what CRIU sent (window 5's):
+    // window 5's pages after it and window 40's after its first come from the tree. What is left
+    // to read back: window 5's pages before its written one, the second area's reshaped chunks.
+    let (from_tree, read) = (sifted.stats().bytes_from_tree, reads.load(Ordering::SeqCst));
+    assert_eq!(from_tree, (8 + 15) * PAGE);
+    assert!(read <= 3, "{read} chunks read back");
+    stored_whole(&store, dir.path(), sifted, &memory).await;
+
+    // A tree whose memory is not what CRIU sends (another process's): nothing is taken from it.
+    let reads = Arc::new(AtomicUsize::new(0));
+    let parent = counted_parent(&store, &first, reads.clone());
+    let wrong = Box::new(Tree(memory.clone(), 0xff));
+    let dir = dir.path().join("wrong");
+    let sifted = sift_tracked_from(&store, &dir, parent, &memory, written, Some(wrong)).await;
+    assert_eq!(sifted.stats().bytes_from_tree, 0);
+    assert!(reads.load(Ordering::SeqCst) > read, "read back instead");
+    stored_whole(&store, &dir, sifted, &memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -29,7 +29,7 @@ use super::index::{ChunkHash, ChunkIndex};
 use super::memory::{ChunkingError, MemoryChunker, WindowSink};
 use super::parent::Parent;
 use super::staging::{Staged, Staging, StagingBudget};
-use super::stream::{BlockPool, Received, StreamSink, StreamSource, Unfinished, stream};
+use super::stream::{BlockPool, StreamSink, StreamSource, Unfinished, stream};
 use stasis_criu_images::pages::{PAGE_SIZE, PE_PRESENT, PageRun, PageSink};
 
 /// Windows of a block hashed one by one rather than in parallel: splitting a few among threads
@@ -102,20 +102,14 @@ impl Sifting {
 /// Sifts what `source` brings; the memory images are made whole at its end.
 fn sift(source: StreamSource, mut keeper: Keeper, parent: Option<Parent>) -> io::Result<Sifted> {
     let mut chunker = MemoryChunker::new(parent);
-    source
-        .each(|received| match received {
-            Received::Opened(dst_id) => {
-                chunker.image(dst_id);
-                Ok(())
-            }
-            Received::Block(block) => chunker.feed(&mut keeper, block.run, &[block.bytes()]),
-        })
-        .map_err(|failure| match failure {
+    source.each(|received| chunker.receive(&mut keeper, received).map(drop)).map_err(
+        |failure| match failure {
             Ok(Unfinished) => {
                 io::Error::new(io::ErrorKind::UnexpectedEof, "the dump ended before its pages did")
             }
             Err(e) => chunking_failed(e),
-        })?;
+        },
+    )?;
     let memory = chunker.finish(&mut keeper).map_err(chunking_failed)?;
     let Keeper { staging, hashes, stats, .. } = keeper;
     Ok(Sifted { memory, new: staging.finish()?, hashes, stats })

@@ -17,6 +17,8 @@ use std::time::Duration;
 
 use stasis_criu_images::pages::{PAGE_SIZE, PageRun, PageSink};
 
+use super::tree_pages::{FromTree, TreeMemory, TreePiece};
+
 /// Bytes of one block: several of CRIU's transfers, so that a block's windows make a batch
 /// worth hashing and compressing in parallel.
 const BLOCK: usize = 8 << 20;
@@ -102,6 +104,7 @@ enum Message {
     /// CRIU opened a memory image (a page-server destination id); runs of it may follow.
     Opened(u64),
     Block(Block),
+    Unchanged(TreePiece),
     /// The dump succeeded and every page was sent.
     End,
 }
@@ -112,14 +115,19 @@ pub enum Received<'a> {
     /// A memory image CRIU opened, which the dump has even if no page of it follows.
     Opened(u64),
     Block(&'a Block),
+    /// Unchanged pages read from the stopped tree, ahead of the block whose windows need them.
+    Unchanged(TreePiece),
 }
 
 /// The page server's side: a [`PageSink`] that passes pages on in blocks.
 pub struct StreamSink {
     current: Option<Block>,
+    /// The run of the block shipped last.
+    shipped: Option<PageRun>,
     blocks: SyncSender<Message>,
     pool: BlockPool,
     stopped: Arc<AtomicBool>,
+    tree: Option<FromTree>,
 }
 
 /// The store's side: the blocks as they arrive.
@@ -143,7 +151,14 @@ pub fn stream(pool: &BlockPool) -> (StreamSink, StreamSource) {
     let (blocks_tx, blocks_rx) = sync_channel(BLOCKS);
     let stopped = Arc::new(AtomicBool::new(false));
     (
-        StreamSink { current: None, blocks: blocks_tx, pool: pool.clone(), stopped: stopped.clone() },
+        StreamSink {
+            current: None,
+            shipped: None,
+            blocks: blocks_tx,
+            pool: pool.clone(),
+            stopped: stopped.clone(),
+            tree: None,
+        },
         StreamSource { blocks: blocks_rx, stopped },
     )
 }
@@ -153,17 +168,28 @@ fn store_stopped() -> io::Error {
 }
 
 impl StreamSink {
+    /// This sink, reading from `tree` (stopped while CRIU dumps it) the unchanged pages that
+    /// share a window with written ones (see `tree_pages.rs`).
+    pub fn reading_unchanged_from(mut self, tree: Box<dyn TreeMemory>) -> Self {
+        self.tree = Some(FromTree::new(tree));
+        self
+    }
+
     /// Passes on the last block and marks the stream complete. Only after a successful dump.
     pub fn finish(mut self) -> io::Result<()> {
-        self.ship()?;
+        self.ship(None)?;
         self.blocks.send(Message::End).map_err(|_| store_stopped())
     }
 
-    fn ship(&mut self) -> io::Result<()> {
-        match self.current.take() {
-            Some(block) => self.blocks.send(Message::Block(block)).map_err(|_| store_stopped()),
-            None => Ok(()),
+    /// Passes on the block being filled, `next` the run that follows it (if one does), after
+    /// the unchanged pages its windows share with written ones, read from the tree.
+    fn ship(&mut self, next: Option<&PageRun>) -> io::Result<()> {
+        let Some(block) = self.current.take() else { return Ok(()) };
+        for piece in self.tree.iter().flat_map(|tree| tree.pieces(self.shipped.as_ref(), &block.run, next)) {
+            self.blocks.send(Message::Unchanged(piece)).map_err(|_| store_stopped())?;
         }
+        self.shipped = Some(block.run);
+        self.blocks.send(Message::Block(block)).map_err(|_| store_stopped())
     }
 
     fn continues(&self, run: &PageRun) -> bool {
@@ -172,14 +198,20 @@ impl StreamSink {
 }
 
 impl PageSink for StreamSink {
+    /// Ships the last block while the tree is still stopped, so that its unchanged pages are
+    /// read from the tree before it runs again.
+    fn close(&mut self) -> io::Result<()> {
+        self.ship(None)
+    }
+
     fn open(&mut self, dst_id: u64) -> io::Result<()> {
-        self.ship()?;
+        self.ship(None)?;
         self.blocks.send(Message::Opened(dst_id)).map_err(|_| store_stopped())
     }
 
     fn run(&mut self, run: PageRun, data: &mut dyn Read) -> io::Result<()> {
         if !self.continues(&run) {
-            self.ship()?;
+            self.ship(Some(&run))?;
         }
         if !run.has_data() {
             let block = self.current.get_or_insert(Block { run: PageRun { nr_pages: 0, ..run }, buf: None });
@@ -198,10 +230,13 @@ impl PageSink for StreamSink {
             let pages = ((BLOCK - used) as u64 / PAGE_SIZE).min(left);
             let len = (pages * PAGE_SIZE) as usize;
             data.read_exact(&mut buf[used..used + len])?;
+            if let Some(tree) = &mut self.tree {
+                tree.check(run.dst_id, vaddr, &buf[used..used + len]);
+            }
             block.run.nr_pages += pages;
             (vaddr, left) = (vaddr + pages * PAGE_SIZE, left - pages);
             if used + len == BLOCK {
-                self.ship()?;
+                self.ship(None)?;
             }
         }
         Ok(())
@@ -222,6 +257,7 @@ impl StreamSource {
                 Message::End => return Ok(()),
                 Message::Opened(dst_id) => take(Received::Opened(dst_id)).map_err(Err)?,
                 Message::Block(block) => take(Received::Block(&block)).map_err(Err)?,
+                Message::Unchanged(piece) => take(Received::Unchanged(piece)).map_err(Err)?,
             }
         }
         Err(Ok(Unfinished))
@@ -250,6 +286,7 @@ mod tests {
                 match r {
                     Received::Opened(dst_id) => opened.push((dst_id, got.len())),
                     Received::Block(b) => got.push((b.run, b.bytes().to_vec())),
+                    Received::Unchanged(_) => unreachable!("no tree to read from"),
                 }
                 Ok::<_, ()>(())
             });

@@ -173,6 +173,7 @@ fn stats(d: &Dumped<'_>, stored: &StoredDump) -> CheckpointStats {
         chunks_new: stored.chunks.chunks_new,
         chunks_zero: stored.chunks.chunks_zero,
         bytes_unchanged: stored.chunks.bytes_unchanged,
+        bytes_from_tree: stored.chunks.bytes_from_tree,
         gpu_lock_ms: gpu.map(|g| g.times.lock_ms).unwrap_or_default(),
         gpu_checkpoint_ms: gpu.map(|g| g.times.checkpoint_ms).unwrap_or_default(),
         gpu_restore_ms: d.gpu_restore_ms,

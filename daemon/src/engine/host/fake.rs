@@ -241,6 +241,11 @@ impl Host for FakeHost {
         }
     }
 
+    /// Fake processes have no memory to read: a dump reads back from the previous checkpoint.
+    fn read_memory(&self, pid: i32, _addr: u64, _len: usize) -> io::Result<Vec<u8>> {
+        Err(io::Error::new(io::ErrorKind::Unsupported, format!("fake process {pid} has no memory")))
+    }
+
     fn cuda_candidates(&self, pids: &[i32]) -> Vec<i32> {
         pids.iter().copied().filter(|p| self.cuda.contains(p)).collect()
     }

@@ -140,6 +140,10 @@ impl Host for LinuxHost {
         ProcStat::read(pid).ok()?.start_time
     }
 
+    fn read_memory(&self, pid: i32, addr: u64, len: usize) -> io::Result<Vec<u8>> {
+        sys::read_memory(pid, addr, len)
+    }
+
     fn cuda_candidates(&self, pids: &[i32]) -> Vec<i32> {
         crate::cuda::cuda_candidates(pids)
     }

@@ -110,6 +110,8 @@ pub trait Host: Watches + Userfaults + NetworkLocks + Containers {
     /// When process `pid` started (clock ticks since boot): with the pid, it names one process,
     /// so a pid reused by another process can be told apart.
     fn start_time(&self, pid: i32) -> Option<u64>;
+    /// `len` bytes at `addr` of process `pid`'s memory, all of them or an error.
+    fn read_memory(&self, pid: i32, addr: u64, len: usize) -> io::Result<Vec<u8>>;
     /// Which of `pids` use CUDA, as far as their mappings and descriptors tell.
     fn cuda_candidates(&self, pids: &[i32]) -> Vec<i32>;
     /// Which of `pids` hold NVIDIA device files (open or mapped).
