@@ -234,13 +234,19 @@ pub(super) mod tests {
         assert_eq!(sink.0[0].0, PageRun { dst_id: 257, vaddr: 0x5000, nr_pages: 1, flags: PE_PRESENT });
     }
 
+    /// Runs, opened images, and whether the sink was closed; with `.3`, its close fails.
     #[derive(Default)]
-    struct Collect(Vec<(PageRun, Vec<u8>)>, Vec<u64>);
+    struct Collect(Vec<(PageRun, Vec<u8>)>, Vec<u64>, bool, bool);
 
     impl PageSink for Collect {
         fn open(&mut self, dst_id: u64) -> io::Result<()> {
             self.1.push(dst_id);
             Ok(())
+        }
+
+        fn close(&mut self) -> io::Result<()> {
+            self.2 = true;
+            if self.3 { Err(io::Error::other("the store stopped")) } else { Ok(()) }
         }
 
         fn run(&mut self, run: PageRun, data: &mut dyn Read) -> io::Result<()> {
@@ -272,6 +278,20 @@ pub(super) mod tests {
         assert!(sink.0[0].1.iter().all(|b| *b == 0xab));
         assert!(!sink.0[1].0.has_data());
         assert_eq!(sink.1, [pid_map]);
+        assert!(sink.2, "the sink is closed before the close is answered");
+    }
+
+    #[test]
+    fn a_sink_that_fails_to_close_leaves_the_close_unanswered() {
+        let mut input = header(IOV_OPEN2, 0, 0, 257);
+        input.extend(header(IOV_CLOSE, 0, 0, 0));
+        let mut wire = Wire { input: io::Cursor::new(input), output: Vec::new() };
+        let mut sink = Collect { 3: true, ..Default::default() };
+        assert!(matches!(
+            serve(&mut wire, HeaderLayout::Wide, &mut sink, None),
+            Err(PageServerError::Sink(_))
+        ));
+        assert_eq!(wire.output, [0], "OPEN2's answer only: CRIU's dump fails");
     }
 
     #[test]
