@@ -740,6 +740,14 @@ guest_mounts() {
   mount -t tmpfs -o mode=0755 tmpfs /run
   mount -t tmpfs -o mode=1777 tmpfs /tmp
   mount -t tmpfs -o mode=1777 tmpfs /var/tmp
+  # stasisd installs each build of stasis-init under /var/lib/stasis/init, which the host's
+  # read-only root holds only for builds the host ran (not a release build's, on a fresh clone
+  # not even the directory).
+  if [ -d /var/lib/stasis ]; then
+    mount -t tmpfs -o mode=0700 tmpfs /var/lib/stasis
+  else
+    mount -t tmpfs -o mode=0755 tmpfs /var/lib
+  fi
   mount -t cgroup2 cgroup2 /sys/fs/cgroup
   ip link set lo up
 }

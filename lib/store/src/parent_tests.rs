@@ -137,19 +137,33 @@ async fn first_checkpoint(store: &Store, dir: &Path) -> Manifest {
     manifest
 }
 
-/// Sifts `memory` with `parent` as a tracked dump that wrote `written` sends it.
-async fn sift_tracked(
-    store: &Store,
-    dir: &Path,
-    parent: Parent,
-    memory: &Memory,
-    written: HashSet<u64>,
-) -> Sifted {
-    sift_tracked_from(store, dir, parent, memory, written, None).await
+/// A store in a fresh directory holding the first checkpoint of `before()`.
+async fn first_stored() -> (tempfile::TempDir, Store, Manifest) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::in_dir(&dir.path().join("store"));
+    let first = first_checkpoint(&store, &dir.path().join("a")).await;
+    (dir, store, first)
 }
 
-/// [`sift_tracked`], with the page server reading unchanged pages from `tree`.
-async fn sift_tracked_from(
+/// `memory` sifted as the tracked dump after `first` that wrote `written` sends it, reading
+/// unchanged pages from `tree` if given; with the count of chunks read back from `first`.
+async fn sifted_after(
+    store: &Store,
+    dir: &Path,
+    first: &Manifest,
+    memory: &Memory,
+    written: &HashSet<u64>,
+    tree: Option<Box<dyn TreeMemory>>,
+) -> (Sifted, usize) {
+    let reads = Arc::new(AtomicUsize::new(0));
+    let parent = counted_parent(store, first, reads.clone());
+    let sifted = sift_tracked(store, dir, parent, memory, written.clone(), tree).await;
+    (sifted, reads.load(Ordering::SeqCst))
+}
+
+/// Sifts `memory` with `parent` as a tracked dump that wrote `written` sends it, the page server
+/// reading unchanged pages from `tree` if given.
+async fn sift_tracked(
     store: &Store,
     dir: &Path,
     parent: Parent,
@@ -185,18 +199,12 @@ async fn stored_whole(store: &Store, dir: &Path, sifted: Sifted, memory: &Memory
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_sifted_dump_in_parent_restores_what_a_full_one_does_reading_back_only_mixed_windows() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::in_dir(&dir.path().join("store"));
-    let first = first_checkpoint(&store, &dir.path().join("a")).await;
+    let (dir, store, first) = first_stored().await;
     let (memory, written) = after(&before());
-
-    let reads = Arc::new(AtomicUsize::new(0));
-    let parent = counted_parent(&store, &first, reads.clone());
-    let sifted = sift_tracked(&store, dir.path(), parent, &memory, written.clone()).await;
+    let (sifted, read) = sifted_after(&store, dir.path(), &first, &memory, &written, None).await;
     assert_eq!(sifted.stats().bytes_unchanged, unchanged_bytes(&memory, &written));
     // Window 5 (a page written inside it), the second area's two reshaped chunks; window 40's
     // written page leaves its unchanged neighbours in the same chunk.
-    let read = reads.load(Ordering::SeqCst);
     assert!((1..=6).contains(&read), "{read} chunks read back of {}", first.memory[0].chunks.len());
     let tracked = stored_whole(&store, dir.path(), sifted, &memory).await;
 
@@ -232,39 +240,29 @@ impl TreeMemory for Tree {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn unchanged_pages_beside_written_ones_come_from_the_stopped_tree_and_only_if_it_matches() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::in_dir(&dir.path().join("store"));
-    let first = first_checkpoint(&store, &dir.path().join("a")).await;
+    let (dir, store, first) = first_stored().await;
     let (memory, written) = after(&before());
-
-    let reads = Arc::new(AtomicUsize::new(0));
-    let parent = counted_parent(&store, &first, reads.clone());
     let tree = Box::new(Tree(memory.clone(), 0));
-    let sifted = sift_tracked_from(&store, dir.path(), parent, &memory, written.clone(), Some(tree)).await;
+    let (sifted, read) = sifted_after(&store, dir.path(), &first, &memory, &written, Some(tree)).await;
     // The tree is read from once a written page of it matched what CRIU sent (window 5's):
     // window 5's pages after it and window 40's after its first come from the tree. What is left
     // to read back: window 5's pages before its written one, the second area's reshaped chunks.
-    let (from_tree, read) = (sifted.stats().bytes_from_tree, reads.load(Ordering::SeqCst));
-    assert_eq!(from_tree, (8 + 15) * PAGE);
+    assert_eq!(sifted.stats().bytes_from_tree, (8 + 15) * PAGE);
     assert!(read <= 3, "{read} chunks read back");
     stored_whole(&store, dir.path(), sifted, &memory).await;
 
     // A tree whose memory is not what CRIU sends (another process's): nothing is taken from it.
-    let reads = Arc::new(AtomicUsize::new(0));
-    let parent = counted_parent(&store, &first, reads.clone());
     let wrong = Box::new(Tree(memory.clone(), 0xff));
     let dir = dir.path().join("wrong");
-    let sifted = sift_tracked_from(&store, &dir, parent, &memory, written, Some(wrong)).await;
+    let (sifted, read_wrong) = sifted_after(&store, &dir, &first, &memory, &written, Some(wrong)).await;
     assert_eq!(sifted.stats().bytes_from_tree, 0);
-    assert!(reads.load(Ordering::SeqCst) > read, "read back instead");
+    assert!(read_wrong > read, "read back instead");
     stored_whole(&store, &dir, sifted, &memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_streamed_dump_in_parent_restores_byte_for_byte() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::in_dir(&dir.path().join("store"));
-    let first = first_checkpoint(&store, &dir.path().join("a")).await;
+    let (dir, store, first) = first_stored().await;
     let (memory, written) = after(&before());
     let parent = counted_parent(&store, &first, Arc::new(AtomicUsize::new(0)));
     let (sink, source) = stream(&BlockPool::default());
@@ -288,9 +286,7 @@ async fn a_streamed_dump_in_parent_restores_byte_for_byte() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn pages_in_parent_that_the_previous_checkpoint_lacks_fail_the_dump() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::in_dir(&dir.path().join("store"));
-    let first = first_checkpoint(&store, &dir.path().join("a")).await;
+    let (dir, store, first) = first_stored().await;
     let parent = counted_parent(&store, &first, Arc::new(AtomicUsize::new(0)));
     let pool = BlockPool::default();
     let spill = dir.path().join("spill");
@@ -381,13 +377,11 @@ fn scattered(before: &Memory) -> (Memory, HashSet<u64>) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_unchanged_pages_of_windows_with_scattered_writes_are_read_back_side_by_side() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::in_dir(&dir.path().join("store"));
-    let first = first_checkpoint(&store, &dir.path().join("a")).await;
+    let (dir, store, first) = first_stored().await;
     let (memory, written) = scattered(&before());
     let gauge = Arc::new(std::sync::Mutex::new((0, 0, 0)));
     let parent = gauged_parent(&store, &first, gauge.clone());
-    let sifted = sift_tracked(&store, dir.path(), parent, &memory, written).await;
+    let sifted = sift_tracked(&store, dir.path(), parent, &memory, written, None).await;
     let (_, most_at_once, reads) = *gauge.lock().unwrap();
     // Each of the 64 mixed windows reads its chunk once (both sides of its written page share
     // the read), and the reads wait side by side rather than one after another.
@@ -399,9 +393,7 @@ async fn the_unchanged_pages_of_windows_with_scattered_writes_are_read_back_side
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_failed_read_back_fails_the_dump_naming_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::in_dir(&dir.path().join("store"));
-    let first = first_checkpoint(&store, &dir.path().join("a")).await;
+    let (dir, store, first) = first_stored().await;
     let (memory, written) = scattered(&before());
     let memory_of_first = Arc::new(ParentMemory::new(&first.id, &first.memory).unwrap());
     let parent = Parent::new(memory_of_first, |_| {
