@@ -277,6 +277,52 @@ pub fn release_freed_memory() {
     }
 }
 
+/// A user's ids: what a check runs with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ids {
+    pub uid: u32,
+    pub gid: u32,
+    pub groups: Vec<u32>,
+}
+
+/// Runs `work` on a thread of its own that first takes `ids` (its supplementary groups, then
+/// its gid, then its uid, and with them loses root's capabilities). The raw system calls
+/// change only that thread's credentials, never the rest of stasisd's, and the thread ends
+/// with them.
+pub fn as_user<T: Send + 'static>(ids: Ids, work: impl FnOnce() -> T + Send + 'static) -> io::Result<T> {
+    let thread = std::thread::Builder::new().name("as-user".into()).spawn(move || {
+        let (uid, gid) = (ids.uid, ids.gid);
+        // SAFETY: setgroups reads `groups.len()` ids from the vector's buffer, which lives for
+        // the whole call; setresgid and setresuid take integers. As raw system calls (not
+        // glibc's wrappers, which apply them to every thread) they change this thread alone.
+        let taken = unsafe {
+            libc::syscall(libc::SYS_setgroups, ids.groups.len(), ids.groups.as_ptr()) == 0
+                && libc::syscall(libc::SYS_setresgid, gid, gid, gid) == 0
+                && libc::syscall(libc::SYS_setresuid, uid, uid, uid) == 0
+        };
+        taken.then(work).ok_or_else(io::Error::last_os_error)
+    })?;
+    thread.join().map_err(|_| io::Error::other("the thread checking as another user panicked"))?
+}
+
+/// Whether this thread's user may access the file open as `fd` (an `O_PATH` descriptor is
+/// enough) for `mode` (`libc::R_OK`, `W_OK`, ...), by its permissions, ACLs included, as
+/// `faccessat2(2)` judges with `AT_EMPTY_PATH`.
+pub fn may_access(fd: BorrowedFd<'_>, mode: i32) -> io::Result<bool> {
+    // SAFETY: the path is a NUL-terminated empty string that outlives the call; the other
+    // arguments are integers.
+    let r = unsafe {
+        libc::syscall(libc::SYS_faccessat2, fd.as_raw_fd(), c"".as_ptr(), mode, libc::AT_EMPTY_PATH)
+    };
+    match r {
+        0 => Ok(true),
+        _ => match io::Error::last_os_error() {
+            e if e.raw_os_error() == Some(libc::EACCES) || e.raw_os_error() == Some(libc::EPERM) => Ok(false),
+            e => Err(e),
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,51 +386,5 @@ mod tests {
             unsafe { libc::munmap(probe, page) };
         }
         assert!(read_memory(pid, 8, 16).is_err());
-    }
-}
-
-/// A user's ids: what a check runs with.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Ids {
-    pub uid: u32,
-    pub gid: u32,
-    pub groups: Vec<u32>,
-}
-
-/// Runs `work` on a thread of its own that first takes `ids` (its supplementary groups, then
-/// its gid, then its uid, and with them loses root's capabilities). The raw system calls
-/// change only that thread's credentials, never the rest of stasisd's, and the thread ends
-/// with them.
-pub fn as_user<T: Send + 'static>(ids: Ids, work: impl FnOnce() -> T + Send + 'static) -> io::Result<T> {
-    let thread = std::thread::Builder::new().name("as-user".into()).spawn(move || {
-        let (uid, gid) = (ids.uid, ids.gid);
-        // SAFETY: setgroups reads `groups.len()` ids from the vector's buffer, which lives for
-        // the whole call; setresgid and setresuid take integers. As raw system calls (not
-        // glibc's wrappers, which apply them to every thread) they change this thread alone.
-        let taken = unsafe {
-            libc::syscall(libc::SYS_setgroups, ids.groups.len(), ids.groups.as_ptr()) == 0
-                && libc::syscall(libc::SYS_setresgid, gid, gid, gid) == 0
-                && libc::syscall(libc::SYS_setresuid, uid, uid, uid) == 0
-        };
-        taken.then(work).ok_or_else(io::Error::last_os_error)
-    })?;
-    thread.join().map_err(|_| io::Error::other("the thread checking as another user panicked"))?
-}
-
-/// Whether this thread's user may access the file open as `fd` (an `O_PATH` descriptor is
-/// enough) for `mode` (`libc::R_OK`, `W_OK`, ...), by its permissions, ACLs included, as
-/// `faccessat2(2)` judges with `AT_EMPTY_PATH`.
-pub fn may_access(fd: BorrowedFd<'_>, mode: i32) -> io::Result<bool> {
-    // SAFETY: the path is a NUL-terminated empty string that outlives the call; the other
-    // arguments are integers.
-    let r = unsafe {
-        libc::syscall(libc::SYS_faccessat2, fd.as_raw_fd(), c"".as_ptr(), mode, libc::AT_EMPTY_PATH)
-    };
-    match r {
-        0 => Ok(true),
-        _ => match io::Error::last_os_error() {
-            e if e.raw_os_error() == Some(libc::EACCES) || e.raw_os_error() == Some(libc::EPERM) => Ok(false),
-            e => Err(e),
-        },
     }
 }

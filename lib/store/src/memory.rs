@@ -83,7 +83,7 @@ pub(super) struct Building {
 }
 
 /// Where the window holding `addr` ends.
-fn window_end(addr: u64) -> u64 {
+pub(super) fn window_end(addr: u64) -> u64 {
     (addr / CHUNK as u64 + 1) * CHUNK as u64
 }
 

@@ -20,6 +20,7 @@ use std::collections::HashMap;
 use stasis_criu_images::pages::{PAGE_SIZE, PE_PARENT, PageRun};
 
 use super::chunks::CHUNK;
+use super::memory::window_end;
 
 /// A stopped tree's memory, as the daemon reaches it.
 pub trait TreeMemory: Send {
@@ -66,7 +67,7 @@ fn mixed_ranges(before: Option<&PageRun>, run: &PageRun, after: Option<&PageRun>
     let (start, stop) = (run.vaddr, end(run));
     let mut covered = start;
     if start % CHUNK as u64 != 0 && written_next_to(before, start, end) {
-        covered = (window_start(start) + CHUNK as u64).min(stop);
+        covered = window_end(start).min(stop);
         ranges.push((start, covered));
     }
     if stop % CHUNK as u64 != 0 && written_next_to(after, stop, |o| o.vaddr) {

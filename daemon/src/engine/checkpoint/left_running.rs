@@ -11,7 +11,6 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::dump::SPILL_FILE;
-use super::frozen_memory::FrozenMemory;
 use super::rollback::Hold;
 use super::store::DumpTiming;
 use super::tracking::Tracking;
@@ -108,7 +107,7 @@ impl Engine {
             .store
             .sift(&self.shared.staging, &spill, &self.shared.blocks, expected, parent)
             .map_err(local("page sifting"))?;
-        let sink = sink.reading_unchanged_from(Box::new(FrozenMemory::of(self.deps.host.clone(), tree)));
+        let sink = tracking.reading_tree(self, tree, sink);
         let dumped = self.dump_tree(job, tree, images, progress, sink, tracking).await;
         // The sifting thread ends once the sink is finished or dropped (a failed dump).
         let (timing, sink) = match dumped {

@@ -33,7 +33,6 @@ use crate::criu::{DumpSpec, NetworkLock};
 use crate::metrics::{CheckpointSample, Failure, Metrics};
 use crate::pages::PageSink;
 use crate::store::DumpPages;
-use frozen_memory::FrozenMemory;
 use rollback::Hold;
 pub(in crate::engine) use store::tree_options;
 use store::{DumpTiming, Dumped};
@@ -318,7 +317,7 @@ impl Engine {
         };
         let tracking = self.begin_tracking(&job.workload, job.pid, tree, images);
         let (sink, source) = crate::store::stream(&self.shared.blocks);
-        let sink = sink.reading_unchanged_from(Box::new(FrozenMemory::of(self.deps.host.clone(), tree)));
+        let sink = tracking.reading_tree(self, tree, sink);
         let dumping = async {
             let (timing, sink) = self.dump_tree(job, tree, images, progress, sink, &tracking).await?;
             sink.finish().map_err(|source| CheckpointError::Local { what: "page stream", source })?;

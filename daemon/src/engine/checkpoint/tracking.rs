@@ -23,9 +23,10 @@ use std::sync::{Arc, Mutex};
 
 use tracing::{info, warn};
 
+use super::frozen_memory::FrozenMemory;
 use crate::engine::Engine;
 use crate::engine::inspect::TreeInfo;
-use crate::store::{Parent, ParentMemory};
+use crate::store::{Parent, ParentMemory, StreamSink};
 
 /// The directory in a dump's images directory holding its parent's inventory image: CRIU
 /// reads the parent dump's time from it, to tell processes started since (a pid reused). It,
@@ -88,6 +89,17 @@ impl Tracking {
     pub(super) fn store_parent(&self, engine: &Engine) -> Option<Parent> {
         let memory = self.parent.clone()?;
         Some(engine.deps.store.parent(memory, tokio::runtime::Handle::current()))
+    }
+
+    /// `sink`, reading from the stopped `tree` the unchanged pages that share a window with
+    /// written ones, when the dump has a parent (without one CRIU sends every page).
+    pub(super) fn reading_tree(&self, engine: &Engine, tree: &TreeInfo, sink: StreamSink) -> StreamSink {
+        match self.parent {
+            Some(_) => {
+                sink.reading_unchanged_from(Box::new(FrozenMemory::of(engine.deps.host.clone(), tree)))
+            }
+            None => sink,
+        }
     }
 
     /// The parent's directory, relative to the images directory, for CRIU.
