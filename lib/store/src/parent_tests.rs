@@ -236,6 +236,10 @@ impl TreeMemory for Tree {
         let at = (addr - start) as usize;
         Some(bytes.get(at..at + len)?.iter().map(|b| b ^ self.1).collect())
     }
+
+    fn still_the_same(&self) -> bool {
+        true
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -177,7 +177,7 @@ impl StreamSink {
 
     /// Passes on the last block and marks the stream complete. Only after a successful dump.
     pub fn finish(mut self) -> io::Result<()> {
-        self.ship(None)?;
+        self.close()?;
         self.blocks.send(Message::End).map_err(|_| store_stopped())
     }
 
@@ -185,7 +185,8 @@ impl StreamSink {
     /// the unchanged pages its windows share with written ones, read from the tree.
     fn ship(&mut self, next: Option<&PageRun>) -> io::Result<()> {
         let Some(block) = self.current.take() else { return Ok(()) };
-        for piece in self.tree.iter().flat_map(|tree| tree.pieces(self.shipped.as_ref(), &block.run, next)) {
+        let pieces = self.tree.as_mut().map(|tree| tree.pieces(self.shipped.as_ref(), &block.run, next));
+        for piece in pieces.into_iter().flatten() {
             self.blocks.send(Message::Unchanged(piece)).map_err(|_| store_stopped())?;
         }
         self.shipped = Some(block.run);
@@ -199,9 +200,11 @@ impl StreamSink {
 
 impl PageSink for StreamSink {
     /// Ships the last block while the tree is still stopped, so that its unchanged pages are
-    /// read from the tree before it runs again.
+    /// read from the tree before it runs again; refuses the dump if a process read from
+    /// changed meanwhile.
     fn close(&mut self) -> io::Result<()> {
-        self.ship(None)
+        self.ship(None)?;
+        self.tree.as_mut().map_or(Ok(()), FromTree::confirm)
     }
 
     fn open(&mut self, dst_id: u64) -> io::Result<()> {
@@ -335,6 +338,45 @@ mod tests {
         assert_eq!(consumer.join().unwrap(), Err(Err("store down")));
         let refused = sink.run(run(1, BLOCK as u64, 1, PE_PRESENT), &mut &data[..]);
         assert!(refused.is_err() || sink.finish().is_err(), "the sink learns that the store stopped");
+    }
+
+    /// A tree whose memory is all `0x11`, and whose processes changed meanwhile if `changed`.
+    struct Tree {
+        changed: bool,
+    }
+
+    impl TreeMemory for Tree {
+        fn read(&self, _: u64, _: u64, len: usize) -> Option<Vec<u8>> {
+            Some(vec![0x11; len])
+        }
+
+        fn still_the_same(&self) -> bool {
+            !self.changed
+        }
+    }
+
+    #[test]
+    fn a_close_after_reads_of_a_process_that_changed_refuses_the_dump() {
+        use stasis_criu_images::pages::PE_PARENT;
+        for changed in [false, true] {
+            let (sink, source) = stream(&BlockPool::default());
+            let mut sink = sink.reading_unchanged_from(Box::new(Tree { changed }));
+            let consumer = std::thread::spawn(move || {
+                let mut from_tree = 0;
+                let _ = source.each(|r| {
+                    from_tree += matches!(r, Received::Unchanged(_)) as usize;
+                    Ok::<_, ()>(())
+                });
+                from_tree
+            });
+            // A written page that matches the tree, then unchanged pages sharing its window.
+            sink.run(run(1, 0x10000, 1, PE_PRESENT), &mut &[0x11u8; PAGE][..]).unwrap();
+            sink.run(run(1, 0x11000, 3, PE_PARENT), &mut &[][..]).unwrap();
+            let closed = sink.close();
+            assert_eq!(closed.is_err(), changed, "{closed:?}");
+            drop(sink);
+            assert_eq!(consumer.join().unwrap(), 1, "the unchanged pages were read from the tree");
+        }
     }
 
     #[test]

@@ -10,6 +10,12 @@
 //! the runs that need them. Where a read fails (or the tree is not known), the chunker reads
 //! back from the previous checkpoint as before.
 //!
+//! A process could end, and its pid be taken by another, while CRIU dumps; reads are not
+//! checked one by one (under emulation, checking after each read cost as much as the read):
+//! once the last read is done, before CRIU's close is answered, every process read from must
+//! still be the one that was inspected. A process there at the end was there all along, so
+//! every read before was of it; otherwise the dump is refused.
+//!
 //! Which pages: the part of an in-parent run that shares a window with the written run just
 //! before it (its head), and the part that shares one with the written run just after it
 //! (its tail), when they continue each other. Those are exactly the chunker's mixed windows
@@ -25,8 +31,12 @@ use super::memory::window_end;
 /// A stopped tree's memory, as the daemon reaches it.
 pub trait TreeMemory: Send {
     /// `len` bytes at `addr` of the process whose memory image is `dst_id`; `None` if they
-    /// cannot be read, or no longer belong to that process.
+    /// cannot be read. Whether they were that process's is known only from
+    /// [`TreeMemory::still_the_same`] after the last read.
     fn read(&self, dst_id: u64, addr: u64, len: usize) -> Option<Vec<u8>>;
+
+    /// Whether every process read from so far is still the one the reads were meant for.
+    fn still_the_same(&self) -> bool;
 }
 
 /// Unchanged bytes of one image read from the tree: `start` and the bytes from there.
@@ -43,6 +53,8 @@ pub(super) struct FromTree {
     /// Per image, whether the tree's memory matched a written page CRIU sent of it: an image
     /// is read from only once it did.
     matched: HashMap<u64, bool>,
+    /// Whether bytes of it were passed on since the tree was last found the same.
+    unconfirmed: bool,
 }
 
 fn window_start(addr: u64) -> u64 {
@@ -81,7 +93,19 @@ fn mixed_ranges(before: Option<&PageRun>, run: &PageRun, after: Option<&PageRun>
 
 impl FromTree {
     pub(super) fn new(tree: Box<dyn TreeMemory>) -> Self {
-        FromTree { tree, matched: HashMap::new() }
+        FromTree { tree, matched: HashMap::new(), unconfirmed: false }
+    }
+
+    /// Refuses the dump if a process read from is no longer the one the reads were meant for.
+    /// After the last read, before CRIU's close is answered.
+    pub(super) fn confirm(&mut self) -> std::io::Result<()> {
+        if self.unconfirmed && !self.tree.still_the_same() {
+            return Err(std::io::Error::other(
+                "a process of the tree ended or changed while its memory was read: the dump is refused",
+            ));
+        }
+        self.unconfirmed = false;
+        Ok(())
     }
 
     /// Checks image `dst_id` against `page`, the bytes CRIU sent of its written page at `addr`,
@@ -105,7 +129,7 @@ impl FromTree {
     /// The unchanged pages of `run` that share a window with the written runs next to it,
     /// read from the tree.
     pub(super) fn pieces(
-        &self,
+        &mut self,
         before: Option<&PageRun>,
         run: &PageRun,
         after: Option<&PageRun>,
@@ -117,7 +141,9 @@ impl FromTree {
             let bytes = self.tree.read(run.dst_id, start, (stop - start) as usize)?;
             Some(TreePiece { dst_id: run.dst_id, start, bytes })
         };
-        mixed_ranges(before, run, after).into_iter().filter_map(read).collect()
+        let pieces: Vec<TreePiece> = mixed_ranges(before, run, after).into_iter().filter_map(read).collect();
+        self.unconfirmed |= !pieces.is_empty();
+        pieces
     }
 }
 
@@ -164,28 +190,44 @@ mod tests {
         assert!(mixed_ranges(Some(&unchanged(0, 1)), &run, None).is_empty());
     }
 
-    struct Memory(Vec<u8>);
+    struct Memory(Vec<u8>, bool);
 
     impl TreeMemory for Memory {
         fn read(&self, _: u64, addr: u64, len: usize) -> Option<Vec<u8>> {
             self.0.get(addr as usize..addr as usize + len).map(<[u8]>::to_vec)
+        }
+
+        fn still_the_same(&self) -> bool {
+            self.1
         }
     }
 
     #[test]
     fn an_image_is_read_only_after_its_memory_matched_a_written_page() {
         let memory: Vec<u8> = (0..4 * PAGE).map(|i| (i / PAGE) as u8 + 1).collect();
-        let mut tree = FromTree::new(Box::new(Memory(memory.clone())));
+        let mut tree = FromTree::new(Box::new(Memory(memory.clone(), true)));
         let (page, run) = (written(PAGE, 1), unchanged(2 * PAGE, 2));
         assert!(tree.pieces(Some(&page), &run, None).is_empty(), "not checked yet");
         tree.check(257, PAGE, &[9; PAGE as usize]);
         assert!(tree.pieces(Some(&page), &run, None).is_empty(), "another process's memory");
 
-        let mut tree = FromTree::new(Box::new(Memory(memory.clone())));
+        let mut tree = FromTree::new(Box::new(Memory(memory.clone(), true)));
         tree.check(257, PAGE, &memory[PAGE as usize..2 * PAGE as usize]);
         let pieces = tree.pieces(Some(&page), &run, None);
         assert_eq!(pieces.len(), 1);
         assert_eq!((pieces[0].dst_id, pieces[0].start), (257, 2 * PAGE));
         assert_eq!(pieces[0].bytes, memory[2 * PAGE as usize..]);
+        assert!(tree.confirm().is_ok());
+    }
+
+    #[test]
+    fn reads_of_a_process_that_changed_meanwhile_refuse_the_dump_and_no_reads_nothing() {
+        let memory: Vec<u8> = (0..4 * PAGE).map(|i| (i / PAGE) as u8 + 1).collect();
+        let mut tree = FromTree::new(Box::new(Memory(memory.clone(), false)));
+        assert!(tree.confirm().is_ok(), "nothing was read");
+        tree.check(257, PAGE, &memory[PAGE as usize..2 * PAGE as usize]);
+        assert_eq!(tree.pieces(Some(&written(PAGE, 1)), &unchanged(2 * PAGE, 2), None).len(), 1);
+        let refused = tree.confirm().unwrap_err();
+        assert!(refused.to_string().contains("ended or changed"), "{refused}");
     }
 }
