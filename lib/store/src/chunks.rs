@@ -7,19 +7,22 @@
 
 use std::borrow::Cow;
 use std::collections::HashSet;
-use std::sync::Arc;
 
 use rayon::prelude::*;
 use stasis_proto::stasis::store::v1::{ChunkRef, Codec, PackEntry, PackIndex};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::mpsc;
 
 use super::crypto::{Cipher, chunk_id};
 use super::index::{ChunkHash, ChunkIndex};
+use super::pack_slots::{PackSlot, PackSlots};
 
 /// Chunk size: content is cut at multiples of this (addresses for memory, offsets for files).
 pub const CHUNK: usize = 64 << 10;
 /// Packs are uploaded once they reach this size.
 pub const PACK_TARGET: usize = 32 << 20;
+/// Bytes a pack's buffer has room for: the chunk that takes a pack past [`PACK_TARGET`] ends
+/// it, and a sealed chunk is a little longer than [`CHUNK`].
+const PACK_ROOM: usize = PACK_TARGET + 2 * CHUNK;
 /// Chunks handled per parallel batch.
 const BATCH: usize = 256;
 /// zstd level: fast, and on memory images close to higher levels in ratio.
@@ -43,17 +46,14 @@ pub struct ChunkStats {
     pub bytes_from_tree: u64,
 }
 
-/// Packs held in memory at once, being filled, queued or uploaded, by all checkpoints
-/// together: with [`PACK_TARGET`], what packing adds to stasisd's memory beyond staging.
-pub const PACKS_IN_MEMORY: usize = 6;
-
 /// A pack ready for upload.
 #[derive(Debug)]
 pub struct FinishedPack {
     pub data: Vec<u8>,
     pub index: PackIndex,
-    /// Its place among the [`PACKS_IN_MEMORY`], freed with it.
-    pub _slot: Option<OwnedSemaphorePermit>,
+    /// Its place among the packs in memory, and where its buffer goes after the upload;
+    /// none for a pack outside them (a collection's repack).
+    pub slot: Option<PackSlot>,
 }
 
 /// Cuts the bytes of `pieces`, which follow each other from address (or offset) `start` on,
@@ -243,7 +243,7 @@ pub struct ChunkWriter<'a> {
     pack: Option<FinishedPack>,
     packs: mpsc::Sender<FinishedPack>,
     /// Places for packs in memory, shared by the store's writers.
-    slots: Arc<Semaphore>,
+    slots: PackSlots,
     node_tag: &'a str,
     pub stats: ChunkStats,
 }
@@ -255,7 +255,7 @@ impl<'a> ChunkWriter<'a> {
         packs: mpsc::Sender<FinishedPack>,
         node_tag: &'a str,
         cipher: Option<&'a Cipher>,
-        slots: Arc<Semaphore>,
+        slots: PackSlots,
     ) -> Self {
         let stats = ChunkStats::default();
         Self { index, cipher, packed: HashSet::new(), pack: None, packs, slots, node_tag, stats }
@@ -320,12 +320,11 @@ impl<'a> ChunkWriter<'a> {
     ) -> Result<(), UploaderGone> {
         if self.pack.is_none() {
             // Waits while other checkpoints' packs fill the places (their uploads free them).
-            let slot =
-                futures::executor::block_on(self.slots.clone().acquire_owned()).map_err(|_| UploaderGone)?;
+            let (slot, data) = futures::executor::block_on(self.slots.take(PACK_ROOM));
             self.pack = Some(FinishedPack {
-                data: Vec::with_capacity(PACK_TARGET + CHUNK),
+                data,
                 index: PackIndex { pack: new_pack_id(self.node_tag), entries: Vec::new() },
-                _slot: Some(slot),
+                slot: Some(slot),
             });
         }
         let pack = self.pack.as_mut().expect("a pack was just made");
@@ -415,7 +414,7 @@ mod tests {
         blake3::Hasher::new().update(b"seed").finalize_xof().fill(&mut random);
         let text = b"abcabcabc".repeat(CHUNK / 9 + 1)[..CHUNK].to_vec();
         let zero = vec![0u8; CHUNK];
-        let mut w = ChunkWriter::new(&index, tx, "t", None, Arc::new(Semaphore::new(PACKS_IN_MEMORY)));
+        let mut w = ChunkWriter::new(&index, tx, "t", None, PackSlots::default());
         let refs = w.write(&[&random, &text, &zero, &random]).unwrap();
         w.flush().unwrap();
         assert_eq!(
@@ -439,7 +438,7 @@ mod tests {
         assert!(pack.data.len() < 2 * CHUNK);
         index.add(&pack.index);
         let (tx, _rx) = mpsc::channel(4);
-        let mut again = ChunkWriter::new(&index, tx, "t", None, Arc::new(Semaphore::new(PACKS_IN_MEMORY)));
+        let mut again = ChunkWriter::new(&index, tx, "t", None, PackSlots::default());
         again.write(&[&random, &text]).unwrap();
         assert_eq!(again.stats.chunks_new, 0, "chunks in the index are not stored again");
     }

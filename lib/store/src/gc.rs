@@ -218,7 +218,7 @@ impl Store {
                 pack: super::chunks::new_pack_id(&self.node_tag),
                 entries: Vec::with_capacity(live.len()),
             },
-            _slot: None,
+            slot: None,
         };
         for (mut entry, blob) in live.into_iter().zip(blobs) {
             entry.offset = fresh.data.len() as u64;
@@ -320,7 +320,7 @@ mod tests {
                 pack: id.into(),
                 entries: vec![PackEntry { hash: hash.to_vec(), offset: 0, stored_len: 4, len: 4, codec: 0 }],
             },
-            _slot: None,
+            slot: None,
         };
         // The chunk's noted home is the first pack; a second holds it too (a repack's copy).
         store.upload_pack(pack("first")).await.unwrap();

@@ -33,6 +33,7 @@ mod lazy_memory;
 mod lazy_memory_tests;
 mod lease;
 mod memory;
+mod pack_slots;
 mod parent;
 mod prefetch;
 mod read_back;
@@ -154,7 +155,7 @@ pub struct Store {
     /// An encrypted store's cipher (see `crypto.rs`).
     cipher: Option<Arc<crypto::Cipher>>,
     /// Places for packs in memory, shared by every checkpoint being stored.
-    pack_slots: Arc<tokio::sync::Semaphore>,
+    pack_slots: pack_slots::PackSlots,
     /// Places for fetched packs, shared by every restore.
     fetch_slots: Arc<tokio::sync::Semaphore>,
 }
@@ -203,7 +204,7 @@ impl Store {
             gc_lock: Default::default(),
             node_tag: "local".into(),
             cipher: None,
-            pack_slots: Arc::new(tokio::sync::Semaphore::new(chunks::PACKS_IN_MEMORY)),
+            pack_slots: Default::default(),
             fetch_slots: Arc::new(tokio::sync::Semaphore::new(assemble::FETCHES_IN_MEMORY)),
         }
     }

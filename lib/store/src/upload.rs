@@ -14,6 +14,7 @@ use tracing::warn;
 
 use super::chunks::{CHUNK, ChunkStats, ChunkWriter, FinishedPack, UploaderGone, aligned_windows};
 use super::memory::{ChunkingError, StreamFailure, staged_images, streamed_images};
+use super::pack_slots::PackBytes;
 use super::parent::Parent;
 use super::sift::Sifted;
 use super::staging::Staged;
@@ -85,9 +86,11 @@ impl Store {
                 DumpPages::Streamed(..) => 0,
             };
             let mut done = 0u64;
+            // A streamed dump's size is known only once it ends: its total is 0, unknown (a
+            // total reached is an end, which a caller passes on at once, for every block).
             let mut advance = |n| {
                 done += n;
-                progress(done, known.max(done));
+                progress(done, if known == 0 { 0 } else { known.max(done) });
             };
             let memory = match pages {
                 DumpPages::Staged(staged) => {
@@ -175,7 +178,7 @@ impl Store {
         let key = self.pack_key(&pack.index.pack);
         let size = pack.data.len() as u64;
         let mut upload = self.backend.put_multipart(&key).await.map_err(Self::backend_err(&key))?;
-        let data = bytes::Bytes::from(pack.data);
+        let data = bytes::Bytes::from_owner(PackBytes { data: pack.data, slot: pack.slot });
         let parts: Vec<_> = (0..data.len())
             .step_by(PART)
             .map(|at| upload.put_part(data.slice(at..(at + PART).min(data.len())).into()))
@@ -381,11 +384,18 @@ mod tests {
             }
             sink.finish().unwrap();
         });
-        let streamed = store
-            .store_dump(DumpPages::Streamed(source, None), &images, &[], Arc::new(|_, _| {}))
-            .await
-            .unwrap();
+        let reported = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let progress = {
+            let reported = reported.clone();
+            Arc::new(move |done, total| reported.lock().unwrap().push((done, total)))
+        };
+        let streamed =
+            store.store_dump(DumpPages::Streamed(source, None), &images, &[], progress).await.unwrap();
         sender.join().unwrap();
+        let reported = reported.lock().unwrap().clone();
+        let sent: usize = memory().iter().map(|(_, b)| b.len()).sum::<usize>() + PAGE;
+        assert_eq!(reported.last(), Some(&(sent as u64, 0)), "every byte, of a total not known");
+        assert!(reported.iter().all(|&(_, total)| total == 0), "{reported:?}");
         let task = streamed.memory.iter().find(|m| m.dst_id == (42 << 8) | 1).unwrap();
         assert_eq!(task.runs, staged.memory[0].runs);
         assert_eq!(task.chunks, staged.memory[0].chunks);
