@@ -192,18 +192,19 @@ impl ChunkStats {
     }
 }
 
-/// A chunk as a pack keeps it: how it is encoded, and its bytes.
-type Stored = (Codec, Vec<u8>);
+/// A chunk as a pack keeps it: how it is encoded, and its bytes (the chunk's own where they
+/// are kept as they are).
+type Stored<'a> = (Codec, Cow<'a, [u8]>);
 
 /// How chunk `raw` (id `hash`) is kept in a pack: zstd where that saves at least 1/32,
 /// sealed in an encrypted store.
-fn stored_form(cipher: Option<&Cipher>, hash: &ChunkHash, raw: &[u8]) -> Stored {
+fn stored_form<'a>(cipher: Option<&Cipher>, hash: &ChunkHash, raw: &'a [u8]) -> Stored<'a> {
     let (codec, stored) = match compress(raw) {
-        Ok(z) if z.len() < raw.len() - raw.len() / 32 => (Codec::Zstd, z),
-        _ => (Codec::Raw, raw.to_vec()),
+        Ok(z) if z.len() < raw.len() - raw.len() / 32 => (Codec::Zstd, Cow::Owned(z)),
+        _ => (Codec::Raw, Cow::Borrowed(raw)),
     };
     match cipher {
-        Some(c) => (codec, c.seal(hash, &stored)),
+        Some(c) => (codec, Cow::Owned(c.seal(hash, &stored))),
         None => (codec, stored),
     }
 }

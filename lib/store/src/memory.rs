@@ -82,6 +82,9 @@ pub(super) struct Building {
     from_tree: HashMap<u64, Vec<u8>>,
 }
 
+/// What the cutter holds where unchanged pages are still being read back.
+static ZEROS: [u8; CHUNK] = [0; CHUNK];
+
 /// Where the window holding `addr` ends.
 pub(super) fn window_end(addr: u64) -> u64 {
     (addr / CHUNK as u64 + 1) * CHUNK as u64
@@ -200,23 +203,27 @@ impl Building {
         start: u64,
         end: u64,
     ) -> Result<(), ChunkingError<W::Error>> {
-        let mut bytes = vec![0u8; (end - start) as usize];
         let mut at = start;
         while at < end {
             let to = window_end(at).min(end);
-            match self.from_tree.remove(&at).filter(|read| read.len() as u64 == to - at) {
-                Some(read) => {
-                    writer.stats().bytes_from_tree += to - at;
-                    bytes[(at - start) as usize..(to - start) as usize].copy_from_slice(&read);
-                }
-                None => self.holes.push_back(back.ask(self.image.dst_id, at, to)?),
-            }
+            let part: Cow<'_, [u8]> =
+                match self.from_tree.remove(&at).filter(|read| read.len() as u64 == to - at) {
+                    Some(read) => {
+                        writer.stats().bytes_from_tree += to - at;
+                        Cow::Owned(read)
+                    }
+                    None => {
+                        self.holes.push_back(back.ask(self.image.dst_id, at, to)?);
+                        Cow::Borrowed(&ZEROS[..(to - at) as usize])
+                    }
+                };
+            let (_, cutter) = self.open.as_mut().expect("a stretch is open");
+            let first = cutter.window_start();
+            let windows = cutter.cut(&part);
+            self.emit(writer, back, windows, first)?;
             at = to;
         }
-        let (_, cutter) = self.open.as_mut().expect("a stretch is open");
-        let first = cutter.window_start();
-        let windows = cutter.cut(&bytes);
-        self.emit(writer, back, windows, first)
+        Ok(())
     }
 
     /// Unchanged pages waiting at the end of the open stretch are read back and chunked:
