@@ -1,12 +1,14 @@
 //! Room for the packs a store's checkpoints fill, queue and upload: at most
-//! [`PACKS_IN_MEMORY`] at once, all checkpoints together, each pack filled in a buffer that is
-//! kept for the next pack once its upload is done.
+//! [`PACKS_IN_MEMORY`] at once, all checkpoints together, a few of their buffers kept for the
+//! next packs once their uploads are done.
 //!
 //! A fresh buffer of a pack's size is faulted in and zeroed page by page as the pack fills,
 //! on the one thread that packs a dump's chunks in order, while CRIU may be waiting for it:
 //! under emulation that was a sixth of an eviction's packing thread. A kept buffer spares every
-//! pack after the first that work. A buffer no pack took for a while goes back to the system,
-//! so an idle stasisd holds none.
+//! pack after the first that work. Only [`KEPT_AT_MOST`] are kept, enough for one dump's
+//! flow (a pack filling while the one before uploads), so that kept pages do not add to the
+//! memory packs take when many dumps run at once; and a buffer no pack took for a while goes
+//! back to the system, so an idle stasisd holds none.
 
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -18,6 +20,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 pub const PACKS_IN_MEMORY: usize = 6;
 /// How long a buffer no pack took is kept.
 const KEPT: Duration = Duration::from_secs(10);
+/// Buffers kept at most.
+const KEPT_AT_MOST: usize = 2;
 
 /// Buffers given back, each with when.
 type Kept = Mutex<Vec<(Vec<u8>, Instant)>>;
@@ -90,8 +94,7 @@ impl PackSlot {
         let mut kept = lock(&self.kept);
         let now = Instant::now();
         kept.retain(|(_, at)| now.duration_since(*at) < self.keep_for);
-        // Never more than the slots: a buffer beyond them could not be in use.
-        if kept.len() < PACKS_IN_MEMORY {
+        if kept.len() < KEPT_AT_MOST {
             kept.push((buffer, now));
         }
         drop(kept);
@@ -162,7 +165,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn never_more_packs_at_once_than_the_slots() {
+    async fn never_more_packs_at_once_than_the_slots_and_only_a_few_buffers_kept() {
         let slots = PackSlots::default();
         let mut held = Vec::new();
         for _ in 0..PACKS_IN_MEMORY {
@@ -172,7 +175,12 @@ mod tests {
         assert!(waiting.is_err(), "a pack beyond the slots waits");
         let (slot, data) = held.pop().unwrap();
         drop(PackBytes { data, slot: Some(slot) });
-        let (_, buffer) = tokio::time::timeout(Duration::from_secs(5), slots.take(16)).await.unwrap();
+        let (slot, buffer) = tokio::time::timeout(Duration::from_secs(5), slots.take(16)).await.unwrap();
         assert!(buffer.capacity() >= 16);
+        held.push((slot, buffer));
+        for (slot, data) in held {
+            drop(PackBytes { data, slot: Some(slot) });
+        }
+        assert_eq!(slots.kept(), KEPT_AT_MOST, "the rest went back to the system");
     }
 }
