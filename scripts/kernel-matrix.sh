@@ -10,6 +10,9 @@
 # KM_PROFILE (the cargo profile whose binaries run: debug, or release for measurements),
 # KM_THP (the guest's transparent-huge-page mode, given on its command line: always, madvise
 # or never; default the kernel's own, "always" in Debian's),
+# KM_PERF (an evict-cost round to profile: evict-blocks, evict-tracked, evict-blocks-untracked
+# or evict-untracked; `perf record -a` in the guest over its eviction, the busiest commands
+# and symbols printed to the console log as PERFCOMM and PERFSYM lines; needs the host's perf),
 # KM_SMP (guest CPUs, 2), KM_TIMEOUT (seconds per kernel, 1800), KM_REFRESH=1 (fetch the
 # kernels again), KM_RESULTS (the table's file, default .stasis/kernel-matrix/results.txt).
 #
@@ -582,7 +585,11 @@ evict_round() {
   kill -USR2 "$w"
   wait_for 300 "the checksum" grep -q '^checksum ' "$log"
   sum=$(sed -n 's/^checksum //p' "$log")
+  local profiling=
+  [ "$(sed -n 's/.*km\.perf=\([^ ]*\).*/\1/p' /proc/cmdline)" = "$name" ] && profiling=$KM_STATE/perf.data
+  [ -z "$profiling" ] || start_perf "$profiling"
   evict "$name"
+  [ -z "$profiling" ] || stop_perf "$profiling"
   evicted=$(json stats.durable_ms <<<"$ck")
   kept=$(unchanged "$ck")
   echo "$name: cold checkpoint durable $cold ms ($(json stats.bytes_uploaded <<<"$ck0") bytes uploaded); eviction durable $evicted ms, frozen $(json stats.frozen_ms <<<"$ck") ms, $(json stats.bytes_uploaded <<<"$ck") bytes uploaded, bytes_unchanged $kept ($(unchanged "$ck" bytes_from_tree) from the tree)"
@@ -603,6 +610,26 @@ print(" ".join(c["id"] for c in json.load(sys.stdin)["checkpoints"]))'); do
     cli delete "$id" >/dev/null
   done
   cli gc >/dev/null
+}
+
+# start_perf FILE: samples every CPU of the guest into FILE (perf record -a, 499 Hz) until
+# stop_perf; waits 1 s for perf to start.
+start_perf() {
+  perf record -a -F 499 -o "$1" >/dev/null 2>&1 &
+  echo $! >"$1.pid"
+  sleep 1
+}
+
+# stop_perf FILE: stops the sampling of start_perf and prints the busiest commands (PERFCOMM)
+# and symbols (PERFSYM) of FILE.
+stop_perf() {
+  kill -INT "$(cat "$1.pid")"
+  wait "$(cat "$1.pid")" || true
+  local sort
+  for sort in comm comm,dso,sym; do
+    perf report -i "$1" --sort "$sort" --stdio 2>/dev/null | grep -v -e '^#' -e '^$' | head -n 40 |
+      sed "s/^/PERF$([ "$sort" = comm ] && echo COMM || echo SYM) /" || true
+  done
 }
 
 # On demand only (not in all_cases): the Kubernetes eviction's shape (stasis-bench kube: a
@@ -970,7 +997,7 @@ run_kernel() {
     -smp "${KM_SMP:-2}" -m "${KM_MEM:-1536}" -display none -monitor none -no-reboot \
     -serial "file:$console" -nic none \
     -kernel "$vmlinuz" -initrd "$initrd" \
-    -append "console=ttyS0 loglevel=3 panic=-1 km.repo=$root km.cases=${cases// /,}${KM_THP:+ transparent_hugepage=$KM_THP}" \
+    -append "console=ttyS0 loglevel=3 panic=-1 km.repo=$root km.cases=${cases// /,}${KM_THP:+ transparent_hugepage=$KM_THP}${KM_PERF:+ km.perf=$KM_PERF}" \
     -virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap" \
     </dev/null || rc=$?
   echo "kernel-matrix: $release done in $((SECONDS - t0)) s (qemu exit $rc)" >&2
@@ -997,6 +1024,10 @@ host_main() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-system-x86 >/dev/null
   fi
   [ -x "$root/.stasis/criu/bin/criu" ] || "$root/scripts/setup-criu.sh" >/dev/null
+  if [ -n "${KM_PERF:-}" ] && ! command -v perf >/dev/null; then
+    echo "kernel-matrix: KM_PERF needs perf on this machine (the guest runs the host's)" >&2
+    exit 1
+  fi
   local b built=$root/target/${KM_PROFILE:-debug}
   for b in stasisd stasis stasis-init stasis-lazy-guard; do
     [ -x "$built/$b" ] || { echo "kernel-matrix: build first (cargo build --workspace): no $built/$b" >&2; exit 1; }
