@@ -623,7 +623,7 @@ start_perf() {
 # stop_perf FILE: stops the sampling of start_perf and prints the busiest commands (PERFCOMM)
 # and symbols (PERFSYM) of FILE.
 stop_perf() {
-  kill -INT "$(cat "$1.pid")"
+  kill -INT "$(cat "$1.pid")" 2>/dev/null || true
   wait "$(cat "$1.pid")" || true
   local sort
   for sort in comm comm,dso,sym; do

@@ -47,8 +47,9 @@ impl FrozenMemory {
 impl TreeMemory for FrozenMemory {
     fn read(&self, dst_id: u64, addr: u64, len: usize) -> Option<Vec<u8>> {
         let (pid, _, read) = self.processes.get(&task_of(dst_id)?)?;
+        let bytes = self.host.read_memory(*pid, addr, len).ok()?;
         read.store(true, Ordering::Relaxed);
-        self.host.read_memory(*pid, addr, len).ok()
+        Some(bytes)
     }
 
     fn still_the_same(&self) -> bool {
