@@ -37,8 +37,8 @@ pub(super) struct PackSlots {
 /// One pack's place among the [`PACKS_IN_MEMORY`], freed when dropped.
 pub struct PackSlot {
     _permit: OwnedSemaphorePermit,
-    kept: Arc<Kept>,
-    keep_for: Duration,
+    /// Where its buffer goes back to.
+    slots: PackSlots,
 }
 
 impl std::fmt::Debug for PackSlots {
@@ -75,7 +75,7 @@ impl PackSlots {
             let at = kept.iter().position(|(buffer, _)| buffer.capacity() >= bytes);
             at.map(|at| kept.swap_remove(at).0)
         };
-        let slot = PackSlot { _permit: permit, kept: self.kept.clone(), keep_for: self.keep_for };
+        let slot = PackSlot { _permit: permit, slots: self.clone() };
         (slot, kept.unwrap_or_else(|| Vec::with_capacity(bytes)))
     }
 
@@ -91,16 +91,15 @@ impl PackSlot {
     /// slots' time (now, and once more that time later, so that an idle stasisd holds none).
     fn keep(&self, mut buffer: Vec<u8>) {
         buffer.clear();
-        let mut kept = lock(&self.kept);
-        let now = Instant::now();
-        kept.retain(|(_, at)| now.duration_since(*at) < self.keep_for);
-        if kept.len() < KEPT_AT_MOST {
-            kept.push((buffer, now));
+        let PackSlots { kept, keep_for, .. } = &self.slots;
+        let mut unused = lock(kept);
+        let_go_of_unused(&mut unused, *keep_for);
+        if unused.len() < KEPT_AT_MOST {
+            unused.push((buffer, Instant::now()));
         }
-        drop(kept);
+        drop(unused);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let (kept, keep_for) = (Arc::downgrade(&self.kept), self.keep_for);
-            runtime.spawn(let_go_later(kept, keep_for));
+            runtime.spawn(let_go_later(Arc::downgrade(kept), *keep_for));
         }
     }
 }
@@ -109,9 +108,14 @@ impl PackSlot {
 async fn let_go_later(kept: Weak<Kept>, keep_for: Duration) {
     tokio::time::sleep(keep_for).await;
     if let Some(kept) = kept.upgrade() {
-        let now = Instant::now();
-        lock(&kept).retain(|(_, at)| now.duration_since(*at) < keep_for);
+        let_go_of_unused(&mut lock(&kept), keep_for);
     }
+}
+
+/// Lets go of the buffers of `kept` no pack took for `keep_for`.
+fn let_go_of_unused(kept: &mut Vec<(Vec<u8>, Instant)>, keep_for: Duration) {
+    let now = Instant::now();
+    kept.retain(|(_, at)| now.duration_since(*at) < keep_for);
 }
 
 fn lock(kept: &Kept) -> std::sync::MutexGuard<'_, Vec<(Vec<u8>, Instant)>> {
