@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use std::os::fd::{AsFd, BorrowedFd};
 
+use bytes::Bytes;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use nix::sys::eventfd::{EfdFlags, EventFd};
@@ -89,7 +90,7 @@ enum Slot {
     /// Not in the cache (not fetched yet, or released).
     Absent,
     Fetching,
-    Ready(Arc<Vec<u8>>),
+    Ready(Bytes),
 }
 
 struct State {
@@ -169,7 +170,7 @@ impl LazyFetch {
 pub enum ChunkData {
     /// An all-zero chunk (never stored).
     Zero,
-    Bytes(Arc<Vec<u8>>),
+    Bytes(Bytes),
 }
 
 /// How much a chunk that is not cached is wanted.
@@ -485,7 +486,7 @@ async fn fetch_batch(
                         reason: reason.to_string(),
                     }
                 })?;
-                cache(&verify, i, Arc::new(data));
+                cache(&verify, i, data);
             }
         }
         Ok(())
@@ -498,7 +499,7 @@ async fn fetch_batch(
 
 /// Puts fetched chunk `i` in the cache, unless it was released meanwhile, and tells the fault
 /// server.
-fn cache(shared: &Shared, i: usize, data: Arc<Vec<u8>>) {
+fn cache(shared: &Shared, i: usize, data: Bytes) {
     let mut st = shared.lock();
     if st.released[i] {
         // Released while it was fetched, and not asked for since: nobody needs it.
