@@ -145,6 +145,12 @@ impl Results {
                 None,
             ),
             row(
+                "(restore) `stasis restore` vs this machine's first touch of as much fresh memory, ms",
+                rs(&|r| ms(r.wall)),
+                rs(&|r| ms(r.first_touch)),
+                None,
+            ),
+            row(
                 "(restore) restored process's VmRSS, MiB",
                 rs(&|r| mib(r.rss as f64)),
                 rs(&|r| mib(r.peer_rss as f64)),

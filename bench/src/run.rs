@@ -34,6 +34,9 @@ pub struct RestoreRound {
     /// VmRSS of the restored workload right after each restore (a sanity check).
     pub rss: u64,
     pub peer_rss: u64,
+    /// How long this machine took, just before, to give a process as much fresh memory as
+    /// the workload holds: a floor no restore goes below.
+    pub first_touch: Duration,
 }
 
 /// Everything measured.
@@ -136,6 +139,19 @@ pub fn dirty(pid: i32, log: &Path) -> anyhow::Result<u64> {
     Ok(windows << 16)
 }
 
+/// The time to write one byte into each page of `bytes` of fresh memory (then freed): what a
+/// restore of that much memory costs at least on this machine, where a virtual machine's
+/// first use of its memory is much dearer than a zeroed page.
+fn first_touch(bytes: u64) -> Duration {
+    let started = Instant::now();
+    let mut fresh = vec![0u8; bytes as usize];
+    for page in fresh.chunks_mut(4096) {
+        page[0] = 1;
+    }
+    std::hint::black_box(&fresh);
+    started.elapsed()
+}
+
 /// Restores the stasis checkpoint `id`, then kills the restored tree.
 fn stasis_restore(d: &Daemon, id: &str) -> anyhow::Result<(Value, Duration, u64)> {
     settle();
@@ -198,12 +214,13 @@ pub fn run(args: &Args) -> anyhow::Result<Results> {
     for i in 0..args.rounds as usize {
         let stasis_first = i % 2 == 0;
         let peer_before = if stasis_first { None } else { Some(peer_restore(&d, &peer, &tarball, pid)?) };
+        let first_touch = first_touch(args.rss_mib << 20);
         let (stasis, wall, rss) = stasis_restore(&d, &ck_id)?;
         let (peer, peer_rss) = match peer_before {
             Some(p) => p,
             None => peer_restore(&d, &peer, &tarball, pid)?,
         };
-        restores.push(RestoreRound { stasis, wall, peer, rss, peer_rss });
+        restores.push(RestoreRound { stasis, wall, peer, rss, peer_rss, first_touch });
     }
     d.set_workload(None);
 
