@@ -80,19 +80,6 @@ pub fn map_private_file(file: std::fs::File) -> io::Result<memmap2::Mmap> {
     unsafe { memmap2::Mmap::map(&file) }
 }
 
-/// Maps `len` bytes at `offset` of an object of stasisd's local store for reading.
-///
-/// The caller promises what the store guarantees: the directory is stasisd's alone, and an
-/// object is written whole under a temporary name, renamed into place, and never written or
-/// truncated afterwards (only removed, which leaves a mapping of it intact). `offset + len`
-/// must be within the file's size, checked by the caller on this handle.
-pub fn map_store_object(file: &std::fs::File, offset: u64, len: usize) -> io::Result<memmap2::Mmap> {
-    // SAFETY: mapping is unsound if the file changes or shrinks while mapped; per this
-    // function's contract nothing writes or truncates a stored object, so the mapped bytes
-    // stay as they are for the mapping's life.
-    unsafe { memmap2::MmapOptions::new().offset(offset).len(len).map(file) }
-}
-
 /// Drops this process's mapping of `len` bytes at `offset` of a read-only file mapping, so
 /// pages already read stop counting as its resident memory; reading them again faults the same
 /// file contents back in. Errors are ignored: this only saves memory.

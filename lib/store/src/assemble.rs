@@ -9,7 +9,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use stasis_proto::stasis::store::v1::{ChunkRef, Codec, FileImage, MemoryImage};
 
@@ -271,7 +270,7 @@ impl Store {
         let cipher = self.cipher.clone();
         tokio::task::spawn_blocking(move || {
             let mut blobs = ranges.iter().zip(&blobs);
-            let mut data: (u64, Bytes) = (u64::MAX, Bytes::new());
+            let mut data: (u64, Vec<u8>) = (u64::MAX, Vec::new());
             for p in &placements {
                 if data.0 != p.loc.offset {
                     let bad = |reason: &str| StoreError::CorruptChunk {
@@ -311,15 +310,13 @@ impl Store {
         };
         let range = loc.offset..loc.offset + u64::from(loc.stored_len);
         let blobs = self.read_ranges(id, &loc.pack, &[range]).await?;
-        let blob = blobs.into_iter().next().unwrap_or_default();
-        let data =
-            decode_chunk(&blob, &loc, &hash, self.cipher()).map_err(|reason| StoreError::CorruptChunk {
-                id: id.into(),
-                chunk: hex::encode(hash),
-                pack: loc.pack.to_string(),
-                reason: reason.into(),
-            })?;
-        Ok(Vec::from(data))
+        let blob = blobs.first().map_or(&[][..], |b| &b[..]);
+        decode_chunk(blob, &loc, &hash, self.cipher()).map_err(|reason| StoreError::CorruptChunk {
+            id: id.into(),
+            chunk: hex::encode(hash),
+            pack: loc.pack.to_string(),
+            reason: reason.into(),
+        })
     }
 
     /// Reads `ranges` of pack `pack` (for checkpoint `id`); a failure names what is wrong.
@@ -329,13 +326,7 @@ impl Store {
         pack: &str,
         ranges: &[std::ops::Range<u64>],
     ) -> Result<Vec<bytes::Bytes>, StoreError> {
-        let key = self.pack_key(pack);
-        if let Some(local) = &self.local
-            && let Some(mapped) = local.read(&key, ranges).await
-        {
-            return Ok(mapped);
-        }
-        match self.backend.get_ranges(&key, ranges).await {
+        match self.backend.get_ranges(&self.pack_key(pack), ranges).await {
             Ok(blobs) => Ok(blobs),
             Err(source) => Err(self.explain_fetch_failure(id, pack, ranges, source).await),
         }
@@ -369,22 +360,25 @@ impl Store {
 /// A fetched chunk's bytes: opened (in an encrypted store), decompressed and checked against
 /// its id; the error says why not.
 pub(super) fn decode_chunk(
-    blob: &Bytes,
+    blob: &[u8],
     loc: &ChunkLoc,
     hash: &ChunkHash,
     cipher: Option<&Cipher>,
-) -> Result<Bytes, &'static str> {
+) -> Result<Vec<u8>, &'static str> {
     if blob.len() != loc.stored_len as usize {
         return Err("the pack is truncated");
     }
+    let opened;
     let stored = match cipher {
-        Some(c) => Bytes::from(c.open(hash, blob).ok_or("it does not decrypt with the store key")?),
-        // A chunk kept raw is the fetched bytes themselves (a mapped pack's pages), not a copy.
-        None => blob.clone(),
+        Some(c) => {
+            opened = c.open(hash, blob).ok_or("it does not decrypt with the store key")?;
+            &opened[..]
+        }
+        None => blob,
     };
     let data = match loc.codec {
-        Codec::Raw => stored,
-        Codec::Zstd => decompress(&stored, loc.len as usize).map_err(|_| "it does not decompress")?.into(),
+        Codec::Raw => stored.to_vec(),
+        Codec::Zstd => decompress(stored, loc.len as usize).map_err(|_| "it does not decompress")?,
     };
     if data.len() != loc.len as usize || &chunk_id(cipher, &data) != hash {
         return Err("its content does not match its hash");

@@ -14,7 +14,6 @@ use object_store::{BackoffConfig, ObjectStore, RetryConfig};
 use url::Url;
 
 use super::credentials;
-use super::local_ranges::LocalObjects;
 use stasis_linux::cloud::Cloud;
 
 /// A store URL could not be turned into a backend.
@@ -80,20 +79,11 @@ fn bounded(backend: Arc<dyn ObjectStore>, bound: Duration) -> Arc<dyn ObjectStor
     Arc::new(super::deadline::Deadline::new(backend, bound))
 }
 
-/// A store URL's backend.
-pub(super) struct Opened {
-    pub backend: Arc<dyn ObjectStore>,
-    /// The key prefix all objects go under.
-    pub prefix: ObjPath,
-    /// The directory of a `file://` store, whose packs are mapped rather than read.
-    pub local: Option<LocalObjects>,
-}
-
-/// Opens the backend for `url`.
+/// Opens the backend for `url` and returns it with the key prefix all objects go under.
 ///
 /// S3, GCS and Azure take credentials and settings from the standard environment variables
 /// (`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT` for S3-compatible servers, `AWS_ALLOW_HTTP`, ...).
-pub(super) fn open(url: &str, bound: Duration) -> Result<Opened, OpenStoreError> {
+pub fn open(url: &str, bound: Duration) -> Result<(Arc<dyn ObjectStore>, ObjPath), OpenStoreError> {
     let retry = retry_config(bound);
     let parsed = Url::parse(url).map_err(|source| OpenStoreError::BadUrl { url: url.into(), source })?;
     let backend_err = |source| OpenStoreError::Backend { url: url.into(), source };
@@ -103,10 +93,10 @@ pub(super) fn open(url: &str, bound: Duration) -> Result<Opened, OpenStoreError>
             let dir = parsed.path();
             stasis_linux::private_dir::ensure_private_dir(Path::new(dir))
                 .map_err(|source| OpenStoreError::LocalDir { path: dir.into(), source })?;
-            let fs = Arc::new(LocalFileSystem::new_with_prefix(dir).map_err(backend_err)?);
-            Ok(Opened { backend: fs.clone(), prefix: ObjPath::default(), local: Some(LocalObjects(fs)) })
+            let fs = LocalFileSystem::new_with_prefix(dir).map_err(backend_err)?;
+            Ok((Arc::new(fs), ObjPath::default()))
         }
-        "memory" => Ok(Opened { backend: Arc::new(InMemory::new()), prefix: prefix(), local: None }),
+        "memory" => Ok((Arc::new(InMemory::new()), prefix())),
         scheme => {
             let Some(cloud) = credentials::cloud_of(scheme) else {
                 return Err(OpenStoreError::UnsupportedScheme(scheme.into()));
@@ -139,7 +129,7 @@ pub(super) fn open(url: &str, bound: Duration) -> Result<Opened, OpenStoreError>
                         .map_err(backend_err)?,
                 ),
             };
-            Ok(Opened { backend: bounded(backend, bound), prefix: prefix(), local: None })
+            Ok((bounded(backend, bound), prefix()))
         }
     }
 }
@@ -172,8 +162,7 @@ mod tests {
         assert!(dir.path().join("store").is_dir());
         assert!(matches!(open("ftp://x/y", retry()), Err(OpenStoreError::UnsupportedScheme(_))));
         assert!(matches!(open("not a url", retry()), Err(OpenStoreError::BadUrl { .. })));
-        let opened = open("memory:///tenant/a", retry()).unwrap();
-        assert_eq!(opened.prefix.as_ref(), "tenant/a");
-        assert!(opened.local.is_none() && open(&url, retry()).unwrap().local.is_some());
+        let (_, prefix) = open("memory:///tenant/a", retry()).unwrap();
+        assert_eq!(prefix.as_ref(), "tenant/a");
     }
 }

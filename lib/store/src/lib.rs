@@ -32,7 +32,6 @@ mod lazy_memory;
 #[cfg(test)]
 mod lazy_memory_tests;
 mod lease;
-mod local_ranges;
 mod memory;
 mod pack_slots;
 mod parent;
@@ -159,8 +158,6 @@ pub struct Store {
     pack_slots: pack_slots::PackSlots,
     /// Places for fetched packs, shared by every restore.
     fetch_slots: Arc<tokio::sync::Semaphore>,
-    /// A local store's directory: packs are mapped from there rather than read.
-    local: Option<local_ranges::LocalObjects>,
 }
 
 /// Held while a checkpoint decides which chunks to reference and commits its manifest (or a
@@ -192,8 +189,8 @@ impl Store {
     /// Opens the store at `url` (`file:///dir`, `s3://bucket/prefix`, `gs://…`, `az://…`);
     /// each request to a remote store, retries included, ends within `retry_timeout`.
     pub fn open(url: &str, retry_timeout: std::time::Duration) -> Result<Self, OpenStoreError> {
-        let opened = backend::open(url, retry_timeout)?;
-        Ok(Self { url: url.into(), local: opened.local, ..Self::from_backend(opened.backend, opened.prefix) })
+        let (backend, prefix) = backend::open(url, retry_timeout)?;
+        Ok(Self { url: url.into(), ..Self::from_backend(backend, prefix) })
     }
 
     /// A store of the objects under `prefix` in `backend`, named by them: how unit tests put
@@ -209,7 +206,6 @@ impl Store {
             cipher: None,
             pack_slots: Default::default(),
             fetch_slots: Arc::new(tokio::sync::Semaphore::new(assemble::FETCHES_IN_MEMORY)),
-            local: None,
         }
     }
 

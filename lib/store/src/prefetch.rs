@@ -20,7 +20,6 @@ use std::time::Duration;
 
 use std::os::fd::{AsFd, BorrowedFd};
 
-use bytes::Bytes;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use nix::sys::eventfd::{EfdFlags, EventFd};
@@ -90,7 +89,7 @@ enum Slot {
     /// Not in the cache (not fetched yet, or released).
     Absent,
     Fetching,
-    Ready(Bytes),
+    Ready(Arc<Vec<u8>>),
 }
 
 struct State {
@@ -170,7 +169,7 @@ impl LazyFetch {
 pub enum ChunkData {
     /// An all-zero chunk (never stored).
     Zero,
-    Bytes(Bytes),
+    Bytes(Arc<Vec<u8>>),
 }
 
 /// How much a chunk that is not cached is wanted.
@@ -486,7 +485,7 @@ async fn fetch_batch(
                         reason: reason.to_string(),
                     }
                 })?;
-                cache(&verify, i, data);
+                cache(&verify, i, Arc::new(data));
             }
         }
         Ok(())
@@ -499,7 +498,7 @@ async fn fetch_batch(
 
 /// Puts fetched chunk `i` in the cache, unless it was released meanwhile, and tells the fault
 /// server.
-fn cache(shared: &Shared, i: usize, data: Bytes) {
+fn cache(shared: &Shared, i: usize, data: Arc<Vec<u8>>) {
     let mut st = shared.lock();
     if st.released[i] {
         // Released while it was fetched, and not asked for since: nobody needs it.
