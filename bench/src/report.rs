@@ -147,7 +147,7 @@ impl Results {
             row(
                 "(restore) `stasis restore` vs this machine's first touch of as much fresh memory, ms",
                 rs(&|r| ms(r.wall)),
-                rs(&|r| ms(r.first_touch)),
+                vec![ms(self.first_touch)],
                 None,
             ),
             row(

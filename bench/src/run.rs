@@ -34,9 +34,6 @@ pub struct RestoreRound {
     /// VmRSS of the restored workload right after each restore (a sanity check).
     pub rss: u64,
     pub peer_rss: u64,
-    /// How long this machine took, just before, to give a process as much fresh memory as
-    /// the workload holds: a floor no restore goes below.
-    pub first_touch: Duration,
 }
 
 /// Everything measured.
@@ -52,6 +49,9 @@ pub struct Results {
     pub peak_rss: u64,
     pub peak_rss_restore: u64,
     pub staging_bound: u64,
+    /// How long this machine took, after the restores, to give a process as much fresh
+    /// memory as the workload holds (4 KiB pages): a floor no restore goes below.
+    pub first_touch: Duration,
 }
 
 pub fn checkpoint(d: &Daemon) -> anyhow::Result<Value> {
@@ -139,9 +139,10 @@ pub fn dirty(pid: i32, log: &Path) -> anyhow::Result<u64> {
     Ok(windows << 16)
 }
 
-/// The time to write one byte into each page of `bytes` of fresh memory (then freed): what a
-/// restore of that much memory costs at least on this machine, where a virtual machine's
-/// first use of its memory is much dearer than a zeroed page.
+/// The time to write one byte into each page of `bytes` of fresh memory (then freed), in
+/// 4 KiB pages as a restore's `UFFDIO_COPY` gives them (a heap this large is not eligible for
+/// huge pages unless transparent huge pages are `always`): what a restore of that much
+/// memory costs at least on this machine.
 fn first_touch(bytes: u64) -> Duration {
     let started = Instant::now();
     let mut fresh = vec![0u8; bytes as usize];
@@ -214,16 +215,28 @@ pub fn run(args: &Args) -> anyhow::Result<Results> {
     for i in 0..args.rounds as usize {
         let stasis_first = i % 2 == 0;
         let peer_before = if stasis_first { None } else { Some(peer_restore(&d, &peer, &tarball, pid)?) };
-        let first_touch = first_touch(args.rss_mib << 20);
         let (stasis, wall, rss) = stasis_restore(&d, &ck_id)?;
         let (peer, peer_rss) = match peer_before {
             Some(p) => p,
             None => peer_restore(&d, &peer, &tarball, pid)?,
         };
-        restores.push(RestoreRound { stasis, wall, peer, rss, peer_rss, first_touch });
+        restores.push(RestoreRound { stasis, wall, peer, rss, peer_rss });
     }
     d.set_workload(None);
 
     let (peak_rss_restore, staging_bound) = (d.peak_rss()?, staging_bound(args));
-    Ok(Results { ck1, peer1, rounds, restores, peak_rss_first, peak_rss, peak_rss_restore, staging_bound })
+    // Last, so that it pushes nothing the restores read out of the page cache.
+    settle();
+    let first_touch = first_touch(args.rss_mib << 20);
+    Ok(Results {
+        ck1,
+        peer1,
+        rounds,
+        restores,
+        peak_rss_first,
+        peak_rss,
+        peak_rss_restore,
+        staging_bound,
+        first_touch,
+    })
 }
