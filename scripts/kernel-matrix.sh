@@ -613,16 +613,19 @@ print(" ".join(c["id"] for c in json.load(sys.stdin)["checkpoints"]))'); do
 }
 
 # start_perf FILE: samples every CPU of the guest into FILE (perf record -a, 499 Hz) until
-# stop_perf; waits 1 s for perf to start.
+# stop_perf, or until the case ends (a failure before stop_perf stops it too); waits 1 s for
+# perf to start.
 start_perf() {
   perf record -a -F 499 -o "$1" >/dev/null 2>&1 &
   echo $! >"$1.pid"
+  trap "kill -INT $! 2>/dev/null || true" EXIT
   sleep 1
 }
 
 # stop_perf FILE: stops the sampling of start_perf and prints the busiest commands (PERFCOMM)
 # and symbols (PERFSYM) of FILE.
 stop_perf() {
+  trap - EXIT
   kill -INT "$(cat "$1.pid")" 2>/dev/null || true
   wait "$(cat "$1.pid")" || true
   local sort
