@@ -5,10 +5,12 @@
 //! Because every child is reaped here, nothing else in the daemon may `wait` for a child.
 
 use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nix::errno::Errno;
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
 use tokio::signal::unix::{SignalKind, signal};
@@ -165,6 +167,9 @@ impl Reaper {
         let mut child = cmd.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
         let pid = child.id() as i32;
         self.forget_earlier_exit(pid);
+        // Readable once it exits; none if it is already gone (and reaped): its exit is then
+        // recorded, or on its way, and the loop below polls for it.
+        let mut exited = super::sys::pidfd_open(pid).ok();
         let read = |pipe: Option<Box<dyn Read + Send>>| {
             std::thread::spawn(move || {
                 let mut text = String::new();
@@ -189,7 +194,11 @@ impl Reaper {
                 let _ = nix::sys::signal::kill(Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
                 killed = true;
             }
-            std::thread::sleep(Duration::from_millis(5));
+            let left = deadline.filter(|_| !killed).map(|d| d.saturating_sub(started.elapsed()));
+            if wait_for_exit(exited.as_ref(), left) {
+                // Exited: reaped on the next look (or by another thread, which records it).
+                exited = None;
+            }
         };
         let (stdout, stderr) = (stdout.join().unwrap_or_default(), stderr.join().unwrap_or_default());
         if killed {
@@ -226,6 +235,18 @@ impl Reaper {
             let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
         }
     }
+}
+
+/// Waits until the process `exited` refers to has exited (then says so), `left` has passed,
+/// or a second (the caller looks again); without a descriptor, a nap of 5 ms.
+fn wait_for_exit(exited: Option<&OwnedFd>, left: Option<Duration>) -> bool {
+    let Some(fd) = exited else {
+        std::thread::sleep(Duration::from_millis(5));
+        return false;
+    };
+    let wait = left.unwrap_or(Duration::from_secs(1)).min(Duration::from_secs(1));
+    let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
+    poll(&mut fds, PollTimeout::try_from(wait).unwrap_or(PollTimeout::MAX)).is_ok_and(|ready| ready > 0)
 }
 
 #[cfg(test)]

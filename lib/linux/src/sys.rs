@@ -90,8 +90,8 @@ pub fn release_mapped_range(map: &memmap2::Mmap, offset: usize, len: usize) {
     let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, len) };
 }
 
-/// A copy of descriptor `fd` of process `pid` (`pidfd_getfd(2)`; needs ptrace access to it).
-pub fn copy_fd_of(pid: i32, fd: i32) -> io::Result<OwnedFd> {
+/// A descriptor of process `pid` (`pidfd_open(2)`, Linux 5.3): readable once it has exited.
+pub fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags by value and returns a new descriptor or -1; no
     // memory is shared with the kernel.
     let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
@@ -99,7 +99,12 @@ pub fn copy_fd_of(pid: i32, fd: i32) -> io::Result<OwnedFd> {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: the kernel just returned this descriptor to us and nothing else owns it.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    Ok(unsafe { OwnedFd::from_raw_fd(pidfd as i32) })
+}
+
+/// A copy of descriptor `fd` of process `pid` (`pidfd_getfd(2)`; needs ptrace access to it).
+pub fn copy_fd_of(pid: i32, fd: i32) -> io::Result<OwnedFd> {
+    let pidfd = pidfd_open(pid)?;
     // SAFETY: pidfd_getfd takes two descriptors and flags by value and returns a new
     // descriptor or -1; no memory is shared with the kernel.
     let copy = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
