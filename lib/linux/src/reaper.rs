@@ -244,7 +244,9 @@ fn wait_for_exit(exited: Option<&OwnedFd>, left: Option<Duration>) -> bool {
         std::thread::sleep(Duration::from_millis(5));
         return false;
     };
+    // In whole milliseconds, rounded up: less than one left must not poll for none and spin.
     let wait = left.unwrap_or(Duration::from_secs(1)).min(Duration::from_secs(1));
+    let wait = Duration::from_millis(wait.as_micros().div_ceil(1000) as u64);
     let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
     poll(&mut fds, PollTimeout::try_from(wait).unwrap_or(PollTimeout::MAX)).is_ok_and(|ready| ready > 0)
 }
