@@ -167,9 +167,10 @@ impl Reaper {
         let mut child = cmd.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
         let pid = child.id() as i32;
         self.forget_earlier_exit(pid);
-        // Readable once it exits; none if it is already gone (and reaped): its exit is then
-        // recorded, or on its way, and the loop below polls for it.
-        let mut exited = super::sys::pidfd_open(pid).ok();
+        // Readable once it exits; an error if it is already gone (and reaped): its exit is
+        // then recorded, or on its way, and the loop below polls for it.
+        let pidfd = super::sys::pidfd_open(pid);
+        let mut watching = pidfd.is_ok();
         let read = |pipe: Option<Box<dyn Read + Send>>| {
             std::thread::spawn(move || {
                 let mut text = String::new();
@@ -189,15 +190,13 @@ impl Reaper {
                 break kind;
             }
             if !killed && deadline.is_some_and(|d| started.elapsed() >= d) {
-                // Its group first (a group of its own has its pid as id), then itself.
-                let _ = nix::sys::signal::kill(Pid::from_raw(-pid), nix::sys::signal::Signal::SIGKILL);
-                let _ = nix::sys::signal::kill(Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+                kill_program(pid, &pidfd);
                 killed = true;
             }
             let left = deadline.filter(|_| !killed).map(|d| d.saturating_sub(started.elapsed()));
-            if wait_for_exit(exited.as_ref(), left) {
+            if wait_for_exit(pidfd.as_ref().ok().filter(|_| watching), left) {
                 // Exited: reaped on the next look (or by another thread, which records it).
-                exited = None;
+                watching = false;
             }
         };
         let (stdout, stderr) = (stdout.join().unwrap_or_default(), stderr.join().unwrap_or_default());
@@ -237,6 +236,32 @@ impl Reaper {
     }
 }
 
+/// Kills `pid`, a program of [`Reaper::run_blocking`] past its deadline, and its process
+/// group (a group of its own has its pid as id); `pidfd` is its `pidfd_open`. Returns whether
+/// anything was signalled.
+///
+/// Any thread may reap it meanwhile, and its pid is then free for another process: so it is
+/// signalled through its pidfd, and its group only while it is still there (running or a
+/// zombie), when no other process can have its pid as a group id. Where no pidfd could be had
+/// for it (a kernel before 5.3, no descriptor left), by pid as before.
+fn kill_program(pid: i32, pidfd: &std::io::Result<OwnedFd>) -> bool {
+    use nix::sys::signal::{Signal, kill};
+    let group = || kill(Pid::from_raw(-pid), Signal::SIGKILL).is_ok();
+    match pidfd {
+        Ok(fd) => {
+            let there = super::sys::pidfd_send_signal(fd.as_fd(), 0).is_ok();
+            let group = there && group();
+            super::sys::pidfd_send_signal(fd.as_fd(), Signal::SIGKILL as i32).is_ok() || group
+        }
+        // Gone before it could be watched: already reaped.
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => false,
+        Err(_) => {
+            let group = group();
+            kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() || group
+        }
+    }
+}
+
 /// Waits until the process `exited` refers to has exited (then says so), `left` has passed,
 /// or a second (the caller looks again); without a descriptor, a nap of 5 ms.
 fn wait_for_exit(exited: Option<&OwnedFd>, left: Option<Duration>) -> bool {
@@ -267,5 +292,29 @@ mod tests {
         reaper.forget_earlier_exit(gone);
         assert_eq!(reaper.peek_exit(alive), None);
         assert_eq!(reaper.peek_exit(gone), Some(ExitKind::Signaled(9)));
+    }
+
+    #[test]
+    fn a_program_past_its_deadline_is_killed_with_its_group_and_one_reaped_is_not_signalled() {
+        use std::os::unix::process::{CommandExt, ExitStatusExt};
+        let mut cmd = std::process::Command::new("sh");
+        cmd.args(["-c", "sleep 30 & echo $!; wait"]).process_group(0).stdout(std::process::Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let pid = child.id() as i32;
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line)
+            .unwrap();
+        let sleeper: i32 = line.trim().parse().unwrap();
+        let pidfd = crate::sys::pidfd_open(pid);
+        assert!(kill_program(pid, &pidfd), "a running program is signalled");
+        assert_eq!(child.wait().unwrap().signal(), Some(9));
+        // Its group went too: the sleep ends (its parent here is now the reaper of orphans).
+        let started = std::time::Instant::now();
+        while crate::proc::ProcStat::read(sleeper).is_ok_and(|s| !s.is_dead()) {
+            assert!(started.elapsed() < Duration::from_secs(10), "the sleep of its group runs on");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // Reaped: its pid may be anyone's now, and nothing is sent to it or its group.
+        assert!(!kill_program(pid, &pidfd));
     }
 }

@@ -102,6 +102,27 @@ pub fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(pidfd as i32) })
 }
 
+/// Sends `signal` (0: none, only whether it could be) to the process `pidfd` refers to
+/// (`pidfd_send_signal(2)`, Linux 5.1): `ESRCH` once it has been reaped, whatever process has
+/// its pid since.
+pub fn pidfd_send_signal(pidfd: BorrowedFd<'_>, signal: i32) -> io::Result<()> {
+    // SAFETY: pidfd_send_signal takes a descriptor, a signal number, a null siginfo (the
+    // kernel then fills one in as kill(2) would) and flags; nothing of ours is written.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            signal,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// A copy of descriptor `fd` of process `pid` (`pidfd_getfd(2)`; needs ptrace access to it).
 pub fn copy_fd_of(pid: i32, fd: i32) -> io::Result<OwnedFd> {
     let pidfd = pidfd_open(pid)?;
