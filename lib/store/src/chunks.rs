@@ -92,6 +92,11 @@ impl WindowCutter {
             let end = (pos + to_boundary).min(piece.len());
             let part = &piece[pos..end];
             let window_done = end - pos == to_boundary;
+            if self.partial.is_empty() && !window_done {
+                // Room for the whole window at once: growing it piece by piece would copy the
+                // bytes so far each time (a write among unchanged pages makes one per write).
+                self.partial.reserve_exact(CHUNK);
+            }
             match (self.partial.is_empty(), window_done) {
                 (true, true) => windows.push(Cow::Borrowed(part)),
                 (_, false) => self.partial.extend_from_slice(part),
@@ -393,6 +398,18 @@ mod tests {
             assert_eq!(aligned_windows(start, &pieces), whole, "cut at {cuts:?}");
         }
         assert!(matches!(whole[1], Cow::Borrowed(_)), "a window within one piece is not copied");
+    }
+
+    #[test]
+    fn a_window_spanning_pieces_is_gathered_in_one_buffer() {
+        let data = vec![3u8; CHUNK];
+        let mut cutter = WindowCutter::new(0);
+        let mut windows = Vec::new();
+        for piece in data.chunks(4096 * 3) {
+            windows.extend(cutter.cut(piece).into_iter().map(Cow::into_owned));
+        }
+        assert_eq!(windows, [data]);
+        assert_eq!(windows[0].capacity(), CHUNK, "made once at a window's size, never regrown");
     }
 
     #[test]
