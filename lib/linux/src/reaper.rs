@@ -243,22 +243,31 @@ impl Reaper {
 /// Any thread may reap it meanwhile, and its pid is then free for another process: so it is
 /// signalled through its pidfd, and its group only while it is still there (running or a
 /// zombie), when no other process can have its pid as a group id. Where no pidfd could be had
-/// for it (a kernel before 5.3, no descriptor left), by pid as before.
+/// for it (a kernel before 5.3, no descriptor left) or it cannot be signalled through one, by
+/// pid as before.
 fn kill_program(pid: i32, pidfd: &std::io::Result<OwnedFd>) -> bool {
     use nix::sys::signal::{Signal, kill};
     let group = || kill(Pid::from_raw(-pid), Signal::SIGKILL).is_ok();
-    match pidfd {
-        Ok(fd) => {
-            let there = super::sys::pidfd_send_signal(fd.as_fd(), 0).is_ok();
-            let group = there && group();
+    let by_pid = || {
+        let group = group();
+        kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() || group
+    };
+    let reaped = |e: &std::io::Error| e.raw_os_error() == Some(libc::ESRCH);
+    let fd = match pidfd {
+        Ok(fd) => fd,
+        // Gone before it could be watched: already reaped.
+        Err(e) if reaped(e) => return false,
+        Err(_) => return by_pid(),
+    };
+    match super::sys::pidfd_send_signal(fd.as_fd(), 0) {
+        Ok(()) => {
+            let group = group();
             super::sys::pidfd_send_signal(fd.as_fd(), Signal::SIGKILL as i32).is_ok() || group
         }
-        // Gone before it could be watched: already reaped.
-        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => false,
-        Err(_) => {
-            let group = group();
-            kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() || group
-        }
+        // Reaped since it was watched.
+        Err(e) if reaped(&e) => false,
+        // A pidfd that cannot be signalled through (a seccomp filter, say).
+        Err(_) => by_pid(),
     }
 }
 
@@ -314,7 +323,15 @@ mod tests {
             assert!(started.elapsed() < Duration::from_secs(10), "the sleep of its group runs on");
             std::thread::sleep(Duration::from_millis(10));
         }
-        // Reaped: its pid may be anyone's now, and nothing is sent to it or its group.
+        // Reaped: its pid may be anyone's now, and nothing is sent to it or its group. Another
+        // process given its pid stands for that here: a sleep leading a group of its own.
         assert!(!kill_program(pid, &pidfd));
+        let mut stranger = std::process::Command::new("sleep");
+        let mut stranger = stranger.arg("30").process_group(0).spawn().unwrap();
+        assert!(!kill_program(stranger.id() as i32, &pidfd), "nothing is signalled");
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(stranger.try_wait().unwrap().is_none(), "the other process runs on");
+        stranger.kill().unwrap();
+        stranger.wait().unwrap();
     }
 }
