@@ -92,10 +92,12 @@ impl WindowCutter {
             let end = (pos + to_boundary).min(piece.len());
             let part = &piece[pos..end];
             let window_done = end - pos == to_boundary;
-            if self.partial.is_empty() && !window_done {
-                // Room for the whole window at once: growing it piece by piece would copy the
-                // bytes so far each time (a write among unchanged pages makes one per write).
-                self.partial.reserve_exact(CHUNK);
+            if !self.partial.is_empty() {
+                // Room for the rest of the window once a second piece comes: growing it piece
+                // by piece would copy the bytes so far each time (a write among unchanged
+                // pages makes such a window per write). Not before: every image's last window
+                // may wait, begun, until the dump ends, and is often one page.
+                self.partial.reserve_exact(to_boundary);
             }
             match (self.partial.is_empty(), window_done) {
                 (true, true) => windows.push(Cow::Borrowed(part)),
@@ -409,7 +411,7 @@ mod tests {
             windows.extend(cutter.cut(piece).into_iter().map(Cow::into_owned));
         }
         assert_eq!(windows, [data]);
-        assert_eq!(windows[0].capacity(), CHUNK, "made once at a window's size, never regrown");
+        assert_eq!(windows[0].capacity(), CHUNK, "grown once, to the window's size");
     }
 
     #[test]
