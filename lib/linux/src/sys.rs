@@ -256,12 +256,13 @@ pub fn share_memory(a: i32, b: i32) -> io::Result<bool> {
 /// `len` bytes at `addr` of process `pid`'s memory (`process_vm_readv`). A range not wholly
 /// mapped and readable is an error, not a short read.
 pub fn read_memory(pid: i32, addr: u64, len: usize) -> io::Result<Vec<u8>> {
-    let mut bytes = vec![0u8; len];
+    // Not zeroed first: the read fills all of it, or the bytes are not used.
+    let mut bytes = Vec::with_capacity(len);
     let local = libc::iovec { iov_base: bytes.as_mut_ptr().cast(), iov_len: len };
     let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len };
-    // SAFETY: `local` describes `bytes`, which outlives the call and is written only within
-    // its length; `remote` is an address in the other process, which the kernel checks and
-    // only reads.
+    // SAFETY: `local` describes the `len` bytes `bytes` has room for, which outlive the call
+    // and are written only within them; `remote` is an address in the other process, which
+    // the kernel checks and only reads.
     let read = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
     match usize::try_from(read) {
         Err(_) => Err(io::Error::last_os_error()),
@@ -269,7 +270,11 @@ pub fn read_memory(pid: i32, addr: u64, len: usize) -> io::Result<Vec<u8>> {
             io::ErrorKind::UnexpectedEof,
             format!("{read} of {len} bytes at {addr:#x} of process {pid} readable"),
         )),
-        Ok(_) => Ok(bytes),
+        Ok(_) => {
+            // SAFETY: the kernel wrote all `len` bytes: they are initialized, within capacity.
+            unsafe { bytes.set_len(len) };
+            Ok(bytes)
+        }
     }
 }
 
