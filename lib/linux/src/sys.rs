@@ -257,7 +257,7 @@ pub fn share_memory(a: i32, b: i32) -> io::Result<bool> {
 /// mapped and readable is an error, not a short read.
 pub fn read_memory(pid: i32, addr: u64, len: usize) -> io::Result<Vec<u8>> {
     // Not zeroed first: the read fills all of it, or the bytes are not used.
-    let mut bytes = Vec::with_capacity(len);
+    let mut bytes: Vec<u8> = Vec::with_capacity(len);
     let local = libc::iovec { iov_base: bytes.as_mut_ptr().cast(), iov_len: len };
     let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len };
     // SAFETY: `local` describes the `len` bytes `bytes` has room for, which outlive the call
