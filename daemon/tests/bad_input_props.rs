@@ -201,8 +201,9 @@ fn chunk_ref() -> impl Strategy<Value = ChunkRef> {
     (
         prop_oneof![Just(vec![]), Just(vec![7u8; 32]), proptest::collection::vec(any::<u8>(), 0..40)],
         any::<u32>(),
+        prop_oneof![Just(0u32), 0u32..(1 << 17), any::<u32>()],
     )
-        .prop_map(|(hash, len)| ChunkRef { hash, len: len % (1 << 17), fresh: false })
+        .prop_map(|(hash, len, offset)| ChunkRef { hash, len: len % (1 << 17), fresh: false, offset })
 }
 
 fn manifest() -> impl Strategy<Value = Manifest> {

@@ -33,6 +33,7 @@ fn stats() -> CheckpointStats {
         gpu_bytes: 1 << 30,
         bytes_unchanged: 3 << 20,
         bytes_from_tree: 1 << 16,
+        bytes_in_part: 1 << 15,
     }
 }
 
@@ -95,6 +96,7 @@ fn checkpoint_result_nests_its_stats() {
                 "gpu_checkpoint_ms": 900,
                 "gpu_restore_ms": 450,
                 "gpu_bytes": 1 << 30, "bytes_unchanged": 3 << 20, "bytes_from_tree": 1 << 16,
+                "bytes_in_part": 1 << 15,
             },
         })
     );

@@ -33,6 +33,8 @@ pub const FETCHES_IN_MEMORY: usize = 6;
 struct Placement {
     loc: ChunkLoc,
     hash: ChunkHash,
+    /// The chunk's bytes that go there.
+    part: std::ops::Range<usize>,
     file: Arc<File>,
     offset: u64,
 }
@@ -171,7 +173,12 @@ impl Store {
                     let resolved: Result<Vec<LazyChunk>, StoreError> = mine
                         .iter()
                         .map(|c| {
-                            Ok(LazyChunk { stored: self.resolve(id, &name, c)?, len: c.len, fresh: c.fresh })
+                            Ok(LazyChunk {
+                                stored: self.resolve(id, &name, c)?,
+                                offset: c.offset,
+                                len: c.len,
+                                fresh: c.fresh,
+                            })
                         })
                         .collect();
                     lazy.push_run(image.dst_id >> 8, part.vaddr, resolved?);
@@ -240,9 +247,11 @@ impl Store {
         let mut offset = start;
         for chunk in chunks {
             if let Some((hash, loc)) = self.resolve(id, what, chunk)? {
+                let part = loc.part(chunk).expect("a resolved chunk holds what its reference takes");
                 plan.entry(loc.pack.clone()).or_default().push(Placement {
                     loc,
                     hash,
+                    part,
                     file: file.clone(),
                     offset,
                 });
@@ -285,7 +294,7 @@ impl Store {
                         (p.loc.offset, decode_chunk(blob, &p.loc, &p.hash, cipher.as_deref()).map_err(bad)?);
                 }
                 p.file
-                    .write_all_at(&data.1, p.offset)
+                    .write_all_at(&data.1[p.part.clone()], p.offset)
                     .map_err(|source| StoreError::Local { path: "image file".into(), source })?;
             }
             Ok(fetched)
@@ -296,8 +305,8 @@ impl Store {
 }
 
 impl Store {
-    /// The bytes of chunk `chunk` of `what` (of checkpoint `id`), found where `find` says,
-    /// fetched alone and verified; zeros for a zero chunk.
+    /// The bytes chunk reference `chunk` of `what` (of checkpoint `id`) takes, its chunk found
+    /// where `find` says, fetched alone and verified; zeros for a zero chunk.
     pub(super) async fn read_chunk(
         &self,
         id: &str,
@@ -311,12 +320,14 @@ impl Store {
         let range = loc.offset..loc.offset + u64::from(loc.stored_len);
         let blobs = self.read_ranges(id, &loc.pack, &[range]).await?;
         let blob = blobs.first().map_or(&[][..], |b| &b[..]);
-        decode_chunk(blob, &loc, &hash, self.cipher()).map_err(|reason| StoreError::CorruptChunk {
-            id: id.into(),
-            chunk: hex::encode(hash),
-            pack: loc.pack.to_string(),
-            reason: reason.into(),
-        })
+        let data =
+            decode_chunk(blob, &loc, &hash, self.cipher()).map_err(|reason| StoreError::CorruptChunk {
+                id: id.into(),
+                chunk: hex::encode(hash),
+                pack: loc.pack.to_string(),
+                reason: reason.into(),
+            })?;
+        Ok(take_part(data, loc.part(chunk).expect("a located chunk holds what its reference takes")))
     }
 
     /// Reads `ranges` of pack `pack` (for checkpoint `id`); a failure names what is wrong.
@@ -409,8 +420,16 @@ fn create_sized(path: &Path, size: u64) -> std::io::Result<File> {
     Ok(file)
 }
 
-/// Where chunk `chunk` of `what` (of checkpoint `id`) is stored, as `find` knows chunks;
-/// `None` for a zero chunk.
+/// `data`, a chunk's bytes, cut to `part` of them (without a copy for all of them).
+pub(super) fn take_part(data: Vec<u8>, part: std::ops::Range<usize>) -> Vec<u8> {
+    if part.start == 0 && part.end == data.len() {
+        return data;
+    }
+    data[part].to_vec()
+}
+
+/// Where chunk reference `chunk` of `what` (of checkpoint `id`) finds its chunk, as `find`
+/// knows chunks; `None` for a zero chunk.
 pub(super) fn locate(
     id: &str,
     what: &str,
@@ -426,7 +445,7 @@ pub(super) fn locate(
         reason: "a chunk reference has a malformed hash".into(),
     })?;
     let loc = find(&hash)
-        .filter(|l| l.len == chunk.len)
+        .filter(|l| l.part(chunk).is_some())
         .ok_or_else(|| StoreError::MissingChunk { id: id.into(), chunk: hex::encode(hash) })?;
     Ok(Some((hash, loc)))
 }

@@ -203,6 +203,16 @@ fn check_manifest(
         };
         let usable = locations.get(&hash).into_iter().flatten().find(|l| !bad_packs.contains_key(&*l.pack));
         match (usable, locations.get(&hash)) {
+            (Some(loc), _) if loc.part(chunk).is_none() => report.breaks(
+                &m.id,
+                format!(
+                    "a reference to chunk {} takes bytes {}..{} of its {}",
+                    hex::encode(hash),
+                    chunk.offset,
+                    u64::from(chunk.offset) + u64::from(chunk.len),
+                    loc.len
+                ),
+            ),
             (Some(_), _) if !bad_chunks.contains_key(&hash) => {}
             (Some(_), _) => report.breaks(&m.id, bad_chunks[&hash].clone()),
             (None, Some(locs)) => {

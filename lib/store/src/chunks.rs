@@ -44,6 +44,9 @@ pub struct ChunkStats {
     /// Of those, bytes sharing a chunk with written pages that were read from the stopped tree
     /// rather than from the previous checkpoint (`tree_pages.rs`).
     pub bytes_from_tree: u64,
+    /// Of those, bytes referenced as a part of a chunk of the previous checkpoint (unchanged
+    /// pages beside written ones, or of a mapping that changed shape: `ParentMemory::references`).
+    pub bytes_in_part: u64,
 }
 
 /// A pack ready for upload.
@@ -129,7 +132,13 @@ impl WindowCutter {
         !self.partial.is_empty()
     }
 
-    /// Passes over `len` bytes chunked elsewhere, which end a window (or the stretch).
+    /// Ends a chunk here, inside a window: the covered part of the begun window, if any
+    /// (pages of one kind that the window's other pages, referenced elsewhere, do not join).
+    pub fn end_piece(&mut self) -> Option<Vec<u8>> {
+        (!self.partial.is_empty()).then(|| std::mem::take(&mut self.partial))
+    }
+
+    /// Passes over `len` bytes chunked elsewhere, which end a chunk.
     pub fn skip(&mut self, len: u64) {
         debug_assert!(self.partial.is_empty(), "bytes of a window wait");
         self.addr += len;
@@ -169,7 +178,7 @@ impl Kind {
             Kind::Held(hash) => (hash.to_vec(), false),
             Kind::New(hash) => (hash.to_vec(), true),
         };
-        ChunkRef { hash, len: len as u32, fresh }
+        ChunkRef { hash, len: len as u32, fresh, offset: 0 }
     }
 }
 
@@ -447,6 +456,7 @@ mod tests {
                 bytes_new: 2 * CHUNK as u64,
                 bytes_unchanged: 0,
                 bytes_from_tree: 0,
+                bytes_in_part: 0,
             }
         );
         assert!(refs[2].hash.is_empty());

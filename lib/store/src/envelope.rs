@@ -6,6 +6,8 @@
 //!      0     8  magic: "STASISMF" (manifest) or "STASISPX" (pack index)
 //!      8     2  format major version (LE)   readers reject another major
 //!     10     2  format minor version (LE)   readers reject a newer minor
+//!                                            (manifests 1.1: chunk references may take part
+//!                                            of a chunk; pack indexes 1.0)
 //!     12     4  flags (LE): bit 0 = payload sealed with the store's key (see crypto.rs)
 //!     16     8  payload length (LE)         at most MAX_PAYLOAD
 //!     24    32  BLAKE3 of the payload
@@ -22,7 +24,6 @@ pub const MANIFEST: &[u8; 8] = b"STASISMF";
 pub const PACK_INDEX: &[u8; 8] = b"STASISPX";
 
 const MAJOR: u16 = 1;
-const MINOR: u16 = 0;
 const HEADER_LEN: usize = 56;
 /// Metadata objects hold chunk references, never page data: 256 MiB is far beyond any real
 /// one and keeps a corrupted length from allocating without bound.
@@ -37,8 +38,8 @@ pub enum EnvelopeError {
     BadMagic,
     #[error("truncated: {got} bytes, expected {expected}")]
     Truncated { got: usize, expected: u64 },
-    #[error("format {major}.{minor} is not supported (this stasisd reads {MAJOR}.0 to {MAJOR}.{MINOR})")]
-    UnsupportedVersion { major: u16, minor: u16 },
+    #[error("format {major}.{minor} is not supported (this stasisd reads {MAJOR}.0 to {MAJOR}.{newest})")]
+    UnsupportedVersion { major: u16, minor: u16, newest: u16 },
     #[error("format flags {0:#x} are unknown to this stasisd")]
     UnknownFlags(u32),
     #[error("payload of {0} bytes exceeds the limit")]
@@ -55,6 +56,13 @@ pub enum EnvelopeError {
     Decode(String),
 }
 
+/// The newest minor format version of objects under `magic`, the one written: a manifest
+/// whose chunk references take part of a chunk (`ChunkRef.offset`) must not reach a reader
+/// that would take the whole chunk.
+fn minor(magic: &[u8; 8]) -> u16 {
+    if magic == MANIFEST { 1 } else { 0 }
+}
+
 /// Frames `message` for storage under `magic`, sealed when the store has a `cipher`.
 pub fn encode(magic: &[u8; 8], message: &impl Message, cipher: Option<&Cipher>) -> Vec<u8> {
     let plain = message.encode_to_vec();
@@ -65,7 +73,7 @@ pub fn encode(magic: &[u8; 8], message: &impl Message, cipher: Option<&Cipher>) 
     let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
     out.extend_from_slice(magic);
     out.extend_from_slice(&MAJOR.to_le_bytes());
-    out.extend_from_slice(&MINOR.to_le_bytes());
+    out.extend_from_slice(&minor(magic).to_le_bytes());
     out.extend_from_slice(&flags.to_le_bytes());
     out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     out.extend_from_slice(blake3::hash(&payload).as_bytes());
@@ -88,8 +96,8 @@ pub fn decode<M: Message + Default>(
     }
     let le16 = |at: usize| u16::from_le_bytes([data[at], data[at + 1]]);
     let (major, minor) = (le16(8), le16(10));
-    if major != MAJOR || minor > MINOR {
-        return Err(EnvelopeError::UnsupportedVersion { major, minor });
+    if major != MAJOR || minor > self::minor(magic) {
+        return Err(EnvelopeError::UnsupportedVersion { major, minor, newest: self::minor(magic) });
     }
     let flags = u32::from_le_bytes(data[12..16].try_into().expect("4-byte slice"));
     if flags & !SEALED != 0 {
@@ -149,7 +157,11 @@ mod tests {
         for i in 0..good.len() {
             let mut bad = good.clone();
             bad[i] ^= 0x01;
-            assert!(decode_manifest(&bad).is_err(), "flip at byte {i} went unnoticed");
+            match decode_manifest(&bad) {
+                Err(_) => {}
+                // Format 1.1 read as 1.0: the same manifest (the version is not checksummed).
+                Ok(read) => assert!(i == 10 && read == sample(), "flip at byte {i} went unnoticed"),
+            }
         }
     }
 
@@ -160,7 +172,16 @@ mod tests {
         assert!(matches!(decode_manifest(&good[..10]), Err(EnvelopeError::Truncated { .. })));
         let mut newer = good.clone();
         newer[10] = 9;
-        assert_eq!(decode_manifest(&newer), Err(EnvelopeError::UnsupportedVersion { major: 1, minor: 9 }));
+        assert_eq!(
+            decode_manifest(&newer),
+            Err(EnvelopeError::UnsupportedVersion { major: 1, minor: 9, newest: 1 })
+        );
+        let mut older = good.clone();
+        older[10] = 0;
+        assert_eq!(decode_manifest(&older).unwrap(), sample(), "a manifest of format 1.0 is read");
+        assert_eq!(&good[10..12], &[1, 0], "manifests are written as 1.1");
+        let index = encode(PACK_INDEX, &sample(), None);
+        assert_eq!(&index[10..12], &[0, 0], "pack indexes as 1.0");
         assert_eq!(decode::<Manifest>(PACK_INDEX, &good, None), Err(EnvelopeError::BadMagic));
     }
 

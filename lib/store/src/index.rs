@@ -4,7 +4,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 
-use stasis_proto::stasis::store::v1::{Codec, PackEntry, PackIndex};
+use stasis_proto::stasis::store::v1::{ChunkRef, Codec, PackEntry, PackIndex};
 
 pub type ChunkHash = [u8; 32];
 
@@ -19,6 +19,14 @@ pub struct ChunkLoc {
 }
 
 impl ChunkLoc {
+    /// Which of this chunk's bytes `chunk` references: all of them for a whole chunk, a part
+    /// from its offset for one that takes part of it; `None` if it reaches past them.
+    pub fn part(&self, chunk: &ChunkRef) -> Option<std::ops::Range<usize>> {
+        let from = chunk.offset as usize;
+        let to = from.checked_add(chunk.len as usize)?;
+        (to <= self.len as usize).then_some(from..to)
+    }
+
     /// The chunk an entry of `pack`'s index names, and where it is; `None` for an entry with
     /// a malformed hash or codec.
     pub fn of(pack: &Arc<str>, e: &PackEntry) -> Option<(ChunkHash, ChunkLoc)> {

@@ -10,6 +10,8 @@ use super::index::{ChunkHash, ChunkLoc};
 pub struct LazyChunk {
     /// Where it is stored; `None` for an all-zero chunk, which is not stored.
     pub(super) stored: Option<(ChunkHash, ChunkLoc)>,
+    /// Where its bytes start in the stored chunk (a reference may take part of one).
+    pub(super) offset: u32,
     pub(super) len: u32,
     /// New in its checkpoint: memory written since the previous one.
     pub(super) fresh: bool,
@@ -61,7 +63,11 @@ impl LazyMemory {
         let mut memory = LazyMemory::new("test");
         for &(vaddr, len) in runs {
             let sizes = (0..len).step_by(super::CHUNK).map(|at| (len - at).min(super::CHUNK as u32));
-            memory.push_run(pid, vaddr, sizes.map(|len| LazyChunk { stored: None, len, fresh: false }));
+            memory.push_run(
+                pid,
+                vaddr,
+                sizes.map(|len| LazyChunk { stored: None, offset: 0, len, fresh: false }),
+            );
         }
         memory.finish();
         memory
@@ -144,7 +150,7 @@ mod tests {
 
     fn chunk(len: u32, fresh: bool, stored: bool) -> LazyChunk {
         let loc = ChunkLoc { pack: "p".into(), offset: 0, stored_len: len, len, codec: Default::default() };
-        LazyChunk { stored: stored.then_some(([1; 32], loc)), len, fresh }
+        LazyChunk { stored: stored.then_some(([1; 32], loc)), offset: 0, len, fresh }
     }
 
     #[test]

@@ -5,7 +5,10 @@
 //! as an earlier mapping gains or loses a page. Joined, a stored run is a stretch of present
 //! pages of the task's memory, and each chunk the part of an aligned window that stretch
 //! covers: the same memory gives the same chunks wherever CRIU cut it, and whether it was
-//! staged whole, sifted as it arrived, or streamed in blocks.
+//! staged whole, sifted as it arrived, or streamed in blocks. A dump that tracks dirty pages
+//! cuts a window that mixes unchanged and written pages by kind where the previous checkpoint
+//! held it as one chunk: the unchanged pages reference their part of that chunk, the written
+//! ones are a chunk of their own (`ParentMemory::references`).
 
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
@@ -13,7 +16,7 @@ use std::collections::{HashMap, VecDeque};
 use stasis_proto::stasis::store::v1::{ChunkRef, MemoryImage, PageRun as StoredRun};
 
 use super::chunks::{CHUNK, ChunkStats, ChunkWriter, UploaderGone, WindowCutter};
-use super::parent::{Parent, ParentError};
+use super::parent::{Parent, ParentError, References};
 use super::read_back::{Hole, ReadBack};
 use super::staging::Staged;
 use super::stream::{Received, StreamSource, Unfinished};
@@ -159,21 +162,23 @@ impl Building {
         end: u64,
     ) -> Result<(), ChunkingError<W::Error>> {
         if self.pending.is_none() && self.open.as_ref().is_some_and(|(_, cutter)| cutter.within_window()) {
-            // A window begun with written pages: its unchanged rest is read back.
-            self.read_back(writer, back, start, window_end(start).min(end))?;
+            // A window begun with written pages: its unchanged rest.
+            self.unchanged_part(writer, back, start, window_end(start).min(end))?;
         }
         let mut at = self.open.as_ref().expect("a stretch is open").1.addr();
         while at < end && window_end(at) <= end {
-            self.unchanged_chunk(writer, back, at, window_end(at))?;
+            self.unchanged_part(writer, back, at, window_end(at))?;
             at = window_end(at);
         }
         self.pending = (at < end).then_some(end);
         Ok(())
     }
 
-    /// One chunk's unchanged pages, `start..end`: the previous checkpoint's chunk if it
-    /// covered exactly these, else their bytes read back and chunked.
-    fn unchanged_chunk<W: WindowSink>(
+    /// Unchanged pages `start..end` of one window, continuing the open stretch: referenced
+    /// as the previous checkpoint has them (`ParentMemory::references`), written pages
+    /// before them in the window then ending a chunk of their own; else their bytes read back
+    /// and chunked with the window's written ones.
+    fn unchanged_part<W: WindowSink>(
         &mut self,
         writer: &mut W,
         back: &mut ReadBack,
@@ -181,16 +186,27 @@ impl Building {
         end: u64,
     ) -> Result<(), ChunkingError<W::Error>> {
         let dst_id = self.image.dst_id;
-        let (_, cutter) = self.open.as_mut().expect("a stretch is open");
-        match back.memory().and_then(|memory| memory.exact(dst_id, start, end)) {
-            Some(chunk) => {
-                writer.stats().count_known(chunk);
-                self.image.chunks.push(ChunkRef { fresh: false, ..chunk.clone() });
-                cutter.skip(end - start);
-                Ok(())
+        let refs = match back.memory().and_then(|memory| memory.references(dst_id, start, end)) {
+            Some(References::AsTheyWere(chunks)) => chunks,
+            Some(References::Part(chunk)) => {
+                writer.stats().bytes_in_part += end - start;
+                vec![chunk]
             }
-            None => self.read_back(writer, back, start, end),
+            None => return self.read_back(writer, back, start, end),
+        };
+        let (_, cutter) = self.open.as_mut().expect("a stretch is open");
+        let first = cutter.window_start();
+        if let Some(written) = cutter.end_piece() {
+            self.emit(writer, back, vec![Cow::Owned(written)], first)?;
         }
+        for chunk in refs {
+            writer.stats().count_known(&chunk);
+            self.image.chunks.push(chunk);
+        }
+        // Bytes the tree gave for them, if it did, are not needed.
+        self.from_tree.remove(&start);
+        self.open.as_mut().expect("a stretch is open").1.skip(end - start);
+        Ok(())
     }
 
     /// The unchanged pages `start..end`, continuing the open stretch, as the stopped tree
@@ -237,7 +253,7 @@ impl Building {
             return Ok(());
         };
         let start = cutter.addr();
-        self.read_back(writer, back, start, end)
+        self.unchanged_part(writer, back, start, end)
     }
 
     fn close<W: WindowSink>(
@@ -248,7 +264,7 @@ impl Building {
         if let Some(end) = self.pending.take() {
             // The stretch ends in unchanged pages: its last chunk, as it was if it was the same.
             let start = self.open.as_ref().expect("pages wait in an open stretch").1.addr();
-            self.unchanged_chunk(writer, back, start, end)?;
+            self.unchanged_part(writer, back, start, end)?;
         }
         if let Some((run, cutter)) = self.open.take() {
             let run = StoredRun { vaddr: run.vaddr, nr_pages: run.nr_pages, flags: run.flags };

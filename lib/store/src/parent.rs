@@ -4,8 +4,11 @@
 //! its previous (tracked) dump as "in parent" runs without data. The store keeps every
 //! checkpoint whole: such a run's pages are the previous checkpoint's, so its chunks are
 //! referenced again where a chunk of the new dump covers exactly what one of the previous did
-//! (an aligned window unchanged and laid out as before, the common case), and read back only
-//! where a window mixes unchanged and written pages, or its stretch of memory changed shape.
+//! (an aligned window unchanged and laid out as before, the common case). Where a window mixes
+//! unchanged and written pages and the previous checkpoint held it as one chunk, its unchanged
+//! pages reference their part of that chunk and the written ones are a chunk of their own; they
+//! are read back only where that chunk was itself cut so (a window written again), or the
+//! stretch of memory changed shape.
 //! Those reads run beside the dump (`read_back.rs`): [`Parent::ask`] starts them, and a window
 //! waits for its bytes only once many others are set aside.
 
@@ -15,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use stasis_proto::stasis::store::v1::{ChunkRef, MemoryImage};
 use tokio::runtime::Handle;
 
+use super::chunks::CHUNK;
 use super::image_runs::{chunk_addresses, image_runs};
 use super::index::ChunkHash;
 use super::{Store, StoreError};
@@ -29,8 +33,27 @@ pub struct ParentMemory {
     chunks: HashMap<u64, BTreeMap<u64, Held>>,
 }
 
-/// A chunk of the previous checkpoint: where it ends, its reference, its pages' flags.
-type Held = (u64, ChunkRef, u32);
+/// How unchanged pages are referenced ([`ParentMemory::references`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum References {
+    /// As the previous checkpoint referenced them.
+    AsTheyWere(Vec<ChunkRef>),
+    /// A part of the chunk that held their window.
+    Part(ChunkRef),
+}
+
+/// A chunk reference of the previous checkpoint.
+#[derive(Debug)]
+pub(super) struct Held {
+    /// The address past its end.
+    end: u64,
+    chunk: ChunkRef,
+    /// The flags of its pages.
+    flags: u32,
+    /// It holds all its stretch's pages of its window: a part of it may be referenced
+    /// without cutting the window's memory finer than into two kinds (unchanged, written).
+    alone: bool,
+}
 
 /// Pages of the previous checkpoint could not be had.
 #[derive(Debug, thiserror::Error)]
@@ -55,8 +78,12 @@ impl ParentMemory {
         for image in images {
             let by_addr = chunks.entry(image.dst_id).or_default();
             for (run, mine) in image_runs(image)? {
+                let (first, last) = (run.vaddr, run.vaddr + run.byte_len());
                 for (at, chunk) in chunk_addresses(&run, mine) {
-                    by_addr.insert(at, (at + u64::from(chunk.len), chunk.clone(), run.flags));
+                    let end = at + u64::from(chunk.len);
+                    let alone =
+                        (at == first || at % CHUNK as u64 == 0) && (end == last || end % CHUNK as u64 == 0);
+                    by_addr.insert(at, Held { end, chunk: chunk.clone(), flags: run.flags, alone });
                 }
             }
         }
@@ -71,16 +98,31 @@ impl ParentMemory {
     /// Whether the store's chunk index knows every stored chunk (all but zero ones): a
     /// collection may have taken them since, when the checkpoint was deleted.
     pub fn held_by(&self, store: &Store) -> bool {
-        self.chunks.values().flat_map(|m| m.values()).all(|(_, c, _)| {
+        self.chunks.values().flat_map(|m| m.values()).map(|h| &h.chunk).all(|c| {
             c.hash.is_empty()
                 || ChunkHash::try_from(c.hash.as_slice()).is_ok_and(|h| store.index.contains(&h))
         })
     }
 
-    /// The chunk of pagemap `dst_id` that covers exactly `start..end`.
-    pub(super) fn exact(&self, dst_id: u64, start: u64, end: u64) -> Option<&ChunkRef> {
-        let (_, (chunk_end, chunk, _)) = self.chunks.get(&dst_id)?.get_key_value(&start)?;
-        (*chunk_end == end).then_some(chunk)
+    /// References to the unchanged pages `start..end` of pagemap `dst_id`, which lie in one
+    /// window: the previous checkpoint's own where they start and end there (memory unchanged
+    /// and laid out as before), else a part of the one chunk that held those pages' window
+    /// alone (the window now mixes them with written pages); `None` if neither, when their
+    /// bytes must be read.
+    pub(super) fn references(&self, dst_id: u64, start: u64, end: u64) -> Option<References> {
+        let held = self.covering(dst_id, start, end)?;
+        if held.first().is_some_and(|(at, _)| *at == start) && held.last().is_some_and(|(_, h)| h.end == end)
+        {
+            let chunks = held.iter().map(|(_, h)| ChunkRef { fresh: false, ..h.chunk.clone() }).collect();
+            return Some(References::AsTheyWere(chunks));
+        }
+        let [(at, h)] = held.as_slice() else { return None };
+        let offset = match h.chunk.hash.is_empty() {
+            true => 0,
+            false => h.chunk.offset.checked_add(u32::try_from(start - at).ok()?)?,
+        };
+        let len = u32::try_from(end - start).ok()?;
+        h.alone.then(|| References::Part(ChunkRef { hash: h.chunk.hash.clone(), len, fresh: false, offset }))
     }
 
     /// The chunks of pagemap `dst_id` that cover `start..end`, each with its address, in
@@ -95,7 +137,7 @@ impl ParentMemory {
                 return None;
             }
             out.push((at, held));
-            reach = held.0;
+            reach = held.end;
         }
         (reach >= end && reach > start).then_some(out)
     }
@@ -104,11 +146,11 @@ impl ParentMemory {
     /// change: (start, end, flags) in order; `None` unless it holds all of them.
     pub(super) fn flags_over(&self, dst_id: u64, start: u64, end: u64) -> Option<Vec<(u64, u64, u32)>> {
         let mut parts: Vec<(u64, u64, u32)> = Vec::new();
-        for (at, (chunk_end, _, flags)) in self.covering(dst_id, start, end)? {
-            let (from, to) = (start.max(at), end.min(*chunk_end));
+        for (at, held) in self.covering(dst_id, start, end)? {
+            let (from, to) = (start.max(at), end.min(held.end));
             match parts.last_mut() {
-                Some(last) if last.2 == *flags => last.1 = to,
-                _ => parts.push((from, to, *flags)),
+                Some(last) if last.2 == held.flags => last.1 = to,
+                _ => parts.push((from, to, held.flags)),
             }
         }
         Some(parts)
@@ -190,8 +232,8 @@ fn chunk_bytes(read: &SharedRead) -> Result<Arc<Vec<u8>>, ParentError> {
 pub struct Parent {
     pub(super) memory: Arc<ParentMemory>,
     start: StartRead,
-    /// The last chunk asked for, by hash: a window's pieces often share one.
-    last: Option<(Vec<u8>, SharedRead)>,
+    /// The last chunk reference asked for: a window's pieces often share one.
+    last: Option<(ChunkRef, SharedRead)>,
 }
 
 impl std::fmt::Debug for Parent {
@@ -217,16 +259,19 @@ impl Parent {
             nr_pages: (end - start) / stasis_criu_images::pages::PAGE_SIZE,
         })?;
         let mut parts = Vec::with_capacity(chunks.len());
-        for (at, (_, chunk, _)) in chunks {
+        for (at, Held { chunk, .. }) in chunks {
             let from = (start.max(at) - at) as usize;
             let to = (end.min(at + u64::from(chunk.len)) - at) as usize;
             if chunk.hash.is_empty() {
                 parts.push(Part::Zeros(to - from));
                 continue;
             }
-            if self.last.as_ref().is_none_or(|(hash, _)| *hash != chunk.hash) {
+            let same = |last: &ChunkRef| {
+                (&last.hash, last.offset, last.len) == (&chunk.hash, chunk.offset, chunk.len)
+            };
+            if self.last.as_ref().is_none_or(|(last, _)| !same(last)) {
                 let reading = (self.start)(chunk);
-                self.last = Some((chunk.hash.clone(), Arc::new(Mutex::new(ChunkRead::Reading(reading)))));
+                self.last = Some((chunk.clone(), Arc::new(Mutex::new(ChunkRead::Reading(reading)))));
             }
             let (_, read) = self.last.as_ref().expect("just asked for");
             parts.push(Part::Of(read.clone(), from, to));

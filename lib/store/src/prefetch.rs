@@ -26,7 +26,7 @@ use nix::sys::eventfd::{EfdFlags, EventFd};
 use tokio::sync::Notify;
 use tracing::{debug, warn};
 
-use super::assemble::decode_chunk;
+use super::assemble::{decode_chunk, take_part};
 use super::lazy_memory::LazyMemory;
 use super::{Store, StoreError};
 
@@ -451,15 +451,26 @@ async fn fetch_batch(
     let fetches = by_pack.into_iter().map(|(pack, chunks)| {
         let (store, shared) = (&store, &shared);
         async move {
-            let ranges: Vec<std::ops::Range<u64>> = chunks
+            // Parts of one stored chunk (a window cut by kind) are read once.
+            let mut ranges: Vec<std::ops::Range<u64>> = Vec::with_capacity(chunks.len());
+            let mut blob_of: HashMap<u64, usize> = HashMap::with_capacity(chunks.len());
+            for &i in &chunks {
+                let (_, loc) = shared.memory.chunks[i].stored.as_ref().expect("stored");
+                blob_of.entry(loc.offset).or_insert_with(|| {
+                    ranges.push(loc.offset..loc.offset + u64::from(loc.stored_len));
+                    ranges.len() - 1
+                });
+            }
+            let blobs = store.read_ranges(&shared.memory.id, &pack, &ranges).await?;
+            let blobs: Vec<bytes::Bytes> = chunks
                 .iter()
                 .map(|&i| {
                     let (_, loc) = shared.memory.chunks[i].stored.as_ref().expect("stored");
-                    loc.offset..loc.offset + u64::from(loc.stored_len)
+                    blobs[blob_of[&loc.offset]].clone()
                 })
                 .collect();
-            let blobs = store.read_ranges(&shared.memory.id, &pack, &ranges).await?;
-            Ok::<_, StoreError>((pack, chunks, blobs))
+            let fetched: u64 = ranges.iter().map(|r| r.end - r.start).sum();
+            Ok::<_, StoreError>((pack, chunks, blobs, fetched))
         }
     });
     let fetched = tokio::time::timeout(timeout, futures::future::try_join_all(fetches)).await;
@@ -473,10 +484,11 @@ async fn fetch_batch(
     // Each chunk is cached as soon as it is verified: the first of a batch (the one a fault
     // waits for) need not wait for the rest to be decompressed.
     tokio::task::spawn_blocking(move || {
-        for (pack, chunks, blobs) in fetched {
+        for (pack, chunks, blobs, bytes) in fetched {
+            verify.fetched.fetch_add(bytes, Ordering::Relaxed);
             for (i, blob) in chunks.into_iter().zip(blobs) {
-                let (hash, loc) = verify.memory.chunks[i].stored.as_ref().expect("stored");
-                verify.fetched.fetch_add(blob.len() as u64, Ordering::Relaxed);
+                let chunk = &verify.memory.chunks[i];
+                let (hash, loc) = chunk.stored.as_ref().expect("stored");
                 let data = decode_chunk(&blob, loc, hash, cipher.as_deref()).map_err(|reason| {
                     LazyFetchError::Corrupt {
                         id: verify.memory.id.clone(),
@@ -485,7 +497,8 @@ async fn fetch_batch(
                         reason: reason.to_string(),
                     }
                 })?;
-                cache(&verify, i, Arc::new(data));
+                let from = chunk.offset as usize;
+                cache(&verify, i, Arc::new(take_part(data, from..from + chunk.len as usize)));
             }
         }
         Ok(())

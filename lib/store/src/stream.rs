@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use stasis_criu_images::pages::{PAGE_SIZE, PageRun, PageSink};
 
+use super::parent::ParentMemory;
 use super::tree_pages::{FromTree, TreeMemory, TreePiece};
 
 /// Bytes of one block: several of CRIU's transfers, so that a block's windows make a batch
@@ -169,9 +170,10 @@ fn store_stopped() -> io::Error {
 
 impl StreamSink {
     /// This sink, reading from `tree` (stopped while CRIU dumps it) the unchanged pages that
-    /// share a window with written ones (see `tree_pages.rs`).
-    pub fn reading_unchanged_from(mut self, tree: Box<dyn TreeMemory>) -> Self {
-        self.tree = Some(FromTree::new(tree));
+    /// share a window with written ones and that `parent`, the previous checkpoint, has no
+    /// references for (see `tree_pages.rs`).
+    pub fn reading_unchanged_from(mut self, tree: Box<dyn TreeMemory>, parent: Arc<ParentMemory>) -> Self {
+        self.tree = Some(FromTree::new(tree, parent));
         self
     }
 
@@ -360,7 +362,8 @@ mod tests {
         use stasis_criu_images::pages::PE_PARENT;
         for changed in [false, true] {
             let (sink, source) = stream(&BlockPool::default());
-            let mut sink = sink.reading_unchanged_from(Box::new(Tree { changed }));
+            let previous = Arc::new(ParentMemory::new("previous", &[]).unwrap());
+            let mut sink = sink.reading_unchanged_from(Box::new(Tree { changed }), previous);
             let consumer = std::thread::spawn(move || {
                 let mut from_tree = 0;
                 let _ = source.each(|r| {

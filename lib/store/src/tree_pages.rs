@@ -19,14 +19,18 @@
 //! Which pages: the part of an in-parent run that shares a window with the written run just
 //! before it (its head), and the part that shares one with the written run just after it
 //! (its tail), when they continue each other. Those are exactly the chunker's mixed windows
-//! of a stretch; any other read-back is left to the previous checkpoint.
+//! of a stretch; any other read-back is left to the previous checkpoint. Not those the
+//! chunker references as the previous checkpoint has them (`ParentMemory::references`: a
+//! window it held as one chunk), most of them: only a window written again since is read.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use stasis_criu_images::pages::{PAGE_SIZE, PE_PARENT, PageRun};
 
 use super::chunks::CHUNK;
 use super::memory::window_end;
+use super::parent::ParentMemory;
 
 /// A stopped tree's memory, as the daemon reaches it.
 pub trait TreeMemory: Send {
@@ -50,6 +54,8 @@ pub struct TreePiece {
 /// The page server's reader of unchanged pages from the tree.
 pub(super) struct FromTree {
     tree: Box<dyn TreeMemory>,
+    /// The previous checkpoint, whose references make some reads needless.
+    parent: Arc<ParentMemory>,
     /// Per image, whether the tree's memory matched a written page CRIU sent of it: an image
     /// is read from only once it did.
     matched: HashMap<u64, bool>,
@@ -92,8 +98,8 @@ fn mixed_ranges(before: Option<&PageRun>, run: &PageRun, after: Option<&PageRun>
 }
 
 impl FromTree {
-    pub(super) fn new(tree: Box<dyn TreeMemory>) -> Self {
-        FromTree { tree, matched: HashMap::new(), unconfirmed: false }
+    pub(super) fn new(tree: Box<dyn TreeMemory>, parent: Arc<ParentMemory>) -> Self {
+        FromTree { tree, parent, matched: HashMap::new(), unconfirmed: false }
     }
 
     /// Refuses the dump if a process read from is no longer the one the reads were meant for.
@@ -127,7 +133,7 @@ impl FromTree {
     }
 
     /// The unchanged pages of `run` that share a window with the written runs next to it,
-    /// read from the tree.
+    /// read from the tree where the previous checkpoint has no references for them.
     pub(super) fn pieces(
         &mut self,
         before: Option<&PageRun>,
@@ -141,7 +147,9 @@ impl FromTree {
             let bytes = self.tree.read(run.dst_id, start, (stop - start) as usize)?;
             Some(TreePiece { dst_id: run.dst_id, start, bytes })
         };
-        let pieces: Vec<TreePiece> = mixed_ranges(before, run, after).into_iter().filter_map(read).collect();
+        let needed = |&(start, stop): &(u64, u64)| self.parent.references(run.dst_id, start, stop).is_none();
+        let ranges: Vec<(u64, u64)> = mixed_ranges(before, run, after).into_iter().filter(needed).collect();
+        let pieces: Vec<TreePiece> = ranges.into_iter().filter_map(read).collect();
         self.unconfirmed |= !pieces.is_empty();
         pieces
     }
@@ -192,6 +200,11 @@ mod tests {
 
     struct Memory(Vec<u8>, bool);
 
+    /// A previous checkpoint without memory: it has no references, every mixed range is read.
+    fn no_parent() -> Arc<ParentMemory> {
+        Arc::new(ParentMemory::new("previous", &[]).unwrap())
+    }
+
     impl TreeMemory for Memory {
         fn read(&self, _: u64, addr: u64, len: usize) -> Option<Vec<u8>> {
             self.0.get(addr as usize..addr as usize + len).map(<[u8]>::to_vec)
@@ -205,13 +218,13 @@ mod tests {
     #[test]
     fn an_image_is_read_only_after_its_memory_matched_a_written_page() {
         let memory: Vec<u8> = (0..4 * PAGE).map(|i| (i / PAGE) as u8 + 1).collect();
-        let mut tree = FromTree::new(Box::new(Memory(memory.clone(), true)));
+        let mut tree = FromTree::new(Box::new(Memory(memory.clone(), true)), no_parent());
         let (page, run) = (written(PAGE, 1), unchanged(2 * PAGE, 2));
         assert!(tree.pieces(Some(&page), &run, None).is_empty(), "not checked yet");
         tree.check(257, PAGE, &[9; PAGE as usize]);
         assert!(tree.pieces(Some(&page), &run, None).is_empty(), "another process's memory");
 
-        let mut tree = FromTree::new(Box::new(Memory(memory.clone(), true)));
+        let mut tree = FromTree::new(Box::new(Memory(memory.clone(), true)), no_parent());
         tree.check(257, PAGE, &memory[PAGE as usize..2 * PAGE as usize]);
         let pieces = tree.pieces(Some(&page), &run, None);
         assert_eq!(pieces.len(), 1);
@@ -223,7 +236,7 @@ mod tests {
     #[test]
     fn reads_of_a_process_that_changed_meanwhile_refuse_the_dump_and_no_reads_nothing() {
         let memory: Vec<u8> = (0..4 * PAGE).map(|i| (i / PAGE) as u8 + 1).collect();
-        let mut tree = FromTree::new(Box::new(Memory(memory.clone(), false)));
+        let mut tree = FromTree::new(Box::new(Memory(memory.clone(), false)), no_parent());
         assert!(tree.confirm().is_ok(), "nothing was read");
         tree.check(257, PAGE, &memory[PAGE as usize..2 * PAGE as usize]);
         assert_eq!(tree.pieces(Some(&written(PAGE, 1)), &unchanged(2 * PAGE, 2), None).len(), 1);

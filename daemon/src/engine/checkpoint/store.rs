@@ -174,6 +174,7 @@ fn stats(d: &Dumped<'_>, stored: &StoredDump) -> CheckpointStats {
         chunks_zero: stored.chunks.chunks_zero,
         bytes_unchanged: stored.chunks.bytes_unchanged,
         bytes_from_tree: stored.chunks.bytes_from_tree,
+        bytes_in_part: stored.chunks.bytes_in_part,
         gpu_lock_ms: gpu.map(|g| g.times.lock_ms).unwrap_or_default(),
         gpu_checkpoint_ms: gpu.map(|g| g.times.checkpoint_ms).unwrap_or_default(),
         gpu_restore_ms: d.gpu_restore_ms,

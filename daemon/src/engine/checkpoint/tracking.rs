@@ -94,10 +94,11 @@ impl Tracking {
     /// `sink`, reading from the stopped `tree` the unchanged pages that share a window with
     /// written ones, when the dump has a parent (without one CRIU sends every page).
     pub(super) fn reading_tree(&self, engine: &Engine, tree: &TreeInfo, sink: StreamSink) -> StreamSink {
-        match self.parent {
-            Some(_) => {
-                sink.reading_unchanged_from(Box::new(FrozenMemory::of(engine.deps.host.clone(), tree)))
-            }
+        match &self.parent {
+            Some(parent) => sink.reading_unchanged_from(
+                Box::new(FrozenMemory::of(engine.deps.host.clone(), tree)),
+                parent.clone(),
+            ),
             None => sink,
         }
     }
