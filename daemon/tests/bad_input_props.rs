@@ -84,7 +84,14 @@ proptest! {
         }
         prop_assume!(damaged != original);
         if which {
-            prop_assert!(envelope::decode::<Manifest>(MANIFEST, &damaged, key).is_err());
+            // Only a change of the minor version within what is read (1.0 and 1.1, which the
+            // checksum does not cover) may read back, and then as the same manifest.
+            let version_only = damaged.len() == original.len() && damaged[..10] == original[..10]
+                && damaged[12..] == original[12..];
+            match envelope::decode::<Manifest>(MANIFEST, &damaged, key) {
+                Err(_) => {}
+                Ok(read) => prop_assert!(version_only && read == sample_manifest()),
+            }
         } else {
             prop_assert!(envelope::decode::<PackIndex>(PACK_INDEX, &damaged, key).is_err());
         }

@@ -202,7 +202,10 @@ impl Store {
     /// Fetches every pack `plan` needs, several at a time, writing their chunks where the plan
     /// says. Returns the bytes fetched.
     async fn fetch_plan(&self, id: &str, plan: Plan, progress: Progress) -> Result<u64, StoreError> {
-        let total: u64 = plan.values().flatten().map(|p| u64::from(p.loc.stored_len)).sum();
+        // A chunk placed more than once (parts of it, memory processes share) is fetched once.
+        let fetched_once: HashMap<(&str, u64), u32> =
+            plan.values().flatten().map(|p| ((&*p.loc.pack, p.loc.offset), p.loc.stored_len)).collect();
+        let total: u64 = fetched_once.values().map(|&len| u64::from(len)).sum();
         let fetched = Arc::new(AtomicU64::new(0));
         futures::stream::iter(plan)
             .map(|(pack, placements)| {
@@ -444,8 +447,20 @@ pub(super) fn locate(
         file: what.into(),
         reason: "a chunk reference has a malformed hash".into(),
     })?;
-    let loc = find(&hash)
-        .filter(|l| l.part(chunk).is_some())
-        .ok_or_else(|| StoreError::MissingChunk { id: id.into(), chunk: hex::encode(hash) })?;
+    let loc =
+        find(&hash).ok_or_else(|| StoreError::MissingChunk { id: id.into(), chunk: hex::encode(hash) })?;
+    if loc.part(chunk).is_none() {
+        return Err(StoreError::Corrupt {
+            id: id.into(),
+            file: what.into(),
+            reason: format!(
+                "a reference takes bytes {}..{} of chunk {}, which has {}",
+                chunk.offset,
+                u64::from(chunk.offset) + u64::from(chunk.len),
+                hex::encode(hash),
+                loc.len
+            ),
+        });
+    }
     Ok(Some((hash, loc)))
 }

@@ -6,8 +6,8 @@
 //!      0     8  magic: "STASISMF" (manifest) or "STASISPX" (pack index)
 //!      8     2  format major version (LE)   readers reject another major
 //!     10     2  format minor version (LE)   readers reject a newer minor
-//!                                            (manifests 1.1: chunk references may take part
-//!                                            of a chunk; pack indexes 1.0)
+//!                                            (manifests 1.1 where a chunk reference takes a
+//!                                            part of a chunk, else 1.0; pack indexes 1.0)
 //!     12     4  flags (LE): bit 0 = payload sealed with the store's key (see crypto.rs)
 //!     16     8  payload length (LE)         at most MAX_PAYLOAD
 //!     24    32  BLAKE3 of the payload
@@ -56,15 +56,23 @@ pub enum EnvelopeError {
     Decode(String),
 }
 
-/// The newest minor format version of objects under `magic`, the one written: a manifest
-/// whose chunk references take part of a chunk (`ChunkRef.offset`) must not reach a reader
-/// that would take the whole chunk.
+/// The minor format version of a manifest whose chunk references take parts of chunks
+/// (`ChunkRef.offset`): a reader that would take whole chunks must refuse it.
+pub const MANIFEST_WITH_PARTS: u16 = 1;
+
+/// The newest minor format version of objects under `magic` that this stasisd reads.
 fn minor(magic: &[u8; 8]) -> u16 {
-    if magic == MANIFEST { 1 } else { 0 }
+    if magic == MANIFEST { MANIFEST_WITH_PARTS } else { 0 }
 }
 
-/// Frames `message` for storage under `magic`, sealed when the store has a `cipher`.
+/// Frames `message` for storage under `magic` as format 1.0, sealed when the store has a
+/// `cipher`.
 pub fn encode(magic: &[u8; 8], message: &impl Message, cipher: Option<&Cipher>) -> Vec<u8> {
+    encode_as(magic, 0, message, cipher)
+}
+
+/// [`encode`] as format 1.`minor`.
+pub fn encode_as(magic: &[u8; 8], minor: u16, message: &impl Message, cipher: Option<&Cipher>) -> Vec<u8> {
     let plain = message.encode_to_vec();
     let (payload, flags) = match cipher {
         Some(c) => (c.seal(magic, &plain), SEALED),
@@ -73,7 +81,7 @@ pub fn encode(magic: &[u8; 8], message: &impl Message, cipher: Option<&Cipher>) 
     let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
     out.extend_from_slice(magic);
     out.extend_from_slice(&MAJOR.to_le_bytes());
-    out.extend_from_slice(&minor(magic).to_le_bytes());
+    out.extend_from_slice(&minor.to_le_bytes());
     out.extend_from_slice(&flags.to_le_bytes());
     out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     out.extend_from_slice(blake3::hash(&payload).as_bytes());
@@ -159,7 +167,7 @@ mod tests {
             bad[i] ^= 0x01;
             match decode_manifest(&bad) {
                 Err(_) => {}
-                // Format 1.1 read as 1.0: the same manifest (the version is not checksummed).
+                // Format 1.0 read as 1.1: the same manifest (the version is not checksummed).
                 Ok(read) => assert!(i == 10 && read == sample(), "flip at byte {i} went unnoticed"),
             }
         }
@@ -176,12 +184,16 @@ mod tests {
             decode_manifest(&newer),
             Err(EnvelopeError::UnsupportedVersion { major: 1, minor: 9, newest: 1 })
         );
-        let mut older = good.clone();
-        older[10] = 0;
-        assert_eq!(decode_manifest(&older).unwrap(), sample(), "a manifest of format 1.0 is read");
-        assert_eq!(&good[10..12], &[1, 0], "manifests are written as 1.1");
-        let index = encode(PACK_INDEX, &sample(), None);
-        assert_eq!(&index[10..12], &[0, 0], "pack indexes as 1.0");
+        let with_parts = encode_as(MANIFEST, MANIFEST_WITH_PARTS, &sample(), None);
+        assert_eq!(&with_parts[10..12], &[1, 0]);
+        assert_eq!(decode_manifest(&with_parts).unwrap(), sample(), "format 1.1 is read");
+        assert_eq!(&good[10..12], &[0, 0], "format 1.0 unless asked");
+        let index = encode_as(PACK_INDEX, 1, &sample(), None);
+        assert_eq!(
+            decode::<Manifest>(PACK_INDEX, &index, None),
+            Err(EnvelopeError::UnsupportedVersion { major: 1, minor: 1, newest: 0 }),
+            "pack indexes stay 1.0"
+        );
         assert_eq!(decode::<Manifest>(PACK_INDEX, &good, None), Err(EnvelopeError::BadMagic));
     }
 

@@ -66,7 +66,8 @@ pub use stream::{BlockPool, StreamSink, StreamSource, stream};
 pub use tree_pages::TreeMemory;
 pub use upload::{DumpPages, StoredDump};
 
-use index::ChunkIndex;
+use index::{ChunkHash, ChunkIndex};
+use stasis_proto::stasis::store::v1::ChunkRef;
 
 /// A progress callback: `(bytes done, bytes in total)`.
 pub type Progress = Arc<dyn Fn(u64, u64) + Send + Sync>;
@@ -391,9 +392,20 @@ impl Store {
     pub async fn commit(&self, manifest: &Manifest, guard: &CommitGuard) -> Result<(), StoreError> {
         guard.lease.check()?;
         let key = self.manifest_key(&manifest.id);
-        let payload = PutPayload::from(envelope::encode(envelope::MANIFEST, manifest, self.cipher()));
+        // Format 1.1 only where needed: older readers refuse it, and take the rest as before.
+        let parts = manifest.memory.iter().flat_map(|i| &i.chunks).any(|c| self.takes_part(c));
+        let minor = if parts { envelope::MANIFEST_WITH_PARTS } else { 0 };
+        let manifest = envelope::encode_as(envelope::MANIFEST, minor, manifest, self.cipher());
+        let payload = PutPayload::from(manifest);
         self.backend.put(&key, payload).await.map_err(Self::backend_err(&key))?;
         Ok(())
+    }
+
+    /// Whether chunk reference `chunk` takes a part of its chunk rather than all of it, as far
+    /// as the chunk index knows the chunk.
+    fn takes_part(&self, chunk: &ChunkRef) -> bool {
+        let stored = ChunkHash::try_from(chunk.hash.as_slice()).ok().and_then(|h| self.index.get(&h));
+        chunk.offset != 0 || stored.is_some_and(|loc| loc.len != chunk.len)
     }
 
     /// Reads and verifies the manifest of checkpoint `id`.

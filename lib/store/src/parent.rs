@@ -12,7 +12,7 @@
 //! Those reads run beside the dump (`read_back.rs`): [`Parent::ask`] starts them, and a window
 //! waits for its bytes only once many others are set aside.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use stasis_proto::stasis::store::v1::{ChunkRef, MemoryImage};
@@ -170,7 +170,11 @@ impl InParent for ParentMemory {
 /// A chunk's bytes on their way: waiting for them blocks until they are here.
 pub type Reading = Box<dyn FnOnce() -> Result<Vec<u8>, ParentError> + Send>;
 
-/// Starts reading a chunk's bytes.
+/// How many of the chunks asked for last are remembered: a window cut by kind has at most a
+/// few.
+const RECENT: usize = 4;
+
+/// Starts reading all of a chunk's bytes (of the chunk a reference takes all or part of).
 type StartRead = Box<dyn FnMut(&ChunkRef) -> Reading + Send>;
 
 /// A chunk of the previous checkpoint asked for: its read under way, or its bytes.
@@ -232,8 +236,9 @@ fn chunk_bytes(read: &SharedRead) -> Result<Arc<Vec<u8>>, ParentError> {
 pub struct Parent {
     pub(super) memory: Arc<ParentMemory>,
     start: StartRead,
-    /// The last chunk reference asked for: a window's pieces often share one.
-    last: Option<(ChunkRef, SharedRead)>,
+    /// The chunks asked for last, by hash: a window's pieces share them (the parts of a
+    /// window cut by kind, and its written pages).
+    recent: VecDeque<(Vec<u8>, SharedRead)>,
 }
 
 impl std::fmt::Debug for Parent {
@@ -245,7 +250,7 @@ impl std::fmt::Debug for Parent {
 impl Parent {
     /// `memory` read through `start` (of a chunk reference, its read under way).
     pub fn new(memory: Arc<ParentMemory>, start: impl FnMut(&ChunkRef) -> Reading + Send + 'static) -> Self {
-        Parent { memory, start: Box::new(start), last: None }
+        Parent { memory, start: Box::new(start), recent: VecDeque::new() }
     }
 
     /// Asks for the bytes of `start..end` of pagemap `dst_id` in the previous checkpoint: the
@@ -266,15 +271,20 @@ impl Parent {
                 parts.push(Part::Zeros(to - from));
                 continue;
             }
-            let same = |last: &ChunkRef| {
-                (&last.hash, last.offset, last.len) == (&chunk.hash, chunk.offset, chunk.len)
+            let read = match self.recent.iter().find(|(hash, _)| *hash == chunk.hash) {
+                Some((_, read)) => read.clone(),
+                None => {
+                    let read = Arc::new(Mutex::new(ChunkRead::Reading((self.start)(chunk))));
+                    if self.recent.len() == RECENT {
+                        self.recent.pop_front();
+                    }
+                    self.recent.push_back((chunk.hash.clone(), read.clone()));
+                    read
+                }
             };
-            if self.last.as_ref().is_none_or(|(last, _)| !same(last)) {
-                let reading = (self.start)(chunk);
-                self.last = Some((chunk.clone(), Arc::new(Mutex::new(ChunkRead::Reading(reading)))));
-            }
-            let (_, read) = self.last.as_ref().expect("just asked for");
-            parts.push(Part::Of(read.clone(), from, to));
+            // The read is of the whole chunk, of which the reference may take a part.
+            let offset = chunk.offset as usize;
+            parts.push(Part::Of(read, offset + from, offset + to));
         }
         Ok(Pending { parts })
     }
@@ -297,9 +307,14 @@ impl Store {
     ) -> impl FnMut(&ChunkRef) -> Reading + Send + 'static {
         let store = self.clone();
         move |chunk| {
-            let (store, checkpoint, chunk) = (store.clone(), checkpoint.clone(), chunk.clone());
+            // All of the chunk, whatever part of it the reference takes.
+            let stored_len =
+                ChunkHash::try_from(chunk.hash.as_slice()).ok().and_then(|h| store.index.get(&h));
+            let len = stored_len.map_or(chunk.len, |loc| loc.len);
+            let whole = ChunkRef { offset: 0, len, ..chunk.clone() };
+            let (store, checkpoint) = (store.clone(), checkpoint.clone());
             let task = handle.spawn(async move {
-                store.read_chunk(&checkpoint, "memory", &chunk, |hash| store.index.get(hash)).await
+                store.read_chunk(&checkpoint, "memory", &whole, |hash| store.index.get(hash)).await
             });
             let handle = handle.clone();
             Box::new(move || match handle.block_on(task) {
