@@ -604,7 +604,7 @@ async fn a_failed_read_back_fails_the_dump_naming_it() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_lazy_prefetch_reads_a_chunk_cut_in_parts_once() {
     let (dir, store, first) = first_stored().await;
-    let (_, second) = second_stored(&store, dir.path(), &first).await;
+    let (memory, second) = second_stored(&store, dir.path(), &first).await;
     let (reader, fetch) = lazy_fetch(&store, dir.path(), &second, 32 << 20).await;
     let lazy = reader.memory();
     let stored: HashSet<(Arc<str>, u64, u32)> = lazy
@@ -624,6 +624,15 @@ async fn a_lazy_prefetch_reads_a_chunk_cut_in_parts_once() {
     assert!((0..n).all(|i| reader.peek(i).is_some()), "everything prefetched");
     let distinct: u64 = stored.iter().map(|(_, _, len)| u64::from(*len)).sum();
     assert_eq!(fetch.bytes_fetched(), distinct, "each stored chunk read once");
+    // And each part cut from it as its reference says.
+    for (i, addr, len) in reader.memory().task_chunks(DST >> 8) {
+        let (start, bytes) = memory.iter().find(|(s, b)| (*s..s + b.len() as u64).contains(&addr)).unwrap();
+        let want = &bytes[(addr - start) as usize..(addr - start) as usize + len as usize];
+        match reader.peek(i).unwrap() {
+            crate::ChunkData::Zero => assert!(want.iter().all(|b| *b == 0)),
+            crate::ChunkData::Bytes(got) => assert!(got[..] == *want, "chunk {i} at {addr:#x}"),
+        }
+    }
     fetch.stop();
 }
 

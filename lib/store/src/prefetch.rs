@@ -486,19 +486,38 @@ async fn fetch_batch(
     tokio::task::spawn_blocking(move || {
         for (pack, chunks, blobs, bytes) in fetched {
             verify.fetched.fetch_add(bytes, Ordering::Relaxed);
+            let offset_of = |i: usize| verify.memory.chunks[i].stored.as_ref().expect("stored").1.offset;
+            // A stored chunk several parts of the batch take is decoded once, kept until its
+            // last part is cut from it.
+            let mut parts_left: HashMap<u64, usize> = HashMap::new();
+            chunks.iter().for_each(|&i| *parts_left.entry(offset_of(i)).or_default() += 1);
+            let mut decoded: HashMap<u64, Vec<u8>> = HashMap::new();
             for (i, blob) in chunks.into_iter().zip(blobs) {
                 let chunk = &verify.memory.chunks[i];
                 let (hash, loc) = chunk.stored.as_ref().expect("stored");
-                let data = decode_chunk(&blob, loc, hash, cipher.as_deref()).map_err(|reason| {
-                    LazyFetchError::Corrupt {
-                        id: verify.memory.id.clone(),
-                        chunk: hex::encode(hash),
-                        pack: pack.to_string(),
-                        reason: reason.to_string(),
+                let whole = match decoded.remove(&loc.offset) {
+                    Some(whole) => whole,
+                    None => decode_chunk(&blob, loc, hash, cipher.as_deref()).map_err(|reason| {
+                        LazyFetchError::Corrupt {
+                            id: verify.memory.id.clone(),
+                            chunk: hex::encode(hash),
+                            pack: pack.to_string(),
+                            reason: reason.to_string(),
+                        }
+                    })?,
+                };
+                let part = chunk.offset as usize..chunk.offset as usize + chunk.len as usize;
+                let left = parts_left.get_mut(&loc.offset).expect("counted");
+                *left -= 1;
+                let data = match *left {
+                    0 => take_part(whole, part),
+                    _ => {
+                        let data = whole[part].to_vec();
+                        decoded.insert(loc.offset, whole);
+                        data
                     }
-                })?;
-                let from = chunk.offset as usize;
-                cache(&verify, i, Arc::new(take_part(data, from..from + chunk.len as usize)));
+                };
+                cache(&verify, i, Arc::new(data));
             }
         }
         Ok(())
