@@ -145,20 +145,24 @@ impl Refs<'_> {
     /// The images process `p` of pstree.img needs.
     fn process(&mut self, p: &PstreeEntry, contents: &HashMap<String, Vec<u8>>) -> Result<(), ImageSetError> {
         let pid = p.pid;
-        let threads = if p.threads.is_empty() { vec![pid] } else { p.threads.clone() };
-        for tid in threads {
-            self.need(format!("core-{tid}.img"), || {
-                format!("thread {tid} of process {pid} in {PSTREE_FILE}")
-            });
-        }
         let core_name = format!("core-{pid}.img");
         if let Some(core) = contents.get(&core_name) {
             let [core] = decode_all::<Core>(core, CORE_MAGIC, &core_name)?[..] else {
                 return Err(malformed(&core_name, "not one entry".into()));
             };
             if core.tc.is_some_and(|tc| tc.task_state == TASK_DEAD) {
+                // A zombie is its core image alone. CRIU (4.2) never sets the thread id it
+                // writes for a zombie in pstree.img (whatever was in its memory), and its
+                // restore never reads it: neither does this check.
+                self.need(core_name, || format!("process {pid}, a zombie, in {PSTREE_FILE}"));
                 return Ok(());
             }
+        }
+        let threads = if p.threads.is_empty() { vec![pid] } else { p.threads.clone() };
+        for tid in threads {
+            self.need(format!("core-{tid}.img"), || {
+                format!("thread {tid} of process {pid} in {PSTREE_FILE}")
+            });
         }
         let mm_name = format!("mm-{pid}.img");
         self.need(mm_name.clone(), || format!("the address space of process {pid}"));

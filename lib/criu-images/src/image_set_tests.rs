@@ -17,7 +17,9 @@ const SYSV_SHARED: u32 = ANON_SHARED | (1 << 10);
 /// a zombie. As (names, contents).
 fn whole_set() -> (BTreeSet<String>, HashMap<String, Vec<u8>>) {
     let mut contents = HashMap::new();
-    contents.insert("pstree.img".into(), image(PSTREE_MAGIC, &[process(1, &[1, 3]), process(2, &[])]));
+    // CRIU writes a zombie's thread id unset: whatever its memory held.
+    let zombie = process(2, &[1_444_030_176]);
+    contents.insert("pstree.img".into(), image(PSTREE_MAGIC, &[process(1, &[1, 3]), zombie]));
     contents.insert("core-1.img".into(), core(1));
     contents.insert("core-3.img".into(), core(1));
     contents.insert("core-2.img".into(), core(2));
@@ -78,11 +80,21 @@ fn each_reference_of_the_tree_is_followed() {
             ("pagemap-1.img", "the memory of process 1"),
         ]
     );
-    // A zombie needs no address space; the same process alive does.
+    // A zombie needs no address space, nor the core image of the thread pstree.img gives it;
+    // the same process alive does, and its own core image always.
     let mut alive = contents.clone();
     alive.insert("core-2.img".into(), core(1));
     let found: Vec<String> = missing(&names, &alive).into_iter().map(|m| m.image).collect();
-    assert_eq!(found, ["mm-2.img", "pagemap-2.img"]);
+    assert_eq!(found, ["core-1444030176.img", "mm-2.img", "pagemap-2.img"]);
+    let mut unknown = contents.clone();
+    unknown.remove("core-2.img");
+    let found: Vec<String> =
+        missing(&without(&names, &["core-2.img"]), &unknown).into_iter().map(|m| m.image).collect();
+    assert_eq!(
+        found,
+        ["core-1444030176.img", "mm-2.img", "pagemap-2.img"],
+        "without its core, not known a zombie"
+    );
     // Without the address space's image, its shared mappings are not known, the image is.
     let found: Vec<String> =
         missing(&without(&names, &["mm-1.img"]), &contents).into_iter().map(|m| m.image).collect();
