@@ -317,8 +317,21 @@ impl Store {
         chunk: &ChunkRef,
         find: impl FnOnce(&ChunkHash) -> Option<ChunkLoc>,
     ) -> Result<Vec<u8>, StoreError> {
+        let (data, part) = self.read_whole_chunk(id, what, chunk, find).await?;
+        Ok(take_part(data, part))
+    }
+
+    /// All the bytes of the chunk that reference `chunk` takes all or part of, as
+    /// [`Self::read_chunk`] reads them, and which of them it takes.
+    pub(super) async fn read_whole_chunk(
+        &self,
+        id: &str,
+        what: &str,
+        chunk: &ChunkRef,
+        find: impl FnOnce(&ChunkHash) -> Option<ChunkLoc>,
+    ) -> Result<(Vec<u8>, std::ops::Range<usize>), StoreError> {
         let Some((hash, loc)) = locate(id, what, chunk, find)? else {
-            return Ok(vec![0; chunk.len as usize]);
+            return Ok((vec![0; chunk.len as usize], 0..chunk.len as usize));
         };
         let range = loc.offset..loc.offset + u64::from(loc.stored_len);
         let blobs = self.read_ranges(id, &loc.pack, &[range]).await?;
@@ -330,7 +343,7 @@ impl Store {
                 pack: loc.pack.to_string(),
                 reason: reason.into(),
             })?;
-        Ok(take_part(data, loc.part(chunk).expect("a located chunk holds what its reference takes")))
+        Ok((data, loc.part(chunk).expect("a located chunk holds what its reference takes")))
     }
 
     /// Reads `ranges` of pack `pack` (for checkpoint `id`); a failure names what is wrong.

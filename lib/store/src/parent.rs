@@ -69,6 +69,8 @@ pub enum ParentError {
     ReadTask(String),
     #[error("a read of the previous checkpoint's unchanged pages had failed already")]
     ReadFailedBefore,
+    #[error("a reference of the previous checkpoint takes bytes {from}..{to} of a chunk which has {len}")]
+    PastChunk { from: usize, to: usize, len: usize },
 }
 
 impl ParentMemory {
@@ -208,7 +210,12 @@ impl Pending {
         for part in self.parts {
             match part {
                 Part::Zeros(len) => out.resize(out.len() + len, 0),
-                Part::Of(read, from, to) => out.extend_from_slice(&chunk_bytes(&read)?[from..to]),
+                Part::Of(read, from, to) => {
+                    let chunk = chunk_bytes(&read)?;
+                    let part =
+                        chunk.get(from..to).ok_or(ParentError::PastChunk { from, to, len: chunk.len() })?;
+                    out.extend_from_slice(part);
+                }
             }
         }
         Ok(out)
@@ -307,14 +314,11 @@ impl Store {
     ) -> impl FnMut(&ChunkRef) -> Reading + Send + 'static {
         let store = self.clone();
         move |chunk| {
-            // All of the chunk, whatever part of it the reference takes.
-            let stored_len =
-                ChunkHash::try_from(chunk.hash.as_slice()).ok().and_then(|h| store.index.get(&h));
-            let len = stored_len.map_or(chunk.len, |loc| loc.len);
-            let whole = ChunkRef { offset: 0, len, ..chunk.clone() };
-            let (store, checkpoint) = (store.clone(), checkpoint.clone());
+            let (store, checkpoint, chunk) = (store.clone(), checkpoint.clone(), chunk.clone());
+            // All of the chunk, whatever part of it the reference takes (checked to be in it).
             let task = handle.spawn(async move {
-                store.read_chunk(&checkpoint, "memory", &whole, |hash| store.index.get(hash)).await
+                let find = |hash: &ChunkHash| store.index.get(hash);
+                store.read_whole_chunk(&checkpoint, "memory", &chunk, find).await.map(|(whole, _)| whole)
             });
             let handle = handle.clone();
             Box::new(move || match handle.block_on(task) {

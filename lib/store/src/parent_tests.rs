@@ -584,21 +584,60 @@ async fn a_failed_read_back_fails_the_dump_naming_it() {
     let parent = Parent::new(memory_of_second, |_| {
         Box::new(|| Err(ParentError::ReadTask("the disk went away".into())))
     });
+    let failed = failed_sift(&store, dir.path(), parent, memory, written).await;
+    assert!(failed.contains("the disk went away"), "{failed}");
+}
+
+/// The error, with its causes, of a tracked dump of `memory` (which wrote `written`) on
+/// `parent` that must fail.
+async fn failed_sift(
+    store: &Store,
+    dir: &Path,
+    parent: Parent,
+    memory: Memory,
+    written: HashSet<u64>,
+) -> String {
     let pool = BlockPool::default();
     let (mut sink, sifting) =
-        store.sift(&StagingBudget::new(64 << 20), &dir.path().join("spill"), &pool, 0, Some(parent)).unwrap();
-    let failed = tokio::task::spawn_blocking(move || {
+        store.sift(&StagingBudget::new(64 << 20), &dir.join("spill"), &pool, 0, Some(parent)).unwrap();
+    tokio::task::spawn_blocking(move || {
         // The sink may see the store stop taking pages once the sifter failed.
         let sending = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             send(&mut sink, &memory, Some(&written));
             let _ = sink.finish();
         }));
         drop(sending);
-        sifting.finish().unwrap_err()
+        let failed = sifting.finish().unwrap_err();
+        let mut causes = vec![failed.to_string()];
+        let mut cause = std::error::Error::source(&failed);
+        while let Some(e) = cause {
+            causes.push(e.to_string());
+            cause = e.source();
+        }
+        causes.join(": ")
     })
     .await
-    .unwrap();
-    assert!(failed.to_string().contains("the disk went away"), "{failed}");
+    .unwrap()
+}
+
+/// [`second_stored`]'s manifest (not stored so) with window 5's last part moved past the end
+/// of its chunk.
+async fn second_past_its_chunk(store: &Store, dir: &Path, first: &Manifest) -> (Memory, Manifest) {
+    let (memory, mut second) = second_stored(store, dir, first).await;
+    let part = second.memory[0].chunks.iter_mut().find(|c| c.offset != 0).unwrap();
+    part.offset += 4096;
+    (memory, second)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_previous_checkpoint_whose_reference_reaches_past_its_chunk_fails_the_dump_naming_it() {
+    let (dir, store, first) = first_stored().await;
+    let (memory, second) = second_past_its_chunk(&store, dir.path(), &first).await;
+    // Window 5 written again: the dump reads its parts back.
+    let (memory, written) = window_5_again(&memory);
+    let parent = counted_parent(&store, &second, Arc::new(AtomicUsize::new(0)));
+    let failed = failed_sift(&store, &dir.path().join("third"), parent, memory, written).await;
+    assert!(failed.contains("takes bytes") && failed.contains("which has 65536"), "{failed}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -671,10 +710,7 @@ async fn references_do_not_depend_on_where_criu_split_the_pages_and_parts_make_a
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reference_past_its_chunk_is_refused_by_a_restore_and_named_by_the_check() {
     let (dir, store, first) = first_stored().await;
-    let (_, mut second) = second_stored(&store, dir.path(), &first).await;
-    // Window 5's last part, moved past the end of its chunk.
-    let part = second.memory[0].chunks.iter_mut().find(|c| c.offset != 0).unwrap();
-    part.offset += 4096;
+    let (_, mut second) = second_past_its_chunk(&store, dir.path(), &first).await;
     second.id = "20261127-000009-eeeeee".into();
     store.commit(&second, &store.begin_commit().await.unwrap()).await.unwrap();
     let out = dir.path().join("refused");
