@@ -28,6 +28,7 @@ pure=(
   'net::SocketKind'      # an enum of socket kinds and their names
   'net::SocketTable'     # a namespace's sockets as read (Host::socket_table reads them)
   'net::SocketEntry'     # one row of it
+  'net::WaitingInput'    # input a tree's sockets hold, as read (Host::waiting_input reads it)
   'port_watch::MAX_PORTS' # a constant
   'uffd::FillError'      # an error type
   'uffd::Event'          # what a userfaultfd says: an enum (Userfaults, host/faults.rs)

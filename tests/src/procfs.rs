@@ -126,6 +126,12 @@ pub fn tids(pid: i32) -> BTreeSet<i32> {
         .unwrap_or_default()
 }
 
+/// The CPU time thread `tid` of `pid` has used, in nanoseconds (0 if it is gone).
+pub fn thread_cpu_ns(pid: i32, tid: i32) -> u64 {
+    let schedstat = fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat")).unwrap_or_default();
+    schedstat.split_whitespace().next().and_then(|ns| ns.parse().ok()).unwrap_or(0)
+}
+
 /// The children of every thread of `pid`.
 pub fn children(pid: i32) -> BTreeSet<i32> {
     tids(pid)

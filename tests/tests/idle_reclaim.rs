@@ -1,7 +1,8 @@
 //! Idle reclaim with real servers: an HTTP server and (in jupyter_kernel.rs) a Jupyter kernel
 //! go quiet, are checkpointed and stopped, and come back on their next use with no retry by
 //! the client; a request during the reclaim is answered, not lost; a wake while the store is
-//! down fails clearly and leaves the checkpoint restorable.
+//! down fails clearly and leaves the checkpoint restorable. And what a reclaim reads of a real
+//! dump to tell a program caught at work from one that waits.
 
 #![forbid(unsafe_code)]
 
@@ -11,8 +12,8 @@ use serde_json::Value;
 use stasis_tests::proxy::TcpProxy;
 use stasis_tests::s3::S3Server;
 use stasis_tests::{
-    Daemon, DaemonOptions, TIMEOUT, expect_within, free_port, http_get, pid_of, procfs, python_workload,
-    skip_unless_ready,
+    Daemon, DaemonOptions, TIMEOUT, criu_path, expect_within, free_port, http_get, pid_of, procfs,
+    python_workload, skip_unless_ready,
 };
 
 /// The status of workload `name`.
@@ -49,6 +50,8 @@ fn an_idle_http_server_is_reclaimed_and_a_plain_request_wakes_it() {
     assert_eq!((w["state"].as_str(), w["idle_after_ms"].as_u64()), (Some("running"), Some(2000)), "{w}");
 
     let reclaimed = wait_reclaimed(&d, &name, pid);
+    let log = d.log_tail(400);
+    assert!(!log.contains("cannot tell from the dump"), "the stopped tree's threads were read: {log}");
     let id = reclaimed["reclaimed_checkpoint"].as_str().expect("the reclaim's checkpoint").to_owned();
     let listed = d.json(&["list", "--json"]);
     assert!(listed["checkpoints"].as_array().unwrap().iter().any(|c| c["id"] == id.as_str()), "{listed}");
@@ -165,4 +168,47 @@ fn every_connection_that_arrives_during_a_wake_is_answered() {
         .collect();
     hits.sort_unstable();
     assert_eq!(hits, (2..37).collect::<Vec<u64>>(), "each connection served once, the counter going on");
+}
+
+#[test]
+fn a_real_dump_tells_a_thread_at_work_from_threads_that_wait() {
+    skip_unless_ready!();
+    // The main thread sleeps (a system call), one thread computes, one waits on a lock.
+    let script = "import threading, time\n\
+        def spin():\n    x = 0\n    while True: x += 1\n\
+        lock = threading.Lock(); lock.acquire()\n\
+        threading.Thread(target=spin, daemon=True).start()\n\
+        threading.Thread(target=lock.acquire, daemon=True).start()\n\
+        print('ready', flush=True)\n\
+        time.sleep(600)\n";
+    let mut child = std::process::Command::new("python3")
+        .args(["-c", script])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut ready = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut ready)
+        .unwrap();
+    let pid = child.id() as i32;
+    let tids = procfs::tids(pid);
+    assert_eq!(tids.len(), 3, "{tids:?}");
+    // The spinning thread is the one using the CPU.
+    let before: Vec<(i32, u64)> = tids.iter().map(|&t| (t, procfs::thread_cpu_ns(pid, t))).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let spinner = before.iter().max_by_key(|&&(t, b)| procfs::thread_cpu_ns(pid, t) - b).unwrap().0;
+
+    let images = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(criu_path())
+        .args(["dump", "-t", &pid.to_string(), "--leave-running", "--shell-job", "-v2", "-D"])
+        .arg(images.path())
+        .args(["-o", "dump.log"])
+        .output()
+        .unwrap();
+    let log = std::fs::read_to_string(images.path().join("dump.log")).unwrap_or_default();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(out.status.success(), "criu dump failed: {log}");
+    let running = stasis_criu_images::running::running_threads(images.path()).unwrap();
+    assert_eq!(running, [spinner as u32], "threads {tids:?}");
 }

@@ -78,9 +78,14 @@ pub(super) fn rig_with(mut criu: FakeCriu, gpu: FakeGpu, extras: Extras) -> Rig 
     let host = Arc::new(FakeHost { cuda: extras.cuda.unwrap_or(vec![ROOT]), ..FakeHost::with_tree(tree) });
     host.stopped.lock().unwrap().insert(CHILD);
     let on_dump = host.clone();
+    // The test's own hook, if any, runs after the rig's.
+    let test_hook = criu.on_dump.take();
     criu.on_dump = Some(Box::new(move |spec| {
         if spec.leave_stopped {
             on_dump.stopped.lock().unwrap().extend([ROOT, CHILD]);
+        }
+        if let Some(hook) = &test_hook {
+            hook(spec);
         }
     }));
     let on_restore = host.clone();
@@ -329,12 +334,13 @@ async fn a_restore_criu_refuses_leaves_nothing_to_kill_and_the_checkpoint_whole(
 
 /// An idle reclaim of the tree; `used`: the workload was used while it was checkpointed.
 async fn reclaim(r: &Rig, used: bool) -> CheckpointOutcome {
-    let used = Some(Arc::new(std::sync::atomic::AtomicBool::new(used)));
+    let uses = crate::engine::idle::ReclaimUses::default();
+    uses.seen.store(used, std::sync::atomic::Ordering::SeqCst);
     let params = CheckpointParams {
         target: Target::Pid(ROOT),
         leave_running: false,
         answer_early: None,
-        reclaim: used,
+        reclaim: Some(Arc::new(uses)),
         caller: Caller::Root,
     };
     r.engine.checkpoint(params, quiet()).await.unwrap()

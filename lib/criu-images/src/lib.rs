@@ -5,7 +5,8 @@
 //! - [`images`]: the pagemap and page files stasis rebuilds for a restore, and what it reads of
 //!   a dump's inventory, process tree and address spaces;
 //! - [`image_set`]: whether a dump's images are a whole set a restore can use;
-//! - [`cow`]: which memory a restored child shares copy-on-write with its parent.
+//! - [`cow`]: which memory a restored child shares copy-on-write with its parent;
+//! - [`running`]: which threads a dump caught at work, outside a system call.
 //!
 //! Nothing here runs CRIU or touches the kernel: it is bytes in, bytes out, and files.
 
@@ -17,5 +18,6 @@ pub mod image_set;
 mod image_set_tests;
 pub mod images;
 pub mod pages;
+pub mod running;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

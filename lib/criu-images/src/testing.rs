@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use prost::Message;
-use stasis_proto::criu::refs::{Core, Mm, TaskCore, Vma};
+use stasis_proto::criu::refs::{Core, Mm, TaskCore, ThreadInfoX86, UserX86Regs, Vma};
 use stasis_proto::criu::{InventoryEntry, PstreeEntry};
 
 use crate::image_set::CORE_MAGIC;
@@ -24,8 +24,27 @@ pub(crate) fn process(pid: u32, threads: &[u32]) -> PstreeEntry {
     PstreeEntry { pid, ppid: 0, pgid: pid, sid: pid, threads: threads.to_vec() }
 }
 
+/// `orig_ax` of a thread CRIU stopped in a system call (`clock_nanosleep`).
+pub const IN_SYSCALL: u64 = 230;
+/// `orig_ax` of a thread CRIU stopped outside of one.
+pub const RUNNING: u64 = u64::MAX;
+
+#[cfg(test)]
 pub(crate) fn core(state: u32) -> Vec<u8> {
-    image(CORE_MAGIC, &[Core { tc: Some(TaskCore { task_state: state }) }])
+    thread_core(Some(state), None)
+}
+
+/// A thread's core image: with the task's state if it leads its process, and with registers
+/// holding `orig_ax` if given.
+pub(crate) fn thread_core(state: Option<u32>, orig_ax: Option<u64>) -> Vec<u8> {
+    let thread_info = orig_ax.map(|orig_ax| ThreadInfoX86 { gpregs: UserX86Regs { orig_ax } });
+    image(CORE_MAGIC, &[Core { thread_info, tc: state.map(|task_state| TaskCore { task_state }) }])
+}
+
+/// Rewrites the core image of the one process of a dump [`write_dump_images`] wrote, as
+/// CRIU writes it for a process it stopped outside a system call.
+pub fn catch_running(dir: &Path, pid: u32) {
+    std::fs::write(dir.join(format!("core-{pid}.img")), thread_core(Some(1), Some(RUNNING))).unwrap();
 }
 
 pub(crate) fn mm(vmas: &[(u64, u64, u32)]) -> Vec<u8> {
@@ -45,7 +64,7 @@ pub(crate) fn mm(vmas: &[(u64, u64, u32)]) -> Vec<u8> {
 pub fn write_dump_images(dir: &Path, pid: u32, shared: &[u64]) {
     write_inventory(dir, "");
     std::fs::write(dir.join("pstree.img"), image(PSTREE_MAGIC, &[process(pid, &[pid])])).unwrap();
-    std::fs::write(dir.join(format!("core-{pid}.img")), core(1)).unwrap();
+    std::fs::write(dir.join(format!("core-{pid}.img")), thread_core(Some(1), Some(IN_SYSCALL))).unwrap();
     let mut vmas = vec![(0x10000, 0, 1 << 9)];
     vmas.extend(
         shared.iter().enumerate().map(|(i, &shmid)| (0x7000_0000 + ((i as u64) << 20), shmid, ANON_SHARED)),

@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 pub use error::{CriuError, log_section};
 pub use log::tail_of as log_tail_of;
 pub use options::{DumpSpec, Enter, RestoreSpec, RunningCriu, TreeOptions};
-pub use stasis_criu_images::{cow, image_set, images, pages};
+pub use stasis_criu_images::{cow, image_set, images, pages, running};
 use stasis_proto::criu::{Request, RequestType};
 pub use support::NetworkLock;
 use swrk::Session;

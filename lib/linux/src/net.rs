@@ -296,22 +296,56 @@ pub fn own_netns() -> io::Result<u64> {
     Ok(fs::metadata("/proc/self/ns/net")?.ino())
 }
 
-/// The TCP listeners of processes `pids` with connections waiting to be accepted: a client
-/// that connected before they were stopped, which an eviction would leave unanswered.
-pub fn listeners_with_waiting_connections(pids: &[i32]) -> Vec<SocketAddr> {
+/// Input that a TCP socket of a process tree holds and the tree has not taken.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WaitingInput {
+    pub inode: u64,
+    pub local: SocketAddr,
+    /// The peer of a connection; `None` for a listener.
+    pub remote: Option<SocketAddr>,
+    /// A listener: connections waiting to be accepted. A connection: bytes received and not
+    /// yet read.
+    pub queued: u32,
+}
+
+/// The TCP sockets of processes `pids` that hold input: listeners with connections waiting
+/// to be accepted, and connections with bytes not yet read whose peer is not one of `pids`'
+/// sockets (a client that connected or wrote before the tree stopped, which an eviction would
+/// leave unanswered).
+pub fn waiting_input(pids: &[i32]) -> Vec<WaitingInput> {
     let mut tables: HashMap<u64, SocketTable> = HashMap::new();
-    let mut found = Vec::new();
+    let mut held: Vec<(u64, u64)> = Vec::new();
     for &pid in pids {
         let (Ok(netns), Ok(fds)) = (netns_of(pid), super::proc::fd_targets(pid)) else { continue };
-        let table = tables.entry(netns).or_insert_with(|| SocketTable::of(pid));
+        tables.entry(netns).or_insert_with(|| SocketTable::of(pid));
         for inode in fds.iter().filter_map(|(_, target)| socket_inode(target)) {
-            let Some(entry) = table.by_inode.get(&inode) else { continue };
-            if entry.kind == SocketKind::Tcp && entry.state == "listen" && entry.queued > 0 {
-                found.extend(entry.local.filter(|l| !found.contains(l)));
+            if !held.contains(&(netns, inode)) {
+                held.push((netns, inode));
             }
         }
     }
-    found
+    let tcp = |netns: &u64, inode: &u64| {
+        tables.get(netns)?.by_inode.get(inode).filter(|e| e.kind == SocketKind::Tcp)
+    };
+    // Both ends of a connection inside the tree: (netns, local, remote) of each.
+    let ends: Vec<_> = held
+        .iter()
+        .filter_map(|(netns, inode)| tcp(netns, inode).map(|e| (*netns, e.local, e.remote)))
+        .collect();
+    held.iter()
+        .filter_map(|(netns, inode)| {
+            let e = tcp(netns, inode).filter(|e| e.queued > 0)?;
+            let local = e.local?;
+            let inside = e.remote.is_some_and(|_| ends.contains(&(*netns, e.remote, e.local)));
+            let taken_in = (e.state == "listen") == e.remote.is_none();
+            (taken_in && !inside).then_some(WaitingInput {
+                inode: *inode,
+                local,
+                remote: e.remote,
+                queued: e.queued,
+            })
+        })
+        .collect()
 }
 
 /// The inode of a `socket:[N]` link target.
@@ -331,21 +365,71 @@ mod tests {
    0: 00000000000000000000000001000000:0035 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3333 1 0 100 0 0 10 0
 ";
 
+    /// What of `waiting_input(pids)` concerns local address `addr`, polled until `until`
+    /// holds of it (at most a second: the kernel queues asynchronously).
+    fn waiting_at(
+        pids: &[i32],
+        addr: SocketAddr,
+        until: impl Fn(&[WaitingInput]) -> bool,
+    ) -> Vec<WaitingInput> {
+        let mut found = Vec::new();
+        for _ in 0..100 {
+            found = waiting_input(pids).into_iter().filter(|w| w.local == addr).collect();
+            if until(&found) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        found
+    }
+
     #[test]
-    fn a_listener_with_a_connection_not_yet_accepted_is_found_until_it_is_accepted() {
+    fn a_listener_with_a_connection_not_yet_accepted_holds_input_until_it_is_accepted() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let me = [std::process::id() as i32];
-        assert!(!listeners_with_waiting_connections(&me).contains(&addr), "nothing waits yet");
+        assert!(waiting_at(&me, addr, |_| true).is_empty(), "nothing waits yet");
         let _client = std::net::TcpStream::connect(addr).unwrap();
-        let waiting = (0..100).find_map(|_| {
-            let found = listeners_with_waiting_connections(&me);
-            std::thread::sleep(std::time::Duration::from_millis(10));
-            found.contains(&addr).then_some(found)
-        });
-        assert!(waiting.is_some(), "the connection waits in {addr}'s accept queue");
+        let waiting = waiting_at(&me, addr, |w| !w.is_empty());
+        assert_eq!(
+            waiting.iter().map(|w| (w.remote, w.queued)).collect::<Vec<_>>(),
+            [(None, 1)],
+            "the connection waits in {addr}'s accept queue"
+        );
         let _accepted = listener.accept().unwrap();
-        assert!(!listeners_with_waiting_connections(&me).contains(&addr), "accepted, nothing waits");
+        assert!(waiting_at(&me, addr, |w| w.is_empty()).is_empty(), "accepted, nothing waits");
+    }
+
+    #[test]
+    fn bytes_unread_from_a_peer_outside_the_tree_are_input_and_from_one_inside_are_not() {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let me = [std::process::id() as i32];
+        // A peer in another process writes 6 bytes and waits.
+        let mut peer = std::process::Command::new("bash")
+            .args(["-c", &format!("exec 3<>/dev/tcp/127.0.0.1/{}; printf hello. >&3; sleep 30", addr.port())])
+            .spawn()
+            .unwrap();
+        let (mut outside, remote) = listener.accept().unwrap();
+        let waiting = waiting_at(&me, addr, |w| !w.is_empty());
+        peer.kill().unwrap();
+        peer.wait().unwrap();
+        assert_eq!(waiting.iter().map(|w| (w.remote, w.queued)).collect::<Vec<_>>(), [(Some(remote), 6)]);
+        let mut read = [0u8; 6];
+        outside.read_exact(&mut read).unwrap();
+        assert!(waiting_at(&me, addr, |w| w.is_empty()).is_empty(), "read, nothing waits");
+
+        // Both ends here: bytes between two sockets of the tree are no request from outside.
+        let mut inside = std::net::TcpStream::connect(addr).unwrap();
+        let (_accepted, _) = listener.accept().unwrap();
+        inside.write_all(b"internal").unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(
+            waiting_input(&me).iter().all(|w| w.local != addr && w.remote != Some(addr)),
+            "{:?}",
+            waiting_input(&me)
+        );
     }
 
     #[test]

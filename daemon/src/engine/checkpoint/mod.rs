@@ -18,13 +18,13 @@ mod tracking;
 
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use tracing::{info, instrument, warn};
 
 use super::access::{Caller, owner_of};
+use super::idle::ReclaimUses;
 use super::ids::{checkpoint_id, ms, now_unix_ms};
 use super::inspect::TreeInfo;
 use super::workloads::{Workload, derived_name};
@@ -53,10 +53,10 @@ pub struct CheckpointParams {
     pub leave_running: bool,
     /// An answer before the job ends, for callers that do not wait for all of it.
     pub answer_early: Option<EarlyAnswer>,
-    /// An idle reclaim (see `engine/idle/`): set once the workload is used during it, in
-    /// which case the stored tree is given back rather than stopped. Its network lock is kept
+    /// An idle reclaim (see `engine/idle/`): if the workload counts as used once the dump has
+    /// stopped it, the stored tree is given back rather than stopped. Its network lock is kept
     /// for the waker, not swept.
-    pub reclaim: Option<Arc<AtomicBool>>,
+    pub reclaim: Option<Arc<ReclaimUses>>,
     /// On whose behalf: a user other than root may checkpoint only a tree wholly its own.
     pub caller: Caller,
 }
@@ -116,8 +116,8 @@ struct Job {
     created_unix_ms: u64,
     started: Instant,
     leave_running: bool,
-    /// Set when an idle reclaim is to back off (see [`CheckpointParams::reclaim`]).
-    reclaim: Option<Arc<AtomicBool>>,
+    /// What an idle reclaim knows of the workload's uses (see [`CheckpointParams::reclaim`]).
+    reclaim: Option<Arc<ReclaimUses>>,
 }
 
 /// Called once the tree runs again (or is held stopped), before the checkpoint is stored.
@@ -207,7 +207,7 @@ impl Engine {
             send(job.outcome(true, *stats));
         }
         match stored {
-            Ok(stats) if self.reclaim_backs_off(&job, &tree) => {
+            Ok(stats) if self.reclaim_backs_off(&job, &tree, work.path()) => {
                 // What could not be undone is logged; the checkpoint itself is good.
                 hold.resume().await;
                 let job = Job { leave_running: true, ..job };
@@ -221,20 +221,14 @@ impl Engine {
         }
     }
 
-    /// Whether `job` is an idle reclaim that must give its stopped tree back rather than stop
-    /// it: the workload was used meanwhile, or its tree has connections waiting to be accepted
-    /// (a client that connected before the reclaim watched its ports, or before the tree
-    /// stopped, which CRIU leaves out and stopping the tree would leave unanswered).
-    fn reclaim_backs_off(&self, job: &Job, tree: &TreeInfo) -> bool {
-        let Some(used) = job.reclaim.as_ref().filter(|_| !job.leave_running) else { return false };
-        if used.load(Ordering::SeqCst) {
-            return true;
-        }
-        let waiting = self.deps.host.listeners_with_waiting_connections(&self.tree_now(tree));
-        if waiting.is_empty() {
+    /// Whether `job` is an idle reclaim that must give its stopped tree (images in `images`)
+    /// back rather than stop it: the workload counts as used (see [`ReclaimUses::at_stop`]).
+    fn reclaim_backs_off(&self, job: &Job, tree: &TreeInfo, images: &Path) -> bool {
+        let Some(uses) = job.reclaim.as_ref().filter(|_| !job.leave_running) else { return false };
+        let Some(why) = uses.at_stop(self.deps.host.as_ref(), &self.tree_now(tree), images) else {
             return false;
-        }
-        info!(checkpoint = %job.id, listeners = ?waiting, "connections wait to be accepted: the reclaim backs off");
+        };
+        info!(checkpoint = %job.id, reason = %why, "the workload is in use: the reclaim backs off");
         true
     }
 

@@ -20,6 +20,7 @@ use crate::engine::inspect::TreeInfo;
 use crate::engine::sockets::{Connection, TreeSockets};
 use crate::linux::net::SocketEntry;
 use crate::linux::net::SocketTable;
+use crate::linux::net::WaitingInput;
 use crate::linux::sock_diag::TcpSocketInfo;
 use crate::linux::sys::ChildSetup;
 
@@ -45,8 +46,9 @@ pub struct FakeHost {
     /// Processes holding NVIDIA device files whatever their CUDA state (none by default: a
     /// CUDA process's go with its checkpoint).
     pub device_holders: Mutex<Vec<i32>>,
-    /// Listeners with connections waiting to be accepted (none by default).
-    pub waiting_connections: Mutex<Vec<SocketAddr>>,
+    /// Input the tree's sockets hold and it has not taken, as each question in turn finds it;
+    /// the last answer stays (none by default).
+    pub waiting_input: Mutex<Vec<Vec<WaitingInput>>>,
     /// Files processes hold that their user may not open (none by default).
     pub foreign_files: Mutex<HashMap<i32, Vec<String>>>,
     /// Every signal sent, in order.
@@ -267,8 +269,9 @@ impl Host for FakeHost {
         self.sockets.lock().unwrap().clone()
     }
 
-    fn listeners_with_waiting_connections(&self, _pids: &[i32]) -> Vec<SocketAddr> {
-        self.waiting_connections.lock().unwrap().clone()
+    fn waiting_input(&self, _pids: &[i32]) -> Vec<WaitingInput> {
+        let mut answers = self.waiting_input.lock().unwrap();
+        if answers.len() > 1 { answers.remove(0) } else { answers.first().cloned().unwrap_or_default() }
     }
 
     fn socket_table(&self) -> SocketTable {

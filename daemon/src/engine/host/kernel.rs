@@ -22,7 +22,7 @@ use crate::cuda::GpuCheckpointer;
 use crate::engine::inspect::{self, TreeInfo};
 use crate::engine::sockets::{self, Connection, TreeSockets};
 use crate::linux::cgroup::{self, WorkloadCgroup};
-use crate::linux::net::{self, SocketTable};
+use crate::linux::net::{self, SocketTable, WaitingInput};
 use crate::linux::port_watch::PortWatch;
 use crate::linux::proc::{self, ProcStat};
 use crate::linux::reaper::{ExitKind, Reaper};
@@ -160,8 +160,8 @@ impl Host for LinuxHost {
         sockets::survey(pids)
     }
 
-    fn listeners_with_waiting_connections(&self, pids: &[i32]) -> Vec<SocketAddr> {
-        net::listeners_with_waiting_connections(pids)
+    fn waiting_input(&self, pids: &[i32]) -> Vec<WaitingInput> {
+        net::waiting_input(pids)
     }
 
     fn socket_table(&self) -> SocketTable {

@@ -29,7 +29,6 @@ mod tests;
 use std::collections::HashSet;
 use std::fs::File;
 use std::io;
-use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -44,6 +43,7 @@ pub use watch::{Hold, PortUses, TcpSockets, Watches};
 use super::inspect::{self, TreeInfo};
 use super::sockets::{Connection, TreeSockets};
 use crate::linux::net::SocketTable;
+use crate::linux::net::WaitingInput;
 use crate::linux::sys::ChildSetup;
 
 /// What the engine's jobs ask of the kernel (and, for idle workloads, [`Watches`]; for lazily
@@ -122,8 +122,9 @@ pub trait Host: Watches + Userfaults + NetworkLocks + Containers {
     fn files_its_user_may_not_open(&self, pid: i32, exempt: &HashSet<(u64, u64)>) -> io::Result<Vec<String>>;
     /// The sockets `pids` hold (see `sockets::survey`).
     fn sockets(&self, pids: &[i32]) -> TreeSockets;
-    /// The TCP listeners of `pids` with connections waiting to be accepted.
-    fn listeners_with_waiting_connections(&self, pids: &[i32]) -> Vec<SocketAddr>;
+    /// The input the TCP sockets of `pids` hold and they have not taken (see
+    /// `linux::net::waiting_input`).
+    fn waiting_input(&self, pids: &[i32]) -> Vec<WaitingInput>;
     /// The sockets of stasisd's own network namespace, now.
     fn socket_table(&self) -> SocketTable;
     /// The processes that hold socket `inode`, as pid and command name.

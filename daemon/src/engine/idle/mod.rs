@@ -26,6 +26,7 @@ use tracing::{info, warn};
 
 use activity::IdleClock;
 pub use activity::{GpuActivity, GpuWatch, Thresholds};
+pub use uses::ReclaimUses;
 
 use super::slots::Slot;
 use super::{Caller, Engine, PolicyError, Workload};

@@ -3,18 +3,19 @@
 //!
 //! From the survey of its sockets until the checkpoint is durable, stasisd watches the
 //! workload's ports. A request that arrives meanwhile (a new connection, or data on one the
-//! dump locked) makes the job give the stored tree back instead of stopping it: the request
-//! is answered, late by the checkpoint's time, rather than lost.
+//! dump locked), or one that came just before and that the stopped tree has not answered yet
+//! (see [`ReclaimUses::at_stop`]), makes the job give the stored tree back instead of
+//! stopping it: the request is answered, late by the checkpoint's time, rather than lost.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 
 use stasis_proto::stasis::store::v1::SocketRecord;
 use tracing::{info, warn};
 
 use super::Reclaimed;
-use super::uses::UseWatch;
+use super::uses::{ReclaimUses, UseWatch};
 use crate::engine::ids::now_unix_ms;
 use crate::engine::{Caller, CheckpointError, CheckpointParams, Engine, Target};
 use crate::linux::net::SocketKind;
@@ -25,15 +26,16 @@ impl Engine {
     /// during the reclaim and runs on.
     pub(super) async fn reclaim(self: &Arc<Self>, name: &str) -> Result<Option<Reclaimed>, CheckpointError> {
         let w = self.registry.get(name).ok_or_else(|| CheckpointError::UnknownWorkload(name.into()))?;
-        let surveyed = self.deps.host.sockets(&self.deps.host.trees(&[w.pid]));
+        let pids = self.deps.host.trees(&[w.pid]);
+        let surveyed = self.deps.host.sockets(&pids);
         let WakePoints { listeners, ports, connections } = wake_points(&surveyed.records);
-        let used = Arc::new(AtomicBool::new(false));
-        let watching = self.watch_uses(name, &ports, &connections, used.clone());
+        let uses = Arc::new(ReclaimUses::new(&self.deps.host.waiting_input(&pids)));
+        let watching = self.watch_uses(name, &ports, &connections, uses.clone());
         let params = CheckpointParams {
             target: Target::Workload(name.into()),
             leave_running: false,
             answer_early: None,
-            reclaim: Some(used.clone()),
+            reclaim: Some(uses),
             caller: Caller::Root,
         };
         let checkpointed = self.checkpoint(params, Arc::new(|_| {})).await;
@@ -60,15 +62,15 @@ impl Engine {
         Ok(Some(reclaimed))
     }
 
-    /// Watches the uses of workload `name` (see [`UseWatch`]) until the first, then sets
-    /// `used`. Without a watch (no ports, no packet socket, no peers on this node) a reclaim
+    /// Watches the uses of workload `name` (see [`UseWatch`]) until the first, then notes it
+    /// in `uses`. Without a watch (no ports, no packet socket, no peers on this node) a reclaim
     /// cannot notice a request arriving meanwhile: the request then waits for the wake.
     fn watch_uses(
         &self,
         name: &str,
         ports: &[u16],
         connections: &[(SocketAddr, SocketAddr)],
-        used: Arc<AtomicBool>,
+        uses: Arc<ReclaimUses>,
     ) -> tokio::task::JoinHandle<()> {
         let mut watch =
             UseWatch::open(self.deps.host.as_ref(), name, ports, connections, "during its reclaim");
@@ -76,7 +78,7 @@ impl Engine {
         tokio::spawn(async move {
             let port = watch.next().await;
             info!(workload = %name, port, "the workload was used during its reclaim");
-            used.store(true, Ordering::SeqCst);
+            uses.seen.store(true, Ordering::SeqCst);
         })
     }
 }

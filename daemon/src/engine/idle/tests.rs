@@ -14,6 +14,8 @@ use crate::engine::host::{Host, Usage};
 use crate::engine::rollback_tests::{CHILD, Extras, ROOT, Rig, rig, rig_with};
 use crate::engine::sockets::record;
 use crate::engine::{Caller, PolicyError, RestoreOutcome, Workload};
+use crate::linux::net::WaitingInput;
+use stasis_criu_images::testing::catch_running;
 
 /// How long a watched workload must be idle to be reclaimed, in these tests.
 const IDLE_AFTER: Duration = Duration::from_millis(50);
@@ -114,20 +116,63 @@ async fn a_use_seen_during_the_reclaim_leaves_the_workload_running() {
     assert_eq!(r.workload(&name).reclaimed, None);
 }
 
+/// Input on `port` of 127.0.0.1: `queued` connections waiting on a listener, or bytes unread
+/// on connection `inode` from a client outside the tree.
+pub(super) fn input(port: u16, inode: u64, queued: u32, listener: bool) -> WaitingInput {
+    let remote = (!listener).then(|| std::net::SocketAddr::from(([127, 0, 0, 1], 50_000)));
+    WaitingInput { inode, local: std::net::SocketAddr::from(([127, 0, 0, 1], port)), remote, queued }
+}
+
+/// Reclaims `name`; asserts that it backs off: the tree is given back, not killed.
+async fn backs_off(r: &Rig, name: &str) {
+    assert_eq!(r.engine.reclaim(name).await.unwrap(), None, "the reclaim backs off");
+    assert!(r.host.signals_of(Signal::SIGKILL).is_empty());
+    assert_eq!(r.workload(name).reclaimed, None);
+}
+
 #[tokio::test]
 async fn a_connection_waiting_to_be_accepted_when_the_tree_stopped_leaves_the_workload_running() {
     // A client connected before the reclaim watched the ports (no use is seen), and the tree
     // stopped before accepting it: stopping the tree for good would leave it unanswered.
     let r = rig(FakeCriu::default(), FakeGpu::default());
     let (name, port) = listening_rig(&r).await;
-    let listener = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    r.host.waiting_connections.lock().unwrap().push(listener);
-    assert_eq!(r.engine.reclaim(&name).await.unwrap(), None, "the reclaim backs off");
-    assert!(r.host.signals_of(Signal::SIGKILL).is_empty());
-    assert_eq!(r.workload(&name).reclaimed, None);
+    r.host.waiting_input.lock().unwrap().push(vec![input(port, 7, 1, true)]);
+    backs_off(&r, &name).await;
     // An eviction that is not a reclaim stops the tree whatever waits.
     let evicted = r.checkpoint(false).await.unwrap();
     assert!(!evicted.left_running);
+}
+
+#[tokio::test]
+async fn a_request_unread_when_the_tree_stopped_leaves_the_workload_running() {
+    // The client wrote before the watch began; the tree stopped before reading it.
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    let (name, port) = listening_rig(&r).await;
+    let (survey, stop) = (vec![input(port, 7, 40, false)], vec![input(port, 7, 120, false)]);
+    r.host.waiting_input.lock().unwrap().extend([survey, stop]);
+    backs_off(&r, &name).await;
+}
+
+#[tokio::test]
+async fn bytes_left_unread_since_before_the_reclaim_do_not_keep_the_workload() {
+    let r = rig(FakeCriu::default(), FakeGpu::default());
+    let (name, port) = listening_rig(&r).await;
+    r.host.waiting_input.lock().unwrap().push(vec![input(port, 7, 40, false)]);
+    r.engine.reclaim(&name).await.unwrap().expect("reclaimed");
+    assert_eq!(r.host.signals_of(Signal::SIGKILL), [ROOT, CHILD]);
+}
+
+#[tokio::test]
+async fn a_thread_at_work_when_the_tree_stopped_leaves_the_workload_running() {
+    // A request read before the watch began, still being served when the dump stopped the
+    // tree: its answer would wait for the next wake.
+    let criu = FakeCriu {
+        on_dump: Some(Box::new(|spec| catch_running(&spec.images_dir, spec.pid as u32))),
+        ..Default::default()
+    };
+    let r = rig(criu, FakeGpu::default());
+    let (name, _) = listening_rig(&r).await;
+    backs_off(&r, &name).await;
 }
 
 #[tokio::test]
