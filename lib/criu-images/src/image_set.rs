@@ -193,7 +193,11 @@ fn shmem_pagemap(shmid: u64) -> String {
 }
 
 /// Every message of image `name`, whose magic is `magic`.
-fn decode_all<M: Message + Default>(data: &[u8], magic: u32, name: &str) -> Result<Vec<M>, ImageSetError> {
+pub(crate) fn decode_all<M: Message + Default>(
+    data: &[u8],
+    magic: u32,
+    name: &str,
+) -> Result<Vec<M>, ImageSetError> {
     let bodies = entries(data, magic, "image").map_err(|e| malformed(name, e.to_string()))?;
     bodies.into_iter().map(|b| M::decode(b).map_err(|e| malformed(name, e.to_string()))).collect()
 }

@@ -2,19 +2,18 @@
 //!
 //! CRIU records each thread's registers as it found them. On x86-64, `orig_ax` holds the
 //! number of the system call a thread was in (waiting in `epoll_wait`, `accept`, `futex`,
-//! `clock_nanosleep`: what an idle program does) and all ones when the thread was stopped
-//! outside of one, running its own code. An idle reclaim reads this to tell a workload caught
-//! serving a request from one that waits for the next.
+//! `clock_nanosleep`: what an idle program does) and -1 when the thread was stopped outside
+//! of one, running its own code (or taking a fault). For a 32-bit task CRIU keeps the 32-bit
+//! register, so only its low half is read. An idle reclaim reads this to tell a workload
+//! caught serving a request from one that waits for the next.
 
-use std::io;
 use std::path::Path;
 
-use prost::Message;
 use stasis_proto::criu::PstreeEntry;
 use stasis_proto::criu::refs::Core;
 
-use crate::image_set::CORE_MAGIC;
-use crate::images::{PSTREE_MAGIC, entries};
+use crate::image_set::{CORE_MAGIC, ImageSetError, decode_all};
+use crate::images::PSTREE_MAGIC;
 
 /// `task_state` of a live process (not a zombie, not stopped).
 const TASK_ALIVE: u32 = 1;
@@ -22,11 +21,9 @@ const TASK_ALIVE: u32 = 1;
 /// The threads (as the tree's pid namespace numbers them) of the live processes in dump
 /// `dir` that CRIU stopped outside a system call. Threads whose registers the images do not
 /// hold (another architecture) are not counted; stopped processes and zombies neither.
-pub fn running_threads(dir: &Path) -> io::Result<Vec<u32>> {
-    let pstree = read(dir, "pstree.img")?;
+pub fn running_threads(dir: &Path) -> Result<Vec<u32>, ImageSetError> {
     let mut running = Vec::new();
-    for body in entries(&pstree, PSTREE_MAGIC, "pstree")? {
-        let process = PstreeEntry::decode(body).map_err(|e| malformed("pstree.img", e))?;
+    for process in decode_all::<PstreeEntry>(&read(dir, "pstree.img")?, PSTREE_MAGIC, "pstree.img")? {
         let leader = read_core(dir, process.pid)?;
         if leader.tc.is_none_or(|tc| tc.task_state != TASK_ALIVE) {
             continue;
@@ -34,7 +31,8 @@ pub fn running_threads(dir: &Path) -> io::Result<Vec<u32>> {
         let threads = if process.threads.is_empty() { vec![process.pid] } else { process.threads };
         for tid in threads {
             let core = if tid == process.pid { leader } else { read_core(dir, tid)? };
-            let orig_ax = core.thread_info.map(|t| t.gpregs.orig_ax as i64);
+            // System call numbers are below 2^31 (x32's included); -1 is all ones.
+            let orig_ax = core.thread_info.map(|t| t.gpregs.orig_ax as u32 as i32);
             if orig_ax.is_some_and(|nr| nr < 0) {
                 running.push(tid);
             }
@@ -44,21 +42,17 @@ pub fn running_threads(dir: &Path) -> io::Result<Vec<u32>> {
 }
 
 /// The core image of thread `tid` (one message).
-fn read_core(dir: &Path, tid: u32) -> io::Result<Core> {
+fn read_core(dir: &Path, tid: u32) -> Result<Core, ImageSetError> {
     let name = format!("core-{tid}.img");
-    let data = read(dir, &name)?;
-    let bodies = entries(&data, CORE_MAGIC, "core").map_err(|e| malformed(&name, e))?;
-    let [body] = bodies.as_slice() else { return Err(malformed(&name, "not one entry")) };
-    Core::decode(*body).map_err(|e| malformed(&name, e))
+    let [core] = decode_all::<Core>(&read(dir, &name)?, CORE_MAGIC, &name)?[..] else {
+        return Err(ImageSetError::Malformed { image: name, reason: "not one entry".into() });
+    };
+    Ok(core)
 }
 
-/// Image `name` of dump `dir`; an error names it.
-fn read(dir: &Path, name: &str) -> io::Result<Vec<u8>> {
-    std::fs::read(dir.join(name)).map_err(|e| io::Error::new(e.kind(), format!("{name}: {e}")))
-}
-
-fn malformed(name: &str, why: impl std::fmt::Display) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, format!("{name}: {why}"))
+/// Image `name` of dump `dir`.
+fn read(dir: &Path, name: &str) -> Result<Vec<u8>, ImageSetError> {
+    std::fs::read(dir.join(name)).map_err(|source| ImageSetError::Unreadable { image: name.into(), source })
 }
 
 #[cfg(test)]
@@ -105,12 +99,21 @@ mod tests {
     }
 
     #[test]
+    fn a_32_bit_thread_outside_a_system_call_is_running() {
+        let dir = tempfile::tempdir().unwrap();
+        // CRIU keeps a compat task's orig_eax: -1 in the low half only.
+        dump(dir.path(), &[(10, &[(10, 0xffff_ffff), (11, 0x4000_0000 | 232)], TASK_ALIVE)]);
+        assert_eq!(running_threads(dir.path()).unwrap(), [10]);
+    }
+
+    #[test]
     fn a_zombie_and_registers_the_images_lack_count_as_waiting() {
         let dir = tempfile::tempdir().unwrap();
         dump(dir.path(), &[(10, &[(10, IN_SYSCALL)], TASK_ALIVE)]);
         std::fs::write(dir.path().join("core-10.img"), testing::thread_core(Some(TASK_ALIVE), None)).unwrap();
         assert!(running_threads(dir.path()).unwrap().is_empty());
-        std::fs::write(dir.path().join("core-10.img"), testing::core(2)).unwrap();
+        // A zombie's registers are not read, whatever they hold.
+        std::fs::write(dir.path().join("core-10.img"), testing::thread_core(Some(2), Some(RUNNING))).unwrap();
         assert!(running_threads(dir.path()).unwrap().is_empty());
     }
 
@@ -120,10 +123,9 @@ mod tests {
         dump(dir.path(), &[(10, &[(10, IN_SYSCALL), (11, IN_SYSCALL)], TASK_ALIVE)]);
         std::fs::write(dir.path().join("core-11.img"), b"not an image").unwrap();
         let err = running_threads(dir.path()).unwrap_err();
-        assert!(err.to_string().contains("core-11.img"), "{err}");
+        assert!(matches!(&err, ImageSetError::Malformed { image, .. } if image == "core-11.img"), "{err}");
         std::fs::remove_file(dir.path().join("core-11.img")).unwrap();
         let err = running_threads(dir.path()).unwrap_err();
-        assert_eq!(err.kind(), io::ErrorKind::NotFound);
-        assert!(err.to_string().contains("core-11.img"), "{err}");
+        assert!(matches!(&err, ImageSetError::Unreadable { image, .. } if image == "core-11.img"), "{err}");
     }
 }

@@ -3,7 +3,7 @@
 //! the socket family of a descriptor that no table lists; and the few socket options stasisd
 //! sets on a tree's sockets (through copies of their descriptors).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
@@ -314,21 +314,17 @@ pub struct WaitingInput {
 /// leave unanswered).
 pub fn waiting_input(pids: &[i32]) -> Vec<WaitingInput> {
     let mut tables: HashMap<u64, SocketTable> = HashMap::new();
-    let mut held: Vec<(u64, u64)> = Vec::new();
+    let mut held: HashSet<(u64, u64)> = HashSet::new();
     for &pid in pids {
         let (Ok(netns), Ok(fds)) = (netns_of(pid), super::proc::fd_targets(pid)) else { continue };
         tables.entry(netns).or_insert_with(|| SocketTable::of(pid));
-        for inode in fds.iter().filter_map(|(_, target)| socket_inode(target)) {
-            if !held.contains(&(netns, inode)) {
-                held.push((netns, inode));
-            }
-        }
+        held.extend(fds.iter().filter_map(|(_, target)| Some((netns, socket_inode(target)?))));
     }
     let tcp = |netns: &u64, inode: &u64| {
         tables.get(netns)?.by_inode.get(inode).filter(|e| e.kind == SocketKind::Tcp)
     };
-    // Both ends of a connection inside the tree: (netns, local, remote) of each.
-    let ends: Vec<_> = held
+    // The ends of the tree's connections: (netns, local, remote) of each.
+    let ends: HashSet<_> = held
         .iter()
         .filter_map(|(netns, inode)| tcp(netns, inode).map(|e| (*netns, e.local, e.remote)))
         .collect();
@@ -413,23 +409,32 @@ mod tests {
             .unwrap();
         let (mut outside, remote) = listener.accept().unwrap();
         let waiting = waiting_at(&me, addr, |w| !w.is_empty());
-        peer.kill().unwrap();
-        peer.wait().unwrap();
         assert_eq!(waiting.iter().map(|w| (w.remote, w.queued)).collect::<Vec<_>>(), [(Some(remote), 6)]);
         let mut read = [0u8; 6];
         outside.read_exact(&mut read).unwrap();
-        assert!(waiting_at(&me, addr, |w| w.is_empty()).is_empty(), "read, nothing waits");
+        // Looked at before the peer goes: its close would queue an end of stream.
+        let left = waiting_at(&me, addr, |w| w.is_empty());
+        peer.kill().unwrap();
+        peer.wait().unwrap();
+        assert!(left.is_empty(), "read, nothing waits: {left:?}");
 
         // Both ends here: bytes between two sockets of the tree are no request from outside.
         let mut inside = std::net::TcpStream::connect(addr).unwrap();
-        let (_accepted, _) = listener.accept().unwrap();
+        let (accepted, _) = listener.accept().unwrap();
         inside.write_all(b"internal").unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        assert!(
-            waiting_input(&me).iter().all(|w| w.local != addr && w.remote != Some(addr)),
-            "{:?}",
-            waiting_input(&me)
-        );
+        let link =
+            fs::read_link(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&accepted))).unwrap();
+        let accepted_inode = socket_inode(&link).unwrap();
+        let queued = || SocketTable::own().by_inode.get(&accepted_inode).map(|e| e.queued);
+        for _ in 0..100 {
+            if queued() == Some(8) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(queued(), Some(8), "the 8 bytes wait in the accepted socket");
+        let waiting = waiting_input(&me);
+        assert!(waiting.iter().all(|w| w.inode != accepted_inode), "{waiting:?}");
     }
 
     #[test]

@@ -225,10 +225,10 @@ impl Engine {
     /// back rather than stop it: the workload counts as used (see [`ReclaimUses::at_stop`]).
     fn reclaim_backs_off(&self, job: &Job, tree: &TreeInfo, images: &Path) -> bool {
         let Some(uses) = job.reclaim.as_ref().filter(|_| !job.leave_running) else { return false };
-        let Some(why) = uses.at_stop(self.deps.host.as_ref(), &self.tree_now(tree), images) else {
+        let Some(in_use) = uses.at_stop(self.deps.host.as_ref(), &self.tree_now(tree), images) else {
             return false;
         };
-        info!(checkpoint = %job.id, reason = %why, "the workload is in use: the reclaim backs off");
+        in_use.log(&job.id);
         true
     }
 

@@ -11,6 +11,7 @@
 //! ```
 
 mod activity;
+mod in_use;
 mod reclaim;
 #[cfg(test)]
 mod tests;
@@ -26,7 +27,7 @@ use tracing::{info, warn};
 
 use activity::IdleClock;
 pub use activity::{GpuActivity, GpuWatch, Thresholds};
-pub use uses::ReclaimUses;
+pub use in_use::ReclaimUses;
 
 use super::slots::Slot;
 use super::{Caller, Engine, PolicyError, Workload};

@@ -4,18 +4,19 @@
 //! From the survey of its sockets until the checkpoint is durable, stasisd watches the
 //! workload's ports. A request that arrives meanwhile (a new connection, or data on one the
 //! dump locked), or one that came just before and that the stopped tree has not answered yet
-//! (see [`ReclaimUses::at_stop`]), makes the job give the stored tree back instead of
-//! stopping it: the request is answered, late by the checkpoint's time, rather than lost.
+//! (see `in_use.rs`), makes the job give the stored tree back instead of stopping it: the
+//! request is answered, late by the checkpoint's time, rather than lost.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use stasis_proto::stasis::store::v1::SocketRecord;
 use tracing::{info, warn};
 
 use super::Reclaimed;
-use super::uses::{ReclaimUses, UseWatch};
+use super::in_use::{LEFT_UNREAD, ReclaimUses};
+use super::uses::UseWatch;
 use crate::engine::ids::now_unix_ms;
 use crate::engine::{Caller, CheckpointError, CheckpointParams, Engine, Target};
 use crate::linux::net::SocketKind;
@@ -29,13 +30,22 @@ impl Engine {
         let pids = self.deps.host.trees(&[w.pid]);
         let surveyed = self.deps.host.sockets(&pids);
         let WakePoints { listeners, ports, connections } = wake_points(&surveyed.records);
-        let uses = Arc::new(ReclaimUses::new(&self.deps.host.waiting_input(&pids)));
-        let watching = self.watch_uses(name, &ports, &connections, uses.clone());
+        let first = self.deps.host.waiting_input(&pids);
+        let seen = Arc::new(AtomicBool::new(false));
+        let watching = self.watch_uses(name, &ports, &connections, seen.clone());
+        // What the program leaves untaken while it runs (see `in_use.rs`).
+        tokio::time::sleep(LEFT_UNREAD).await;
+        let second = self.deps.host.waiting_input(&pids);
+        if seen.load(Ordering::SeqCst) {
+            watching.abort();
+            info!(workload = name, "the workload was used as its reclaim began; it runs on");
+            return Ok(None);
+        }
         let params = CheckpointParams {
             target: Target::Workload(name.into()),
             leave_running: false,
             answer_early: None,
-            reclaim: Some(uses),
+            reclaim: Some(Arc::new(ReclaimUses::new(seen, &first, &second))),
             caller: Caller::Root,
         };
         let checkpointed = self.checkpoint(params, Arc::new(|_| {})).await;
@@ -62,15 +72,15 @@ impl Engine {
         Ok(Some(reclaimed))
     }
 
-    /// Watches the uses of workload `name` (see [`UseWatch`]) until the first, then notes it
-    /// in `uses`. Without a watch (no ports, no packet socket, no peers on this node) a reclaim
+    /// Watches the uses of workload `name` (see [`UseWatch`]) until the first, then sets
+    /// `seen`. Without a watch (no ports, no packet socket, no peers on this node) a reclaim
     /// cannot notice a request arriving meanwhile: the request then waits for the wake.
     fn watch_uses(
         &self,
         name: &str,
         ports: &[u16],
         connections: &[(SocketAddr, SocketAddr)],
-        uses: Arc<ReclaimUses>,
+        seen: Arc<AtomicBool>,
     ) -> tokio::task::JoinHandle<()> {
         let mut watch =
             UseWatch::open(self.deps.host.as_ref(), name, ports, connections, "during its reclaim");
@@ -78,7 +88,7 @@ impl Engine {
         tokio::spawn(async move {
             let port = watch.next().await;
             info!(workload = %name, port, "the workload was used during its reclaim");
-            uses.seen.store(true, Ordering::SeqCst);
+            seen.store(true, Ordering::SeqCst);
         })
     }
 }

@@ -114,6 +114,7 @@ async fn a_use_seen_during_the_reclaim_leaves_the_workload_running() {
     assert_eq!(r.engine.reclaim(&name).await.unwrap(), None, "the reclaim backs off");
     assert!(r.host.signals_of(Signal::SIGKILL).is_empty());
     assert_eq!(r.workload(&name).reclaimed, None);
+    assert_eq!(r.checkpoints().await, 1, "seen before the dump began: nothing was dumped");
 }
 
 /// Input on `port` of 127.0.0.1: `queued` connections waiting on a listener, or bytes unread
@@ -136,7 +137,8 @@ async fn a_connection_waiting_to_be_accepted_when_the_tree_stopped_leaves_the_wo
     // stopped before accepting it: stopping the tree for good would leave it unanswered.
     let r = rig(FakeCriu::default(), FakeGpu::default());
     let (name, port) = listening_rig(&r).await;
-    r.host.waiting_input.lock().unwrap().push(vec![input(port, 7, 1, true)]);
+    // The reclaim's two looks before the dump, then the one at the stop.
+    r.host.waiting_input.lock().unwrap().extend([vec![], vec![], vec![input(port, 7, 1, true)]]);
     backs_off(&r, &name).await;
     // An eviction that is not a reclaim stops the tree whatever waits.
     let evicted = r.checkpoint(false).await.unwrap();
@@ -145,18 +147,20 @@ async fn a_connection_waiting_to_be_accepted_when_the_tree_stopped_leaves_the_wo
 
 #[tokio::test]
 async fn a_request_unread_when_the_tree_stopped_leaves_the_workload_running() {
-    // The client wrote before the watch began; the tree stopped before reading it.
+    // A connection holds 40 bytes the program leaves unread; a client's request came on it
+    // unseen (no watch fires here), and the tree stopped before reading it.
     let r = rig(FakeCriu::default(), FakeGpu::default());
     let (name, port) = listening_rig(&r).await;
-    let (survey, stop) = (vec![input(port, 7, 40, false)], vec![input(port, 7, 120, false)]);
-    r.host.waiting_input.lock().unwrap().extend([survey, stop]);
+    let looks = [40, 40, 120].map(|bytes| vec![input(port, 7, bytes, false)]);
+    r.host.waiting_input.lock().unwrap().extend(looks);
     backs_off(&r, &name).await;
 }
 
 #[tokio::test]
-async fn bytes_left_unread_since_before_the_reclaim_do_not_keep_the_workload() {
+async fn bytes_the_program_leaves_unread_do_not_keep_the_workload() {
     let r = rig(FakeCriu::default(), FakeGpu::default());
     let (name, port) = listening_rig(&r).await;
+    // Unread at both looks before the dump and at the stop (the last answer stays).
     r.host.waiting_input.lock().unwrap().push(vec![input(port, 7, 40, false)]);
     r.engine.reclaim(&name).await.unwrap().expect("reclaimed");
     assert_eq!(r.host.signals_of(Signal::SIGKILL), [ROOT, CHILD]);
