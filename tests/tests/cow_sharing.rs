@@ -19,11 +19,21 @@ const CHILDREN: usize = 3;
 /// How far the restored tree's total PSS may be from the checkpointed one's.
 const TOLERANCE: f64 = 0.05;
 
-/// Starts the pre-fork tree and waits until every process of it is ready.
-fn start_tree(d: &Daemon) -> Workload {
+/// What the parent writes into the memory its children share.
+#[derive(Clone, Copy, PartialEq)]
+enum Fill {
+    Random,
+    /// Zeros: pages in memory that hold nothing, which the store keeps as zero chunks.
+    Zeros,
+}
+
+/// Starts the pre-fork tree, its shared memory filled with `fill`, and waits until every
+/// process of it is ready.
+fn start_tree(d: &Daemon, fill: Fill) -> Workload {
     // Children that rewrite nothing: every page stays shared with the parent.
     let processes = (CHILDREN + 1).to_string();
-    let argv = python_workload("twins.py", &[&SHARED_MIB.to_string(), &processes, "0"]);
+    let fill = if fill == Fill::Zeros { "zeros" } else { "random" };
+    let argv = python_workload("twins.py", &[&SHARED_MIB.to_string(), &processes, "0", "0", fill]);
     let w = d.run("cow", &argv);
     expect_within(TIMEOUT * 3, "every process of the tree to be ready", || {
         (w.lines().iter().filter(|l| l.starts_with("ready ")).count() == CHILDREN + 1).then_some(())
@@ -69,13 +79,20 @@ fn assert_pss_kept(what: &str, before: u64, after: u64) {
     );
 }
 
-/// Runs the tree under a daemon with `options`, checkpoints it (evicting it) and restores it
-/// with `restore` (extra `stasis restore` flags); the tree's memory and its sharing must be
-/// what they were. With `leave_running_first`, a `--leave-running` checkpoint comes first,
-/// and the running tree must keep its sharing through it.
-fn restore_keeps_sharing(what: &str, options: &DaemonOptions, restore: &[&str], leave_running_first: bool) {
+/// Runs the tree (its shared memory filled with `fill`) under a daemon with `options`,
+/// checkpoints it (evicting it) and restores it with `restore` (extra `stasis restore`
+/// flags); the tree's memory and its sharing must be what they were. With
+/// `leave_running_first`, a `--leave-running` checkpoint comes first, and the running tree
+/// must keep its sharing through it.
+fn restore_keeps_sharing(
+    what: &str,
+    fill: Fill,
+    options: &DaemonOptions,
+    restore: &[&str],
+    leave_running_first: bool,
+) {
     let d = Daemon::start_with(options);
-    let mut w = start_tree(&d);
+    let mut w = start_tree(&d, fill);
     let sums = checksums(&w);
     let before = tree_pss_kib(w.pid);
     assert!(
@@ -97,13 +114,25 @@ fn restore_keeps_sharing(what: &str, options: &DaemonOptions, restore: &[&str], 
 #[test]
 fn a_served_restore_keeps_copy_on_write_sharing() {
     skip_unless_ready!();
-    restore_keeps_sharing("served restore", &DaemonOptions::default(), &[], true);
+    restore_keeps_sharing("served restore", Fill::Random, &DaemonOptions::default(), &[], true);
+}
+
+#[test]
+fn a_served_restore_keeps_zeroed_memory_shared() {
+    skip_unless_ready!();
+    restore_keeps_sharing("served restore, zeros", Fill::Zeros, &DaemonOptions::default(), &[], false);
+}
+
+#[test]
+fn a_lazy_restore_keeps_zeroed_memory_shared() {
+    skip_unless_ready!();
+    restore_keeps_sharing("lazy restore, zeros", Fill::Zeros, &DaemonOptions::default(), &["--lazy"], false);
 }
 
 #[test]
 fn a_lazy_restore_keeps_copy_on_write_sharing() {
     skip_unless_ready!();
-    restore_keeps_sharing("lazy restore", &DaemonOptions::default(), &["--lazy"], false);
+    restore_keeps_sharing("lazy restore", Fill::Random, &DaemonOptions::default(), &["--lazy"], false);
 }
 
 #[test]
@@ -111,7 +140,7 @@ fn a_restore_from_image_files_keeps_copy_on_write_sharing() {
     skip_unless_ready!();
     let options =
         DaemonOptions { args: vec!["--eager-restore".into(), "files".into()], ..Default::default() };
-    restore_keeps_sharing("restore from image files", &options, &[], false);
+    restore_keeps_sharing("restore from image files", Fill::Random, &options, &[], false);
 }
 
 /// With transparent huge pages "always", a page CRIU's restore puts in place can bring a

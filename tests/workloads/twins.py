@@ -4,6 +4,8 @@ copy (default 1; 0 leaves every page shared copy-on-write with the parent, as a 
 server's workers do). With argv[4] = G (default 0), the same private mapping is G MiB longer
 and only the children fill that part after the fork, with random bytes of their own: a
 child's mapping then holds memory shared with its parent next to memory that is its alone.
+With argv[5] = zeros, the parent writes zeros instead of random bytes (pages in memory that
+hold nothing, as a zeroed buffer or a heap's cleared arena does).
 Each process prints `ready <pid>` and, on SIGUSR2, `checksum <pid> <sha256 of its mapping>`;
 the parent passes SIGUSR2 on to its children."""
 import hashlib
@@ -17,8 +19,9 @@ held = int(sys.argv[1]) << 20
 processes = int(sys.argv[2]) if len(sys.argv) > 2 else 2
 rewrite = (int(sys.argv[3]) if len(sys.argv) > 3 else 1) << 20
 grow = (int(sys.argv[4]) if len(sys.argv) > 4 else 0) << 20
+zeros = len(sys.argv) > 5 and sys.argv[5] == "zeros"
 buf = mmap.mmap(-1, held + grow, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-buf[:held] = os.urandom(held)
+buf[:held] = bytes(held) if zeros else os.urandom(held)
 children = []
 for _ in range(processes - 1):
     child = os.fork()

@@ -25,8 +25,8 @@ use stasis_criu_images::images::{mm_file_name, read_mm, read_pstree, task_of};
 #[derive(Debug, Default)]
 pub(super) struct SharedChunks(HashSet<(u64, u64)>);
 
-/// A task's stored chunks, by address: length and content hash.
-type Chunks<'a> = BTreeMap<u64, (u32, &'a [u8])>;
+/// A task's chunks: their lengths, by address.
+type Chunks = BTreeMap<u64, u32>;
 
 impl SharedChunks {
     /// The chunks of `memory` that processes of the tree (whose `pstree.img` and `mm-*.img`
@@ -43,7 +43,7 @@ impl SharedChunks {
                 slot.insert(read_mm(&read(&name)?).map_err(|e| format!("{name}: {e}"))?);
             }
         }
-        let chunks = stored_chunks(memory)?;
+        let chunks = task_chunks(memory)?;
         let mut shared = SharedChunks::default();
         for (pid, ppid) in pairs {
             let (Some(child), Some(parent)) = (chunks.get(&pid.into()), chunks.get(&ppid.into())) else {
@@ -63,7 +63,7 @@ impl SharedChunks {
         for &(start, end) in inherited {
             // A chunk that begins before the mapping may reach into it.
             let from = child.range(..start).next_back().map_or(start, |(addr, _)| *addr);
-            for (&addr, &(len, _)) in child.range(from..end) {
+            for (&addr, &len) in child.range(from..end) {
                 let child_end = addr + u64::from(len);
                 if child_end <= start {
                     continue;
@@ -73,7 +73,7 @@ impl SharedChunks {
                 let first = parent.range(..addr).next_back().map_or(addr, |(a, _)| *a);
                 let overlapping: Vec<u64> = parent
                     .range(first..child_end)
-                    .filter(|(a, (l, _))| **a + u64::from(*l) > addr)
+                    .filter(|(a, l)| **a + u64::from(**l) > addr)
                     .map(|(a, _)| *a)
                     .collect();
                 if !overlapping.is_empty() {
@@ -90,15 +90,18 @@ impl SharedChunks {
     }
 }
 
-/// Every task's stored (not all-zero) chunks.
-fn stored_chunks(memory: &[MemoryImage]) -> Result<HashMap<u64, Chunks<'_>>, String> {
-    let mut out: HashMap<u64, Chunks<'_>> = HashMap::new();
+/// Every task's chunks, all-zero ones included: a zero chunk is memory the process held
+/// (pages of zeros), which its children share as they share any other. Put in place by CRIU
+/// (from zeros in the image files, nothing fetched), the children keep sharing it; filled
+/// through a userfaultfd, each process would get copies of its own.
+fn task_chunks(memory: &[MemoryImage]) -> Result<HashMap<u64, Chunks>, String> {
+    let mut out: HashMap<u64, Chunks> = HashMap::new();
     for image in memory {
         let Some(pid) = task_of(image.dst_id) else { continue };
         let task = out.entry(pid).or_default();
         for (run, chunks) in image_runs(image)? {
-            for (addr, c) in chunk_addresses(&run, chunks).filter(|(_, c)| !c.hash.is_empty()) {
-                task.insert(addr, (c.len, c.hash.as_slice()));
+            for (addr, c) in chunk_addresses(&run, chunks) {
+                task.insert(addr, c.len);
             }
         }
     }
@@ -109,21 +112,21 @@ fn stored_chunks(memory: &[MemoryImage]) -> Result<HashMap<u64, Chunks<'_>>, Str
 mod tests {
     use super::*;
 
-    fn chunks(list: &[(u64, u32, &'static [u8])]) -> Chunks<'static> {
-        list.iter().map(|&(addr, len, hash)| (addr, (len, hash))).collect()
+    fn chunks(list: &[(u64, u32)]) -> Chunks {
+        list.iter().copied().collect()
     }
 
     #[test]
     fn chunks_overlapping_the_parents_in_inherited_memory_are_left_to_crius_page_comparison() {
-        let parent = chunks(&[(0x10000, 0x10000, b"a"), (0x20000, 0x10000, b"b"), (0x30000, 0x8000, b"c")]);
+        let parent = chunks(&[(0x10000, 0x10000), (0x20000, 0x10000), (0x30000, 0x8000)]);
         let child = chunks(&[
-            (0x10000, 0x10000, b"a"),
+            (0x10000, 0x10000),
             // Written since the fork (some of its pages, or all: CRIU compares them).
-            (0x20000, 0x10000, b"x"),
+            (0x20000, 0x10000),
             // Cut shorter (the parent's pages run on further).
-            (0x30000, 0x4000, b"c"),
+            (0x30000, 0x4000),
             // Where the parent holds nothing.
-            (0x50000, 0x10000, b"a"),
+            (0x50000, 0x10000),
         ]);
         let mut shared = SharedChunks::default();
         shared.add(2, 1, &child, &parent, &[(0x18000, 0x40000), (0x50000, 0x60000)]);

@@ -19,9 +19,12 @@ const CASE: Case = Case {
         ),
         (
             Mode::Lazy,
-            "intermittent and not diagnosed: now and then the restored tree holds about 3 MiB (x1.115) more \
-         anonymous memory than before, where plain CRIU's lazy restore holds x1.9; seen in 2 of about 10 \
-         runs (2026-11-26 and 27), both times x1.115",
+            "intermittent: now and then the restored tree holds about 3 MiB (x1.115) more anonymous memory \
+         than before, where plain CRIU's lazy restore holds x1.9; seen in 2 of about 10 runs (2026-11-26 and \
+         27), both times x1.115. Part of it (0.3 MiB) was zeroed memory the save child shared and each \
+         process got a copy of (fixed 2026-11-28); the save child's own memory moves by 0.5 to 1 MiB at \
+         random points of its save (it serializes the 1 MiB value), which the samples around the \
+         checkpoint can catch",
         ),
     ],
 };
