@@ -25,8 +25,8 @@ use stasis_criu_images::images::{mm_file_name, read_mm, read_pstree, task_of};
 #[derive(Debug, Default)]
 pub(super) struct SharedChunks(HashSet<(u64, u64)>);
 
-/// A task's chunks: their lengths, by address.
-type Chunks = BTreeMap<u64, u32>;
+/// A task's chunks, by address: their lengths, and whether they are all zeros.
+type Chunks = BTreeMap<u64, (u32, bool)>;
 
 impl SharedChunks {
     /// The chunks of `memory` that processes of the tree (whose `pstree.img` and `mm-*.img`
@@ -57,13 +57,14 @@ impl SharedChunks {
     }
 
     /// Adds the chunks `child` (task `pid`) holds in `inherited` memory that overlap chunks of
-    /// `parent` (task `ppid`), equal or not (CRIU's restore shares the pages that are equal):
-    /// the child's and the parent's.
+    /// `parent` (task `ppid`) of their kind, equal or not (CRIU's restore shares the pages that
+    /// are equal): the child's and the parent's. A zero chunk over a data chunk shares nothing
+    /// that CRIU's comparison would find, and would only take data out of a lazy restore.
     fn add(&mut self, pid: u64, ppid: u64, child: &Chunks, parent: &Chunks, inherited: &[(u64, u64)]) {
         for &(start, end) in inherited {
             // A chunk that begins before the mapping may reach into it.
             let from = child.range(..start).next_back().map_or(start, |(addr, _)| *addr);
-            for (&addr, &len) in child.range(from..end) {
+            for (&addr, &(len, zero)) in child.range(from..end) {
                 let child_end = addr + u64::from(len);
                 if child_end <= start {
                     continue;
@@ -73,7 +74,7 @@ impl SharedChunks {
                 let first = parent.range(..addr).next_back().map_or(addr, |(a, _)| *a);
                 let overlapping: Vec<u64> = parent
                     .range(first..child_end)
-                    .filter(|(a, l)| **a + u64::from(**l) > addr)
+                    .filter(|(a, (l, z))| **a + u64::from(*l) > addr && *z == zero)
                     .map(|(a, _)| *a)
                     .collect();
                 if !overlapping.is_empty() {
@@ -93,7 +94,9 @@ impl SharedChunks {
 /// Every task's chunks, all-zero ones included: a zero chunk is memory the process held
 /// (pages of zeros), which its children share as they share any other. Put in place by CRIU
 /// (from zeros in the image files, nothing fetched), the children keep sharing it; filled
-/// through a userfaultfd, each process would get copies of its own.
+/// through a userfaultfd, each process would get copies of its own. Like shared data, it is
+/// in place before a lazily restored tree runs: CRIU compares each inherited page of each
+/// child with its parent's, which for gigabytes of zeros shared by many children takes time.
 fn task_chunks(memory: &[MemoryImage]) -> Result<HashMap<u64, Chunks>, String> {
     let mut out: HashMap<u64, Chunks> = HashMap::new();
     for image in memory {
@@ -101,7 +104,7 @@ fn task_chunks(memory: &[MemoryImage]) -> Result<HashMap<u64, Chunks>, String> {
         let task = out.entry(pid).or_default();
         for (run, chunks) in image_runs(image)? {
             for (addr, c) in chunk_addresses(&run, chunks) {
-                task.insert(addr, c.len);
+                task.insert(addr, (c.len, c.hash.is_empty()));
             }
         }
     }
@@ -113,7 +116,7 @@ mod tests {
     use super::*;
 
     fn chunks(list: &[(u64, u32)]) -> Chunks {
-        list.iter().copied().collect()
+        list.iter().map(|&(addr, len)| (addr, (len, false))).collect()
     }
 
     #[test]
@@ -140,5 +143,20 @@ mod tests {
         let mut none = SharedChunks::default();
         none.add(2, 1, &child, &parent, &[]);
         assert!(none.0.is_empty(), "nothing inherited, nothing shared");
+    }
+
+    #[test]
+    fn zero_chunks_pair_with_zero_chunks_and_data_with_data() {
+        // Parent: zeros at 0x10000, data at 0x20000, zeros at 0x30000, data at 0x40000.
+        let kinds =
+            |list: &[(u64, bool)]| -> Chunks { list.iter().map(|&(a, z)| (a, (0x10000, z))).collect() };
+        let parent = kinds(&[(0x10000, true), (0x20000, false), (0x30000, true), (0x40000, false)]);
+        // Child: zeros over zeros, data over data, data over zeros, zeros over data.
+        let child = kinds(&[(0x10000, true), (0x20000, false), (0x30000, false), (0x40000, true)]);
+        let mut shared = SharedChunks::default();
+        shared.add(2, 1, &child, &parent, &[(0x10000, 0x50000)]);
+        let mut found: Vec<(u64, u64)> = shared.0.iter().copied().collect();
+        found.sort();
+        assert_eq!(found, vec![(1, 0x10000), (1, 0x20000), (2, 0x10000), (2, 0x20000)]);
     }
 }

@@ -83,8 +83,10 @@ pub struct FakeHost {
     pub namespace_sockets: Mutex<HashMap<u64, (SocketEntry, i32)>>,
     /// The sockets every tree holds.
     pub sockets: Mutex<TreeSockets>,
-    /// The port a segment arrives for as soon as a port watch is in place (else none comes).
+    /// The port a segment arrives for once a port watch has been in place for
+    /// `segment_after` (else none comes).
     pub segment: Mutex<Option<u16>>,
+    pub segment_after: Mutex<std::time::Duration>,
     /// The ports of each hold on new connections made, and whether it is still in place.
     pub holds: Holds,
     /// The userfaultfds of lazily restored memory (see fake_faults.rs).
@@ -385,7 +387,7 @@ impl Host for FakeHost {
 impl Watches for FakeHost {
     fn watch_ports(&self, _ports: &[u16]) -> io::Result<Box<dyn PortUses>> {
         self.check("watch_ports")?;
-        Ok(Box::new(FakePortWatch(*self.segment.lock().unwrap())))
+        Ok(Box::new(FakePortWatch(*self.segment.lock().unwrap(), *self.segment_after.lock().unwrap())))
     }
 
     fn tcp_sockets(&self) -> io::Result<Box<dyn TcpSockets>> {
@@ -401,14 +403,18 @@ impl Watches for FakeHost {
     }
 }
 
-/// A port watch that sees one segment, for the port it holds, or none.
-struct FakePortWatch(Option<u16>);
+/// A port watch that sees one segment, for the port it holds, after the time it holds; or
+/// none.
+struct FakePortWatch(Option<u16>, std::time::Duration);
 
 #[async_trait::async_trait]
 impl PortUses for FakePortWatch {
     async fn next(&self) -> io::Result<u16> {
         match self.0 {
-            Some(port) => Ok(port),
+            Some(port) => {
+                tokio::time::sleep(self.1).await;
+                Ok(port)
+            }
             None => std::future::pending().await,
         }
     }

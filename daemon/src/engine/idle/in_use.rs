@@ -13,8 +13,10 @@
 //!   waits in one), read from CRIU's images (`criu::running`).
 //!
 //! What this cannot see: a request taken before the watch began whose service waits in a
-//! system call (on a database, say) when the tree stops, and one a running program leaves
-//! unread for longer than [`LEFT_UNREAD`].
+//! system call (on a database, say) when the tree stops; one a running program leaves unread
+//! for longer than [`LEFT_UNREAD`]; and, where the watch cannot see a peer, a request that
+//! came as the program took input it had left, as long as before (queues are compared by
+//! length, not by what arrived).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -64,13 +66,14 @@ impl ReclaimUses {
     }
 
     /// Whether tree `pids`, stopped by a dump whose images are in `images`, is in use (see the
-    /// module's comment). A tree that is gone (killed while stopped) is not.
+    /// module's comment). A tree that is gone (killed while stopped) is not, whatever was
+    /// seen: there is nothing to give back, and its next use wakes it from the checkpoint.
     pub fn at_stop(&self, host: &dyn Host, pids: &[i32], images: &Path) -> Option<InUse> {
-        if self.seen.load(Ordering::SeqCst) {
-            return Some(InUse::Seen);
-        }
         if pids.is_empty() {
             return None;
+        }
+        if self.seen.load(Ordering::SeqCst) {
+            return Some(InUse::Seen);
         }
         let came: Vec<WaitingInput> = host
             .waiting_input(pids)
@@ -189,8 +192,8 @@ mod tests {
         let host = FakeHost::default();
         host.waiting_input.lock().unwrap().push(vec![input(80, 7, 5, false)]);
         let uses = ReclaimUses::default();
-        assert_eq!(uses.at_stop(&host, &[], Path::new("/nonexistent")), None, "killed while stopped");
         uses.seen.store(true, Ordering::SeqCst);
         assert_eq!(uses.at_stop(&host, &[1], Path::new("/nonexistent")), Some(InUse::Seen));
+        assert_eq!(uses.at_stop(&host, &[], Path::new("/nonexistent")), None, "killed while stopped");
     }
 }

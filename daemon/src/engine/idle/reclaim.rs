@@ -32,15 +32,18 @@ impl Engine {
         let WakePoints { listeners, ports, connections } = wake_points(&surveyed.records);
         let first = self.deps.host.waiting_input(&pids);
         let seen = Arc::new(AtomicBool::new(false));
-        let watching = self.watch_uses(name, &ports, &connections, seen.clone());
-        // What the program leaves untaken while it runs (see `in_use.rs`).
-        tokio::time::sleep(LEFT_UNREAD).await;
-        let second = self.deps.host.waiting_input(&pids);
+        let mut watching = self.watch_uses(name, &ports, &connections, seen.clone());
+        // What the program leaves untaken while it runs (see `in_use.rs`); the watch ends only
+        // on a use, and then so does the wait.
+        tokio::select! {
+            _ = tokio::time::sleep(LEFT_UNREAD) => {}
+            _ = &mut watching => {}
+        }
         if seen.load(Ordering::SeqCst) {
-            watching.abort();
             info!(workload = name, "the workload was used as its reclaim began; it runs on");
             return Ok(None);
         }
+        let second = self.deps.host.waiting_input(&pids);
         let params = CheckpointParams {
             target: Target::Workload(name.into()),
             leave_running: false,

@@ -117,6 +117,22 @@ async fn a_use_seen_during_the_reclaim_leaves_the_workload_running() {
     assert_eq!(r.checkpoints().await, 1, "seen before the dump began: nothing was dumped");
 }
 
+#[tokio::test]
+async fn a_use_seen_during_the_dump_gives_the_stored_tree_back() {
+    // The dump takes 400 ms; the use comes 100 ms after the reclaim's looks before it.
+    let criu = FakeCriu {
+        on_dump: Some(Box::new(|_| std::thread::sleep(Duration::from_millis(400)))),
+        ..Default::default()
+    };
+    let r = rig(criu, FakeGpu::default());
+    let (name, port) = listening_rig(&r).await;
+    *r.host.segment.lock().unwrap() = Some(port);
+    *r.host.segment_after.lock().unwrap() = super::in_use::LEFT_UNREAD + Duration::from_millis(100);
+    backs_off(&r, &name).await;
+    assert_eq!(r.checkpoints().await, 2, "the checkpoint is kept");
+    assert!(r.host.is_running(ROOT), "the tree runs on");
+}
+
 /// Input on `port` of 127.0.0.1: `queued` connections waiting on a listener, or bytes unread
 /// on connection `inode` from a client outside the tree.
 pub(super) fn input(port: u16, inode: u64, queued: u32, listener: bool) -> WaitingInput {
