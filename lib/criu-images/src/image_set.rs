@@ -28,7 +28,7 @@ use super::images::{
 
 pub(super) const CORE_MAGIC: u32 = 0x5505_3847;
 pub(super) const MEMFD_INODE_MAGIC: u32 = 0x4845_3499;
-const PSTREE_FILE: &str = "pstree.img";
+pub(crate) const PSTREE_FILE: &str = "pstree.img";
 const MEMFD_FILE: &str = "memfd.img";
 /// The task state of a zombie in its core image.
 const TASK_DEAD: u32 = 2;
@@ -147,9 +147,7 @@ impl Refs<'_> {
         let pid = p.pid;
         let core_name = format!("core-{pid}.img");
         if let Some(core) = contents.get(&core_name) {
-            let [core] = decode_all::<Core>(core, CORE_MAGIC, &core_name)?[..] else {
-                return Err(malformed(&core_name, "not one entry".into()));
-            };
+            let core: Core = decode_one(core, CORE_MAGIC, &core_name)?;
             if core.tc.is_some_and(|tc| tc.task_state == TASK_DEAD) {
                 // A zombie is its core image alone. CRIU (4.2) never sets the thread id it
                 // writes for a zombie in pstree.img (whatever was in its memory), and its
@@ -158,8 +156,7 @@ impl Refs<'_> {
                 return Ok(());
             }
         }
-        let threads = if p.threads.is_empty() { vec![pid] } else { p.threads.clone() };
-        for tid in threads {
+        for tid in threads_of(p) {
             self.need(format!("core-{tid}.img"), || {
                 format!("thread {tid} of process {pid} in {PSTREE_FILE}")
             });
@@ -168,9 +165,7 @@ impl Refs<'_> {
         self.need(mm_name.clone(), || format!("the address space of process {pid}"));
         self.need(task_pagemap(pid), || format!("the memory of process {pid}"));
         let Some(mm) = contents.get(&mm_name) else { return Ok(()) };
-        let [mm] = &decode_all::<Mm>(mm, MM_MAGIC, &mm_name)?[..] else {
-            return Err(malformed(&mm_name, "not one entry".into()));
-        };
+        let mm: Mm = decode_one(mm, MM_MAGIC, &mm_name)?;
         let shared = |status: u32| status & VMA_ANON_SHARED != 0 && status & VMA_AREA_SYSVIPC == 0;
         for vma in mm.vmas.iter().filter(|v| shared(v.status)) {
             self.need(shmem_pagemap(vma.shmid), || {
@@ -190,6 +185,24 @@ impl Refs<'_> {
 
 fn shmem_pagemap(shmid: u64) -> String {
     pagemap_file_name((shmid << 8) | TYPE_SHMEM).expect("a shared memory pagemap has a name")
+}
+
+/// The threads of process `p` of pstree.img (CRIU lists none for a process of one thread).
+pub(crate) fn threads_of(p: &PstreeEntry) -> Vec<u32> {
+    if p.threads.is_empty() { vec![p.pid] } else { p.threads.clone() }
+}
+
+/// The one message of image `name`, whose magic is `magic`.
+pub(crate) fn decode_one<M: Message + Default>(
+    data: &[u8],
+    magic: u32,
+    name: &str,
+) -> Result<M, ImageSetError> {
+    let mut all = decode_all::<M>(data, magic, name)?;
+    match all.len() {
+        1 => Ok(all.remove(0)),
+        _ => Err(malformed(name, "not one entry".into())),
+    }
 }
 
 /// Every message of image `name`, whose magic is `magic`.

@@ -12,7 +12,7 @@ use std::path::Path;
 use stasis_proto::criu::PstreeEntry;
 use stasis_proto::criu::refs::Core;
 
-use crate::image_set::{CORE_MAGIC, ImageSetError, decode_all};
+use crate::image_set::{CORE_MAGIC, ImageSetError, PSTREE_FILE, decode_all, decode_one, threads_of};
 use crate::images::PSTREE_MAGIC;
 
 /// `task_state` of a live process (not a zombie, not stopped).
@@ -23,13 +23,12 @@ const TASK_ALIVE: u32 = 1;
 /// hold (another architecture) are not counted; stopped processes and zombies neither.
 pub fn running_threads(dir: &Path) -> Result<Vec<u32>, ImageSetError> {
     let mut running = Vec::new();
-    for process in decode_all::<PstreeEntry>(&read(dir, "pstree.img")?, PSTREE_MAGIC, "pstree.img")? {
+    for process in decode_all::<PstreeEntry>(&read(dir, PSTREE_FILE)?, PSTREE_MAGIC, PSTREE_FILE)? {
         let leader = read_core(dir, process.pid)?;
         if leader.tc.is_none_or(|tc| tc.task_state != TASK_ALIVE) {
             continue;
         }
-        let threads = if process.threads.is_empty() { vec![process.pid] } else { process.threads };
-        for tid in threads {
+        for tid in threads_of(&process) {
             let core = if tid == process.pid { leader } else { read_core(dir, tid)? };
             // System call numbers are below 2^31 (x32's included); -1 is all ones.
             let orig_ax = core.thread_info.map(|t| t.gpregs.orig_ax as u32 as i32);
@@ -44,10 +43,7 @@ pub fn running_threads(dir: &Path) -> Result<Vec<u32>, ImageSetError> {
 /// The core image of thread `tid` (one message).
 fn read_core(dir: &Path, tid: u32) -> Result<Core, ImageSetError> {
     let name = format!("core-{tid}.img");
-    let [core] = decode_all::<Core>(&read(dir, &name)?, CORE_MAGIC, &name)?[..] else {
-        return Err(ImageSetError::Malformed { image: name, reason: "not one entry".into() });
-    };
-    Ok(core)
+    decode_one(&read(dir, &name)?, CORE_MAGIC, &name)
 }
 
 /// Image `name` of dump `dir`.
