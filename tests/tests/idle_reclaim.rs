@@ -181,8 +181,10 @@ fn a_real_dump_tells_a_thread_at_work_from_threads_that_wait() {
         threading.Thread(target=lock.acquire, daemon=True).start()\n\
         print('ready', flush=True)\n\
         time.sleep(600)\n";
-    let mut child = std::process::Command::new("python3")
-        .args(["-c", script])
+    // It leads a session of its own (setsid(1) execs in place, keeping the pid): where the test
+    // runs in a pid namespace whose session leader is outside it, CRIU refuses the dump.
+    let mut child = std::process::Command::new("setsid")
+        .args(["python3", "-c", script])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .spawn()
