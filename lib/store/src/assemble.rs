@@ -2,6 +2,7 @@
 //! parallel, range reads coalesced by `object_store`), decompressed, checked against its hash,
 //! and written in place; pagemaps rebuilt from the manifest.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -282,7 +283,7 @@ impl Store {
         let cipher = self.cipher.clone();
         tokio::task::spawn_blocking(move || {
             let mut blobs = ranges.iter().zip(&blobs);
-            let mut data: (u64, Vec<u8>) = (u64::MAX, Vec::new());
+            let mut data: (u64, Cow<[u8]>) = (u64::MAX, Cow::Borrowed(&[]));
             for p in &placements {
                 if data.0 != p.loc.offset {
                     let bad = |reason: &str| StoreError::CorruptChunk {
@@ -336,13 +337,14 @@ impl Store {
         let range = loc.offset..loc.offset + u64::from(loc.stored_len);
         let blobs = self.read_ranges(id, &loc.pack, &[range]).await?;
         let blob = blobs.first().map_or(&[][..], |b| &b[..]);
-        let data =
-            decode_chunk(blob, &loc, &hash, self.cipher()).map_err(|reason| StoreError::CorruptChunk {
+        let data = decode_chunk(blob, &loc, &hash, self.cipher())
+            .map_err(|reason| StoreError::CorruptChunk {
                 id: id.into(),
                 chunk: hex::encode(hash),
                 pack: loc.pack.to_string(),
                 reason: reason.into(),
-            })?;
+            })?
+            .into_owned();
         Ok((data, loc.part(chunk).expect("a located chunk holds what its reference takes")))
     }
 
@@ -385,27 +387,26 @@ impl Store {
 }
 
 /// A fetched chunk's bytes: opened (in an encrypted store), decompressed and checked against
-/// its id; the error says why not.
-pub(super) fn decode_chunk(
-    blob: &[u8],
+/// its id; the error says why not. A chunk stored as it is, unencrypted, is `blob` itself
+/// (not copied).
+pub(super) fn decode_chunk<'a>(
+    blob: &'a [u8],
     loc: &ChunkLoc,
     hash: &ChunkHash,
     cipher: Option<&Cipher>,
-) -> Result<Vec<u8>, &'static str> {
+) -> Result<Cow<'a, [u8]>, &'static str> {
     if blob.len() != loc.stored_len as usize {
         return Err("the pack is truncated");
     }
-    let opened;
     let stored = match cipher {
-        Some(c) => {
-            opened = c.open(hash, blob).ok_or("it does not decrypt with the store key")?;
-            &opened[..]
-        }
-        None => blob,
+        Some(c) => Cow::Owned(c.open(hash, blob).ok_or("it does not decrypt with the store key")?),
+        None => Cow::Borrowed(blob),
     };
     let data = match loc.codec {
-        Codec::Raw => stored.to_vec(),
-        Codec::Zstd => decompress(stored, loc.len as usize).map_err(|_| "it does not decompress")?,
+        Codec::Raw => stored,
+        Codec::Zstd => {
+            Cow::Owned(decompress(&stored, loc.len as usize).map_err(|_| "it does not decompress")?)
+        }
     };
     if data.len() != loc.len as usize || &chunk_id(cipher, &data) != hash {
         return Err("its content does not match its hash");

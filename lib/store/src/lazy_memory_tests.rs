@@ -4,6 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
+
 use stasis_proto::stasis::store::v1::AddressRange;
 
 use super::{
@@ -153,6 +155,50 @@ async fn one_chunk_of_room(dir: &std::path::Path) -> (ChunkReader, LazyFetch, [u
         reader.memory().task_chunks(PID).map(|(i, _, _)| i).filter(|&i| reader.peek(i).is_none()).collect();
     let chunks = stored[..].try_into().unwrap_or_else(|_| panic!("chunks with data: {stored:?}"));
     (reader, fetch, chunks)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_chunk_cut_from_a_larger_download_is_cached_as_a_copy_of_its_bytes() {
+    use object_store::ObjectStore;
+    let dir = tempfile::tempdir().unwrap();
+    let (files, manifest, [a, _, _]) = stored(dir.path()).await;
+    // The same objects in memory, where each range read is a slice of the whole object, as a
+    // remote store's are slices of a download that merged nearby ranges: a chunk cached as
+    // such a slice would hold all of the download in memory, counted as its own bytes only.
+    // The store is even said to read ranges apart, as a local one does: the slices must still
+    // be told from buffers of their own.
+    let objects = Arc::new(object_store::memory::InMemory::new());
+    let listed: Vec<_> = files.backend.list(None).map(|m| m.unwrap().location).collect().await;
+    for key in listed {
+        let data = files.backend.get(&key).await.unwrap().bytes().await.unwrap();
+        objects.put(&key, data.into()).await.unwrap();
+    }
+    let store = Store { reads_apart: true, ..Store::from_backend(objects.clone(), Default::default()) };
+    let out = dir.path().join("restore");
+    std::fs::create_dir_all(&out).unwrap();
+    let mode = MemoryMode::Lazy { eager: &[] };
+    let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
+    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS, true).unwrap();
+    // The first run's chunks (random data: stored as it is).
+    let end = 0x10000 + a.len() as u64;
+    let chunks: Vec<(usize, u64, u32)> = reader.memory().task_chunks(PID).filter(|c| c.1 < end).collect();
+    let mut raw = 0;
+    for (i, addr, len) in chunks {
+        let ChunkData::Bytes(cached) = wait_for(&reader, i).await else { continue };
+        let at = (addr - 0x10000) as usize;
+        assert_eq!(cached[..], a[at..at + len as usize], "chunk {i}");
+        let (_, loc) = reader.memory().chunks[i].stored.clone().unwrap();
+        let key = store.pack_key(&loc.pack);
+        let size = objects.head(&key).await.unwrap().size;
+        let pack = objects.get_range(&key, 0..size).await.unwrap();
+        assert!(
+            !pack.as_ptr_range().contains(&cached.as_ptr()),
+            "chunk {i} is cached inside its pack's read"
+        );
+        raw += 1;
+    }
+    assert!(raw > 0, "no chunk with data");
+    fetch.stop();
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -159,6 +159,10 @@ pub struct Store {
     pack_slots: pack_slots::PackSlots,
     /// Places for fetched packs, shared by every restore.
     fetch_slots: Arc<tokio::sync::Semaphore>,
+    /// Whether a range read lands in a buffer of its own (a local directory's store): remote
+    /// backends hand out slices of downloads that merged nearby ranges, or of a connection's
+    /// read buffer.
+    reads_apart: bool,
 }
 
 /// Held while a checkpoint decides which chunks to reference and commits its manifest (or a
@@ -191,7 +195,8 @@ impl Store {
     /// each request to a remote store, retries included, ends within `retry_timeout`.
     pub fn open(url: &str, retry_timeout: std::time::Duration) -> Result<Self, OpenStoreError> {
         let (backend, prefix) = backend::open(url, retry_timeout)?;
-        Ok(Self { url: url.into(), ..Self::from_backend(backend, prefix) })
+        let reads_apart = url.starts_with("file:");
+        Ok(Self { url: url.into(), reads_apart, ..Self::from_backend(backend, prefix) })
     }
 
     /// A store of the objects under `prefix` in `backend`, named by them: how unit tests put
@@ -207,6 +212,7 @@ impl Store {
             cipher: None,
             pack_slots: Default::default(),
             fetch_slots: Arc::new(tokio::sync::Semaphore::new(assemble::FETCHES_IN_MEMORY)),
+            reads_apart: false,
         }
     }
 

@@ -13,6 +13,7 @@
 //! longer than the timeout, fails the whole session: the caller must then kill the tree,
 //! whose memory can no longer be completed.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -26,7 +27,9 @@ use nix::sys::eventfd::{EfdFlags, EventFd};
 use tokio::sync::Notify;
 use tracing::{debug, warn};
 
-use super::assemble::{decode_chunk, take_part};
+use bytes::Bytes;
+
+use super::assemble::decode_chunk;
 use super::lazy_memory::LazyMemory;
 use super::{Store, StoreError};
 
@@ -89,7 +92,7 @@ enum Slot {
     /// Not in the cache (not fetched yet, or released).
     Absent,
     Fetching,
-    Ready(Arc<Vec<u8>>),
+    Ready(Bytes),
 }
 
 struct State {
@@ -169,7 +172,7 @@ impl LazyFetch {
 pub enum ChunkData {
     /// An all-zero chunk (never stored).
     Zero,
-    Bytes(Arc<Vec<u8>>),
+    Bytes(Bytes),
 }
 
 /// How much a chunk that is not cached is wanted.
@@ -462,11 +465,17 @@ async fn fetch_batch(
                 });
             }
             let blobs = store.read_ranges(&shared.memory.id, &pack, &ranges).await?;
-            let blobs: Vec<bytes::Bytes> = chunks
+            // A range read into a buffer of its own (a local store's reads, each unshared) holds
+            // only its chunk: a chunk stored as it is can be cached as that buffer, without a
+            // copy, and holds no more memory than the cache counts. A slice of a larger buffer
+            // (a remote store's download that merged nearby ranges) would hold all of it.
+            let own_buffer: Vec<bool> = blobs.iter().map(|b| store.reads_apart && b.is_unique()).collect();
+            let blobs: Vec<(Bytes, bool)> = chunks
                 .iter()
                 .map(|&i| {
                     let (_, loc) = shared.memory.chunks[i].stored.as_ref().expect("stored");
-                    blobs[blob_of[&loc.offset]].clone()
+                    let b = blob_of[&loc.offset];
+                    (blobs[b].clone(), own_buffer[b])
                 })
                 .collect();
             let fetched: u64 = ranges.iter().map(|r| r.end - r.start).sum();
@@ -491,33 +500,37 @@ async fn fetch_batch(
             // last part is cut from it.
             let mut parts_left: HashMap<u64, usize> = HashMap::new();
             chunks.iter().for_each(|&i| *parts_left.entry(offset_of(i)).or_default() += 1);
-            let mut decoded: HashMap<u64, Vec<u8>> = HashMap::new();
-            for (i, blob) in chunks.into_iter().zip(blobs) {
+            let mut decoded: HashMap<u64, Bytes> = HashMap::new();
+            for (i, (blob, own_buffer)) in chunks.into_iter().zip(blobs) {
                 let chunk = &verify.memory.chunks[i];
                 let (hash, loc) = chunk.stored.as_ref().expect("stored");
                 let whole = match decoded.remove(&loc.offset) {
                     Some(whole) => whole,
-                    None => decode_chunk(&blob, loc, hash, cipher.as_deref()).map_err(|reason| {
-                        LazyFetchError::Corrupt {
-                            id: verify.memory.id.clone(),
-                            chunk: hex::encode(hash),
-                            pack: pack.to_string(),
-                            reason: reason.to_string(),
+                    None => match decode_chunk(&blob, loc, hash, cipher.as_deref()) {
+                        Ok(Cow::Borrowed(_)) if own_buffer => blob.clone(),
+                        Ok(data) => Bytes::from(data.into_owned()),
+                        Err(reason) => {
+                            return Err(LazyFetchError::Corrupt {
+                                id: verify.memory.id.clone(),
+                                chunk: hex::encode(hash),
+                                pack: pack.to_string(),
+                                reason: reason.to_string(),
+                            });
                         }
-                    })?,
+                    },
                 };
+                // A part is copied out: the cache holds only the bytes it counts.
                 let part = chunk.offset as usize..chunk.offset as usize + chunk.len as usize;
+                let data = match part == (0..whole.len()) {
+                    true => whole.clone(),
+                    false => Bytes::copy_from_slice(&whole[part]),
+                };
                 let left = parts_left.get_mut(&loc.offset).expect("counted");
                 *left -= 1;
-                let data = match *left {
-                    0 => take_part(whole, part),
-                    _ => {
-                        let data = whole[part].to_vec();
-                        decoded.insert(loc.offset, whole);
-                        data
-                    }
-                };
-                cache(&verify, i, Arc::new(data));
+                if *left > 0 {
+                    decoded.insert(loc.offset, whole);
+                }
+                cache(&verify, i, data);
             }
         }
         Ok(())
@@ -530,7 +543,7 @@ async fn fetch_batch(
 
 /// Puts fetched chunk `i` in the cache, unless it was released meanwhile, and tells the fault
 /// server.
-fn cache(shared: &Shared, i: usize, data: Arc<Vec<u8>>) {
+fn cache(shared: &Shared, i: usize, data: Bytes) {
     let mut st = shared.lock();
     if st.released[i] {
         // Released while it was fetched, and not asked for since: nobody needs it.
