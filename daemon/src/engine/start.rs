@@ -183,8 +183,9 @@ async fn probe_criu(
 
 /// Logs what of the kernel stasisd found, one line: userfaultfd with its fork, remap and unmap
 /// events (served and lazy restores), soft-dirty tracking and the huge-page mode, pidfd_getfd
-/// (looking at a tree's sockets), whether CRIU can dump rseq registrations, and the TCP network
-/// lock; then, for each one missing, why.
+/// (looking at a tree's sockets), whether CRIU can dump rseq registrations, the TCP network
+/// lock, and whether CRIU can keep its kernel probe between runs; then, for each one missing,
+/// why.
 fn log_kernel_features(
     host: &dyn Host,
     served_memory: &Result<(), String>,
@@ -193,6 +194,7 @@ fn log_kernel_features(
     let soft_dirty = host.soft_dirty();
     let pidfd = host.pidfd_getfd();
     let rseq = support::rseq_dumpable(&host.kernel_release());
+    let kernel_cache = host.criu_kernel_cache();
     let has = |found: &Result<(), String>| if found.is_ok() { "yes" } else { "no" };
     info!(
         kernel = %host.kernel_release(),
@@ -202,8 +204,16 @@ fn log_kernel_features(
         pidfd_getfd = has(&pidfd),
         rseq_dump = has(&rseq),
         network_lock = lock.as_ref().map_or("none", |lock| lock.name()),
+        criu_kernel_cache = has(&kernel_cache),
         "kernel features"
     );
+    if let Err(why) = &kernel_cache {
+        warn!(
+            reason = %why,
+            "CRIU cannot keep what it probes of the kernel: every checkpoint and restore outside \
+             a container probes it again (some tens of ms each); mount a tmpfs on /run"
+        );
+    }
     if let Err(why) = &rseq {
         warn!(
             reason = %why,

@@ -33,8 +33,41 @@ pub fn companion_program(name: &str) -> std::io::Result<std::path::PathBuf> {
     std::env::current_exe().map(|exe| exe.with_file_name(name))
 }
 
+/// Whether `path` lies on a tmpfs (memory that a reboot clears).
+pub fn on_tmpfs(path: &std::path::Path) -> std::io::Result<bool> {
+    let fs = nix::sys::statfs::statfs(path)?;
+    Ok(fs.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
+}
+
 /// The first file named `name` in a directory of `PATH`, as a shell would find the program.
 pub fn find_program(name: &str) -> Option<std::path::PathBuf> {
     let paths = std::env::var_os("PATH")?;
     std::env::split_paths(&paths).map(|dir| dir.join(name)).find(|p| p.is_file())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    #[test]
+    fn on_tmpfs_agrees_with_the_mount_table() {
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+        let tmpfs: Vec<&str> = mounts
+            .lines()
+            .filter_map(|l| {
+                let mut fields = l.split(' ');
+                let (point, kind) = (fields.nth(1)?, fields.next()?);
+                (kind == "tmpfs" && !point.contains('\\')).then_some(point)
+            })
+            .collect();
+        for point in &tmpfs {
+            // A mount point hidden under a later mount is not what the path reaches now.
+            let later = mounts.lines().rfind(|l| l.split(' ').nth(1) == Some(point));
+            if later.and_then(|l| l.split(' ').nth(2)) == Some("tmpfs") {
+                assert!(super::on_tmpfs(Path::new(point)).unwrap(), "{point} is a tmpfs");
+            }
+        }
+        assert!(!super::on_tmpfs(Path::new("/proc")).unwrap());
+        assert!(super::on_tmpfs(Path::new("/no/such/path")).is_err());
+    }
 }

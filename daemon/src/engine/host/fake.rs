@@ -371,6 +371,10 @@ impl Host for FakeHost {
         Ok(())
     }
 
+    fn criu_kernel_cache(&self) -> Result<(), String> {
+        Ok(())
+    }
+
     fn cpu_flags(&self) -> std::collections::BTreeSet<String> {
         self.cpu_flags.lock().unwrap().clone()
     }

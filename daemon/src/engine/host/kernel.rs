@@ -238,6 +238,14 @@ impl Host for LinuxHost {
         sys::pidfd_getfd_works().map_err(|e| format!("pidfd_getfd(2) fails ({e}; it needs Linux 5.6)"))
     }
 
+    fn criu_kernel_cache(&self) -> Result<(), String> {
+        match crate::linux::on_tmpfs(Path::new("/run")) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err("/run is not a tmpfs".into()),
+            Err(e) => Err(format!("cannot tell what /run is ({e})")),
+        }
+    }
+
     fn cpu_flags(&self) -> std::collections::BTreeSet<String> {
         proc::cpu_isa_flags()
     }

@@ -171,6 +171,9 @@ pub trait Host: Watches + Userfaults + NetworkLocks + Containers {
     fn huge_pages_mode(&self) -> Option<String>;
     /// Whether stasisd can copy a descriptor of another process (pidfd_getfd), and if not why.
     fn pidfd_getfd(&self) -> Result<(), String>;
+    /// Whether CRIU can keep what it learns of the kernel from one run to the next (in
+    /// /run/criu.kdat, kept only on a tmpfs), and if not why.
+    fn criu_kernel_cache(&self) -> Result<(), String>;
     /// The CPU's user-space instruction-set extensions (see `proc::cpu_isa_flags`).
     fn cpu_flags(&self) -> std::collections::BTreeSet<String>;
     /// This node's name and kernel release, for manifests.
