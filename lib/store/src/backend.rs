@@ -79,11 +79,22 @@ fn bounded(backend: Arc<dyn ObjectStore>, bound: Duration) -> Arc<dyn ObjectStor
     Arc::new(super::deadline::Deadline::new(backend, bound))
 }
 
-/// Opens the backend for `url` and returns it with the key prefix all objects go under.
+/// A backend opened for a store URL.
+pub struct Opened {
+    pub backend: Arc<dyn ObjectStore>,
+    /// The key prefix all objects go under.
+    pub prefix: ObjPath,
+    /// Whether each range read lands in a buffer of its own (a local directory's reads):
+    /// remote backends hand out slices of downloads that merged nearby ranges, or of a
+    /// connection's read buffer.
+    pub reads_apart: bool,
+}
+
+/// Opens the backend for `url`.
 ///
 /// S3, GCS and Azure take credentials and settings from the standard environment variables
 /// (`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT` for S3-compatible servers, `AWS_ALLOW_HTTP`, ...).
-pub fn open(url: &str, bound: Duration) -> Result<(Arc<dyn ObjectStore>, ObjPath), OpenStoreError> {
+pub fn open(url: &str, bound: Duration) -> Result<Opened, OpenStoreError> {
     let retry = retry_config(bound);
     let parsed = Url::parse(url).map_err(|source| OpenStoreError::BadUrl { url: url.into(), source })?;
     let backend_err = |source| OpenStoreError::Backend { url: url.into(), source };
@@ -94,9 +105,9 @@ pub fn open(url: &str, bound: Duration) -> Result<(Arc<dyn ObjectStore>, ObjPath
             stasis_linux::private_dir::ensure_private_dir(Path::new(dir))
                 .map_err(|source| OpenStoreError::LocalDir { path: dir.into(), source })?;
             let fs = LocalFileSystem::new_with_prefix(dir).map_err(backend_err)?;
-            Ok((Arc::new(fs), ObjPath::default()))
+            Ok(Opened { backend: Arc::new(fs), prefix: ObjPath::default(), reads_apart: true })
         }
-        "memory" => Ok((Arc::new(InMemory::new()), prefix())),
+        "memory" => Ok(Opened { backend: Arc::new(InMemory::new()), prefix: prefix(), reads_apart: false }),
         scheme => {
             let Some(cloud) = credentials::cloud_of(scheme) else {
                 return Err(OpenStoreError::UnsupportedScheme(scheme.into()));
@@ -129,7 +140,7 @@ pub fn open(url: &str, bound: Duration) -> Result<(Arc<dyn ObjectStore>, ObjPath
                         .map_err(backend_err)?,
                 ),
             };
-            Ok((bounded(backend, bound), prefix()))
+            Ok(Opened { backend: bounded(backend, bound), prefix: prefix(), reads_apart: false })
         }
     }
 }
@@ -158,11 +169,14 @@ mod tests {
     fn schemes() {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("file://{}/store", dir.path().display());
-        assert!(open(&url, retry()).is_ok());
+        assert!(open(&url, retry()).unwrap().reads_apart, "a local store's range reads are its own");
         assert!(dir.path().join("store").is_dir());
+        // Schemes are case-insensitive.
+        assert!(open(&url.replacen("file", "FILE", 1), retry()).unwrap().reads_apart);
         assert!(matches!(open("ftp://x/y", retry()), Err(OpenStoreError::UnsupportedScheme(_))));
         assert!(matches!(open("not a url", retry()), Err(OpenStoreError::BadUrl { .. })));
-        let (_, prefix) = open("memory:///tenant/a", retry()).unwrap();
-        assert_eq!(prefix.as_ref(), "tenant/a");
+        let memory = open("memory:///tenant/a", retry()).unwrap();
+        assert_eq!(memory.prefix.as_ref(), "tenant/a");
+        assert!(!memory.reads_apart, "in memory, range reads are slices of the object");
     }
 }

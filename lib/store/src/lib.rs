@@ -159,9 +159,7 @@ pub struct Store {
     pack_slots: pack_slots::PackSlots,
     /// Places for fetched packs, shared by every restore.
     fetch_slots: Arc<tokio::sync::Semaphore>,
-    /// Whether a range read lands in a buffer of its own (a local directory's store): remote
-    /// backends hand out slices of downloads that merged nearby ranges, or of a connection's
-    /// read buffer.
+    /// Whether a range read lands in a buffer of its own (see [`backend::Opened`]).
     reads_apart: bool,
 }
 
@@ -194,8 +192,7 @@ impl Store {
     /// Opens the store at `url` (`file:///dir`, `s3://bucket/prefix`, `gs://…`, `az://…`);
     /// each request to a remote store, retries included, ends within `retry_timeout`.
     pub fn open(url: &str, retry_timeout: std::time::Duration) -> Result<Self, OpenStoreError> {
-        let (backend, prefix) = backend::open(url, retry_timeout)?;
-        let reads_apart = url.starts_with("file:");
+        let backend::Opened { backend, prefix, reads_apart } = backend::open(url, retry_timeout)?;
         Ok(Self { url: url.into(), reads_apart, ..Self::from_backend(backend, prefix) })
     }
 
