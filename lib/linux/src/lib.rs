@@ -47,25 +47,23 @@ pub fn find_program(name: &str) -> Option<std::path::PathBuf> {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
     use std::path::Path;
 
     #[test]
     fn on_tmpfs_agrees_with_the_mount_table() {
         let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
-        let tmpfs: Vec<&str> = mounts
+        // Each mount point's filesystem: the last mounted there is what a path reaches now.
+        let kinds: HashMap<&str, &str> = mounts
             .lines()
             .filter_map(|l| {
                 let mut fields = l.split(' ');
-                let (point, kind) = (fields.nth(1)?, fields.next()?);
-                (kind == "tmpfs" && !point.contains('\\')).then_some(point)
+                Some((fields.nth(1)?, fields.next()?))
             })
             .collect();
-        for point in &tmpfs {
-            // A mount point hidden under a later mount is not what the path reaches now.
-            let later = mounts.lines().rfind(|l| l.split(' ').nth(1) == Some(point));
-            if later.and_then(|l| l.split(' ').nth(2)) == Some("tmpfs") {
-                assert!(super::on_tmpfs(Path::new(point)).unwrap(), "{point} is a tmpfs");
-            }
+        // Names with spaces and the like are escaped in the table; they are left out.
+        for (point, _) in kinds.iter().filter(|(p, kind)| **kind == "tmpfs" && !p.contains('\\')) {
+            assert!(super::on_tmpfs(Path::new(point)).unwrap(), "{point} is a tmpfs");
         }
         assert!(!super::on_tmpfs(Path::new("/proc")).unwrap());
         assert!(super::on_tmpfs(Path::new("/no/such/path")).is_err());

@@ -361,22 +361,28 @@ mod tests {
    0: 00000000000000000000000001000000:0035 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3333 1 0 100 0 0 10 0
 ";
 
+    /// What `look` finds, looked at again until `until` holds of it (at most a second: the
+    /// kernel queues asynchronously).
+    fn polled<T>(look: impl Fn() -> T, until: impl Fn(&T) -> bool) -> T {
+        for _ in 0..99 {
+            let found = look();
+            if until(&found) {
+                return found;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        look()
+    }
+
     /// What of `waiting_input(pids)` concerns local address `addr`, polled until `until`
-    /// holds of it (at most a second: the kernel queues asynchronously).
+    /// holds of it.
     fn waiting_at(
         pids: &[i32],
         addr: SocketAddr,
         until: impl Fn(&[WaitingInput]) -> bool,
     ) -> Vec<WaitingInput> {
-        let mut found = Vec::new();
-        for _ in 0..100 {
-            found = waiting_input(pids).into_iter().filter(|w| w.local == addr).collect();
-            if until(&found) {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        found
+        let look = || waiting_input(pids).into_iter().filter(|w| w.local == addr).collect::<Vec<_>>();
+        polled(look, |found| until(found))
     }
 
     #[test]
@@ -425,14 +431,9 @@ mod tests {
         let link =
             fs::read_link(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&accepted))).unwrap();
         let accepted_inode = socket_inode(&link).unwrap();
-        let queued = || SocketTable::own().by_inode.get(&accepted_inode).map(|e| e.queued);
-        for _ in 0..100 {
-            if queued() == Some(8) {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        assert_eq!(queued(), Some(8), "the 8 bytes wait in the accepted socket");
+        let queued =
+            polled(|| SocketTable::own().by_inode.get(&accepted_inode).map(|e| e.queued), |q| *q == Some(8));
+        assert_eq!(queued, Some(8), "the 8 bytes wait in the accepted socket");
         let waiting = waiting_input(&me);
         assert!(waiting.iter().all(|w| w.inode != accepted_inode), "{waiting:?}");
     }
