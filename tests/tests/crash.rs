@@ -160,3 +160,26 @@ impl Drop for KillOnDrop {
         let _ = self.0.wait();
     }
 }
+
+#[test]
+fn a_restore_left_under_way_by_a_crash_is_ended_at_the_next_start() {
+    skip_unless_ready!();
+    let mut d = Daemon::start();
+    // Stand-ins for the CRIUs of a crashed stasisd, each working in its images directory: one
+    // restoring (which can no longer finish: the next start ends it if it does not end by
+    // itself), one dumping (left to give its tree back by itself: not touched).
+    let work = d.dir().join("state/work");
+    let left_in = |dir: &str| {
+        std::fs::create_dir_all(work.join(dir)).expect("a work directory");
+        let child = std::process::Command::new("sleep").arg("600").current_dir(work.join(dir)).spawn();
+        KillOnDrop(child.expect("starting sleep"))
+    };
+    let (mut restoring, mut dumping) = (left_in("restore-0badc0de"), left_in("20261128-120000-0badc0"));
+    d.kill9_and_restart();
+    expect_within(TIMEOUT, "the restore left under way to be ended", || {
+        restoring.0.try_wait().expect("waiting for the restore's stand-in").map(|_| ())
+    });
+    assert!(dumping.0.try_wait().expect("the dump's stand-in").is_none(), "a dump's CRIU was killed");
+    assert!(!work.join("restore-0badc0de").exists(), "the restore's work directory stays");
+    assert!(d.log_tail(50).contains("did not end by itself"), "{}", d.log_tail(50));
+}

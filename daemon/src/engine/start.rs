@@ -4,10 +4,12 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::AtomicI32;
 
 use tracing::{info, warn};
 
 use super::host::{Host, LinuxHost};
+use super::hot_restore::{Roots, tree_killer};
 use super::idle::GpuWatch;
 use super::parts::Deps;
 use super::sockets::{LeftLocks, SWEEP_EVERY};
@@ -19,6 +21,9 @@ use crate::cuda::nvml::Nvml;
 use crate::cuda::{CudaDriver, CudaError, GpuCheckpointer};
 use crate::linux::reaper::Reaper;
 use crate::store::Store;
+
+/// How long a restore's CRIU that a previous run left gets to end by itself.
+const LEFT_CRIU_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// What CRIU can do on this node, found at start.
 #[derive(Debug, Clone)]
@@ -100,6 +105,7 @@ impl Engine {
         for w in self.registry.all().iter().filter(|w| !self.deps.host.is_running(w.pid)) {
             self.release_cgroup(&w.name);
         }
+        self.end_left_restores();
         if let Err(e) = self.deps.state.clear_work() {
             warn!(error = %e, "cannot clear old work directories");
         }
@@ -116,6 +122,37 @@ impl Engine {
                 warn!(error = %e, "cannot remove data of interrupted checkpoints; the next start retries")
             }
         }
+    }
+
+    /// Ends the restores a crashed previous run left under way. Their CRIU cannot finish
+    /// (its client is gone): it fails at its next word to stasisd and kills what it restored.
+    /// One still there after [`LEFT_CRIU_GRACE`] is killed with the tree it restores: a CRIU
+    /// that kills a tree with a pid namespace of its own can deadlock with it (the namespace's
+    /// init waits for a child that CRIU still traces, CRIU waits for the init).
+    fn end_left_restores(&self) {
+        let criu = self.deps.host.working_in(&self.deps.state.left_restore_dirs());
+        if criu.is_empty() {
+            return;
+        }
+        info!(pids = ?criu, "restores a previous run left are still under way; they cannot finish");
+        let host = self.deps.host.clone();
+        let left: Vec<(i32, Option<u64>)> = criu.iter().map(|&p| (p, host.start_time(p))).collect();
+        tokio::spawn(async move {
+            // The same process (not a later one given its pid), still there.
+            let there =
+                |&(pid, start): &(i32, Option<u64>)| host.is_running(pid) && host.start_time(pid) == start;
+            let deadline = std::time::Instant::now() + LEFT_CRIU_GRACE;
+            while left.iter().any(there) && std::time::Instant::now() < deadline {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            for &(pid, _) in left.iter().filter(|p| there(p)) {
+                warn!(
+                    pid,
+                    "a previous run's restore did not end by itself: killing its CRIU and what it restores"
+                );
+                tree_killer(host.clone(), Roots::default(), Arc::new(AtomicI32::new(pid)))();
+            }
+        });
     }
 }
 

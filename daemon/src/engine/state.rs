@@ -17,6 +17,8 @@ use std::path::{Path, PathBuf};
 
 /// Shared memory: a tmpfs on Linux systems.
 const SHM: &str = "/dev/shm";
+/// Names of restores' work directories under work/ start with this.
+const RESTORE_DIR: &str = "restore-";
 
 #[derive(Debug, Clone)]
 pub struct StateDir {
@@ -89,7 +91,7 @@ impl StateDir {
         let room =
             nix::sys::statvfs::statvfs(shm).map(|s| s.blocks_available() * s.fragment_size()).unwrap_or(0);
         if room < bytes.saturating_mul(2) {
-            return self.new_work_dir(&format!("restore-{:08x}", rand::random::<u32>()));
+            return self.new_work_dir(&format!("{RESTORE_DIR}{:08x}", rand::random::<u32>()));
         }
         let path = shm.join(format!("{}{:016x}", self.shm_prefix(), rand::random::<u64>()));
         // A fresh private directory: creation fails rather than reuse anything in the way.
@@ -103,8 +105,9 @@ impl StateDir {
         format!("stasis-restore-{}-", hex::encode(&tag.as_bytes()[..4]))
     }
 
-    /// Removes work directories left by a previous run.
-    pub fn clear_work(&self) -> io::Result<()> {
+    /// Work directories a previous run left: everything under work/, and its restores'
+    /// scratch directories in /dev/shm.
+    fn left_work(&self) -> io::Result<Vec<PathBuf>> {
         let mut left: Vec<PathBuf> = Vec::new();
         for entry in fs::read_dir(self.root.join("work"))? {
             left.push(entry?.path());
@@ -115,7 +118,23 @@ impl StateDir {
                 left.push(entry.path());
             }
         }
-        for dir in left {
+        Ok(left)
+    }
+
+    /// Of the work directories a previous run left, its restores' (where their CRIUs work).
+    pub fn left_restore_dirs(&self) -> Vec<PathBuf> {
+        let prefix = self.shm_prefix();
+        let is_restore = |dir: &PathBuf| {
+            dir.file_name()
+                .map(|n| n.to_string_lossy())
+                .is_some_and(|n| n.starts_with(RESTORE_DIR) || n.starts_with(&prefix))
+        };
+        self.left_work().unwrap_or_default().into_iter().filter(is_restore).collect()
+    }
+
+    /// Removes work directories left by a previous run.
+    pub fn clear_work(&self) -> io::Result<()> {
+        for dir in self.left_work()? {
             fs::remove_dir_all(dir)?;
         }
         Ok(())
@@ -173,9 +192,15 @@ mod tests {
         assert!(small.path().starts_with(SHM), "{:?}", small.path());
         let huge = state.new_restore_dir(u64::MAX / 4).unwrap();
         assert!(huge.path().starts_with(dir.path()), "{:?}", huge.path());
-        let left = small.path().to_path_buf();
-        std::mem::forget(small);
+        let checkpoint = state.new_work_dir("20261128-180620-ba139e").unwrap();
+        let left: Vec<PathBuf> = [&small, &huge, &checkpoint].map(|w| w.path().to_path_buf()).to_vec();
+        [small, huge, checkpoint].into_iter().for_each(std::mem::forget);
+        let mut restores = state.left_restore_dirs();
+        restores.sort();
+        let mut expected = left[..2].to_vec();
+        expected.sort();
+        assert_eq!(restores, expected, "the restores' directories, not the checkpoint's");
         state.clear_work().unwrap();
-        assert!(!left.exists(), "a leftover scratch directory is removed at start");
+        assert!(left.iter().all(|p| !p.exists()), "leftover work directories are removed at start");
     }
 }

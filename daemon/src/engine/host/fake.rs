@@ -196,6 +196,10 @@ impl Host for FakeHost {
         Vec::new()
     }
 
+    fn working_in(&self, _dirs: &[PathBuf]) -> Vec<i32> {
+        Vec::new()
+    }
+
     fn restoring_namespace_root(&self, _criu: i32) -> Option<i32> {
         None
     }
