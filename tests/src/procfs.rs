@@ -101,6 +101,22 @@ pub fn cmdline(pid: i32) -> Option<Vec<String>> {
     )
 }
 
+/// Running processes whose arguments are `such` and whose parent is no stasisd (a stasisd
+/// that started them died).
+pub fn orphans(such: impl Fn(&[String]) -> bool) -> Vec<i32> {
+    let argv = |pid: i32| cmdline(pid).unwrap_or_default();
+    let stasisd = |pid: i32| argv(pid).first().is_some_and(|a| a.ends_with("stasisd"));
+    let pids = fs::read_dir("/proc").into_iter().flatten().flatten();
+    pids.filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| such(&argv(pid)) && !ppid(pid).is_some_and(stasisd))
+        .collect()
+}
+
+/// CRIUs (`criu swrk`, named `criu: <action> --rpc` once at work) whose stasisd died.
+pub fn orphaned_criu() -> Vec<i32> {
+    orphans(|argv| argv.iter().any(|a| a == "swrk" || a.starts_with("criu: ")))
+}
+
 /// The cgroup (v2) of `pid`, as /proc/PID/cgroup names it: `/stasis/<workload>` for a workload
 /// stasisd runs in a cgroup of its own.
 pub fn cgroup(pid: i32) -> Option<String> {

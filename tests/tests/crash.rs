@@ -183,3 +183,45 @@ fn a_restore_left_under_way_by_a_crash_is_ended_at_the_next_start() {
     assert!(!work.join("restore-0badc0de").exists(), "the restore's work directory stays");
     assert!(d.log_tail(50).contains("did not end by itself"), "{}", d.log_tail(50));
 }
+
+#[test]
+fn a_crash_at_a_restores_pre_resume_leaves_no_criu_behind() {
+    skip_unless_ready!();
+    // A tree with a pid namespace of its own (stasis-init and the command) and a CRIU that
+    // loses stasisd at pre-resume: CRIU then kills the tree and can deadlock with it for good
+    // (the init waits for a child CRIU still traces; CRIU waits for the init). The next start
+    // ends such a CRIU.
+    let mut d = Daemon::start();
+    let mut w = d.run("hog", &python_workload("memhog.py", &["256"]));
+    w.wait_line_after(0, "`ready`", |l| l == "ready");
+    let sum = w.memhog_checksum();
+    d.json(&["checkpoint", "--workload", &w.name, "--json"]);
+    let scratch = || -> Vec<std::path::PathBuf> {
+        let shm = std::fs::read_dir("/dev/shm").into_iter().flatten().flatten().map(|e| e.path());
+        let work = std::fs::read_dir(d.dir().join("state/work")).into_iter().flatten().flatten();
+        let dirs = shm.filter(|p| p.to_string_lossy().contains("stasis-restore-"));
+        dirs.chain(work.map(|e| e.path())).collect()
+    };
+    let before = scratch();
+    let mut restore = d.command(&["restore", "--workload", &w.name]).stdout(Stdio::null()).spawn().unwrap();
+    // An eager restore waits at pre-resume until every page is in (256 MiB: long enough).
+    let dir = expect_within(TIMEOUT, "the restore's CRIU at pre-resume", || {
+        scratch().into_iter().filter(|p| !before.contains(p)).find(|dir| {
+            let log = std::fs::read_to_string(dir.join("criu.log")).unwrap_or_default();
+            log.contains("Running pre-resume scripts")
+        })
+    });
+    d.kill9_and_restart();
+    let _ = restore.wait();
+    // That CRIU works in the restore's directory (removed by the restart: "... (deleted)").
+    let in_dir = |pid: &i32| {
+        std::fs::read_link(format!("/proc/{pid}/cwd"))
+            .is_ok_and(|cwd| cwd.to_string_lossy().starts_with(&*dir.to_string_lossy()))
+    };
+    expect_within(TIMEOUT, "no CRIU of the killed stasisd left", || {
+        (!procfs::orphaned_criu().iter().any(in_dir)).then_some(())
+    });
+    // And the checkpoint restores.
+    w.restored(&d.json(&["restore", "--workload", &w.name, "--json"]));
+    assert_eq!(w.memhog_checksum(), sum, "the memory of the restored workload");
+}

@@ -103,23 +103,9 @@ fn stasisd_killed_at_any_point_loses_neither_the_job_nor_its_checkpoint() {
     // killed its tree and went. No CRIU of one is left either: each ended, or was ended by the
     // next start (one that killed a tree in a pid namespace of its own can deadlock with it).
     expect_within(TIMEOUT, "orphaned lazy-restore guards and CRIUs to be gone", || {
-        let left = orphans(|argv| argv.first().is_some_and(|a| a.ends_with("stasis-lazy-guard")));
-        let criu = orphans(|argv| argv.iter().any(|a| a == "swrk" || a.starts_with("criu: ")));
-        (left.is_empty() && criu.is_empty()).then_some(())
+        let left = procfs::orphans(|argv| argv.first().is_some_and(|a| a.ends_with("stasis-lazy-guard")));
+        (left.is_empty() && procfs::orphaned_criu().is_empty()).then_some(())
     });
-}
-
-/// Running processes whose arguments are `such` and whose stasisd is gone.
-fn orphans(such: impl Fn(&[String]) -> bool) -> Vec<i32> {
-    let argv = |pid: i32| procfs::cmdline(pid).unwrap_or_default();
-    let pids = std::fs::read_dir("/proc").into_iter().flatten().flatten();
-    pids.filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|&pid| such(&argv(pid)))
-        .filter(|&pid| {
-            !procfs::ppid(pid)
-                .is_some_and(|parent| argv(parent).first().is_some_and(|a| a.ends_with("stasisd")))
-        })
-        .collect()
 }
 
 /// The pids of stasisd's `criu swrk` children.
