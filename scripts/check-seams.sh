@@ -36,6 +36,8 @@ pure=(
                          # which is what the unit tests run the engine with
   'durable_file::'       # writes of stasisd's own state files (registry, records), atomically;
   'private_dir::'        # unit tests give the engine a state directory in a tempdir
+  'mounts::detach_beneath' # stasisd's own work directories (StateDir): what a killed CRIU left
+                         # mounted in one (its cgroup yard) is detached before it is removed
   'sys::ChildSetup'      # what a child is set up with before exec: plain data (Host::spawn)
   'init_program::name_of' # the name an installed stasis-init travels under: a file name's prefix
   'pty::is_tty_key'      # whether CRIU's key of an external file names a terminal: a string's prefix

@@ -221,6 +221,12 @@ fn a_crash_at_a_restores_pre_resume_leaves_no_criu_behind() {
     expect_within(TIMEOUT, "no CRIU of the killed stasisd left", || {
         (!procfs::orphaned_criu().iter().any(in_dir)).then_some(())
     });
+    // Nor what it had mounted in its directory (its cgroup yard: the host's cgroup hierarchies
+    // under a tmpfs), nor the directory.
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").expect("the mount table");
+    let left: Vec<&str> = mountinfo.lines().filter(|l| l.contains(&*dir.to_string_lossy())).collect();
+    assert!(left.is_empty(), "mounts left in the restore's directory: {left:#?}");
+    assert!(!dir.exists(), "the restore's directory {} is left", dir.display());
     // And the checkpoint restores.
     w.restored(&d.json(&["restore", "--workload", &w.name, "--json"]));
     assert_eq!(w.memhog_checksum(), sum, "the memory of the restored workload");

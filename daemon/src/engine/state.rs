@@ -133,12 +133,24 @@ impl StateDir {
     }
 
     /// Removes work directories left by a previous run.
+    /// Removes work directories left by a previous run: each it can, the first failure
+    /// returned once all were tried.
     pub fn clear_work(&self) -> io::Result<()> {
+        let mut failed = Ok(());
         for dir in self.left_work()? {
-            fs::remove_dir_all(dir)?;
+            if let Err(e) = remove_work_dir(&dir) {
+                failed = failed.and(Err(io::Error::new(e.kind(), format!("{}: {e}", dir.display()))));
+            }
         }
-        Ok(())
+        failed
     }
+}
+
+/// Removes `dir`, a work directory, with what a killed CRIU left mounted in it (its cgroup
+/// yard) detached first: removing the directory must not walk into those mounts.
+fn remove_work_dir(dir: &Path) -> io::Result<()> {
+    crate::linux::mounts::detach_beneath(dir)?;
+    fs::remove_dir_all(dir)
 }
 
 /// A job's scratch directory, removed when dropped.
@@ -159,7 +171,7 @@ impl Drop for WorkDir {
     /// the removal blocks in place, its other tasks handed to another worker meanwhile.
     fn drop(&mut self) {
         let remove = || {
-            let _ = fs::remove_dir_all(&self.path);
+            let _ = remove_work_dir(&self.path);
         };
         match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
             Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(remove),

@@ -11,6 +11,7 @@ pub mod durable_file;
 pub mod fdinfo;
 pub mod init_program;
 pub mod iptables;
+pub mod mounts;
 pub mod net;
 pub mod netlink;
 pub mod nft;
