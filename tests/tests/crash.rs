@@ -189,7 +189,7 @@ fn a_crash_at_a_restores_pre_resume_leaves_no_criu_behind() {
     skip_unless_ready!();
     // A tree with a pid namespace of its own (stasis-init and the command) and a CRIU that
     // loses stasisd at pre-resume: CRIU then kills the tree and can deadlock with it for good
-    // (the init waits for a child CRIU still traces; CRIU waits for the init). The next start
+    // (the init waits for a child CRIU still traces; CRIU waits for the init). A later start
     // ends such a CRIU.
     let mut d = Daemon::start();
     let mut w = d.run("hog", &python_workload("memhog.py", &["256"]));
@@ -213,6 +213,9 @@ fn a_crash_at_a_restores_pre_resume_leaves_no_criu_behind() {
     });
     d.kill9_and_restart();
     let _ = restore.wait();
+    // The restarted stasisd dies too, before that CRIU's grace is over: having removed the
+    // directory, it leaves the next start only the CRIU's working directory's name to go by.
+    d.kill9_and_restart();
     // That CRIU works in the restore's directory (removed by the restart: "... (deleted)").
     let in_dir = |pid: &i32| {
         std::fs::read_link(format!("/proc/{pid}/cwd"))

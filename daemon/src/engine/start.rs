@@ -130,7 +130,12 @@ impl Engine {
     /// that kills a tree with a pid namespace of its own can deadlock with it (the namespace's
     /// init waits for a child that CRIU still traces, CRIU waits for the init).
     fn end_left_restores(&self) {
-        let criu = self.deps.host.working_in(&self.deps.state.left_restore_dirs());
+        // Found by the directory's name, not by listing: the run before may have removed it
+        // already (a restart itself killed within the grace).
+        let state = &self.deps.state;
+        let working = self.deps.host.working_dirs().into_iter();
+        let criu: Vec<i32> =
+            working.filter(|(_, dir)| state.is_restore_dir(dir)).map(|(pid, _)| pid).collect();
         if criu.is_empty() {
             return;
         }

@@ -121,18 +121,18 @@ impl StateDir {
         Ok(left)
     }
 
-    /// Of the work directories a previous run left, its restores' (where their CRIUs work).
-    pub fn left_restore_dirs(&self) -> Vec<PathBuf> {
-        let prefix = self.shm_prefix();
-        let is_restore = |dir: &PathBuf| {
-            dir.file_name()
-                .map(|n| n.to_string_lossy())
-                .is_some_and(|n| n.starts_with(RESTORE_DIR) || n.starts_with(&prefix))
-        };
-        self.left_work().unwrap_or_default().into_iter().filter(is_restore).collect()
+    /// Whether `path` is (or lies in) one of this daemon's restore directories, whether or not
+    /// it still exists: where a restore's CRIU works.
+    pub fn is_restore_dir(&self, path: &Path) -> bool {
+        let (prefix, work) = (self.shm_prefix(), self.root.join("work"));
+        path.ancestors().any(|dir| {
+            let (Some(parent), Some(name)) = (dir.parent(), dir.file_name()) else { return false };
+            let name = name.to_string_lossy();
+            (parent == Path::new(SHM) && name.starts_with(&prefix))
+                || (parent == work && name.starts_with(RESTORE_DIR))
+        })
     }
 
-    /// Removes work directories left by a previous run.
     /// Removes work directories left by a previous run: each it can, the first failure
     /// returned once all were tried.
     pub fn clear_work(&self) -> io::Result<()> {
@@ -207,12 +207,16 @@ mod tests {
         let checkpoint = state.new_work_dir("20261128-180620-ba139e").unwrap();
         let left: Vec<PathBuf> = [&small, &huge, &checkpoint].map(|w| w.path().to_path_buf()).to_vec();
         [small, huge, checkpoint].into_iter().for_each(std::mem::forget);
-        let mut restores = state.left_restore_dirs();
-        restores.sort();
-        let mut expected = left[..2].to_vec();
-        expected.sort();
-        assert_eq!(restores, expected, "the restores' directories, not the checkpoint's");
+        let restores: Vec<bool> = left.iter().map(|d| state.is_restore_dir(&d.join("pages-1.img"))).collect();
+        assert_eq!(
+            restores,
+            [true, true, false],
+            "the restores' directories, not the checkpoint's: {left:?}"
+        );
         state.clear_work().unwrap();
         assert!(left.iter().all(|p| !p.exists()), "leftover work directories are removed at start");
+        assert!(left[..2].iter().all(|d| state.is_restore_dir(d)), "told by name once removed too");
+        let other = StateDir::open(&dir.path().join("other")).unwrap();
+        assert!(!other.is_restore_dir(&left[0]), "another daemon's restore");
     }
 }

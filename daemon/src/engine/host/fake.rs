@@ -196,7 +196,7 @@ impl Host for FakeHost {
         Vec::new()
     }
 
-    fn working_in(&self, _dirs: &[PathBuf]) -> Vec<i32> {
+    fn working_dirs(&self) -> Vec<(i32, PathBuf)> {
         Vec::new()
     }
 

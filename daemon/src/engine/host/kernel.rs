@@ -110,12 +110,13 @@ impl Host for LinuxHost {
         proc::restoring_namespace_root(criu).into_iter().chain(proc::restored_root_under(criu)).collect()
     }
 
-    fn working_in(&self, dirs: &[PathBuf]) -> Vec<i32> {
-        if dirs.is_empty() {
-            return Vec::new();
-        }
-        let inside = |cwd: PathBuf| dirs.iter().any(|d| cwd.starts_with(d));
-        proc::all_pids().into_iter().filter(|&p| proc::cwd(p).is_ok_and(inside)).collect()
+    fn working_dirs(&self) -> Vec<(i32, PathBuf)> {
+        // The kernel names a removed directory "<path> (deleted)".
+        let had = |cwd: PathBuf| match cwd.to_str().and_then(|c| c.strip_suffix(" (deleted)")) {
+            Some(path) => PathBuf::from(path),
+            None => cwd,
+        };
+        proc::all_pids().into_iter().filter_map(|p| Some((p, had(proc::cwd(p).ok()?)))).collect()
     }
 
     fn restoring_namespace_root(&self, criu: i32) -> Option<i32> {
