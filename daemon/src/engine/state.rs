@@ -112,9 +112,14 @@ impl StateDir {
         for entry in fs::read_dir(self.root.join("work"))? {
             left.push(entry?.path());
         }
+        // Only directories of root's: anyone may make one of that name in /dev/shm.
         let prefix = self.shm_prefix();
+        let ours = |e: &fs::DirEntry| {
+            use std::os::unix::fs::MetadataExt;
+            e.metadata().is_ok_and(|m| m.is_dir() && m.uid() == 0)
+        };
         for entry in fs::read_dir(SHM).into_iter().flatten().flatten() {
-            if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            if entry.file_name().to_string_lossy().starts_with(&prefix) && ours(&entry) {
                 left.push(entry.path());
             }
         }
@@ -218,5 +223,22 @@ mod tests {
         assert!(left[..2].iter().all(|d| state.is_restore_dir(d)), "told by name once removed too");
         let other = StateDir::open(&dir.path().join("other")).unwrap();
         assert!(!other.is_restore_dir(&left[0]), "another daemon's restore");
+    }
+
+    #[test]
+    fn a_directory_someone_else_made_under_the_scratch_name_is_not_touched() {
+        if !nix::unistd::geteuid().is_root() {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::open(dir.path()).unwrap();
+        let theirs = Path::new(SHM).join(format!("{}their-own", state.shm_prefix()));
+        fs::create_dir(&theirs).unwrap();
+        fs::write(theirs.join("data"), b"x").unwrap();
+        std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();
+        state.clear_work().unwrap();
+        let kept = theirs.join("data").exists();
+        fs::remove_dir_all(&theirs).unwrap();
+        assert!(kept, "stasisd removed a directory it did not make");
     }
 }

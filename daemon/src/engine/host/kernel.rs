@@ -116,7 +116,12 @@ impl Host for LinuxHost {
             Some(path) => PathBuf::from(path),
             None => cwd,
         };
-        proc::all_pids().into_iter().filter_map(|p| Some((p, had(proc::cwd(p).ok()?)))).collect()
+        let root = |p: i32| proc::uids(p).is_ok_and(|[real, effective, ..]| real == 0 && effective == 0);
+        proc::all_pids()
+            .into_iter()
+            .filter(|&p| root(p))
+            .filter_map(|p| Some((p, had(proc::cwd(p).ok()?))))
+            .collect()
     }
 
     fn restoring_namespace_root(&self, criu: i32) -> Option<i32> {

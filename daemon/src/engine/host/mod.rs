@@ -95,8 +95,9 @@ pub trait Host: Watches + Userfaults + NetworkLocks + Containers {
     /// The roots of the tree that CRIU (process `criu`, or its launcher) is restoring, as far
     /// as they can be told before CRIU names them.
     fn restoring_roots(&self, criu: i32) -> Vec<i32>;
-    /// Every process's working directory (a CRIU works in its images directory); one that
-    /// was removed, by the path it had.
+    /// The working directory of every process running as root (a CRIU works in its images
+    /// directory; another user's process could stand in any directory it can reach); one
+    /// that was removed, by the path it had.
     fn working_dirs(&self) -> Vec<(i32, PathBuf)>;
     /// The root of the tree CRIU (process `criu`) is restoring into a pid namespace of its
     /// own, once CRIU created it.
