@@ -141,11 +141,9 @@ impl Engine {
         }
         info!(pids = ?criu, "restores a previous run left are still under way; they cannot finish");
         let host = self.deps.host.clone();
-        let left: Vec<(i32, Option<u64>)> = criu.iter().map(|&p| (p, host.start_time(p))).collect();
+        let left: Vec<(i32, u64)> = criu.iter().filter_map(|&p| Some((p, host.start_time(p)?))).collect();
         tokio::spawn(async move {
-            // The same process (not a later one given its pid), still there.
-            let there =
-                |&(pid, start): &(i32, Option<u64>)| host.is_running(pid) && host.start_time(pid) == start;
+            let there = |&(pid, started): &(i32, u64)| host.still_running(pid, started);
             let deadline = std::time::Instant::now() + LEFT_CRIU_GRACE;
             while left.iter().any(there) && std::time::Instant::now() < deadline {
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;

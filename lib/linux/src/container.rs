@@ -38,12 +38,12 @@ fn hierarchy_mount(text: &str, controllers: &str) -> Option<PathBuf> {
         let (left, right) = line.split_once(" - ")?;
         let mut right = right.split_whitespace();
         let (fstype, _source, options) = (right.next()?, right.next()?, right.next()?);
-        let point = left.split_whitespace().nth(4)?;
+        let point = crate::mounts::mount_point(left)?;
         let matches = match controllers {
             "" => fstype == "cgroup2",
             wanted => fstype == "cgroup" && wanted.split(',').all(|c| options.split(',').any(|o| o == c)),
         };
-        matches.then(|| PathBuf::from(point))
+        matches.then_some(point)
     })
 }
 

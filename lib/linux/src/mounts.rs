@@ -21,14 +21,15 @@ pub fn detach_beneath(dir: &Path) -> io::Result<usize> {
     Ok(points.len())
 }
 
+/// The mount point a line of /proc/PID/mountinfo names (its fifth field).
+pub fn mount_point(line: &str) -> Option<PathBuf> {
+    line.split(' ').nth(4).map(|field| PathBuf::from(unescape(field)))
+}
+
 /// The mount points of mountinfo `text` that lie beneath `dir`, deepest first.
 fn mount_points_beneath(text: &str, dir: &Path) -> Vec<PathBuf> {
-    let mut points: Vec<PathBuf> = text
-        .lines()
-        .filter_map(|line| line.split(' ').nth(4))
-        .map(|field| PathBuf::from(unescape(field)))
-        .filter(|point| point != dir && point.starts_with(dir))
-        .collect();
+    let mut points: Vec<PathBuf> =
+        text.lines().filter_map(mount_point).filter(|point| point != dir && point.starts_with(dir)).collect();
     points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
     points.dedup();
     points

@@ -100,7 +100,7 @@ impl HeldTree {
     fn alive(&self, host: &dyn Host) -> Vec<i32> {
         self.processes
             .iter()
-            .filter(|(pid, start)| host.is_running(*pid) && host.start_time(*pid) == Some(*start))
+            .filter(|(pid, start)| host.still_running(*pid, *start))
             .map(|(pid, _)| *pid)
             .collect()
     }

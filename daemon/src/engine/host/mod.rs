@@ -114,6 +114,11 @@ pub trait Host: Watches + Userfaults + NetworkLocks + Containers {
     /// When process `pid` started (clock ticks since boot): with the pid, it names one process,
     /// so a pid reused by another process can be told apart.
     fn start_time(&self, pid: i32) -> Option<u64>;
+    /// Whether `pid` still runs as the process that started at `started` (see
+    /// [`Host::start_time`]), not a later one given its pid.
+    fn still_running(&self, pid: i32, started: u64) -> bool {
+        self.is_running(pid) && self.start_time(pid) == Some(started)
+    }
     /// `len` bytes at `addr` of process `pid`'s memory, all of them or an error.
     fn read_memory(&self, pid: i32, addr: u64, len: usize) -> io::Result<Vec<u8>>;
     /// Which of `pids` use CUDA, as far as their mappings and descriptors tell.
