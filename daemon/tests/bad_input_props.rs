@@ -46,7 +46,14 @@ fn cipher() -> &'static Cipher {
 }
 
 fn sample_index() -> PackIndex {
-    let entry = PackEntry { hash: vec![7; 32], offset: 0, stored_len: 100, len: 4096, codec: 1 };
+    let entry = PackEntry {
+        hash: vec![7; 32],
+        offset: 0,
+        stored_len: 100,
+        len: 4096,
+        codec: 1,
+        stored_checksum: vec![],
+    };
     PackIndex { pack: "n-1".into(), entries: vec![entry; 3] }
 }
 

@@ -1,6 +1,6 @@
 //! Rebuilding a CRIU image directory from a checkpoint: every chunk fetched (packs in
-//! parallel, range reads coalesced by `object_store`), decompressed, checked against its hash,
-//! and written in place; pagemaps rebuilt from the manifest.
+//! parallel, range reads coalesced by `object_store`), checked ([`decode_chunk`]),
+//! decompressed, and written in place; pagemaps rebuilt from the manifest.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -16,7 +16,7 @@ use stasis_proto::stasis::store::v1::{ChunkRef, Codec, FileImage, MemoryImage};
 use super::cow::SharedChunks;
 use super::crypto::{Cipher, chunk_id};
 use super::image_runs::{image_runs, split_run};
-use super::index::{ChunkHash, ChunkLoc};
+use super::index::{ChunkHash, ChunkLoc, stored_checksum};
 use super::lazy_memory::{LazyChunk, LazyMemory};
 use super::{Manifest, Progress, Store, StoreError};
 use stasis_criu_images::images::{pagemap_file_name, pages_file_name, task_of, write_pagemap};
@@ -294,8 +294,11 @@ impl Store {
                     };
                     let blob = blobs.find(|(r, _)| r.start == p.loc.offset).map(|(_, b)| b);
                     let blob = blob.ok_or_else(|| bad("it was not read"))?;
-                    data =
-                        (p.loc.offset, decode_chunk(blob, &p.loc, &p.hash, cipher.as_deref()).map_err(bad)?);
+                    data = (
+                        p.loc.offset,
+                        decode_chunk(blob, &p.loc, &p.hash, cipher.as_deref(), Verify::Stored)
+                            .map_err(bad)?,
+                    );
                 }
                 p.file
                     .write_all_at(&data.1[p.part.clone()], p.offset)
@@ -337,7 +340,7 @@ impl Store {
         let range = loc.offset..loc.offset + u64::from(loc.stored_len);
         let blobs = self.read_ranges(id, &loc.pack, &[range]).await?;
         let blob = blobs.first().map_or(&[][..], |b| &b[..]);
-        let data = decode_chunk(blob, &loc, &hash, self.cipher())
+        let data = decode_chunk(blob, &loc, &hash, self.cipher(), Verify::Stored)
             .map_err(|reason| StoreError::CorruptChunk {
                 id: id.into(),
                 chunk: hex::encode(hash),
@@ -386,17 +389,33 @@ impl Store {
     }
 }
 
-/// A fetched chunk's bytes: opened (in an encrypted store), decompressed and checked against
-/// its id; the error says why not. A chunk stored as it is, unencrypted, is `blob` itself
-/// (not copied).
+/// How much of a fetched chunk [`decode_chunk`] checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Verify {
+    /// A chunk whose index records a checksum of its stored bytes is checked against that (its
+    /// content is then what its writer stored under its id), any other against its id: what
+    /// restores do.
+    Stored,
+    /// Both: what `stasis check --read-data` does, which would also find a chunk its writer
+    /// stored under the wrong id.
+    Everything,
+}
+
+/// A fetched chunk's bytes: checked as `verify` says, opened (in an encrypted store) and
+/// decompressed; the error says why not. A chunk stored as it is, unencrypted, is `blob`
+/// itself (not copied).
 pub(super) fn decode_chunk<'a>(
     blob: &'a [u8],
     loc: &ChunkLoc,
     hash: &ChunkHash,
     cipher: Option<&Cipher>,
+    verify: Verify,
 ) -> Result<Cow<'a, [u8]>, &'static str> {
     if blob.len() != loc.stored_len as usize {
         return Err("the pack is truncated");
+    }
+    if loc.stored_checksum.is_some_and(|sum| stored_checksum(blob) != sum) {
+        return Err("its stored bytes do not match the checksum its index records");
     }
     let stored = match cipher {
         Some(c) => Cow::Owned(c.open(hash, blob).ok_or("it does not decrypt with the store key")?),
@@ -408,7 +427,11 @@ pub(super) fn decode_chunk<'a>(
             Cow::Owned(decompress(&stored, loc.len as usize).map_err(|_| "it does not decompress")?)
         }
     };
-    if data.len() != loc.len as usize || &chunk_id(cipher, &data) != hash {
+    if data.len() != loc.len as usize {
+        return Err("it is not as long as its index says");
+    }
+    let check_content = loc.stored_checksum.is_none() || verify == Verify::Everything;
+    if check_content && &chunk_id(cipher, &data) != hash {
         return Err("its content does not match its hash");
     }
     Ok(data)
@@ -478,3 +501,7 @@ pub(super) fn locate(
     }
     Ok(Some((hash, loc)))
 }
+
+#[cfg(test)]
+#[path = "decode_tests.rs"]
+mod tests;

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use stasis_proto::stasis::store::v1::{ChunkRef, Manifest};
 
-use super::assemble::decode_chunk;
+use super::assemble::{Verify, decode_chunk};
 use super::index::{ChunkHash, ChunkLoc};
 use super::{Store, StoreError};
 
@@ -173,7 +173,7 @@ impl Store {
                 report.chunks_read += 1;
                 let (start, end) = (loc.offset as usize, loc.offset as usize + loc.stored_len as usize);
                 let blob = data.get(start..end).unwrap_or(&[]);
-                if let Err(why) = decode_chunk(blob, loc, hash, self.cipher()) {
+                if let Err(why) = decode_chunk(blob, loc, hash, self.cipher(), Verify::Everything) {
                     report
                         .problems
                         .push(format!("chunk {} in pack {pack} is corrupt: {why}", hex::encode(hash)));

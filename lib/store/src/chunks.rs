@@ -13,7 +13,7 @@ use stasis_proto::stasis::store::v1::{ChunkRef, Codec, PackEntry, PackIndex};
 use tokio::sync::mpsc;
 
 use super::crypto::{Cipher, chunk_id};
-use super::index::{ChunkHash, ChunkIndex};
+use super::index::{ChunkHash, ChunkIndex, StoredChecksum, stored_checksum};
 use super::pack_slots::{PackSlot, PackSlots};
 
 /// Chunk size: content is cut at multiples of this (addresses for memory, offsets for files).
@@ -208,21 +208,27 @@ impl ChunkStats {
     }
 }
 
-/// A chunk as a pack keeps it: how it is encoded, and its bytes (the chunk's own where they
-/// are kept as they are).
-type Stored<'a> = (Codec, Cow<'a, [u8]>);
+/// A chunk as a pack keeps it: how it is encoded, its bytes (the chunk's own where they are
+/// kept as they are), and their checksum.
+struct Stored<'a> {
+    codec: Codec,
+    bytes: Cow<'a, [u8]>,
+    checksum: StoredChecksum,
+}
 
 /// How chunk `raw` (id `hash`) is kept in a pack: zstd where that saves at least 1/32,
-/// sealed in an encrypted store.
+/// sealed in an encrypted store, with the checksum a restore checks it by.
 fn stored_form<'a>(cipher: Option<&Cipher>, hash: &ChunkHash, raw: &'a [u8]) -> Stored<'a> {
     let (codec, stored) = match compress(raw) {
         Ok(z) if z.len() < raw.len() - raw.len() / 32 => (Codec::Zstd, Cow::Owned(z)),
         _ => (Codec::Raw, Cow::Borrowed(raw)),
     };
-    match cipher {
-        Some(c) => (codec, Cow::Owned(c.seal(hash, &stored))),
-        None => (codec, stored),
-    }
+    let bytes = match cipher {
+        Some(c) => Cow::Owned(c.seal(hash, &stored)),
+        None => stored,
+    };
+    let checksum = stored_checksum(&bytes);
+    Stored { codec, bytes, checksum }
 }
 
 thread_local! {
@@ -300,8 +306,8 @@ impl<'a> ChunkWriter<'a> {
                 refs.push(kind.reference(raw.len()));
                 // Packed once per checkpoint, however often the same bytes recur in it.
                 let first = match (kind, stored) {
-                    (Kind::New(hash), Some((codec, stored))) if self.packed.insert(hash) => {
-                        self.append(hash, raw.len(), codec, &stored)?;
+                    (Kind::New(hash), Some(stored)) if self.packed.insert(hash) => {
+                        self.append(hash, raw.len(), &stored)?;
                         true
                     }
                     _ => false,
@@ -319,22 +325,16 @@ impl<'a> ChunkWriter<'a> {
             let cipher = self.cipher;
             let stored: Vec<Stored> =
                 batch.par_iter().map(|(hash, raw)| stored_form(cipher, hash, raw)).collect();
-            for ((hash, raw), (codec, stored)) in batch.iter().zip(stored) {
+            for ((hash, raw), stored) in batch.iter().zip(stored) {
                 if self.packed.insert(*hash) {
-                    self.append(*hash, raw.len(), codec, &stored)?;
+                    self.append(*hash, raw.len(), &stored)?;
                 }
             }
         }
         Ok(())
     }
 
-    fn append(
-        &mut self,
-        hash: ChunkHash,
-        len: usize,
-        codec: Codec,
-        stored: &[u8],
-    ) -> Result<(), UploaderGone> {
+    fn append(&mut self, hash: ChunkHash, len: usize, stored: &Stored) -> Result<(), UploaderGone> {
         if self.pack.is_none() {
             // Waits while other checkpoints' packs fill the places (their uploads free them).
             let (slot, data) = futures::executor::block_on(self.slots.take(PACK_ROOM));
@@ -348,11 +348,12 @@ impl<'a> ChunkWriter<'a> {
         pack.index.entries.push(PackEntry {
             hash: hash.to_vec(),
             offset: pack.data.len() as u64,
-            stored_len: stored.len() as u32,
+            stored_len: stored.bytes.len() as u32,
             len: len as u32,
-            codec: codec as i32,
+            codec: stored.codec as i32,
+            stored_checksum: stored.checksum.to_vec(),
         });
-        pack.data.extend_from_slice(stored);
+        pack.data.extend_from_slice(&stored.bytes);
         if pack.data.len() >= PACK_TARGET {
             self.flush()?;
         }

@@ -318,7 +318,14 @@ mod tests {
             data: b"abcd".to_vec(),
             index: PackIndex {
                 pack: id.into(),
-                entries: vec![PackEntry { hash: hash.to_vec(), offset: 0, stored_len: 4, len: 4, codec: 0 }],
+                entries: vec![PackEntry {
+                    hash: hash.to_vec(),
+                    offset: 0,
+                    stored_len: 4,
+                    len: 4,
+                    codec: 0,
+                    stored_checksum: vec![],
+                }],
             },
             slot: None,
         };

@@ -8,6 +8,17 @@ use stasis_proto::stasis::store::v1::{ChunkRef, Codec, PackEntry, PackIndex};
 
 pub type ChunkHash = [u8; 32];
 
+/// What a pack index records of a chunk's stored bytes to find damage to them: their XXH3-128
+/// (`PackEntry.stored_checksum`). Not a defence against someone who can write the store: in a
+/// store without a key they could rewrite the index and the manifests too, and in one with a
+/// key every chunk is sealed, which is.
+pub type StoredChecksum = [u8; 16];
+
+/// The [`StoredChecksum`] of `stored`, a chunk's bytes as a pack holds them.
+pub fn stored_checksum(stored: &[u8]) -> StoredChecksum {
+    xxhash_rust::xxh3::xxh3_128(stored).to_le_bytes()
+}
+
 /// Where a chunk is stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChunkLoc {
@@ -16,6 +27,8 @@ pub struct ChunkLoc {
     pub stored_len: u32,
     pub len: u32,
     pub codec: Codec,
+    /// The checksum of the chunk's stored bytes, where the index records one.
+    pub stored_checksum: Option<StoredChecksum>,
 }
 
 impl ChunkLoc {
@@ -28,13 +41,15 @@ impl ChunkLoc {
     }
 
     /// The chunk an entry of `pack`'s index names, and where it is; `None` for an entry with
-    /// a malformed hash or codec.
+    /// a malformed hash, codec or checksum.
     pub fn of(pack: &Arc<str>, e: &PackEntry) -> Option<(ChunkHash, ChunkLoc)> {
         let (hash, codec) = (ChunkHash::try_from(e.hash.as_slice()).ok()?, Codec::try_from(e.codec).ok()?);
-        Some((
-            hash,
-            ChunkLoc { pack: pack.clone(), offset: e.offset, stored_len: e.stored_len, len: e.len, codec },
-        ))
+        let stored_checksum = match e.stored_checksum.as_slice() {
+            [] => None,
+            recorded => Some(StoredChecksum::try_from(recorded).ok()?),
+        };
+        let (offset, stored_len, len) = (e.offset, e.stored_len, e.len);
+        Some((hash, ChunkLoc { pack: pack.clone(), offset, stored_len, len, codec, stored_checksum }))
     }
 }
 
@@ -130,9 +145,23 @@ mod tests {
                 stored_len: 1,
                 len: 1,
                 codec: Codec::Raw as i32,
+                stored_checksum: Vec::new(),
             })
             .collect();
         PackIndex { pack: name.into(), entries }
+    }
+
+    #[test]
+    fn an_entry_whose_checksum_is_not_16_bytes_names_no_chunk() {
+        let name: Arc<str> = "p".into();
+        let mut entry = pack("p", &[5]).entries.remove(0);
+        assert_eq!(ChunkLoc::of(&name, &entry).unwrap().1.stored_checksum, None, "none recorded");
+        entry.stored_checksum = vec![6; 16];
+        assert_eq!(ChunkLoc::of(&name, &entry).unwrap().1.stored_checksum, Some([6; 16]));
+        for len in [1, 15, 17, 32] {
+            entry.stored_checksum = vec![6; len];
+            assert!(ChunkLoc::of(&name, &entry).is_none(), "{len} bytes");
+        }
     }
 
     #[test]

@@ -149,7 +149,14 @@ mod tests {
     use super::*;
 
     fn chunk(len: u32, fresh: bool, stored: bool) -> LazyChunk {
-        let loc = ChunkLoc { pack: "p".into(), offset: 0, stored_len: len, len, codec: Default::default() };
+        let loc = ChunkLoc {
+            pack: "p".into(),
+            offset: 0,
+            stored_len: len,
+            len,
+            codec: Default::default(),
+            stored_checksum: None,
+        };
         LazyChunk { stored: stored.then_some(([1; 32], loc)), offset: 0, len, fresh }
     }
 

@@ -9,7 +9,7 @@
 //!   copies it into every process               otherwise: next chunks in prefetch order
 //!   release(chunk): it leaves the cache        while cache + in flight < capacity
 //! ```
-//! Every chunk is checked against its hash before it is cached. A fetch that fails, or takes
+//! Every chunk is checked ([`decode_chunk`]) before it is cached. A fetch that fails, or takes
 //! longer than the timeout, fails the whole session: the caller must then kill the tree,
 //! whose memory can no longer be completed.
 
@@ -29,7 +29,7 @@ use tracing::{debug, warn};
 
 use bytes::Bytes;
 
-use super::assemble::decode_chunk;
+use super::assemble::{Verify, decode_chunk};
 use super::lazy_memory::LazyMemory;
 use super::{Store, StoreError};
 
@@ -506,7 +506,7 @@ async fn fetch_batch(
                 let (hash, loc) = chunk.stored.as_ref().expect("stored");
                 let whole = match decoded.remove(&loc.offset) {
                     Some(whole) => whole,
-                    None => match decode_chunk(&blob, loc, hash, cipher.as_deref()) {
+                    None => match decode_chunk(&blob, loc, hash, cipher.as_deref(), Verify::Stored) {
                         Ok(Cow::Borrowed(_)) if own_buffer => blob.clone(),
                         Ok(data) => Bytes::from(data.into_owned()),
                         Err(reason) => {
