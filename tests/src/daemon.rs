@@ -101,6 +101,12 @@ impl Daemon {
         self.wait_serving();
     }
 
+    /// Like [`Daemon::kill9_and_restart`], with `args` for the flags it was started with.
+    pub fn kill9_and_restart_with(&mut self, args: &[&str]) {
+        self.options.args = args.iter().map(|a| a.to_string()).collect();
+        self.kill9_and_restart();
+    }
+
     fn wait_serving(&mut self) {
         let deadline = Instant::now() + TIMEOUT;
         // A socket file left by a killed daemon is replaced by the new one.

@@ -1,10 +1,16 @@
 //! The content-addressed store: a second checkpoint uploads about what changed, every
 //! checkpoint restores by itself (the first after the second exists, the second after the first
 //! is deleted), and garbage collection reclaims dead data without breaking a live checkpoint.
+//! A store whose compression changes between checkpoints restores each as it was written.
 
 #![forbid(unsafe_code)]
 
+use std::collections::BTreeMap;
+use std::path::Path;
+
 use nix::sys::signal::Signal;
+use stasis_proto::stasis::store::v1::{Codec, PackIndex};
+use stasis_store::envelope;
 use stasis_tests::{
     Daemon, DaemonOptions, TIMEOUT, Workload, expect_within, procfs, python_workload, skip_unless_ready,
 };
@@ -148,4 +154,52 @@ fn pages_beyond_the_staging_bound_spill_and_restore_intact() {
     assert!(!shown["files"].to_string().contains("spill"), "{shown}");
     expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(w.pid)).then_some(()));
     restore_and_check(&d, &mut w, id, &sum);
+}
+
+/// How many chunks the file store at `store` holds with each codec.
+fn codecs(store: &Path) -> BTreeMap<Codec, usize> {
+    let mut count = BTreeMap::new();
+    for entry in std::fs::read_dir(store.join("packs")).expect("the store's packs") {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "idx") {
+            let bytes = std::fs::read(&path).unwrap();
+            let index: PackIndex = envelope::decode(envelope::PACK_INDEX, &bytes, None).unwrap();
+            for e in index.entries {
+                *count.entry(Codec::try_from(e.codec).unwrap()).or_default() += 1;
+            }
+        }
+    }
+    count
+}
+
+#[test]
+fn checkpoints_written_with_zstd_and_with_lz4_each_restore_from_one_store() {
+    skip_unless_ready!();
+    let mut d = daemon();
+    // 64 MiB of random memory, no zeros, 16 MiB of text: a table, a tokenizer's vocabulary.
+    let mut w = d.run("codecs", &python_workload("memhog.py", &["64", "0", "16"]));
+    w.wait_line_after(0, "`ready`", |l| l == "ready");
+    let c1 = w.memhog_checksum();
+    let ck1 = d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
+    let zstd_only = codecs(&d.store_dir());
+    assert!(
+        zstd_only.get(&Codec::Zstd).is_some_and(|&n| n > 0) && !zstd_only.contains_key(&Codec::Lz4),
+        "{zstd_only:?}"
+    );
+
+    d.kill9_and_restart_with(&["--gc-grace-secs", "0", "--keep-last", "0", "--compression", "lz4"]);
+    dirty(&w);
+    let c2 = w.memhog_checksum();
+    let ck2 = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
+    let both = codecs(&d.store_dir());
+    assert!(both.get(&Codec::Lz4).is_some_and(|&n| n > 0), "the second checkpoint's chunks: {both:?}");
+    assert_eq!(both.get(&Codec::Zstd), zstd_only.get(&Codec::Zstd), "the first checkpoint's chunks stay");
+    let report = d.json(&["check", "--read-data", "--json"]);
+    assert_eq!(report["problems"], serde_json::json!([]), "{report}");
+
+    let (id1, id2) = (ck1["id"].as_str().unwrap().to_owned(), ck2["id"].as_str().unwrap().to_owned());
+    expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    restore_and_check(&d, &mut w, &id2, &c2);
+    kill_and_wait(w.pid);
+    restore_and_check(&d, &mut w, &id1, &c1);
 }

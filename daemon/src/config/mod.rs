@@ -10,6 +10,7 @@
 //! criu = "/usr/local/sbin/criu"
 //! log_format = "text"                       # or "json"
 //! staging_mib = 4096                        # dumped pages held in memory before spilling
+//! compression = "zstd"                      # or "lz4": faster restores, a larger store
 //! keep_last = 3                             # checkpoints kept per workload (0: all)
 //! gc_grace_secs = 3600                      # age before an unreferenced pack is reclaimed
 //! store_retry_secs = 30                     # a remote store request, retries included, ends by then
@@ -88,6 +89,12 @@ pub struct Args {
     /// quarter of RAM).
     #[arg(long)]
     pub staging_mib: Option<u64>,
+    /// How new chunks are compressed: zstd (the default: the smaller store and upload) or
+    /// lz4 (restores decompress it a few times faster, for about 1.5 times the stored bytes
+    /// on text-like memory).
+    /// Chunks already stored are read as they were written.
+    #[arg(long)]
+    pub compression: Option<CompressionSetting>,
     /// Checkpoints kept per workload; older ones are deleted after each checkpoint (0 keeps
     /// all; default 3).
     #[arg(long)]
@@ -200,6 +207,23 @@ impl NetworkLockSetting {
             Self::Auto => None,
             Self::Nftables => Some(NetworkLock::Nftables),
             Self::Iptables => Some(NetworkLock::Iptables),
+        }
+    }
+}
+
+/// How new chunks are compressed (see [`crate::store::Compression`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum CompressionSetting {
+    Zstd,
+    Lz4,
+}
+
+impl From<CompressionSetting> for crate::store::Compression {
+    fn from(c: CompressionSetting) -> Self {
+        match c {
+            CompressionSetting::Zstd => crate::store::Compression::Zstd,
+            CompressionSetting::Lz4 => crate::store::Compression::Lz4,
         }
     }
 }

@@ -108,6 +108,7 @@ fn engine_config(
         store_url: s.store.clone().unwrap_or(d.store_url),
         criu_path: s.criu.clone().unwrap_or(d.criu_path),
         staging_limit: mib(s.staging_mib).or(d.staging_limit),
+        compression: s.compression.map_or(d.compression, Into::into),
         store_retry: secs(s.store_retry_secs, d.store_retry),
         network_lock: s.network_lock.map_or(d.network_lock, NetworkLockSetting::forced),
         network_lock_keep: secs(s.network_lock_keep_secs, d.network_lock_keep),
@@ -182,6 +183,7 @@ fn read_file(path: &Path) -> Result<Args, ConfigError> {
 mod tests {
     use super::*;
     use crate::criu::NetworkLock;
+    use crate::store::Compression;
 
     #[test]
     fn flags_override_file_which_overrides_defaults() {
@@ -189,7 +191,7 @@ mod tests {
         let file = dir.path().join("c.toml");
         std::fs::write(
             &file,
-            "store = \"s3://b/p\"\nsocket = \"/tmp/file.sock\"\nlog_format = \"json\"\nlazy_prefetch = \"address\"\neager_restore = \"files\"\nmemory_tracking = \"off\"\nnetwork_lock = \"iptables\"\nkeep_last = 5\n",
+            "store = \"s3://b/p\"\nsocket = \"/tmp/file.sock\"\nlog_format = \"json\"\nlazy_prefetch = \"address\"\neager_restore = \"files\"\nmemory_tracking = \"off\"\nnetwork_lock = \"iptables\"\nkeep_last = 5\ncompression = \"lz4\"\n",
         )
         .unwrap();
         let args = Args {
@@ -210,6 +212,7 @@ mod tests {
             (false, false, defaults.settings.lazy.timeout)
         );
         assert_eq!(c.engine.network_lock, Some(NetworkLock::Iptables));
+        assert_eq!((c.engine.compression, defaults.compression), (Compression::Lz4, Compression::Zstd));
         assert_eq!(c.engine.settings.keep_last, None, "0 keeps all");
         assert!(!c.engine.settings.memory_tracking && defaults.settings.memory_tracking);
         let missing =

@@ -98,6 +98,7 @@ pub(super) fn rig_with(mut criu: FakeCriu, gpu: FakeGpu, extras: Extras) -> Rig 
         store_url: format!("file://{}", dir.path().join("store").display()),
         criu_path: "/fake/criu".into(),
         staging_limit: Some(64 << 20),
+        compression: Default::default(),
         store_retry: Duration::ZERO,
         settings: Settings {
             keep_last: None,

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use super::IdleSettings;
 use crate::criu::NetworkLock;
-use crate::store::FetchSettings;
 use crate::store::crypto::StoreKey;
+use crate::store::{Compression, FetchSettings};
 
 const DEFAULT_STORE: &str = "file:///var/lib/stasis/store";
 const DEFAULT_STATE_DIR: &str = "/var/lib/stasis/state";
@@ -27,6 +27,8 @@ pub struct EngineConfig {
     pub criu_path: PathBuf,
     /// Bytes of dumped pages held in memory before spilling to disk (`None`: RAM / 4).
     pub staging_limit: Option<u64>,
+    /// How the chunks of new checkpoints are compressed.
+    pub compression: Compression,
     /// How long requests to a remote store are retried before they fail.
     pub store_retry: Duration,
     /// The network lock to use; `None` picks one (see [`crate::criu::support::choose_network_lock`]).
@@ -70,6 +72,7 @@ impl Default for EngineConfig {
             store_url: DEFAULT_STORE.into(),
             criu_path: default_criu(),
             staging_limit: None,
+            compression: Compression::default(),
             store_retry: Duration::from_secs(DEFAULT_STORE_RETRY_SECS),
             network_lock: None,
             network_lock_keep: Duration::from_secs(DEFAULT_NETWORK_LOCK_KEEP_SECS),

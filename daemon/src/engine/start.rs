@@ -58,6 +58,7 @@ impl Engine {
         let support = probe_criu(&criu, host.as_ref(), &state, &config).await?;
         let store = Store::open(&config.store_url, config.store_retry)?
             .with_node_tag(&node_tag(host.as_ref(), &config.state_dir))
+            .with_compression(config.compression)
             .unlock(config.store_key.as_ref(), config.rotate_store_key_from.as_ref())
             .await?;
         let registry = Registry::load(&state.registry_file()).map_err(state_err(&state.registry_file()))?;
@@ -68,7 +69,7 @@ impl Engine {
         let engine = Engine::assemble(deps, support, registry, &config);
         engine.recover().await;
         sweep_left_locks(engine.shared.left_locks.clone(), config.network_lock_keep);
-        info!(criu = %engine.deps.criu.path().display(), version = %engine.support.version, store = %config.store_url, "engine ready");
+        info!(criu = %engine.deps.criu.path().display(), version = %engine.support.version, store = %config.store_url, compression = %config.compression, "engine ready");
         let engine = Arc::new(engine);
         engine.start_monitor();
         Ok(engine)

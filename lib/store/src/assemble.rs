@@ -11,8 +11,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::{StreamExt, TryStreamExt};
-use stasis_proto::stasis::store::v1::{ChunkRef, Codec, FileImage, MemoryImage};
+use stasis_proto::stasis::store::v1::{ChunkRef, FileImage, MemoryImage};
 
+use super::codec;
 use super::cow::SharedChunks;
 use super::crypto::{Cipher, chunk_id};
 use super::image_runs::{image_runs, split_run};
@@ -421,37 +422,12 @@ pub(super) fn decode_chunk<'a>(
         Some(c) => Cow::Owned(c.open(hash, blob).ok_or("it does not decrypt with the store key")?),
         None => Cow::Borrowed(blob),
     };
-    let data = match loc.codec {
-        Codec::Raw => stored,
-        Codec::Zstd => {
-            Cow::Owned(decompress(&stored, loc.len as usize).map_err(|_| "it does not decompress")?)
-        }
-    };
-    if data.len() != loc.len as usize {
-        return Err("it is not as long as its index says");
-    }
+    let data = codec::decode(loc.codec, stored, loc.len as usize)?;
     let check_content = loc.stored_checksum.is_none() || verify == Verify::Everything;
     if check_content && &chunk_id(cipher, &data) != hash {
         return Err("its content does not match its hash");
     }
     Ok(data)
-}
-
-thread_local! {
-    /// Each thread's decompression context, kept rather than made for every chunk.
-    static DECOMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> =
-        const { std::cell::RefCell::new(None) };
-}
-
-/// `stored` decompressed, at most `len` bytes.
-fn decompress(stored: &[u8], len: usize) -> std::io::Result<Vec<u8>> {
-    DECOMPRESSOR.with_borrow_mut(|decompressor| {
-        let decompressor = match decompressor {
-            Some(d) => d,
-            None => decompressor.insert(zstd::bulk::Decompressor::new()?),
-        };
-        decompressor.decompress(stored, len)
-    })
 }
 
 fn create_sized(path: &Path, size: u64) -> std::io::Result<File> {

@@ -12,6 +12,7 @@ use rayon::prelude::*;
 use stasis_proto::stasis::store::v1::{ChunkRef, Codec, PackEntry, PackIndex};
 use tokio::sync::mpsc;
 
+use super::codec::{self, Compression};
 use super::crypto::{Cipher, chunk_id};
 use super::index::{ChunkHash, ChunkIndex, StoredChecksum, stored_checksum};
 use super::pack_slots::{PackSlot, PackSlots};
@@ -25,8 +26,6 @@ pub const PACK_TARGET: usize = 32 << 20;
 const PACK_ROOM: usize = PACK_TARGET + 2 * CHUNK;
 /// Chunks handled per parallel batch.
 const BATCH: usize = 256;
-/// zstd level: fast, and on memory images close to higher levels in ratio.
-const ZSTD_LEVEL: i32 = 1;
 
 /// Counts of one checkpoint's chunks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -216,12 +215,17 @@ struct Stored<'a> {
     checksum: StoredChecksum,
 }
 
-/// How chunk `raw` (id `hash`) is kept in a pack: zstd where that saves at least 1/32,
-/// sealed in an encrypted store, with the checksum a restore checks it by.
-fn stored_form<'a>(cipher: Option<&Cipher>, hash: &ChunkHash, raw: &'a [u8]) -> Stored<'a> {
-    let (codec, stored) = match compress(raw) {
-        Ok(z) if z.len() < raw.len() - raw.len() / 32 => (Codec::Zstd, Cow::Owned(z)),
-        _ => (Codec::Raw, Cow::Borrowed(raw)),
+/// How chunk `raw` (id `hash`) is kept in a pack: compressed as `compression` says where that
+/// saves at least 1/32, sealed in an encrypted store, with the checksum a restore checks it by.
+fn stored_form<'a>(
+    cipher: Option<&Cipher>,
+    compression: Compression,
+    hash: &ChunkHash,
+    raw: &'a [u8],
+) -> Stored<'a> {
+    let (codec, stored) = match codec::encode(compression, raw) {
+        Some((codec, bytes)) => (codec, Cow::Owned(bytes)),
+        None => (Codec::Raw, Cow::Borrowed(raw)),
     };
     let bytes = match cipher {
         Some(c) => Cow::Owned(c.seal(hash, &stored)),
@@ -229,24 +233,6 @@ fn stored_form<'a>(cipher: Option<&Cipher>, hash: &ChunkHash, raw: &'a [u8]) -> 
     };
     let checksum = stored_checksum(&bytes);
     Stored { codec, bytes, checksum }
-}
-
-thread_local! {
-    /// Each thread's compression context: making one per chunk allocated and freed a large
-    /// buffer every 64 KiB, page faults included.
-    static COMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Compressor<'static>>> =
-        const { std::cell::RefCell::new(None) };
-}
-
-/// `raw` compressed with zstd at [`ZSTD_LEVEL`].
-fn compress(raw: &[u8]) -> std::io::Result<Vec<u8>> {
-    COMPRESSOR.with_borrow_mut(|compressor| {
-        let compressor = match compressor {
-            Some(c) => c,
-            None => compressor.insert(zstd::bulk::Compressor::new(ZSTD_LEVEL)?),
-        };
-        compressor.compress(raw)
-    })
 }
 
 fn is_zero(data: &[u8]) -> bool {
@@ -261,6 +247,8 @@ pub struct ChunkWriter<'a> {
     index: &'a ChunkIndex,
     /// An encrypted store's cipher: keyed chunk ids, sealed chunks.
     cipher: Option<&'a Cipher>,
+    /// How new chunks are compressed.
+    compression: Compression,
     /// New chunks already packed by this checkpoint.
     packed: HashSet<ChunkHash>,
     pack: Option<FinishedPack>,
@@ -281,7 +269,13 @@ impl<'a> ChunkWriter<'a> {
         slots: PackSlots,
     ) -> Self {
         let stats = ChunkStats::default();
-        Self { index, cipher, packed: HashSet::new(), pack: None, packs, slots, node_tag, stats }
+        let compression = Compression::default();
+        Self { index, cipher, compression, packed: HashSet::new(), pack: None, packs, slots, node_tag, stats }
+    }
+
+    /// Compresses new chunks as `compression` says (zstd by default).
+    pub fn compressing(self, compression: Compression) -> Self {
+        Self { compression, ..self }
     }
 
     /// Stores `pieces` (each at most [`CHUNK`] bytes) and returns their references in order.
@@ -290,13 +284,13 @@ impl<'a> ChunkWriter<'a> {
         let mut refs = Vec::with_capacity(pieces.len());
         for batch in pieces.chunks(BATCH) {
             // Hashing, and compressing what the store lacks, in one parallel pass.
-            let (cipher, index) = (self.cipher, self.index);
+            let (cipher, index, compression) = (self.cipher, self.index, self.compression);
             let prepared: Vec<(Kind, Option<Stored>)> = batch
                 .par_iter()
                 .map(|raw| {
                     let kind = Kind::of(cipher, index, raw);
                     let stored = match &kind {
-                        Kind::New(hash) => Some(stored_form(cipher, hash, raw)),
+                        Kind::New(hash) => Some(stored_form(cipher, compression, hash, raw)),
                         Kind::Zero | Kind::Held(_) => None,
                     };
                     (kind, stored)
@@ -322,9 +316,9 @@ impl<'a> ChunkWriter<'a> {
     /// chunks, counted when they were sifted), compressing them in parallel.
     pub(super) fn write_new(&mut self, chunks: &[(ChunkHash, &[u8])]) -> Result<(), UploaderGone> {
         for batch in chunks.chunks(BATCH) {
-            let cipher = self.cipher;
+            let (cipher, compression) = (self.cipher, self.compression);
             let stored: Vec<Stored> =
-                batch.par_iter().map(|(hash, raw)| stored_form(cipher, hash, raw)).collect();
+                batch.par_iter().map(|(hash, raw)| stored_form(cipher, compression, hash, raw)).collect();
             for ((hash, raw), stored) in batch.iter().zip(stored) {
                 if self.packed.insert(*hash) {
                     self.append(*hash, raw.len(), &stored)?;

@@ -6,6 +6,7 @@ use tokio::sync::mpsc;
 
 use super::{Verify, decode_chunk};
 use crate::chunks::{CHUNK, ChunkWriter};
+use crate::codec::Compression;
 use crate::crypto::{Cipher, StoreKey};
 use crate::index::{ChunkHash, ChunkIndex, ChunkLoc};
 use crate::pack_slots::PackSlots;
@@ -18,11 +19,11 @@ fn contents() -> [Vec<u8>; 2] {
     [text, random]
 }
 
-/// [`contents`] packed by the store's own writer: the pack's bytes, and each chunk's id and
-/// place in it.
-fn packed(cipher: Option<&Cipher>) -> (Vec<u8>, Vec<(ChunkHash, ChunkLoc)>) {
+/// [`contents`] packed by the store's own writer, compressing as `compression` says: the
+/// pack's bytes, and each chunk's id and place in it.
+fn packed(cipher: Option<&Cipher>, compression: Compression) -> (Vec<u8>, Vec<(ChunkHash, ChunkLoc)>) {
     let (index, (tx, mut rx)) = (ChunkIndex::default(), mpsc::channel(4));
-    let mut writer = ChunkWriter::new(&index, tx, "t", cipher, PackSlots::default());
+    let mut writer = ChunkWriter::new(&index, tx, "t", cipher, PackSlots::default()).compressing(compression);
     let [text, random] = contents();
     writer.write(&[&text, &random]).unwrap();
     writer.flush().unwrap();
@@ -43,10 +44,11 @@ fn cipher() -> Cipher {
 #[test]
 fn chunks_read_back_as_written_and_any_flipped_byte_is_found() {
     let key = cipher();
-    for cipher in [None, Some(&key)] {
-        let (data, chunks) = packed(cipher);
+    let each = [(Compression::Zstd, Codec::Zstd), (Compression::Lz4, Codec::Lz4)];
+    for ((compression, codec), cipher) in each.into_iter().flat_map(|c| [(c, None), (c, Some(&key))]) {
+        let (data, chunks) = packed(cipher, compression);
         let [(text_id, text), (random_id, random)] = &chunks[..] else { panic!("two chunks") };
-        assert_eq!((text.codec, random.codec), (Codec::Zstd, Codec::Raw));
+        assert_eq!((text.codec, random.codec), (codec, Codec::Raw));
         assert!(text.stored_checksum.is_some() && random.stored_checksum.is_some());
         for ((id, loc), content) in [(text_id, text), (random_id, random)].into_iter().zip(contents()) {
             for verify in [Verify::Stored, Verify::Everything] {
@@ -70,7 +72,7 @@ fn chunks_read_back_as_written_and_any_flipped_byte_is_found() {
 
 #[test]
 fn a_chunk_indexed_without_a_checksum_is_checked_by_its_content() {
-    let (data, chunks) = packed(None);
+    let (data, chunks) = packed(None, Compression::Zstd);
     let (id, mut loc) = chunks[0].clone();
     loc.stored_checksum = None;
     assert_eq!(*decode_chunk(blob(&data, &loc), &loc, &id, None, Verify::Stored).unwrap(), contents()[0][..]);
@@ -86,7 +88,7 @@ fn a_chunk_indexed_without_a_checksum_is_checked_by_its_content() {
 #[test]
 fn a_chunk_stored_under_another_id_is_found_by_the_full_check() {
     // A writer's error: the stored bytes agree with their checksum, not with the id.
-    let (data, chunks) = packed(None);
+    let (data, chunks) = packed(None, Compression::Zstd);
     let (_, loc) = &chunks[0];
     let wrong_id = [9u8; 32];
     let found = decode_chunk(blob(&data, loc), loc, &wrong_id, None, Verify::Everything).unwrap_err();

@@ -2,7 +2,7 @@
 //! key prefix, content-addressed and deduplicated.
 //!
 //! ```text
-//! <prefix>/packs/<pack>.pack           chunk bytes (zstd or raw), ~32 MiB per pack
+//! <prefix>/packs/<pack>.pack           chunk bytes (zstd, lz4 or raw), ~32 MiB per pack
 //! <prefix>/packs/<pack>.idx            which chunks the pack holds (written after the pack)
 //! <prefix>/manifests/<id>.manifest     written last: the checkpoint exists once it does
 //! ```
@@ -19,6 +19,7 @@ mod assemble;
 mod backend;
 mod check;
 mod chunks;
+mod codec;
 mod cow;
 mod credentials;
 pub mod crypto;
@@ -54,6 +55,7 @@ pub use assemble::MemoryMode;
 pub use backend::OpenStoreError;
 pub use check::CheckReport;
 pub use chunks::{CHUNK, ChunkStats};
+pub use codec::Compression;
 pub use envelope::EnvelopeError;
 pub use gc::{GcReport, Retention};
 pub use lazy_memory::LazyMemory;
@@ -161,6 +163,8 @@ pub struct Store {
     fetch_slots: Arc<tokio::sync::Semaphore>,
     /// Whether a range read lands in a buffer of its own (see [`backend::Opened`]).
     reads_apart: bool,
+    /// How the chunks this store writes are compressed.
+    compression: Compression,
 }
 
 /// Held while a checkpoint decides which chunks to reference and commits its manifest (or a
@@ -210,12 +214,20 @@ impl Store {
             pack_slots: Default::default(),
             fetch_slots: Arc::new(tokio::sync::Semaphore::new(assemble::FETCHES_IN_MEMORY)),
             reads_apart: false,
+            compression: Compression::default(),
         }
     }
 
     /// Names the packs this store writes `<tag>-<random>`; the tag identifies this node.
     pub fn with_node_tag(mut self, tag: &str) -> Self {
         self.node_tag = tag.into();
+        self
+    }
+
+    /// Compresses the chunks this store writes as `compression` says (zstd by default); the
+    /// chunks already stored are read as they were written.
+    pub fn with_compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
         self
     }
 

@@ -75,11 +75,12 @@ impl Store {
         let (tx, mut rx) = mpsc::channel::<FinishedPack>(PACKS_QUEUED);
         let index = self.index.clone();
         let tag = self.node_tag.clone();
-        let (cipher, slots) = (self.cipher.clone(), self.pack_slots.clone());
+        let (cipher, slots, compression) = (self.cipher.clone(), self.pack_slots.clone(), self.compression);
         let dir = images_dir.to_path_buf();
         let skip: Vec<String> = skip.iter().map(|s| s.to_string()).collect();
         let producer = tokio::task::spawn_blocking(move || {
-            let mut writer = ChunkWriter::new(&index, tx, &tag, cipher.as_deref(), slots);
+            let mut writer =
+                ChunkWriter::new(&index, tx, &tag, cipher.as_deref(), slots).compressing(compression);
             let known = match &pages {
                 DumpPages::Staged(staged) => staged.len(),
                 DumpPages::Sifted(sifted) => sifted.new_bytes(),
