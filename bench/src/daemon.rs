@@ -82,20 +82,9 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    /// Starts stasisd with its state and a `file://` store under `work`, and waits for it.
+    /// Starts stasisd with its state under `work`, a `file://` store there (or
+    /// `extra.store`) and `extra`'s settings, and waits for it.
     pub fn start(
-        criu: &Path,
-        work: PathBuf,
-        scratch: PathBuf,
-        staging_mib: Option<u64>,
-        keep: bool,
-    ) -> anyhow::Result<Self> {
-        Self::start_with(criu, work, scratch, keep, &Extra { staging_mib, ..Default::default() })
-    }
-
-    /// Like [`Daemon::start`], with another store (`extra.store`, else a `file://` store
-    /// under `work`) and more settings.
-    pub fn start_with(
         criu: &Path,
         work: PathBuf,
         scratch: PathBuf,
@@ -171,6 +160,14 @@ impl Daemon {
     /// Resets stasisd's peak resident memory to its current one (`clear_refs` 5).
     pub fn reset_peak_rss(&self) -> anyhow::Result<()> {
         std::fs::write(format!("/proc/{}/clear_refs", self.pid()), "5").context("resetting stasisd's VmHWM")
+    }
+
+    /// Bytes stasisd has read from storage since it started (`read_bytes` of its /proc io).
+    pub fn disk_read_bytes(&self) -> anyhow::Result<u64> {
+        let io = std::fs::read_to_string(format!("/proc/{}/io", self.pid()))?;
+        io.lines()
+            .find_map(|l| l.strip_prefix("read_bytes:")?.trim().parse().ok())
+            .context("no read_bytes in stasisd's /proc io")
     }
 
     /// stasisd's peak resident memory (VmHWM) since it started or the last reset, bytes.

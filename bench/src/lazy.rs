@@ -17,7 +17,7 @@ use serde_json::Value;
 use stasis_tests::s3::S3Server;
 
 use crate::Args;
-use crate::daemon::{Daemon, Extra, kill_and_wait, settle, wait_until};
+use crate::daemon::{Daemon, kill_and_wait, settle, wait_until};
 use crate::report::median;
 use crate::run::{ask, checkpoint, dirty, start_workload};
 
@@ -32,6 +32,9 @@ pub struct Round {
     pub lazy_bytes_fetched: u64,
     /// Time the workload took to read its working set right after a `--no-wait` restore.
     pub touch_ms: u64,
+    /// Bytes stasisd read from the disk over that restore and read: a local store's packs
+    /// not in the page cache.
+    pub touch_disk_bytes: u64,
     pub eager_first: bool,
 }
 
@@ -45,16 +48,18 @@ pub struct LazyResults {
 
 /// A lazy restore that returns once the tree runs; the workload then reads its working set
 /// at once. Returns how long that took it, ms.
-fn touch_after_restore(d: &Daemon, id: &str, pid: i32, log: &Path) -> anyhow::Result<u64> {
+fn touch_after_restore(d: &Daemon, id: &str, pid: i32, log: &Path) -> anyhow::Result<(u64, u64)> {
     settle();
+    let disk_before = d.disk_read_bytes()?;
     d.cli(&["restore", id, "--lazy", "--no-wait", "--json"])
         .with_context(|| format!("restore failed; stasisd's log:\n{}", d.log_tail()))?;
     d.set_workload(Some(pid));
     let ms = ask(pid, log, Signal::SIGHUP, "touched ", READ_WAIT)?
         .parse()
         .context("`touched` without a number")?;
+    let disk = d.disk_read_bytes()? - disk_before;
     kill_and_wait(pid)?;
-    Ok(ms)
+    Ok((ms, disk))
 }
 
 /// Restores `id` (lazily with `--lazy`), checks the checksum, kills the tree.
@@ -89,12 +94,12 @@ pub fn run(args: &Args, s3: bool, prefetch: &str, eager_restore: &str) -> anyhow
     };
     let lazy_args =
         ["--lazy-prefetch", prefetch, "--eager-restore", eager_restore].map(str::to_string).to_vec();
-    let mut extra = Extra { staging_mib: args.staging_mib, args: lazy_args, ..Default::default() };
+    let mut extra = args.daemon(lazy_args);
     if let Some(server) = &server {
         let options = server.daemon_options("bench", &[]);
         (extra.store, extra.env) = (options.store, options.env);
     }
-    let d = Daemon::start_with(&criu, work, scratch, args.keep, &extra)?;
+    let d = Daemon::start(&criu, work, scratch, args.keep, &extra)?;
     let (pid, log) = start_workload(&d, args)?;
 
     // A full checkpoint, memory written since, then the evicting one that is restored.
@@ -121,7 +126,7 @@ pub fn run(args: &Args, s3: bool, prefetch: &str, eager_restore: &str) -> anyhow
             Some(e) => e,
             None => restore(&d, &ck_id, false, pid, &log, &sum)?,
         };
-        let touch_ms = touch_after_restore(&d, &ck_id, pid, &log)?;
+        let (touch_ms, touch_disk_bytes) = touch_after_restore(&d, &ck_id, pid, &log)?;
         let ms = |v: &Value, key: &str| v["stats"][key].as_u64().with_context(|| format!("no {key} in {v}"));
         if lazy["stats"]["lazy"] != true {
             bail!("the lazy restore did not report itself lazy: {lazy}");
@@ -132,6 +137,7 @@ pub fn run(args: &Args, s3: bool, prefetch: &str, eager_restore: &str) -> anyhow
             resident_ms: ms(&lazy, "resident_ms")?,
             lazy_bytes_fetched: ms(&lazy, "bytes_fetched")?,
             touch_ms,
+            touch_disk_bytes,
             eager_first,
         });
     }
@@ -196,13 +202,14 @@ impl LazyResults {
         for (i, r) in self.rounds.iter().enumerate() {
             out.push_str(&format!(
                 "\n- round {}: eager {} ms, lazy first run {} ms, resident {} ms, {} MiB fetched, working set \
-                 read {} ms after a --no-wait restore ({} first)",
+                 read {} ms after a --no-wait restore ({} MiB of it read from the disk) ({} first)",
                 i + 1,
                 r.eager_ms,
                 r.first_run_ms,
                 r.resident_ms,
                 r.lazy_bytes_fetched >> 20,
                 r.touch_ms,
+                r.touch_disk_bytes >> 20,
                 if r.eager_first { "eager" } else { "lazy" }
             ));
         }

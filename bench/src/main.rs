@@ -118,6 +118,9 @@ pub struct Args {
     /// stasisd's staging bound, MiB [default: stasisd's own, a quarter of RAM].
     #[arg(long)]
     pub staging_mib: Option<u64>,
+    /// How stasisd compresses new chunks [default: stasisd's own, zstd].
+    #[arg(long, value_parser = ["zstd", "lz4"])]
+    pub compression: Option<String>,
     /// Where the peer's image directories go: tmpfs, or a disk where the workload and its
     /// images would not fit in memory together.
     #[arg(long, default_value = "/dev/shm")]
@@ -138,6 +141,14 @@ impl Args {
     /// The fraction of zero pages: given, or what random and compressible leave.
     pub fn zero(&self) -> f64 {
         self.zero.unwrap_or((1.0 - self.random - self.compressible).max(0.0))
+    }
+
+    /// stasisd's settings these arguments ask for beyond its defaults.
+    pub fn daemon(&self, mut args: Vec<String>) -> daemon::Extra {
+        if let Some(c) = &self.compression {
+            args.extend(["--compression".into(), c.clone()]);
+        }
+        daemon::Extra { staging_mib: self.staging_mib, args, ..Default::default() }
     }
 }
 

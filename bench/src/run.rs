@@ -183,7 +183,7 @@ pub fn run(args: &Args) -> anyhow::Result<Results> {
     let id = std::process::id();
     let work = args.store_dir.join(format!("run-{id}"));
     let scratch = args.peer_scratch.join(format!("stasis-bench-{id}"));
-    let d = Daemon::start(&criu, work, scratch, args.staging_mib, args.keep)?;
+    let d = Daemon::start(&criu, work, scratch, args.keep, &args.daemon(Vec::new()))?;
     let (pid, log) = start_workload(&d, args)?;
     let peer = Peer { criu, scratch: d.scratch.clone(), store: d.work.join("store").join("peer") };
 
