@@ -181,6 +181,7 @@ fn checkpoints_written_with_zstd_and_with_lz4_each_restore_from_one_store() {
     w.wait_line_after(0, "`ready`", |l| l == "ready");
     let c1 = w.memhog_checksum();
     let ck1 = d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
+    assert_eq!(d.json(&["status", "--json"])["compression"], "zstd");
     let zstd_only = codecs(&d.store_dir());
     assert!(
         zstd_only.get(&Codec::Zstd).is_some_and(|&n| n > 0) && !zstd_only.contains_key(&Codec::Lz4),
@@ -188,6 +189,7 @@ fn checkpoints_written_with_zstd_and_with_lz4_each_restore_from_one_store() {
     );
 
     d.kill9_and_restart_with(&["--gc-grace-secs", "0", "--keep-last", "0", "--compression", "lz4"]);
+    assert_eq!(d.json(&["status", "--json"])["compression"], "lz4");
     dirty(&w);
     let c2 = w.memhog_checksum();
     let ck2 = d.json(&["checkpoint", "--workload", &w.name, "--json"]);

@@ -35,6 +35,7 @@ fn describe(s: &StatusResponse) -> String {
         format!("memory tracking: {}", s.memory_tracking),
         format!("preemption notices: {}", s.notices),
         format!("store: {}", s.store_url),
+        format!("compression: {}", s.compression),
         format!("state dir: {}", s.state_dir),
         format!("workloads: {}", s.workloads.len()),
     ];

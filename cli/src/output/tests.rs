@@ -201,6 +201,7 @@ fn status_response_lists_workloads() {
         socket_support: "supported".into(),
         network_lock: "nftables".into(),
         memory_tracking: "off (no soft-dirty)".into(),
+        compression: "zstd".into(),
         notices: "off".into(),
         workloads: vec![WorkloadStatus {
             name: "train".into(),
@@ -232,6 +233,7 @@ fn status_response_lists_workloads() {
             "socket_support": "supported",
             "network_lock": "nftables",
             "memory_tracking": "off (no soft-dirty)",
+            "compression": "zstd",
             "notices": "off",
             "store_url": "file:///var/lib/stasis/store",
             "state_dir": "/var/lib/stasis",

@@ -99,6 +99,8 @@ pub struct StatusReport {
     pub network_lock: String,
     /// "on (soft-dirty, ...)", or "off (why)" (`checkpoint::tracking_report`).
     pub memory_tracking: String,
+    /// How new chunks are compressed.
+    pub compression: String,
     pub workloads: Vec<WorkloadReport>,
 }
 
@@ -237,6 +239,7 @@ impl Engine {
                 &self.support.memory_tracking,
                 self.deps.host.huge_pages_mode().as_deref(),
             ),
+            compression: self.deps.store.compression().to_string(),
             workloads: self
                 .registry
                 .all()

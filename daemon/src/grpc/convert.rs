@@ -328,6 +328,7 @@ impl From<StatusReport> for pb::StatusResponse {
             socket_support: r.socket_support,
             network_lock: r.network_lock,
             memory_tracking: r.memory_tracking,
+            compression: r.compression,
             // The service fills it in: the engine does not watch for notices itself.
             notices: String::new(),
             workloads: r

@@ -231,6 +231,11 @@ impl Store {
         self
     }
 
+    /// How the chunks this store writes are compressed.
+    pub fn compression(&self) -> Compression {
+        self.compression
+    }
+
     /// This node's tag (its host name and state directory, hashed): it prefixes the node's
     /// pack names, and names its daemon's cgroups.
     pub fn node_tag(&self) -> &str {
