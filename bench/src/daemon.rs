@@ -64,7 +64,6 @@ pub fn undo_on_signals() -> anyhow::Result<()> {
 /// Settings of a stasisd beyond the defaults.
 #[derive(Debug, Clone, Default)]
 pub struct Extra {
-    pub staging_mib: Option<u64>,
     /// Store URL (default: a file store in the run's directory).
     pub store: Option<String>,
     pub env: Vec<(String, String)>,
@@ -99,9 +98,6 @@ impl Daemon {
         let store = extra.store.clone().unwrap_or_else(|| format!("file://{}", work.join("store").display()));
         cmd.arg("--store").arg(store).envs(extra.env.iter().map(|(k, v)| (k, v)));
         cmd.arg("--criu").arg(criu).args(["--keep-last", "0"]).args(&extra.args);
-        if let Some(mib) = extra.staging_mib {
-            cmd.arg("--staging-mib").arg(mib.to_string());
-        }
         let log = std::fs::File::create(work.join("stasisd.log"))?;
         let child = cmd
             .stdin(Stdio::null())

@@ -99,7 +99,11 @@ pub async fn run(args: &Args) -> anyhow::Result<KubeResults> {
     let endpoint = run_dir.join("endpoint");
     std::fs::create_dir_all(&endpoint)?;
     let d = Daemon::start_with(&DaemonOptions {
-        args: vec!["--pod-socket".into(), endpoint.join("pod.sock").display().to_string()],
+        args: [
+            vec!["--pod-socket".into(), endpoint.join("pod.sock").display().to_string()],
+            args.daemon_flags(),
+        ]
+        .concat(),
         store: Some(format!("file://{}", run_dir.join("store").display())),
         ..Default::default()
     });

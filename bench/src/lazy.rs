@@ -17,7 +17,7 @@ use serde_json::Value;
 use stasis_tests::s3::S3Server;
 
 use crate::Args;
-use crate::daemon::{Daemon, kill_and_wait, settle, wait_until};
+use crate::daemon::{Daemon, Extra, kill_and_wait, settle, wait_until};
 use crate::report::median;
 use crate::run::{ask, checkpoint, dirty, start_workload};
 
@@ -94,7 +94,7 @@ pub fn run(args: &Args, s3: bool, prefetch: &str, eager_restore: &str) -> anyhow
     };
     let lazy_args =
         ["--lazy-prefetch", prefetch, "--eager-restore", eager_restore].map(str::to_string).to_vec();
-    let mut extra = args.daemon(lazy_args);
+    let mut extra = Extra { args: [lazy_args, args.daemon_flags()].concat(), ..Default::default() };
     if let Some(server) = &server {
         let options = server.daemon_options("bench", &[]);
         (extra.store, extra.env) = (options.store, options.env);

@@ -143,12 +143,16 @@ impl Args {
         self.zero.unwrap_or((1.0 - self.random - self.compressible).max(0.0))
     }
 
-    /// stasisd's settings these arguments ask for beyond its defaults.
-    pub fn daemon(&self, mut args: Vec<String>) -> daemon::Extra {
-        if let Some(c) = &self.compression {
-            args.extend(["--compression".into(), c.clone()]);
+    /// stasisd's flags for the settings these arguments give.
+    pub fn daemon_flags(&self) -> Vec<String> {
+        let mut flags = Vec::new();
+        if let Some(mib) = self.staging_mib {
+            flags.extend(["--staging-mib".into(), mib.to_string()]);
         }
-        daemon::Extra { staging_mib: self.staging_mib, args, ..Default::default() }
+        if let Some(c) = &self.compression {
+            flags.extend(["--compression".into(), c.clone()]);
+        }
+        flags
     }
 }
 

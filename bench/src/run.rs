@@ -11,7 +11,7 @@ use nix::unistd::Pid;
 use serde_json::Value;
 
 use crate::Args;
-use crate::daemon::{Daemon, kill_and_wait, log_line, settle, wait_until};
+use crate::daemon::{Daemon, Extra, kill_and_wait, log_line, settle, wait_until};
 use crate::peer::{Peer, PeerCheckpoint, PeerRestore};
 
 /// One incremental checkpoint each way, after the workload rewrote memory.
@@ -183,7 +183,13 @@ pub fn run(args: &Args) -> anyhow::Result<Results> {
     let id = std::process::id();
     let work = args.store_dir.join(format!("run-{id}"));
     let scratch = args.peer_scratch.join(format!("stasis-bench-{id}"));
-    let d = Daemon::start(&criu, work, scratch, args.keep, &args.daemon(Vec::new()))?;
+    let d = Daemon::start(
+        &criu,
+        work,
+        scratch,
+        args.keep,
+        &Extra { args: args.daemon_flags(), ..Default::default() },
+    )?;
     let (pid, log) = start_workload(&d, args)?;
     let peer = Peer { criu, scratch: d.scratch.clone(), store: d.work.join("store").join("peer") };
 

@@ -91,8 +91,7 @@ pub struct Args {
     pub staging_mib: Option<u64>,
     /// How new chunks are compressed: zstd (the default: the smaller store and upload) or
     /// lz4 (restores decompress it a few times faster, for about 1.5 times the stored bytes
-    /// on text-like memory).
-    /// Chunks already stored are read as they were written.
+    /// on text-like memory); chunks already stored are read as they were written.
     #[arg(long)]
     pub compression: Option<CompressionSetting>,
     /// Checkpoints kept per workload; older ones are deleted after each checkpoint (0 keeps

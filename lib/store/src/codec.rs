@@ -9,6 +9,8 @@ use std::fmt;
 
 use stasis_proto::stasis::store::v1::Codec;
 
+use super::chunks::CHUNK;
+
 /// zstd level: fast, and on memory images close to higher levels in ratio.
 const ZSTD_LEVEL: i32 = 1;
 
@@ -46,6 +48,10 @@ pub(super) fn encode(compression: Compression, raw: &[u8]) -> Option<(Codec, Vec
 /// `stored` decoded as `codec` says, `len` bytes long; the error says why not. A chunk kept as
 /// it is is `stored` itself.
 pub(super) fn decode(codec: Codec, stored: Cow<'_, [u8]>, len: usize) -> Result<Cow<'_, [u8]>, &'static str> {
+    if len > CHUNK {
+        // Before a buffer of that size is made: the length comes from the pack's index.
+        return Err("its index gives it a length over the chunk size");
+    }
     let data = match codec {
         Codec::Raw => stored,
         Codec::Zstd => Cow::Owned(zstd_decompress(&stored, len).map_err(|_| "it does not decompress")?),
@@ -136,5 +142,32 @@ mod tests {
             }
         }
         assert_eq!(decode(Codec::Raw, Cow::Borrowed(&text), 3), Err("it is not as long as its index says"));
+        let huge = decode(Codec::Lz4, Cow::Borrowed(&text), u32::MAX as usize);
+        assert_eq!(huge, Err("its index gives it a length over the chunk size"));
+    }
+
+    #[test]
+    fn every_damaged_byte_of_a_compressed_chunk_is_an_error_or_other_content_never_a_panic() {
+        let (text, _) = sample();
+        for compression in [Compression::Zstd, Compression::Lz4] {
+            let (codec, stored) = encode(compression, &text).unwrap();
+            let mut changed = 0;
+            for at in 0..stored.len() {
+                for bit in [0x01, 0x80] {
+                    let mut damaged = stored.clone();
+                    damaged[at] ^= bit;
+                    match decode(codec, Cow::Borrowed(&damaged), text.len()) {
+                        Err(_) => changed += 1,
+                        Ok(data) => changed += usize::from(data.as_ref() != text.as_slice()),
+                    }
+                }
+            }
+            // Most damage shows in the result: what the checksum and the id then catch.
+            assert!(
+                changed * 2 > stored.len() * 2,
+                "{compression}: {changed} of {} flips showed",
+                stored.len() * 2
+            );
+        }
     }
 }

@@ -72,25 +72,32 @@ fn chunks_read_back_as_written_and_any_flipped_byte_is_found() {
 
 #[test]
 fn a_chunk_indexed_without_a_checksum_is_checked_by_its_content() {
-    let (data, chunks) = packed(None, Compression::Zstd);
-    let (id, mut loc) = chunks[0].clone();
-    loc.stored_checksum = None;
-    assert_eq!(*decode_chunk(blob(&data, &loc), &loc, &id, None, Verify::Stored).unwrap(), contents()[0][..]);
-    // A flip in a literal decompresses to other content: only the content's hash finds it.
-    let stored = blob(&data, &loc);
-    let literal = stored.windows(5).position(|w| w == b"quick").expect("a literal run");
-    let mut damaged = stored.to_vec();
-    damaged[literal] ^= 0x01;
-    let found = decode_chunk(&damaged, &loc, &id, None, Verify::Stored).unwrap_err();
-    assert_eq!(found, "its content does not match its hash");
+    for compression in [Compression::Zstd, Compression::Lz4] {
+        let (data, chunks) = packed(None, compression);
+        let (id, mut loc) = chunks[0].clone();
+        loc.stored_checksum = None;
+        assert_eq!(
+            *decode_chunk(blob(&data, &loc), &loc, &id, None, Verify::Stored).unwrap(),
+            contents()[0][..]
+        );
+        // A flip in a literal decompresses to other content: only the content's hash finds it.
+        let stored = blob(&data, &loc);
+        let literal = stored.windows(5).position(|w| w == b"quick").expect("a literal run");
+        let mut damaged = stored.to_vec();
+        damaged[literal] ^= 0x01;
+        let found = decode_chunk(&damaged, &loc, &id, None, Verify::Stored).unwrap_err();
+        assert_eq!(found, "its content does not match its hash", "{compression}");
+    }
 }
 
 #[test]
 fn a_chunk_stored_under_another_id_is_found_by_the_full_check() {
     // A writer's error: the stored bytes agree with their checksum, not with the id.
-    let (data, chunks) = packed(None, Compression::Zstd);
-    let (_, loc) = &chunks[0];
-    let wrong_id = [9u8; 32];
-    let found = decode_chunk(blob(&data, loc), loc, &wrong_id, None, Verify::Everything).unwrap_err();
-    assert_eq!(found, "its content does not match its hash");
+    for compression in [Compression::Zstd, Compression::Lz4] {
+        let (data, chunks) = packed(None, compression);
+        let (_, loc) = &chunks[0];
+        let wrong_id = [9u8; 32];
+        let found = decode_chunk(blob(&data, loc), loc, &wrong_id, None, Verify::Everything).unwrap_err();
+        assert_eq!(found, "its content does not match its hash", "{compression}");
+    }
 }
