@@ -271,7 +271,7 @@ impl Daemon {
         let ck = self.json(&["checkpoint", "--workload", &w.name, "--json"]);
         assert_eq!(ck["left_running"], false, "{ck}");
         let pid = w.pid;
-        crate::expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(pid)).then_some(()));
+        procfs::wait_gone(pid, "the evicted tree to be gone");
         let mut args = vec!["restore", "--workload", &w.name, "--json"];
         args.extend_from_slice(restore);
         let r = self.json(&args);

@@ -90,6 +90,12 @@ pub fn exists(pid: i32) -> bool {
     fs::metadata(format!("/proc/{pid}")).is_ok()
 }
 
+/// Waits until /proc/PID is gone (exited and reaped); panics naming `what` after
+/// [`crate::TIMEOUT`].
+pub fn wait_gone(pid: i32, what: &str) {
+    crate::expect_within(crate::TIMEOUT, what, || (!exists(pid)).then_some(()));
+}
+
 /// The argv of `pid`.
 pub fn cmdline(pid: i32) -> Option<Vec<String>> {
     let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;

@@ -7,7 +7,7 @@
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 
-use stasis_tests::{Daemon, TIMEOUT, Workload, expect_within, procfs, python_workload, skip_unless_ready};
+use stasis_tests::{Daemon, Workload, procfs, python_workload, skip_unless_ready};
 
 /// A well-formed checkpoint id that no store holds.
 const UNKNOWN_ID: &str = "20200101-000000-abcdef";
@@ -40,7 +40,7 @@ fn evicted_counter(d: &Daemon, base: &str) -> (String, Workload) {
     let w = d.run(base, &python_workload("counter.py", &[]));
     w.wait_number("count ", 5);
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
-    expect_within(TIMEOUT, "the evicted counter to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted counter to be gone");
     (ck["id"].as_str().expect("checkpoint id").to_owned(), w)
 }
 

@@ -12,9 +12,7 @@ use stasis_tests::azurite::Azurite;
 use stasis_tests::gcs::GcsServer;
 use stasis_tests::http_faults::{Fault, FaultyHttp, Rule};
 use stasis_tests::s3::S3Server;
-use stasis_tests::{
-    Daemon, DaemonOptions, TIMEOUT, Workload, expect_within, procfs, python_workload, skip_unless_ready,
-};
+use stasis_tests::{Daemon, DaemonOptions, Workload, procfs, python_workload, skip_unless_ready};
 
 /// stasisd's options for reaching the store through a relay on a port.
 type Through<'a> = &'a dyn Fn(u16, &[&str]) -> DaemonOptions;
@@ -94,7 +92,7 @@ fn life_of_a_counter(port: u16, options: Through) {
 /// tree is gone.
 fn evict(d: &Daemon, w: &Workload) -> (String, u64, u64) {
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
-    expect_within(TIMEOUT, "the evicted counter to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted counter to be gone");
     let uploaded = ck["stats"]["bytes_uploaded"].as_u64().unwrap();
     assert!(uploaded > 0, "{ck}");
     (ck["id"].as_str().unwrap().to_owned(), uploaded, w.last_number("count ").unwrap())

@@ -37,7 +37,7 @@ fn a_restore_of_damaged_memory_ends_and_holds_nothing_up() {
     });
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     let id = ck["id"].as_str().expect("a checkpoint id").to_string();
-    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted tree to be gone");
 
     // Every pack damaged all through its middle half, a byte every 16 KiB: the memory of many
     // processes fails its check, some of it while CRIU is still building the tree.

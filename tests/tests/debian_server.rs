@@ -100,7 +100,7 @@ fn redis_with_300_mb_survives_eviction_and_leave_running_checkpoints() {
     let started = Instant::now();
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     eprintln!("eviction took {:?}: {}", started.elapsed(), stats(&ck));
-    expect_within(TIMEOUT, "redis to be gone after the eviction", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "redis to be gone after the eviction");
     let started = Instant::now();
     let r = d.json(&["restore", "--workload", &w.name, "--json"]);
     eprintln!("restore took {:?}: {r}", started.elapsed());
@@ -125,7 +125,7 @@ fn redis_with_300_mb_survives_eviction_and_leave_running_checkpoints() {
     // The client leaves first, so that no half-closed connection of redis's lingers on its port.
     drop(kept);
     procfs::kill9(w.pid);
-    expect_within(TIMEOUT, "the killed redis to be reaped", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the killed redis to be reaped");
 
     let started = Instant::now();
     let r = d.json(&["restore", &id, "--json"]);

@@ -10,7 +10,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use stasis_tests::{
-    Daemon, DaemonOptions, TIMEOUT, bin, expect_within, pid_of, procfs, python_workload, skip_unless_ready,
+    Daemon, DaemonOptions, bin, expect_within, pid_of, procfs, python_workload, skip_unless_ready,
 };
 
 /// A string that appears nowhere unless this test's workload put it there.
@@ -46,7 +46,7 @@ fn evict_secret(d: &Daemon) -> (String, String) {
     let (_, tick) = w.wait_line_after(0, "a tick", |l| l.starts_with("tick "));
     let digest = tick.split_whitespace().nth(2).unwrap().to_owned();
     d.json(&["checkpoint", "--workload", &w.name, "--json"]);
-    expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted workload to be gone");
     (w.name, digest)
 }
 
@@ -127,6 +127,6 @@ fn an_encrypted_store_holds_nothing_readable_and_needs_its_key() {
             (fresh.len() >= 12 && fresh.iter().all(|l| l.ends_with(&digest))).then_some(())
         });
         after.json(&["checkpoint", "--workload", &name, "--json"]);
-        expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(pid)).then_some(()));
+        procfs::wait_gone(pid, "the evicted workload to be gone");
     }
 }

@@ -12,8 +12,8 @@ use serde_json::Value;
 use stasis_tests::proxy::TcpProxy;
 use stasis_tests::s3::S3Server;
 use stasis_tests::{
-    Daemon, DaemonOptions, TIMEOUT, criu_path, expect_within, free_port, http_get, pid_of, procfs,
-    python_workload, skip_unless_ready,
+    Daemon, DaemonOptions, criu_path, expect_within, free_port, http_get, pid_of, procfs, python_workload,
+    skip_unless_ready,
 };
 
 /// The status of workload `name`.
@@ -34,7 +34,7 @@ fn wait_reclaimed(d: &Daemon, name: &str, pid: i32) -> Value {
         let w = d.workload(name);
         (w["state"] == "reclaimed").then_some(w)
     });
-    expect_within(TIMEOUT, "the reclaimed process to be gone", || (!procfs::exists(pid)).then_some(()));
+    procfs::wait_gone(pid, "the reclaimed process to be gone");
     status
 }
 

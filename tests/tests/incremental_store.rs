@@ -11,9 +11,7 @@ use std::path::Path;
 use nix::sys::signal::Signal;
 use stasis_proto::stasis::store::v1::{Codec, PackIndex};
 use stasis_store::envelope;
-use stasis_tests::{
-    Daemon, DaemonOptions, TIMEOUT, Workload, expect_within, procfs, python_workload, skip_unless_ready,
-};
+use stasis_tests::{Daemon, DaemonOptions, Workload, procfs, python_workload, skip_unless_ready};
 
 fn daemon() -> Daemon {
     let args = ["--gc-grace-secs", "0", "--keep-last", "0"].map(String::from).to_vec();
@@ -28,7 +26,7 @@ fn dirty(w: &Workload) {
 
 fn kill_and_wait(pid: i32) {
     procfs::kill9(pid);
-    expect_within(TIMEOUT, "the killed workload to be gone", || (!procfs::exists(pid)).then_some(()));
+    procfs::wait_gone(pid, "the killed workload to be gone");
 }
 
 fn stat(ck: &serde_json::Value, key: &str) -> u64 {
@@ -120,7 +118,7 @@ fn gc_reclaims_dead_checkpoints_and_keeps_live_ones() {
     assert!(report["bytes_freed"].as_u64().unwrap() >= 60 << 20, "the dead 64 MiB are reclaimed: {report}");
     assert!(packs() < before, "pack objects were deleted: {report}");
 
-    expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(live.pid)).then_some(()));
+    procfs::wait_gone(live.pid, "the evicted workload to be gone");
     restore_and_check(&d, &mut live, live_ck["id"].as_str().unwrap(), &live_sum);
 
     // Retention: three checkpoints, keep the newest one.
@@ -152,7 +150,7 @@ fn pages_beyond_the_staging_bound_spill_and_restore_intact() {
     let id = ck["id"].as_str().unwrap();
     let shown = d.json(&["show", id, "--json"]);
     assert!(!shown["files"].to_string().contains("spill"), "{shown}");
-    expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted workload to be gone");
     restore_and_check(&d, &mut w, id, &sum);
 }
 
@@ -200,7 +198,7 @@ fn checkpoints_written_with_zstd_and_with_lz4_each_restore_from_one_store() {
     assert_eq!(report["problems"], serde_json::json!([]), "{report}");
 
     let (id1, id2) = (ck1["id"].as_str().unwrap().to_owned(), ck2["id"].as_str().unwrap().to_owned());
-    expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted workload to be gone");
     restore_and_check(&d, &mut w, &id2, &c2);
     kill_and_wait(w.pid);
     restore_and_check(&d, &mut w, &id1, &c1);

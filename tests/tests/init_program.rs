@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 
-use stasis_tests::{Daemon, TIMEOUT, expect_within, pid_of, procfs, python_workload, skip_unless_ready};
+use stasis_tests::{Daemon, pid_of, procfs, python_workload, skip_unless_ready};
 
 #[test]
 fn a_checkpoint_restores_where_its_stasis_init_build_is_missing() {
@@ -25,7 +25,7 @@ fn a_checkpoint_restores_where_its_stasis_init_build_is_missing() {
     let id = ck["id"].as_str().unwrap();
     let shown = d.json(&["show", id, "--json"]);
     assert!(shown["files"].to_string().contains(&name), "the build travels with the checkpoint: {shown}");
-    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted tree to be gone");
 
     // A node without that build.
     let away = PathBuf::from(format!("{}.away", exe.display()));

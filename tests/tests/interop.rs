@@ -36,7 +36,7 @@ fn evicted_counter(d: &Daemon) -> (Workload, String) {
     let w = d.run("counter", &python_workload("counter.py", &[]));
     w.wait_number("count ", 5);
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
-    expect_within(TIMEOUT, "the evicted counter to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted counter to be gone");
     (w, ck["id"].as_str().unwrap().to_owned())
 }
 

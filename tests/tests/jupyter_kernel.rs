@@ -131,7 +131,7 @@ fn ipykernel_keeps_its_state_across_eviction_and_answers_through_leave_running()
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     eprintln!("eviction took {:?}: {}", started.elapsed(), ck["stats"]);
     assert_eq!(ck["left_running"], false, "checkpoint result: {ck}");
-    expect_within(TIMEOUT, "the evicted kernel to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted kernel to be gone");
     let id = ck["id"].as_str().expect("checkpoint id");
     let shown = d.json(&["show", id, "--json"]);
     let sockets: Vec<&str> =
@@ -188,7 +188,7 @@ fn an_idle_kernel_is_reclaimed_and_its_client_wakes_it_by_running_a_cell() {
         let status = d.workloads().into_iter().find(|s| s["name"] == w.name.as_str())?;
         (status["state"] == "reclaimed").then_some(status)
     });
-    expect_within(TIMEOUT, "the reclaimed kernel to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the reclaimed kernel to be gone");
     assert!(!reclaimed["reclaimed_checkpoint"].as_str().unwrap_or_default().is_empty(), "{reclaimed}");
 
     // The same client, on its same connections, with no retry of its own: its request is held

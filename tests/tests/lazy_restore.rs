@@ -25,7 +25,7 @@ fn lazily_restored_threads_go_on_and_memory_matches_once_resident() {
     let paused = memtest::pause(&w);
 
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
-    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted tree to be gone");
 
     let r = d.json(&["restore", "--workload", &w.name, "--lazy", "--json"]);
     assert_eq!(r["id"], ck["id"], "{r}");
@@ -64,7 +64,7 @@ fn lazy_restore_without_waiting_returns_while_memory_arrives_and_ends_resident()
     let (_, dirtied) = w.wait_line_after(seen, "`checksum ...`", |l| l.starts_with("checksum "));
     assert_ne!(dirtied, before);
     d.json(&["checkpoint", "--workload", &w.name, "--json"]);
-    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted tree to be gone");
 
     let r = d.json(&["restore", "--workload", &w.name, "--lazy", "--no-wait", "--json"]);
     assert_eq!(r["stats"]["resident_ms"], 0, "an answer before residency: {r}");
@@ -93,7 +93,7 @@ fn lazy_restore_over_s3(
     let w = d.run("lazy", argv);
     w.wait_line_after(0, "the workload's `ready`", |l| l == "ready");
     d.json(&["checkpoint", "--workload", &w.name, "--json"]);
-    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted tree to be gone");
     let mut restore = d
         .command(&["restore", "--workload", &w.name, "--lazy"])
         .stdout(Stdio::piped())
@@ -139,7 +139,7 @@ fn memory_a_lazily_restored_process_forks_moves_or_drops_meanwhile_is_right() {
     let (_, sums) = w.wait_line_after(0, "`sums ...`", |l| l.starts_with("sums "));
     let sums: Vec<&str> = sums.split_whitespace().skip(1).collect();
     d.json(&["checkpoint", "--workload", &w.name, "--json"]);
-    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted tree to be gone");
 
     // Restored lazily from a slow store with a small cache: memory is still arriving when
     // the process forks, grows a buffer (mremap) and frees one (munmap).
@@ -183,7 +183,7 @@ fn a_store_that_stops_answering_gets_the_lazily_restored_tree_killed_with_the_re
     assert!(rest.contains("was killed"), "the error says the tree was killed: {rest}");
     assert!(rest.contains("did not deliver memory"), "the error says why: {rest}");
     assert!(stopped.elapsed() < Duration::from_secs(30), "ended after {:?}", stopped.elapsed());
-    expect_within(TIMEOUT, "the restored tree to be gone", || (!procfs::exists(pid)).then_some(()));
+    procfs::wait_gone(pid, "the restored tree to be gone");
     // A caller that did not wait (--no-wait) finds the reason in status.
     let workloads = d.workloads();
     let failed = workloads.iter().find(|w| w["pid"] == pid).expect("the workload in status");
@@ -212,7 +212,7 @@ fn memory_damaged_on_its_way_from_the_store_gets_the_tree_killed_not_run_on_it()
         rest.contains("was killed") && rest.contains("is corrupted"),
         "the error says what happened: {rest}"
     );
-    expect_within(TIMEOUT, "the restored tree to be gone", || (!procfs::exists(pid)).then_some(()));
+    procfs::wait_gone(pid, "the restored tree to be gone");
 }
 
 #[test]
@@ -226,5 +226,5 @@ fn a_tree_lazily_restored_by_a_stasisd_that_crashes_is_killed_by_its_guard() {
     d.kill9_and_restart();
     let (success, _) = outcome(restore, stderr);
     assert!(!success, "the restore cannot have succeeded");
-    expect_within(TIMEOUT, "the guard to kill the restored tree", || (!procfs::exists(pid)).then_some(()));
+    procfs::wait_gone(pid, "the guard to kill the restored tree");
 }

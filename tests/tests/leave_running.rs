@@ -3,7 +3,7 @@
 
 #![forbid(unsafe_code)]
 
-use stasis_tests::{Daemon, TIMEOUT, expect_within, procfs, python_workload, skip_unless_ready};
+use stasis_tests::{Daemon, procfs, python_workload, skip_unless_ready};
 
 #[test]
 fn leave_running_keeps_the_original_going_and_restores_the_checkpointed_state() {
@@ -31,7 +31,7 @@ fn leave_running_keeps_the_original_going_and_restores_the_checkpointed_state() 
     assert!(procfs::running(w.pid), "state of the original: {:?}", procfs::proc_state(w.pid));
 
     procfs::kill9(w.pid);
-    expect_within(TIMEOUT, "the killed original to be reaped", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the killed original to be reaped");
     let at_kill = w.last_number("count ").unwrap();
     let before = w.lines().len();
 

@@ -5,9 +5,7 @@
 
 use std::io::{Read, Write};
 
-use stasis_tests::{
-    Daemon, DaemonOptions, TIMEOUT, expect_within, free_port, procfs, python_workload, skip_unless_ready,
-};
+use stasis_tests::{Daemon, DaemonOptions, TIMEOUT, free_port, procfs, python_workload, skip_unless_ready};
 
 fn get(port: u16, path: &str) -> String {
     let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).expect("the metrics port");
@@ -49,7 +47,7 @@ fn checkpoints_and_restores_show_in_the_metrics() {
     d.json(&["checkpoint", "--workload", &w.name, "--leave-running", "--json"]);
     d.cli_err(&["checkpoint", "999999999"]);
     d.json(&["checkpoint", "--workload", &w.name, "--json"]);
-    expect_within(TIMEOUT, "the evicted counter to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted counter to be gone");
     d.json(&["restore", "--workload", &w.name, "--json"]);
 
     let text = get(port, "/metrics");

@@ -7,9 +7,7 @@
 
 use std::path::Path;
 
-use stasis_tests::{
-    Daemon, DaemonOptions, TIMEOUT, expect_within, free_port, procfs, python_workload, skip_unless_ready,
-};
+use stasis_tests::{Daemon, DaemonOptions, free_port, procfs, python_workload, skip_unless_ready};
 
 fn kernel_refuses_old_criu() -> bool {
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").expect("kernel release");
@@ -52,7 +50,7 @@ fn an_old_criu_is_reported_and_trees_with_network_sockets_are_refused_before_fre
     let c = d.run("old-criu-counter", &python_workload("counter.py", &[]));
     let seen = c.wait_number("count ", 3);
     d.json(&["checkpoint", "--workload", &c.name, "--json"]);
-    expect_within(TIMEOUT, "the evicted counter to be gone", || (!procfs::exists(c.pid)).then_some(()));
+    procfs::wait_gone(c.pid, "the evicted counter to be gone");
     d.json(&["restore", "--workload", &c.name, "--json"]);
     c.wait_number("count ", seen + 3);
 }

@@ -70,7 +70,7 @@ fn one_checkpoint_runs_as_several_independent_copies_beside_the_original() {
 
     // The original goes; a copy is evicted and restored in turn (lazily), by its own name.
     procfs::kill9(init);
-    expect_within(TIMEOUT, "the original's namespace to be gone", || (!procfs::exists(init)).then_some(()));
+    procfs::wait_gone(init, "the original's namespace to be gone");
     let copy1 = format!("{name}-copy1");
     d.json(&["checkpoint", "--workload", &copy1, "--json"]);
     expect_within(TIMEOUT, "the evicted copy to be gone", || (!procfs::exists(copies[0].pid)).then_some(()));
@@ -108,7 +108,7 @@ fn a_workload_run_with_host_pids_comes_back_with_its_pids_and_only_once() {
 
     w.wait_number("count ", at_checkpoint + 10);
     procfs::kill9(pid);
-    expect_within(TIMEOUT, "the workload to be gone", || (!procfs::exists(pid)).then_some(()));
+    procfs::wait_gone(pid, "the workload to be gone");
     let skip = w.lines().len();
     w.restored(&d.json(&["restore", id, "--json"]));
     assert_eq!(w.pid, pid, "the same pid again");

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use stasis_tests::{Daemon, TIMEOUT, expect_within, pid_of, procfs, python_workload, skip_unless_ready};
+use stasis_tests::{Daemon, expect_within, pid_of, procfs, python_workload, skip_unless_ready};
 
 fn ids(d: &Daemon, name: &str) -> Vec<String> {
     let listed = d.json(&["list", "--workload", name, "--json"]);
@@ -40,7 +40,7 @@ fn a_workload_is_checkpointed_every_interval_while_it_runs() {
 
     // The job is lost; its newest periodic checkpoint brings it back.
     procfs::kill9(pid);
-    expect_within(TIMEOUT, "the job to be gone", || (!procfs::exists(pid)).then_some(()));
+    procfs::wait_gone(pid, "the job to be gone");
     let restored = pid_of(&d.json(&["restore", "--workload", &name, "--json"]));
     assert!(procfs::running(restored) && procfs::is_namespace_init(restored));
 }

@@ -23,7 +23,7 @@ fn checkpoints_go_through_a_real_s3_server_and_a_dead_one_leaves_the_job_running
     w.wait_number("count ", 5);
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     let at_checkpoint = w.last_number("count ").unwrap();
-    expect_within(TIMEOUT, "the evicted counter to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted counter to be gone");
     let first = ck["stats"]["bytes_uploaded"].as_u64().unwrap();
     assert!(first > 0, "{ck}");
 
@@ -83,7 +83,7 @@ fn a_collection_on_another_node_waits_for_an_upload_under_way() {
     let id =
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["id"].as_str().unwrap().to_owned();
     assert_eq!(collected["packs_deleted"], 0, "B deleted packs of A's upload: {collected}");
-    expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted workload to be gone");
     let skip = w.lines().len();
     w.restored(&a.json(&["restore", &id, "--json"]));
     procfs::signal(w.pid, Signal::SIGUSR2);

@@ -41,7 +41,7 @@ fn pair(w: &Workload, skip: usize, prefix: &str) -> (String, String) {
 /// Checkpoints `w` (evicting it), restores it with `args` and checks its shared memory.
 fn round_trip(d: &Daemon, w: &mut Workload, before: &[String], args: &[&str]) {
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
-    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted tree to be gone");
     let mut command = vec!["restore", "--workload", &w.name, "--json"];
     command.extend(args);
     let out = d.cli(&command);

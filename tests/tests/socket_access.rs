@@ -170,7 +170,7 @@ fn a_group_member_acts_only_on_its_own_and_others_cannot_connect() {
         return;
     }
     let ck = json(&as_user(&d, &cli, name, group, &["checkpoint", "--workload", "mine", "--json"]));
-    expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(pid)).then_some(()));
+    procfs::wait_gone(pid, "the evicted workload to be gone");
     let listed = json(&as_user(&d, &cli, name, group, &["list", "--json"]));
     assert_eq!(listed["checkpoints"][0]["id"], ck["id"], "its own checkpoint is listed: {listed}");
     let restored = json(&as_user(&d, &cli, name, group, &["restore", "--workload", "mine", "--json"]));
@@ -344,7 +344,7 @@ fn a_restored_process_gets_no_file_its_user_may_not_open() {
     let mut job = d.run("owned", &[python(), "-c".into(), script]);
     expect_within(TIMEOUT, "the job to hold the file", || (!holders(&file).is_empty()).then_some(()));
     let ck = d.json(&["checkpoint", "--workload", &job.name, "--json"]);
-    expect_within(TIMEOUT, "the evicted job to be gone", || (!procfs::exists(job.pid)).then_some(()));
+    procfs::wait_gone(job.pid, "the evicted job to be gone");
 
     // The path now leads to a file of root's: the restore is refused before the job runs.
     put("root's secret notes", 0);

@@ -3,10 +3,7 @@
 
 #![forbid(unsafe_code)]
 
-use stasis_tests::{
-    Daemon, DaemonOptions, TIMEOUT, expect_within, free_port, http_get, procfs, python_workload,
-    skip_unless_ready,
-};
+use stasis_tests::{Daemon, DaemonOptions, free_port, http_get, procfs, python_workload, skip_unless_ready};
 
 #[test]
 fn a_socket_kind_criu_cannot_dump_is_refused_before_the_tree_is_frozen() {
@@ -35,7 +32,7 @@ fn a_taken_port_refuses_the_restore_and_leaves_the_checkpoint_restorable() {
     w.wait_number("tick ", 5);
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     let id = ck["id"].as_str().expect("checkpoint id").to_owned();
-    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted tree to be gone");
 
     let squatter = std::net::TcpListener::bind(("127.0.0.1", port)).expect("taking the workload's port");
     let err = d.cli_err(&["restore", &id]);

@@ -94,7 +94,7 @@ fn evict_and_restore(d: &Daemon, restore_flags: &[&str]) {
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     let id = ck["id"].as_str().expect("checkpoint id").to_owned();
     assert_eq!(ck["left_running"], false, "checkpoint result: {ck}");
-    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted tree to be gone");
     let before = w.lines();
     let at_eviction = *numbered(&before, "tick ").last().expect("ticks before the eviction");
     if lock == "nftables" {
@@ -165,7 +165,7 @@ fn leave_running_only_pauses_the_peer_and_a_later_restore_without_it_resets_that
     // The original goes away, and so does the peer: a restore finds the connection's other
     // end gone, says so, and the workload sees only that connection fail.
     procfs::kill9(w.pid);
-    expect_within(TIMEOUT, "the killed original to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the killed original to be gone");
     expect_within(TIMEOUT, "the peer to see the killed original's connection end", || peer.ended());
     peer.disconnect();
     let before = w.lines().len();
@@ -193,7 +193,7 @@ fn tcp_close_restores_connections_closed_and_listeners_live() {
     let w = start(&d, &peer, http, false);
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     let id = ck["id"].as_str().expect("checkpoint id").to_owned();
-    expect_within(TIMEOUT, "the evicted tree to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted tree to be gone");
 
     let before = w.lines().len();
     let r = d.json(&["restore", &id, "--tcp-close", "--json"]);

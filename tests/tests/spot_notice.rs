@@ -74,7 +74,7 @@ fn an_aws_notice_evicts_the_spot_workload_in_time_and_another_node_restores_it()
     wait_evacuated(&a, &counter.name, Duration::from_secs(15));
     let at_eviction = counter.last_number("count ").unwrap();
     for w in [&big, &counter] {
-        expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(w.pid)).then_some(()));
+        procfs::wait_gone(w.pid, "the evicted workload to be gone");
     }
     assert!(procfs::running(bystander.pid), "a workload not opted in runs on");
     let shown = a.ok(&["status"]);
@@ -181,7 +181,7 @@ fn a_notice_during_a_checkpoint_still_evicts_and_a_hung_service_is_survived() {
     imds.preempt(SystemTime::now() + Duration::from_secs(30), "");
     assert!(running.wait().unwrap().success(), "the checkpoint under way fails");
     let e = wait_evacuated_by(&d, &w.name, 30);
-    expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted workload to be gone");
     let listed = d.json(&["list", "--workload", &w.name, "--json"]);
     let ids: Vec<&str> =
         listed["checkpoints"].as_array().unwrap().iter().filter_map(|c| c["id"].as_str()).collect();

@@ -40,7 +40,7 @@ fn a_job_on_a_terminal_is_checkpointed_by_pid_and_restored() {
     assert!(options.contains("external tty["), "the terminal is handled as external: {options}");
     let _ = terminal.kill();
     let _ = terminal.wait();
-    expect_within(TIMEOUT, "the evicted job to be gone", || (!procfs::exists(pid)).then_some(()));
+    procfs::wait_gone(pid, "the evicted job to be gone");
 
     let restored = d.json(&["restore", ck["id"].as_str().unwrap(), "--json"]);
     assert_eq!(restored["pid"].as_i64(), Some(i64::from(pid)));

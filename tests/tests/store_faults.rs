@@ -67,7 +67,7 @@ fn s3_faults_at_each_phase_leave_the_job_running_or_its_checkpoint_durable() {
     fail("PUT", "", Fault::Slow(Duration::from_millis(200)));
     let ck = d.json(&["checkpoint", "--workload", &w.name, "--json"]);
     assert_eq!(ck["durable"], true, "{ck}");
-    expect_within(TIMEOUT, "the evicted workload to be gone", || (!procfs::exists(w.pid)).then_some(()));
+    procfs::wait_gone(w.pid, "the evicted workload to be gone");
     let counted = *w.numbers("count ").last().expect("counts");
 
     // Restores whose pack reads fail restore nothing, and leave the checkpoint whole.

@@ -4,7 +4,7 @@
 
 #![forbid(unsafe_code)]
 
-use stasis_tests::{Daemon, TIMEOUT, expect_within, pid_of, procfs, python_workload, skip_unless_ready};
+use stasis_tests::{Daemon, pid_of, procfs, python_workload, skip_unless_ready};
 
 #[test]
 fn two_daemons_with_a_workload_of_the_same_name_keep_them_apart() {
@@ -23,7 +23,7 @@ fn two_daemons_with_a_workload_of_the_same_name_keep_them_apart() {
     assert!(ca.ends_with(&format!("/{name}")) && cb.ends_with(&format!("/{name}")), "{ca} {cb}");
 
     a.json(&["checkpoint", "--workload", &name, "--json"]);
-    expect_within(TIMEOUT, "a's workload to be evicted", || (!procfs::exists(pa)).then_some(()));
+    procfs::wait_gone(pa, "a's workload to be evicted");
     assert!(procfs::running(pb), "b's workload should run on: {:?}", procfs::proc_state(pb));
     procfs::kill9(pb);
 }
