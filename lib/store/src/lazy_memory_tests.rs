@@ -10,7 +10,7 @@ use stasis_proto::stasis::store::v1::AddressRange;
 
 use super::{
     Ask, ChunkData, ChunkReader, FetchSettings, LazyFetch, LazyFetchError, LazyMemory, Manifest, MemoryMode,
-    Staging, Store,
+    Placer, Staging, Store,
 };
 use stasis_criu_images::pages::{PAGE_SIZE, PE_LAZY, PE_PRESENT, PageRun, PageSink};
 
@@ -79,7 +79,7 @@ async fn lazy_memory_is_left_in_the_store_and_served_verified() {
     let core = std::fs::read(dir.path().join("images/core-42.img")).unwrap();
     assert_eq!(std::fs::read(out.join("core-42.img")).unwrap(), core);
 
-    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS, true).unwrap();
+    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS, true, None).unwrap();
     let memory = reader.memory();
     let chunks: Vec<(usize, u64, u32)> = memory.task_chunks(PID).collect();
     assert_eq!(chunks.iter().map(|c| u64::from(c.2)).sum::<u64>(), a.len() as u64);
@@ -150,7 +150,7 @@ async fn arrival(reader: &ChunkReader, i: usize, within: Duration) -> Option<Chu
 async fn one_chunk_of_room(dir: &std::path::Path) -> (ChunkReader, LazyFetch, [usize; 3]) {
     let (store, memory) = all_lazy(dir).await;
     let settings = FetchSettings { cache_bytes: 64 << 10, ..SETTINGS };
-    let (reader, fetch) = store.start_lazy_fetch(memory, settings, false).unwrap();
+    let (reader, fetch) = store.start_lazy_fetch(memory, settings, false, None).unwrap();
     let stored: Vec<usize> =
         reader.memory().task_chunks(PID).map(|(i, _, _)| i).filter(|&i| reader.peek(i).is_none()).collect();
     let chunks = stored[..].try_into().unwrap_or_else(|_| panic!("chunks with data: {stored:?}"));
@@ -178,7 +178,7 @@ async fn a_chunk_cut_from_a_larger_download_is_cached_as_a_copy_of_its_bytes() {
     std::fs::create_dir_all(&out).unwrap();
     let mode = MemoryMode::Lazy { eager: &[] };
     let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
-    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS, true).unwrap();
+    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS, true, None).unwrap();
     // The first run's chunks (random data: stored as it is).
     let end = 0x10000 + a.len() as u64;
     let chunks: Vec<(usize, u64, u32)> = reader.memory().task_chunks(PID).filter(|c| c.1 < end).collect();
@@ -229,7 +229,7 @@ async fn the_prefetch_fills_only_its_share_of_the_cache() {
     let [first, second, third] = stored[..].try_into().unwrap();
     // Room for all of them, of which one chunk's for the prefetcher's own order.
     let settings = FetchSettings { prefetch_bytes: 64 << 10, ..SETTINGS };
-    let (reader, fetch) = store.start_lazy_fetch(memory, settings, true).unwrap();
+    let (reader, fetch) = store.start_lazy_fetch(memory, settings, true, None).unwrap();
     assert!(arrival(&reader, first, Duration::from_secs(5)).await.is_some(), "nothing prefetched");
     assert!(
         arrival(&reader, second, Duration::from_millis(300)).await.is_none(),
@@ -261,13 +261,105 @@ async fn a_chunk_released_while_it_is_fetched_does_not_stay_in_the_cache() {
     fetch.stop();
 }
 
+/// A placer that takes every chunk but the one at `refused`, and keeps what it took: task,
+/// address, bytes.
+struct Taker {
+    refused: u64,
+    took: std::sync::Mutex<Vec<(u64, u64, Vec<u8>)>>,
+}
+
+impl Placer for Taker {
+    fn place(&self, pid: u64, addr: u64, bytes: &[u8]) -> bool {
+        if addr == self.refused {
+            return false;
+        }
+        self.took.lock().unwrap().push((pid, addr, bytes.to_vec()));
+        true
+    }
+}
+
+impl Taker {
+    fn refusing(refused: u64) -> Arc<Taker> {
+        Arc::new(Taker { refused, took: Default::default() })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn chunks_a_placer_takes_skip_the_cache_and_free_its_room_and_the_others_are_cached() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, memory) = all_lazy(dir.path()).await;
+    // Its chunks with data, in the prefetch order (address order: all are new): 64 KiB at
+    // 0x10000, 32 KiB at 0x30000 (the placer refuses it) and 32 KiB at 0x100000. The cache has
+    // room for the first alone: the others come only if what the placer took left it.
+    let a = {
+        let mut a = bytes(40 * PAGE_SIZE as usize, 1);
+        a[PAGE_SIZE as usize * 16..PAGE_SIZE as usize * 32].fill(0);
+        a
+    };
+    let taker = Taker::refusing(0x30000);
+    let settings = FetchSettings { cache_bytes: 64 << 10, prefetch_bytes: 64 << 10, ..SETTINGS };
+    let (reader, fetch) = store.start_lazy_fetch(memory, settings, true, Some(taker.clone())).unwrap();
+    let index_at = |addr: u64| reader.memory().task_chunks(PID).find(|c| c.1 == addr).unwrap().0;
+    let refused = index_at(0x30000);
+    let cached = arrival(&reader, refused, Duration::from_secs(5)).await;
+    let Some(ChunkData::Bytes(cached)) = cached else {
+        panic!("the refused chunk was not cached: {cached:?}")
+    };
+    assert_eq!(cached[..], a[0x20000..0x28000]);
+    let mut placed = Vec::new();
+    for _ in 0..1000 {
+        placed.extend(reader.take_placed());
+        if placed.len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    placed.sort();
+    assert_eq!(placed, [index_at(0x10000), index_at(0x100000)], "what the placer took, told");
+    let mut took = taker.took.lock().unwrap().clone();
+    took.sort();
+    let b = bytes(8 * PAGE_SIZE as usize, 2);
+    assert_eq!(took, [(PID, 0x10000, a[..0x10000].to_vec()), (PID, 0x100000, b)], "what it was given");
+    for i in placed {
+        assert!(reader.peek(i).is_none(), "chunk {i}, put in place, is cached too");
+    }
+    fetch.stop();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_damaged_chunk_never_reaches_the_placer() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, memory) = all_lazy(dir.path()).await;
+    for path in
+        walk(&dir.path().join("store")).into_iter().filter(|p| p.extension().is_some_and(|e| e == "pack"))
+    {
+        let mut data = std::fs::read(&path).unwrap();
+        data.iter_mut().for_each(|b| *b ^= 0x5a);
+        std::fs::write(&path, data).unwrap();
+    }
+    let taker = Taker::refusing(0);
+    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS, true, Some(taker.clone())).unwrap();
+    let mut failure = None;
+    for _ in 0..1000 {
+        failure = reader.failure();
+        if failure.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(matches!(failure, Some(LazyFetchError::Corrupt { .. })), "{failure:?}");
+    assert!(taker.took.lock().unwrap().is_empty(), "damaged memory was put in place");
+    assert!(reader.take_placed().is_empty());
+    fetch.stop();
+}
+
 /// Restores the stored checkpoint lazily, lets `damage` act on the store directory once the
 /// tree would run, and returns the error the first chunk asked for gives.
 async fn first_read_after(damage: impl FnOnce(&std::path::Path)) -> LazyFetchError {
     let dir = tempfile::tempdir().unwrap();
     let (store, memory) = all_lazy(dir.path()).await;
     damage(&dir.path().join("store"));
-    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS, false).unwrap();
+    let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS, false, None).unwrap();
     let first = reader.memory().task_chunks(PID).next().unwrap().0;
     let mut err = None;
     for _ in 0..1000 {

@@ -60,7 +60,9 @@ pub use envelope::EnvelopeError;
 pub use gc::{GcReport, Retention};
 pub use lazy_memory::LazyMemory;
 pub use parent::{Parent, ParentError, ParentMemory};
-pub use prefetch::{Ask, ChunkData, ChunkReader, FetchSettings, LazyFetch, LazyFetchError, PREFETCH_BYTES};
+pub use prefetch::{
+    Ask, ChunkData, ChunkReader, FetchSettings, LazyFetch, LazyFetchError, PREFETCH_BYTES, Placer,
+};
 pub use sift::{Sifted, Sifting};
 pub use staging::{Staged, Staging, StagingBudget};
 pub use stasis_proto::stasis::store::v1::{Manifest, PodInfo};

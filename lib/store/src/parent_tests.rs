@@ -222,7 +222,7 @@ async fn lazy_fetch(
         timeout: std::time::Duration::from_secs(10),
         fresh_first: true,
     };
-    store.start_lazy_fetch(lazy, settings, true).unwrap()
+    store.start_lazy_fetch(lazy, settings, true, None).unwrap()
 }
 
 /// `manifest`'s memory as a lazy restore serves it, every chunk fetched and verified: the

@@ -9,7 +9,12 @@
 //!   copies it into every process               otherwise: next chunks in prefetch order
 //!   release(chunk): it leaves the cache        while cache + in flight < capacity
 //! ```
-//! Every chunk is checked ([`decode_chunk`]) before it is cached. A fetch that fails, or takes
+//! An eager restore gives a [`Placer`]: the thread that decoded a chunk puts it in place
+//! itself, while its bytes are in that CPU's caches, and the chunk skips the cache and the
+//! fault server (told through [`ChunkReader::take_placed`]); one the placer cannot put in
+//! place now is cached as any other.
+//!
+//! Every chunk is checked ([`decode_chunk`]) before it is cached or placed. A fetch that fails, or takes
 //! longer than the timeout, fails the whole session: the caller must then kill the tree,
 //! whose memory can no longer be completed.
 
@@ -51,6 +56,13 @@ pub const PREFETCH_BYTES: u64 = 64 << 20;
 const BATCHES_IN_FLIGHT: usize = 4;
 /// ...and prefetch batches, while a batch something waits for is under way.
 const BATCHES_WHILE_URGENT: usize = 2;
+
+/// Puts chunks in place from the threads that decode them (see the module's text).
+pub trait Placer: Send + Sync {
+    /// Puts `bytes`, the memory of task `pid` at image address `addr`, in place if it can now;
+    /// whether it did (all of it).
+    fn place(&self, pid: u64, addr: u64, bytes: &[u8]) -> bool;
+}
 
 /// How a lazy restore fetches memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,6 +114,8 @@ struct State {
     released: Vec<bool>,
     /// Chunks cached since the fault server last looked, in the order they arrived.
     arrived: Vec<usize>,
+    /// Chunks the placer put in place since the fault server last looked.
+    placed: Vec<usize>,
     /// Bytes held in `Ready` slots and in flight.
     held: u64,
     /// Chunks a fault waits for: fetched whether or not the cache has room.
@@ -120,6 +134,7 @@ struct State {
 
 struct Shared {
     memory: LazyMemory,
+    placer: Option<Arc<dyn Placer>>,
     state: Mutex<State>,
     /// Written whenever chunks arrive or the session fails: the fault server polls it.
     arrived: EventFd,
@@ -196,17 +211,20 @@ impl Store {
     /// Starts serving `memory`: a prefetcher task that keeps at most `settings.cache_bytes`
     /// of chunks not yet released, each fetch given at most `settings.timeout`. Unless
     /// `prefetch_now`, it fetches only chunks asked for until [`ChunkReader::start_prefetch`].
+    /// Chunks go to `placer` first, where there is one.
     pub fn start_lazy_fetch(
         &self,
         memory: LazyMemory,
         settings: FetchSettings,
         prefetch_now: bool,
+        placer: Option<Arc<dyn Placer>>,
     ) -> std::io::Result<(ChunkReader, LazyFetch)> {
         let n = memory.chunks.len();
         let state = State {
             slots: vec![Slot::Absent; n],
             released: vec![false; n],
             arrived: Vec::new(),
+            placed: Vec::new(),
             held: 0,
             urgent: VecDeque::new(),
             soon: VecDeque::new(),
@@ -218,6 +236,7 @@ impl Store {
         let arrived = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?;
         let shared = Arc::new(Shared {
             memory,
+            placer,
             state: Mutex::new(state),
             arrived,
             wake: Notify::new(),
@@ -280,6 +299,11 @@ impl ChunkReader {
     /// The chunks cached since the last call, in the order they arrived.
     pub fn take_arrived(&self) -> Vec<usize> {
         std::mem::take(&mut self.shared.lock().arrived)
+    }
+
+    /// The chunks the placer put in place since the last call.
+    pub fn take_placed(&self) -> Vec<usize> {
+        std::mem::take(&mut self.shared.lock().placed)
     }
 
     /// No process needs chunk `i` any more: it leaves the cache (one being fetched, when it
@@ -501,6 +525,7 @@ async fn fetch_batch(
             let mut parts_left: HashMap<u64, usize> = HashMap::new();
             chunks.iter().for_each(|&i| *parts_left.entry(offset_of(i)).or_default() += 1);
             let mut decoded: HashMap<u64, Bytes> = HashMap::new();
+            let mut placed = false;
             for (i, (blob, own_buffer)) in chunks.into_iter().zip(blobs) {
                 let chunk = &verify.memory.chunks[i];
                 let (hash, loc) = chunk.stored.as_ref().expect("stored");
@@ -519,18 +544,27 @@ async fn fetch_batch(
                         }
                     },
                 };
-                // A part is copied out: the cache holds only the bytes it counts.
                 let part = chunk.offset as usize..chunk.offset as usize + chunk.len as usize;
-                let data = match part == (0..whole.len()) {
-                    true => whole.clone(),
-                    false => Bytes::copy_from_slice(&whole[part]),
-                };
+                let (pid, addr, _) = verify.memory.chunk_at(i);
+                if verify.placer.as_ref().is_some_and(|p| p.place(pid, addr, &whole[part.clone()])) {
+                    put_in_place(&verify, i);
+                    placed = true;
+                } else {
+                    // A part is copied out: the cache holds only the bytes it counts.
+                    let data = match part == (0..whole.len()) {
+                        true => whole.clone(),
+                        false => Bytes::copy_from_slice(&whole[part]),
+                    };
+                    cache(&verify, i, data);
+                }
                 let left = parts_left.get_mut(&loc.offset).expect("counted");
                 *left -= 1;
                 if *left > 0 {
                     decoded.insert(loc.offset, whole);
                 }
-                cache(&verify, i, data);
+            }
+            if placed {
+                verify.tell_arrived();
             }
         }
         Ok(())
@@ -539,6 +573,18 @@ async fn fetch_batch(
     .map_err(|e| LazyFetchError::Task { id: shared.memory.id.clone(), reason: e.to_string() })??;
     debug!(chunks = batch.len(), "lazy restore: chunks cached");
     Ok(())
+}
+
+/// Fetched chunk `i` was put in place by the placer: it leaves the cache's count (its room is
+/// the prefetcher's again) and is not fetched again unless asked for.
+fn put_in_place(shared: &Shared, i: usize) {
+    let mut st = shared.lock();
+    st.slots[i] = Slot::Absent;
+    st.released[i] = true;
+    st.held -= u64::from(shared.memory.chunks[i].len);
+    st.placed.push(i);
+    drop(st);
+    shared.wake.notify_one();
 }
 
 /// Puts fetched chunk `i` in the cache, unless it was released meanwhile, and tells the fault

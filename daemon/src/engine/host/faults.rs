@@ -18,7 +18,7 @@ pub trait Userfaults: Send + Sync {
 pub type FaultEvent = Event<Box<dyn FaultFd>>;
 
 /// One process's userfaultfd; it polls readable when events wait.
-pub trait FaultFd: AsFd + Send {
+pub trait FaultFd: AsFd + Send + Sync {
     /// The events waiting, appended to `out`; none (not an error) when nothing waits.
     fn read_events(&self, out: &mut Vec<FaultEvent>) -> io::Result<()>;
     /// Registers `[start, start + len)` of the process for missing-page faults.

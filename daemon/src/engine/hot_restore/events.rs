@@ -24,9 +24,14 @@ impl FaultServer {
         if task.gone {
             return Ok(0);
         }
-        task.uffd
-            .read_events(&mut events)
-            .map_err(|source| FaultServerError::Events { pid: task.pid, source })?;
+        let read = match &self.direct {
+            Some(direct) if task.direct => {
+                direct.read_events(task.pid as u64, task.uffd.as_ref(), &mut events)
+            }
+            _ => task.uffd.read_events(&mut events).map(|()| false),
+        };
+        let pid = task.pid;
+        self.tasks[t].direct = read.map_err(|source| FaultServerError::Events { pid, source })?;
         let count = events.len();
         let (forks, others): (Vec<FaultEvent>, Vec<FaultEvent>) =
             events.into_iter().partition(|e| matches!(e, Event::Fork { .. }));

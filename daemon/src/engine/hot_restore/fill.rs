@@ -126,6 +126,19 @@ impl FaultServer {
         }
     }
 
+    /// Takes note of the chunks the decoding threads put in place (see direct.rs): each in the
+    /// task they put it in, the first of its pid (a child forked since has its own copy of
+    /// what was missing then, and gets it from the server).
+    pub(super) fn placed_directly(&mut self) {
+        for i in self.chunks.take_placed() {
+            let (pid, addr, len) = self.chunks.memory().chunk_at(i);
+            if let Some(t) = self.tasks.iter().position(|t| t.pid as u64 == pid) {
+                self.filled(t, addr, 0, len.into());
+                self.settle(t);
+            }
+        }
+    }
+
     fn filled(&mut self, t: usize, addr: u64, offset: u64, len: u64) {
         if len > 0 {
             self.tasks[t].pages.filled(addr, offset, len);

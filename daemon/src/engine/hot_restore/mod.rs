@@ -11,6 +11,8 @@
 //!   -> the tree runs (first_run_ms) -> GPU restore
 //!   -> pages arrive on fault and in the background -> all in place (resident_ms)
 //! ```
+//! An eager restore's chunks are put in place by the threads that decode them, from the moment
+//! each process's userfaultfd is here (direct.rs); the server fills in what they could not.
 //! GPU trees: the CUDA restore copies the host copies of device memory back to the GPU all
 //! at once, right after CRIU's restore, so a lazy restore restores those eagerly (the
 //! checkpoint recorded where they are: `gpu_host_memory` in the manifest).
@@ -31,6 +33,7 @@ use nix::sys::signal::Signal;
 use tracing::{info, warn};
 
 mod control;
+mod direct;
 mod events;
 mod fill;
 mod guard;
@@ -41,6 +44,7 @@ mod serve_tests;
 mod server;
 
 use control::Control;
+use direct::Direct;
 pub(in crate::engine) use guard::{FaultGuard, GuardError, TreePids};
 pub use server::FaultServerError;
 use server::{FaultServer, ServeStats};
@@ -150,9 +154,12 @@ impl Engine {
             false => self.settings.lazy,
         };
         // A lazy restore fetches only what faults ask for until CRIU is done: the tree's first
-        // run comes first.
+        // run comes first. An eager one's chunks are put in place by the threads that decode
+        // them, from the moment each process's userfaultfd is here.
+        let direct = hold.then(|| Arc::new(Direct::default()));
+        let placer = direct.clone().map(|d| d as Arc<dyn crate::store::Placer>);
         let (chunks, fetch) =
-            self.deps.store.start_lazy_fetch(memory, settings, hold).map_err(LazyError::Start)?;
+            self.deps.store.start_lazy_fetch(memory, settings, hold, placer).map_err(LazyError::Start)?;
         let armed = Arc::new(AtomicBool::new(false));
         let server = FaultServer::new(
             self.deps.host.clone(),
@@ -161,6 +168,7 @@ impl Engine {
             chunks,
             self.settings.lazy.timeout,
             control.clone(),
+            direct,
         );
         let server = {
             let (armed, kill) = (armed.clone(), kill.clone());

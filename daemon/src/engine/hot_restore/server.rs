@@ -27,6 +27,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use tracing::debug;
 
 use super::control::Control;
+use super::direct::Direct;
 use super::pages::Pages;
 use super::read_ahead::ReadAhead;
 use crate::criu::lazy_socket::{Announcement, LazyListener, LazySocketError, RestoreConnection};
@@ -81,8 +82,10 @@ pub struct ServeStats {
 pub(super) struct Task {
     /// Its pid in the checkpoint: where its memory is in the store.
     pub pid: i32,
-    pub uffd: Box<dyn FaultFd>,
+    pub uffd: Arc<dyn FaultFd>,
     pub pages: Pages,
+    /// The decoding threads put its memory in place too (see direct.rs).
+    pub direct: bool,
     /// It exited: nothing more to put in place.
     pub gone: bool,
     /// Chunks asked for after a fault, put in place as soon as they arrive: image address,
@@ -94,7 +97,9 @@ pub(super) struct Task {
 
 impl Task {
     pub(super) fn new(pid: i32, uffd: Box<dyn FaultFd>, pages: Pages) -> Task {
-        Task { pid, uffd, pages, gone: false, ahead: VecDeque::new(), read_ahead: ReadAhead::default() }
+        let uffd = Arc::from(uffd);
+        let read_ahead = ReadAhead::default();
+        Task { pid, uffd, pages, direct: false, gone: false, ahead: VecDeque::new(), read_ahead }
     }
 }
 
@@ -129,11 +134,14 @@ pub(super) struct FaultServer {
     /// A copy waits for a mapping change whose event has not come yet.
     pub(super) changing: bool,
     pub(super) stats: ServeStats,
+    /// Where the decoding threads put chunks in place themselves (an eager restore).
+    pub(super) direct: Option<Arc<Direct>>,
 }
 
 impl FaultServer {
     /// A server for a restore whose work directory `listener` listens in, restoring
-    /// `processes` processes whose lazy memory `chunks` serves, on `host`.
+    /// `processes` processes whose lazy memory `chunks` serves, on `host`; with `direct`, the
+    /// decoding threads put chunks in place too.
     pub fn new(
         host: Arc<dyn Host>,
         listener: LazyListener,
@@ -141,6 +149,7 @@ impl FaultServer {
         chunks: ChunkReader,
         timeout: Duration,
         control: Arc<Control>,
+        direct: Option<Arc<Direct>>,
     ) -> FaultServer {
         let needs = vec![0; chunks.memory().len()];
         FaultServer {
@@ -159,6 +168,7 @@ impl FaultServer {
             cursor: (0, 0),
             changing: false,
             stats: ServeStats::default(),
+            direct,
         }
     }
 
@@ -172,11 +182,14 @@ impl FaultServer {
         // userfaultfds are still open, and nobody waits for the outcome forever.
         let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             self.serve().and_then(|()| {
+                // Nothing more to put in place before the tree runs.
+                self.close_direct();
                 control.update(|p| p.outcome = Some((Ok(()), Instant::now())));
                 self.linger()
             })
         }))
         .unwrap_or_else(|_| Err(FaultServerError::Panicked));
+        self.close_direct();
         if let Err(e) = &served {
             on_failure(e);
             control.update(|p| p.outcome = Some((Err(crate::error_chain(e)), Instant::now())));
@@ -187,6 +200,13 @@ impl FaultServer {
         control.forget_uffds();
         control.update(|p| p.closed = true);
         served.map(|()| stats)
+    }
+
+    /// No more copies by the decoding threads (see direct.rs).
+    fn close_direct(&self) {
+        if let Some(direct) = &self.direct {
+            direct.close();
+        }
     }
 
     /// Answers faults of a resident tree (memory it dropped since reads zeros) until closed.
@@ -223,6 +243,7 @@ impl FaultServer {
     /// Does what can be done now; whether there may be more right away.
     fn step(&mut self) -> Result<bool, FaultServerError> {
         self.talk_to_restore()?;
+        self.placed_directly();
         self.read_all_events()?;
         self.answer_faults()?;
         // While faults that follow a walk or a stride wait, what they asked for ahead comes
@@ -249,7 +270,14 @@ impl FaultServer {
                     let uffd = self.host.adopt_userfaultfd(uffd).map_err(FaultServerError::Poll)?;
                     let pages = Pages::new(self.chunks.memory(), pid as u64);
                     debug!(pid, bytes = pages.bytes_left(), "userfaultfd of a restored process");
-                    self.add_task(Task::new(pid, uffd, pages));
+                    let mut task = Task::new(pid, uffd, pages);
+                    if let Some(direct) = &self.direct
+                        && !self.tasks.iter().any(|t| t.pid == pid)
+                    {
+                        direct.add(pid as u64, task.uffd.clone());
+                        task.direct = true;
+                    }
+                    self.add_task(task);
                 }
                 Announcement::Zombie { pid } => debug!(pid, "a zombie of the restored tree"),
                 Announcement::Finished => self.finished = true,
