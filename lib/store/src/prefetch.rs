@@ -109,8 +109,8 @@ enum Slot {
 
 struct State {
     slots: Vec<Slot>,
-    /// Chunks no process needs any more: not fetched again unless asked for, and one that
-    /// arrives so marked leaves the cache at once.
+    /// Chunks no process needs any more, or put in place by the placer: not fetched again
+    /// unless asked for, and one that arrives so marked leaves the cache at once.
     released: Vec<bool>,
     /// Chunks cached since the fault server last looked, in the order they arrived.
     arrived: Vec<usize>,
@@ -462,7 +462,7 @@ fn next_batch(
 }
 
 /// Fetches `batch` (grouped by pack, ranges read in one request per pack), verifies each
-/// chunk and puts it in the cache.
+/// chunk and hands it to the placer, or else puts it in the cache.
 async fn fetch_batch(
     store: Store,
     shared: Arc<Shared>,
@@ -571,7 +571,7 @@ async fn fetch_batch(
     })
     .await
     .map_err(|e| LazyFetchError::Task { id: shared.memory.id.clone(), reason: e.to_string() })??;
-    debug!(chunks = batch.len(), "lazy restore: chunks cached");
+    debug!(chunks = batch.len(), "lazy restore: chunks cached or put in place");
     Ok(())
 }
 

@@ -102,7 +102,9 @@ impl FaultServer {
                 debug!(pid = task.pid, address, "registered a page CRIU had left unregistered");
                 *registered = Some(address);
             }
-            Err(_) => self.tasks[t].pages.filled(addr, offset, PAGE),
+            Err(_) => {
+                self.tasks[t].pages.filled(addr, offset, PAGE);
+            }
         }
         Ok(())
     }
@@ -139,12 +141,13 @@ impl FaultServer {
         }
     }
 
+    /// `[offset, offset + len)` of the chunk at `addr` is in place in task `t`: counted as
+    /// placed as far as it was still to fill (a page found there already, or placed twice, is
+    /// counted once).
     fn filled(&mut self, t: usize, addr: u64, offset: u64, len: u64) {
-        if len > 0 {
-            self.tasks[t].pages.filled(addr, offset, len);
-            self.stats.bytes_placed += len;
-            self.control.placed.fetch_add(len, std::sync::atomic::Ordering::Relaxed);
-        }
+        let placed = self.tasks[t].pages.filled(addr, offset, len);
+        self.stats.bytes_placed += placed;
+        self.control.placed.fetch_add(placed, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Task `t` exited: nothing of it is needed any more.

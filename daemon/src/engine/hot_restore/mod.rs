@@ -11,8 +11,9 @@
 //!   -> the tree runs (first_run_ms) -> GPU restore
 //!   -> pages arrive on fault and in the background -> all in place (resident_ms)
 //! ```
-//! An eager restore's chunks are put in place by the threads that decode them, from the moment
-//! each process's userfaultfd is here (direct.rs); the server fills in what they could not.
+//! An eager restore's chunks are put in place by the threads that decode them once each
+//! process's userfaultfd is here and CRIU has registered its memory (direct.rs); the server
+//! fills in the rest (chunks that came before, zero chunks, copies refused).
 //! GPU trees: the CUDA restore copies the host copies of device memory back to the GPU all
 //! at once, right after CRIU's restore, so a lazy restore restores those eagerly (the
 //! checkpoint recorded where they are: `gpu_host_memory` in the manifest).
@@ -155,7 +156,8 @@ impl Engine {
         };
         // A lazy restore fetches only what faults ask for until CRIU is done: the tree's first
         // run comes first. An eager one's chunks are put in place by the threads that decode
-        // them, from the moment each process's userfaultfd is here.
+        // them once each process's userfaultfd is here (those decoded before are cached: the
+        // prefetch starts at once, while CRIU restores the rest of the tree).
         let direct = hold.then(|| Arc::new(Direct::default()));
         let placer = direct.clone().map(|d| d as Arc<dyn crate::store::Placer>);
         let (chunks, fetch) =

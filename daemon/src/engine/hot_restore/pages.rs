@@ -140,15 +140,16 @@ impl Pages {
     }
 
     /// `[offset, offset + len)` of the chunk at image address `chunk` is in place, or can
-    /// never be.
-    pub fn filled(&mut self, chunk: u64, offset: u64, len: u64) {
-        if let Some((i, _, bits)) = self.todo.get_mut(&chunk) {
-            *bits &= !page_bits(offset, len);
-            if *bits == 0 {
-                self.completed.push(*i);
-                self.todo.remove(&chunk);
-            }
+    /// never be; returns how many bytes of it were still to fill.
+    pub fn filled(&mut self, chunk: u64, offset: u64, len: u64) -> u64 {
+        let Some((i, _, bits)) = self.todo.get_mut(&chunk) else { return 0 };
+        let cleared = *bits & page_bits(offset, len);
+        *bits &= !cleared;
+        if *bits == 0 {
+            self.completed.push(*i);
+            self.todo.remove(&chunk);
         }
+        u64::from(cleared.count_ones()) * PAGE
     }
 
     /// What is now in `[start, end)` reads zeros from now on (madvise DONTNEED): nothing of
@@ -247,7 +248,7 @@ mod tests {
         assert_eq!(p.fault(0x200000 + 0x3fff), Some((0x200000, 2)));
         assert_eq!(p.fault(0x204000), None, "past the short chunk");
         assert_eq!(p.fault(0x90000), None, "no lazy memory there");
-        p.filled(0x110000, 0x1000, 0x2000);
+        assert_eq!(p.filled(0x110000, 0x1000, 0x2000), 0x2000);
         assert_eq!(p.fault(0x111000), None);
         assert_eq!(p.fault(0x110000), Some((0x110000, 1)));
         assert_eq!(
@@ -257,7 +258,8 @@ mod tests {
                 Piece { offset: 0x3000, len: CHUNK - 0x3000, address: 0x113000 }
             ]
         );
-        p.filled(0x110000, 0, CHUNK);
+        assert_eq!(p.filled(0x110000, 0, CHUNK), CHUNK - 0x2000, "only what was still to fill");
+        assert_eq!(p.filled(0x110000, 0, CHUNK), 0, "filled twice");
         assert_eq!(p.chunks_from(0).map(|(a, _)| a).collect::<Vec<_>>(), vec![0x100000, 0x200000]);
         p.filled(0x100000, 0, CHUNK);
         p.filled(0x200000, 0, 0x4000);
