@@ -38,6 +38,16 @@ pub fn misses(table: &str) -> Vec<&str> {
         .collect()
 }
 
+/// Ours against theirs, round by round; a figure measured once (a bound, the machine's first
+/// touch) is what every round is compared with.
+fn ratios(ours: &[f64], theirs: &[f64]) -> Vec<f64> {
+    match (ours, theirs) {
+        (_, [one]) => ours.iter().map(|a| a / one).collect(),
+        ([one], _) => theirs.iter().map(|b| one / b).collect(),
+        _ => ours.iter().zip(theirs).map(|(a, b)| a / b).collect(),
+    }
+}
+
 pub fn median(values: &[f64]) -> f64 {
     let mut v = values.to_vec();
     v.sort_by(f64::total_cmp);
@@ -186,7 +196,7 @@ impl Results {
         out.push_str("| measure | stasis | peer / reference | ratio | ratio per round | target | |\n");
         out.push_str("|---|---|---|---|---|---|---|\n");
         for r in self.rows() {
-            let ratios: Vec<f64> = r.ours.iter().zip(&r.theirs).map(|(a, b)| a / b).collect();
+            let ratios = ratios(&r.ours, &r.theirs);
             let ratio = median(&ratios);
             let per_round = if ratios.len() > 1 {
                 ratios.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(" / ")
@@ -231,7 +241,16 @@ impl Results {
 
 #[cfg(test)]
 mod tests {
-    use super::misses;
+    use super::{median, misses, ratios};
+
+    #[test]
+    fn every_round_is_compared_with_a_figure_measured_once() {
+        let by_round = ratios(&[3.0, 1.0, 2.0], &[2.0]);
+        assert_eq!(by_round, [1.5, 0.5, 1.0]);
+        assert_eq!(median(&by_round), 1.0, "the median round, not the first");
+        assert_eq!(ratios(&[4.0], &[2.0, 8.0]), [2.0, 0.5]);
+        assert_eq!(ratios(&[1.0, 6.0], &[2.0, 3.0]), [0.5, 2.0], "round by round");
+    }
 
     #[test]
     fn the_rows_that_missed_are_named() {
