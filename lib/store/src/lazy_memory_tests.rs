@@ -123,14 +123,15 @@ async fn wait_for(reader: &ChunkReader, i: usize) -> ChunkData {
     panic!("chunk {i} never arrived");
 }
 
-/// The stored checkpoint, restored with all of its lazy memory left in the store.
-async fn all_lazy(dir: &std::path::Path) -> (Store, LazyMemory) {
-    let (store, manifest, _) = stored(dir).await;
+/// The stored checkpoint, restored with all of its lazy memory left in the store, and the
+/// memory stored (as [`stored`] gives it).
+async fn all_lazy(dir: &std::path::Path) -> (Store, LazyMemory, [Vec<u8>; 3]) {
+    let (store, manifest, data) = stored(dir).await;
     let out = dir.join("restore");
     std::fs::create_dir_all(&out).unwrap();
     let mode = MemoryMode::Lazy { eager: &[] };
     let (_, memory) = store.materialize_as(&manifest, &out, mode, Arc::new(|_, _| {})).await.unwrap();
-    (store, memory)
+    (store, memory, data)
 }
 
 /// Chunk `i` as cached, once it arrived, without asking for it.
@@ -148,7 +149,7 @@ async fn arrival(reader: &ChunkReader, i: usize, within: Duration) -> Option<Chu
 /// The stored checkpoint served lazily with room for one full chunk (64 KiB) and no prefetch
 /// (only what is asked for), and its three chunks that hold data: 64, 32 and 32 KiB.
 async fn one_chunk_of_room(dir: &std::path::Path) -> (ChunkReader, LazyFetch, [usize; 3]) {
-    let (store, memory) = all_lazy(dir).await;
+    let (store, memory, _) = all_lazy(dir).await;
     let settings = FetchSettings { cache_bytes: 64 << 10, ..SETTINGS };
     let (reader, fetch) = store.start_lazy_fetch(memory, settings, false, None).unwrap();
     let stored: Vec<usize> =
@@ -223,7 +224,7 @@ async fn chunks_asked_for_ahead_wait_for_room_in_the_cache_and_a_fault_does_not(
 #[tokio::test(flavor = "multi_thread")]
 async fn the_prefetch_fills_only_its_share_of_the_cache() {
     let dir = tempfile::tempdir().unwrap();
-    let (store, memory) = all_lazy(dir.path()).await;
+    let (store, memory, _) = all_lazy(dir.path()).await;
     // The chunks that hold data (64, 32 and 32 KiB), in the prefetcher's order.
     let stored: Vec<usize> = (0..memory.len()).filter(|&i| memory.chunks[i].stored.is_some()).collect();
     let [first, second, third] = stored[..].try_into().unwrap();
@@ -287,15 +288,10 @@ impl Taker {
 #[tokio::test(flavor = "multi_thread")]
 async fn chunks_a_placer_takes_skip_the_cache_and_free_its_room_and_the_others_are_cached() {
     let dir = tempfile::tempdir().unwrap();
-    let (store, memory) = all_lazy(dir.path()).await;
+    let (store, memory, [a, b, _]) = all_lazy(dir.path()).await;
     // Its chunks with data, in the prefetch order (address order: all are new): 64 KiB at
     // 0x10000, 32 KiB at 0x30000 (the placer refuses it) and 32 KiB at 0x100000. The cache has
     // room for the first alone: the others come only if what the placer took left it.
-    let a = {
-        let mut a = bytes(40 * PAGE_SIZE as usize, 1);
-        a[PAGE_SIZE as usize * 16..PAGE_SIZE as usize * 32].fill(0);
-        a
-    };
     let taker = Taker::refusing(0x30000);
     let settings = FetchSettings { cache_bytes: 64 << 10, prefetch_bytes: 64 << 10, ..SETTINGS };
     let (reader, fetch) = store.start_lazy_fetch(memory, settings, true, Some(taker.clone())).unwrap();
@@ -318,7 +314,6 @@ async fn chunks_a_placer_takes_skip_the_cache_and_free_its_room_and_the_others_a
     assert_eq!(placed, [index_at(0x10000), index_at(0x100000)], "what the placer took, told");
     let mut took = taker.took.lock().unwrap().clone();
     took.sort();
-    let b = bytes(8 * PAGE_SIZE as usize, 2);
     assert_eq!(took, [(PID, 0x10000, a[..0x10000].to_vec()), (PID, 0x100000, b)], "what it was given");
     for i in placed {
         assert!(reader.peek(i).is_none(), "chunk {i}, put in place, is cached too");
@@ -329,7 +324,7 @@ async fn chunks_a_placer_takes_skip_the_cache_and_free_its_room_and_the_others_a
 #[tokio::test(flavor = "multi_thread")]
 async fn a_damaged_chunk_never_reaches_the_placer() {
     let dir = tempfile::tempdir().unwrap();
-    let (store, memory) = all_lazy(dir.path()).await;
+    let (store, memory, _) = all_lazy(dir.path()).await;
     for path in
         walk(&dir.path().join("store")).into_iter().filter(|p| p.extension().is_some_and(|e| e == "pack"))
     {
@@ -357,7 +352,7 @@ async fn a_damaged_chunk_never_reaches_the_placer() {
 /// tree would run, and returns the error the first chunk asked for gives.
 async fn first_read_after(damage: impl FnOnce(&std::path::Path)) -> LazyFetchError {
     let dir = tempfile::tempdir().unwrap();
-    let (store, memory) = all_lazy(dir.path()).await;
+    let (store, memory, _) = all_lazy(dir.path()).await;
     damage(&dir.path().join("store"));
     let (reader, fetch) = store.start_lazy_fetch(memory, SETTINGS, false, None).unwrap();
     let first = reader.memory().task_chunks(PID).next().unwrap().0;
