@@ -168,12 +168,8 @@ impl Daemon {
 
     /// stasisd's peak resident memory (VmHWM) since it started or the last reset, bytes.
     pub fn peak_rss(&self) -> anyhow::Result<u64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))?;
-        let kib: u64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmHWM:")?.split_whitespace().next()?.parse().ok())
-            .context("no VmHWM in stasisd's /proc status")?;
-        Ok(kib << 10)
+        stasis_tests::procfs::status_bytes(self.pid() as i32, "VmHWM")
+            .context("no VmHWM in stasisd's /proc status")
     }
 }
 

@@ -62,10 +62,7 @@ pub fn checkpoint(d: &Daemon) -> anyhow::Result<Value> {
 
 /// Resident memory of a process, bytes.
 pub fn vm_rss(pid: i32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let kib: Option<u64> =
-        status.lines().find_map(|l| l.strip_prefix("VmRSS:")?.split_whitespace().next()?.parse().ok());
-    kib.unwrap_or(0) << 10
+    stasis_tests::procfs::status_bytes(pid, "VmRSS").unwrap_or(0)
 }
 
 fn staging_bound(args: &Args) -> u64 {

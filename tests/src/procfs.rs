@@ -207,6 +207,12 @@ pub fn status_field(pid: i32, field: &str) -> Option<String> {
     status.lines().find_map(|l| Some(l.strip_prefix(field)?.strip_prefix(':')?.trim().to_owned()))
 }
 
+/// A `kB` field of /proc/PID/status (VmRSS, VmHWM...), in bytes.
+pub fn status_bytes(pid: i32, field: &str) -> Option<u64> {
+    let kib: u64 = status_field(pid, field)?.split_whitespace().next()?.parse().ok()?;
+    Some(kib << 10)
+}
+
 /// The kernel's transparent-huge-page mode, set to "always" while any of these lives (in this
 /// test process) and put back as it was when the last is dropped.
 pub struct HugePagesAlways(());
@@ -246,5 +252,18 @@ impl Drop for HugePagesAlways {
         {
             eprintln!("putting {THP_ENABLED} back to {}: {e}", state.1);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_kb_field_of_status_reads_as_bytes() {
+        let me = std::process::id() as i32;
+        let rss = super::status_bytes(me, "VmRSS").expect("this process has a VmRSS");
+        let kib: u64 = super::status_field(me, "VmRSS").unwrap().trim_end_matches(" kB").parse().unwrap();
+        assert!(rss > 0 && rss.is_multiple_of(1024), "{rss}");
+        assert!(rss.abs_diff(kib << 10) < 64 << 20, "{rss} against {kib} kB read just after");
+        assert_eq!(super::status_bytes(me, "NoSuchField"), None);
     }
 }

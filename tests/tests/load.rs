@@ -39,12 +39,7 @@ fn stasis(socket: &PathBuf, args: &[&str], timeout: Duration) -> Result<(Output,
 }
 
 fn vm_rss_mib(pid: i32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:")?.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0);
-    kib >> 10
+    procfs::status_bytes(pid, "VmRSS").unwrap_or(0) >> 20
 }
 
 #[test]
