@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::fcntl::{PosixFadviseAdvice, posix_fadvise};
 use nix::unistd::Pid;
 use serde_json::Value;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
@@ -74,6 +75,8 @@ pub struct Extra {
 pub struct Daemon {
     child: Child,
     socket: PathBuf,
+    /// The local store's directory (none for a store elsewhere).
+    store_dir: Option<PathBuf>,
     /// On disk: stasisd's state, its store, the peer's tarballs.
     pub work: PathBuf,
     /// In tmpfs: the peer's image directories.
@@ -95,7 +98,13 @@ impl Daemon {
         let socket = work.join("stasisd.sock");
         let mut cmd = Command::new("target/release/stasisd");
         cmd.arg("--socket").arg(&socket).arg("--state-dir").arg(work.join("state"));
-        let store = extra.store.clone().unwrap_or_else(|| format!("file://{}", work.join("store").display()));
+        let (store, store_dir) = match &extra.store {
+            Some(url) => (url.clone(), None),
+            None => {
+                let dir = work.join("store");
+                (format!("file://{}", dir.display()), Some(dir))
+            }
+        };
         cmd.arg("--store").arg(store).envs(extra.env.iter().map(|(k, v)| (k, v)));
         cmd.arg("--criu").arg(criu).args(["--keep-last", "0"]).args(&extra.args);
         let log = std::fs::File::create(work.join("stasisd.log"))?;
@@ -108,7 +117,7 @@ impl Daemon {
         let daemon = Pid::from_raw(child.id() as i32);
         let undo = Undo { daemon, workload: None, work: work.clone(), scratch: scratch.clone(), keep };
         *UNDO.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(undo);
-        let daemon = Self { child, socket, work, scratch };
+        let daemon = Self { child, socket, store_dir, work, scratch };
         wait_until("stasisd's socket", Duration::from_secs(30), || daemon.cli(&["status", "--json"]).is_ok())
             .with_context(|| format!("stasisd's log:\n{}", daemon.log_tail()))?;
         Ok(daemon)
@@ -164,6 +173,29 @@ impl Daemon {
         io.lines()
             .find_map(|l| l.strip_prefix("read_bytes:")?.trim().parse().ok())
             .context("no read_bytes in stasisd's /proc io")
+    }
+
+    /// Drops a local store's files from the page cache, so that the next restore reads the
+    /// store from its disk at every size, as a restore on another node would (at the largest
+    /// sizes the packs do not stay cached beside the workload anyway). Nothing for a store
+    /// elsewhere.
+    pub fn uncache_store(&self) -> anyhow::Result<()> {
+        let Some(dir) = &self.store_dir else { return Ok(()) };
+        let mut dirs = vec![dir.clone()];
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).with_context(|| format!("listing {}", dir.display()))? {
+                let entry = entry?;
+                let path = entry.path();
+                if entry.file_type()?.is_dir() {
+                    dirs.push(path);
+                } else if entry.file_type()?.is_file() {
+                    let file = std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+                    posix_fadvise(&file, 0, 0, PosixFadviseAdvice::POSIX_FADV_DONTNEED)
+                        .with_context(|| format!("dropping {} from the page cache", path.display()))?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// stasisd's peak resident memory (VmHWM) since it started or the last reset, bytes.

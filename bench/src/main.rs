@@ -9,7 +9,7 @@
 //! target/release/stasis-bench [--rss-mib 2048] [--random 0.5] [--compressible 0.5] [--zero F]
 //!     [--dirty 0.1] [--dirty-block-kib 1024] [--churn] [--rounds 3] [--staging-mib M]
 //!     [--store-dir /var/tmp/stasis-bench] [--peer-scratch /dev/shm] [--no-settle] [--keep]
-//! target/release/stasis-bench lazy [--s3] [--prefetch fresh-first] [--eager-restore served] [the same options]
+//! target/release/stasis-bench lazy [--s3] [--cold-store] [--prefetch fresh-first] [--eager-restore served] [the same options]
 //! target/release/stasis-bench kube [the same options]
 //! target/release/stasis-bench curve [--sizes-gib 2,8,16] [--svg bench/cost-curve.svg] [the same options]
 //! ```
@@ -121,6 +121,11 @@ pub struct Args {
     /// How stasisd compresses new chunks [default: stasisd's own, zstd].
     #[arg(long, value_parser = ["zstd", "lz4"])]
     pub compression: Option<String>,
+    /// The lazy benchmark drops a local store's files from the page cache before each restore
+    /// (eager and lazy alike), so that every size reads the store from its disk, as a restore
+    /// on another node does, instead of from memory while the packs fit beside the workload.
+    #[arg(long)]
+    pub cold_store: bool,
     /// Where the peer's image directories go: tmpfs, or a disk where the workload and its
     /// images would not fit in memory together.
     #[arg(long, default_value = "/dev/shm")]
