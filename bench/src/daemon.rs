@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use nix::fcntl::{PosixFadviseAdvice, posix_fadvise};
 use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
-use nix::fcntl::{PosixFadviseAdvice, posix_fadvise};
 use nix::unistd::Pid;
 use serde_json::Value;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
@@ -189,7 +189,8 @@ impl Daemon {
                 if entry.file_type()?.is_dir() {
                     dirs.push(path);
                 } else if entry.file_type()?.is_file() {
-                    let file = std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+                    let file =
+                        std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
                     posix_fadvise(&file, 0, 0, PosixFadviseAdvice::POSIX_FADV_DONTNEED)
                         .with_context(|| format!("dropping {} from the page cache", path.display()))?;
                 }

@@ -80,7 +80,15 @@ fn settle_store(d: &Daemon, cold: bool) -> anyhow::Result<()> {
 }
 
 /// Restores `id` (lazily with `--lazy`), checks the checksum, kills the tree.
-fn restore(d: &Daemon, cold: bool, id: &str, lazy: bool, pid: i32, log: &Path, sum: &str) -> anyhow::Result<Value> {
+fn restore(
+    d: &Daemon,
+    cold: bool,
+    id: &str,
+    lazy: bool,
+    pid: i32,
+    log: &Path,
+    sum: &str,
+) -> anyhow::Result<Value> {
     settle_store(d, cold)?;
     let mut argv = vec!["restore", id, "--json"];
     if lazy {
@@ -100,7 +108,15 @@ fn restore(d: &Daemon, cold: bool, id: &str, lazy: bool, pid: i32, log: &Path, s
 
 /// Restores the peer's tarball (the tree gets its old pid back), checks the checksum, kills
 /// the tree; returns how long the restore took, ms.
-fn peer_restore(d: &Daemon, cold: bool, peer: &Peer, tarball: &Path, pid: i32, log: &Path, sum: &str) -> anyhow::Result<u64> {
+fn peer_restore(
+    d: &Daemon,
+    cold: bool,
+    peer: &Peer,
+    tarball: &Path,
+    pid: i32,
+    log: &Path,
+    sum: &str,
+) -> anyhow::Result<u64> {
     settle_store(d, cold)?;
     d.set_workload(Some(pid));
     let restored = peer.restore(tarball)?;
@@ -264,5 +280,48 @@ impl LazyResults {
             ));
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::{LazyResults, Round};
+    use crate::report::misses;
+
+    fn results(resident_ms: u64) -> LazyResults {
+        let round = |eager_first| Round {
+            eager_ms: 1000,
+            peer_ms: 4000,
+            first_run_ms: 150,
+            resident_ms,
+            lazy_bytes_fetched: 0,
+            touch_ms: 250,
+            touch_disk_bytes: 0,
+            eager_first,
+        };
+        LazyResults {
+            store: "local (file://)",
+            prefetch: "fresh-first".into(),
+            eager_restore: "served".into(),
+            bytes_total: 0,
+            rounds: vec![round(true), round(false)],
+        }
+    }
+
+    #[test]
+    fn issue_10s_targets_are_judged_against_the_peer_and_the_eager_ratios_are_context() {
+        let args = crate::Cli::parse_from(["stasis-bench"]).args;
+        let table = results(1100).table(&args);
+        assert!(table.contains("| 1100 | peer's restore 4000 | 0.275 |"), "{table}");
+        assert!(table.contains("| 250 | eager restore 1000 | 0.250 |"), "{table}");
+        assert!(
+            table.contains("| resident_ms, against the eager restore | 1100 | eager restore 1000 | 1.100 |")
+        );
+        assert!(misses(&table).is_empty(), "context rows are not judged: {table}");
+
+        let table = results(2100).table(&args);
+        assert_eq!(misses(&table), ["resident_ms: request until every page is in"], "{table}");
     }
 }

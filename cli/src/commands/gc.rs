@@ -14,7 +14,10 @@ pub async fn run(client: &mut Client, args: GcArgs) -> anyhow::Result<()> {
         return output::print_json(&response);
     }
     for pack in &response.damaged_packs {
-        eprintln!("warning: the index of pack {pack} cannot be read; the pack was kept");
+        eprintln!(
+            "warning: pack {pack} is damaged (its index cannot be read, or a chunk a checkpoint needs \
+             does not check out); the pack was kept: `stasis check --read-data` names what it breaks"
+        );
     }
     output::print(&format!(
         "deleted {} checkpoints, {} packs, repacked {}; freed {}",

@@ -236,47 +236,11 @@ fn check_manifest(
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
-    use std::sync::Arc;
-
     use super::*;
-    use crate::Staging;
-    use stasis_criu_images::pages::{PAGE_SIZE, PE_PRESENT, PageRun, PageSink};
+    use crate::test_checkpoints::{packs, seeded};
 
-    /// A checkpoint `id` of 64 pages of `seed`-made memory (and a small image file).
-    async fn checkpoint(store: &Store, dir: &Path, id: &str, seed: u8) {
-        let pages = 64usize;
-        let bytes: Vec<u8> =
-            (0..pages * PAGE_SIZE as usize).map(|i| (i as u8).wrapping_mul(seed) ^ (i >> 12) as u8).collect();
-        let work = dir.join(id);
-        std::fs::create_dir_all(work.join("images")).unwrap();
-        stasis_criu_images::testing::write_dump_images(&work.join("images"), 1, &[]);
-        std::fs::write(work.join("images/stats-of-1.img"), format!("stats of {id}")).unwrap();
-        let mut staging = Staging::new(&crate::StagingBudget::new(64 << 20), &work.join("spill"));
-        let run = PageRun { dst_id: (1 << 8) | 1, vaddr: 0x10000, nr_pages: pages as u64, flags: PE_PRESENT };
-        staging.run(run, &mut bytes.as_slice()).unwrap();
-        let dump = store
-            .store_dump(
-                crate::DumpPages::Staged(Arc::new(staging.finish().unwrap())),
-                &work.join("images"),
-                &[],
-                Arc::new(|_, _| {}),
-            )
-            .await
-            .unwrap();
-        let manifest =
-            Manifest { id: id.into(), files: dump.files, memory: dump.memory, ..Default::default() };
-        store.commit(&manifest, &store.begin_commit().await.unwrap()).await.unwrap();
-    }
-
-    fn packs(dir: &Path, suffix: &str) -> Vec<std::path::PathBuf> {
-        let mut found: Vec<_> = std::fs::read_dir(dir.join("store/packs"))
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.to_string_lossy().ends_with(suffix))
-            .collect();
-        found.sort();
-        found
+    async fn checkpoint(store: &Store, dir: &std::path::Path, id: &str, seed: u8) {
+        crate::test_checkpoints::checkpoint(store, dir, id, "", &seeded(seed, 64)).await;
     }
 
     #[tokio::test(flavor = "multi_thread")]

@@ -9,13 +9,15 @@
 //! nodes, leases in the store keep a collection and other nodes' commits apart (`lease.rs`).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use stasis_proto::stasis::store::v1::{Manifest, PackIndex};
 use tracing::{info, warn};
 
+use super::assemble::{Verify, decode_chunk};
 use super::chunks::FinishedPack;
-use super::index::ChunkHash;
+use super::index::{ChunkHash, ChunkLoc};
 use super::{Listing, Store, StoreError, envelope};
 
 /// Packs whose live bytes are below this fraction are rewritten.
@@ -33,7 +35,8 @@ pub struct GcReport {
     pub packs_deleted: u64,
     pub packs_repacked: u64,
     pub bytes_freed: u64,
-    /// Packs whose index cannot be read: kept, since they may hold chunks a checkpoint needs.
+    /// Packs whose index cannot be read, or that a repack found a damaged chunk in: kept, since
+    /// they may hold chunks a checkpoint needs (and are the evidence `stasis check` names).
     pub damaged_packs: Vec<String>,
 }
 
@@ -162,7 +165,11 @@ impl Store {
                 report.bytes_freed += size;
             } else if !live_entries.is_empty() && (live_bytes as f64) < REPACK_BELOW * total as f64 {
                 lease.check()?;
-                self.repack(&pack, live_entries).await?;
+                if let Some(why) = self.repack(&pack, live_entries).await? {
+                    warn!(pack = %pack, why, "a chunk a checkpoint needs is damaged; pack kept as it is");
+                    report.damaged_packs.push(pack);
+                    continue;
+                }
                 report.packs_repacked += 1;
                 report.bytes_freed += size.saturating_sub(live_bytes);
             }
@@ -203,15 +210,28 @@ impl Store {
         Ok(())
     }
 
-    /// Copies the live chunks of `pack` into a new pack, then deletes the old one.
+    /// Copies the live chunks of `pack` into a new pack, then deletes the old one. Each is
+    /// checked first, as a restore checks it: the copy would carry a damaged chunk under a
+    /// fresh name and drop the pack `stasis check` names as damaged, so a chunk that does not
+    /// check out leaves the pack as it is, and why is returned.
     async fn repack(
         &self,
         pack: &str,
         live: Vec<stasis_proto::stasis::store::v1::PackEntry>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<Option<String>, StoreError> {
         let key = self.pack_key(pack);
         let ranges: Vec<_> = live.iter().map(|e| e.offset..e.offset + u64::from(e.stored_len)).collect();
         let blobs = self.backend.get_ranges(&key, &ranges).await.map_err(Self::backend_err(&key))?;
+        let id: Arc<str> = pack.into();
+        for (entry, blob) in live.iter().zip(&blobs) {
+            let checked = match ChunkLoc::of(&id, entry) {
+                Some((hash, loc)) => decode_chunk(blob, &loc, &hash, self.cipher(), Verify::Stored).map(drop),
+                None => Err("its index entry is malformed"),
+            };
+            if let Err(why) = checked {
+                return Ok(Some(format!("chunk {} is corrupt: {why}", hex::encode(&entry.hash))));
+            }
+        }
         let mut fresh = FinishedPack {
             data: Vec::new(),
             index: PackIndex {
@@ -228,7 +248,7 @@ impl Store {
         // The old pack leaves the in-memory index first, so the new locations take effect.
         self.index.remove_pack(pack);
         self.upload_pack(fresh).await?;
-        self.delete_pack(pack).await
+        self.delete_pack(pack).await.map(|()| None)
     }
 }
 
@@ -340,5 +360,62 @@ mod tests {
         let chunk = ChunkHash::try_from(hash.as_slice()).unwrap();
         let found = store.index.get(&chunk).map(|loc| loc.pack.to_string());
         assert_eq!(found.as_deref(), Some("second"), "the chunk is still known, in the pack that holds it");
+    }
+
+    /// Memory that does not compress: a chunk of it is stored whole.
+    fn noise(seed: u64, len: usize) -> Vec<u8> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    /// Two checkpoints of one workload sharing their first 64 KiB chunk; the older one
+    /// dropped by retention leaves its pack a quarter live: repacked, unless `damage` finds
+    /// the live chunk damaged first.
+    async fn collect_after(damage: bool) -> (GcReport, tempfile::TempDir, Store, std::path::PathBuf) {
+        use crate::test_checkpoints::{checkpoint, packs};
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::in_dir(&dir.path().join("store"));
+        let shared = noise(1, crate::CHUNK);
+        let memory = |seed| [shared.clone(), noise(seed, 3 * crate::CHUNK)].concat();
+        checkpoint(&store, dir.path(), "20261129-000001-aaaaaa", "w", &memory(2)).await;
+        let [older] = <[_; 1]>::try_from(packs(dir.path(), ".pack")).expect("one pack");
+        checkpoint(&store, dir.path(), "20261129-000002-bbbbbb", "w", &memory(3)).await;
+        if damage {
+            // A byte of the shared chunk, the first the older pack holds.
+            let mut data = std::fs::read(&older).unwrap();
+            data[100] ^= 0xff;
+            std::fs::write(&older, &data).unwrap();
+        }
+        let report =
+            store.gc(Some(Retention { keep_last: 1 }), Duration::ZERO, true, Duration::ZERO).await.unwrap();
+        assert_eq!(report.manifests_deleted, ["20261129-000001-aaaaaa"]);
+        (report, dir, store, older)
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_repack_checks_what_it_copies_and_keeps_a_pack_with_a_damaged_chunk() {
+        let (report, _dir, store, _) = collect_after(false).await;
+        assert_eq!((report.packs_repacked, report.damaged_packs.len()), (1, 0), "{report:?}");
+        let checked = store.check(true).await.unwrap();
+        assert!(checked.problems.is_empty() && checked.broken.is_empty(), "{checked:?}");
+
+        let (report, _dir, store, older) = collect_after(true).await;
+        let pack = older.file_stem().unwrap().to_string_lossy().into_owned();
+        assert_eq!(report.packs_repacked, 0, "{report:?}");
+        assert_eq!(report.damaged_packs, std::slice::from_ref(&pack), "{report:?}");
+        assert!(older.exists(), "the pack with the damaged chunk is kept");
+        let checked = store.check(true).await.unwrap();
+        assert!(
+            checked.problems.iter().any(|p| p.contains(&pack) && p.contains("is corrupt")),
+            "{checked:?}"
+        );
+        assert_eq!(checked.broken.keys().collect::<Vec<_>>(), ["20261129-000002-bbbbbb"], "{checked:?}");
     }
 }

@@ -41,6 +41,8 @@ mod read_back;
 mod sift;
 mod staging;
 mod stream;
+#[cfg(test)]
+mod test_checkpoints;
 mod tree_pages;
 mod upload;
 
