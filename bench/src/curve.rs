@@ -1,9 +1,12 @@
 //! `stasis-bench curve`: the cost curve (issue 28, item 4). At each size, the main benchmark
 //! (`run.rs`: checkpoints and eager restores each way) and the lazy one (`lazy.rs`: first run
-//! and working set), on the same settings; then a table of every measure at every size with
-//! its slope per GiB beside the peer's, and an SVG of the times against GiB (stasis solid, the
-//! peer dashed, one colour per measure). A stasis measure that grows faster than linearly
-//! fails the run. The lazy benchmark runs with `--cold-store` here.
+//! and working set), on the same settings, but for the lazy one's store, read cold (see below);
+//! then a table of every measure at every size with its slope per GiB beside the peer's, and
+//! an SVG of the times against GiB (stasis solid, the peer dashed, one colour per measure). A
+//! stasis measure that grows faster than linearly fails the run. The lazy benchmark runs with
+//! `--cold-store` here: the store's packs stay cached beside a small workload and not beside a
+//! large one, so that read warm the working set would be memory at the small sizes and the
+//! disk at the large ones.
 
 use std::fmt::Write as _;
 use std::path::Path;

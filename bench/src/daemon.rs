@@ -181,19 +181,31 @@ impl Daemon {
     /// elsewhere.
     pub fn uncache_store(&self) -> anyhow::Result<()> {
         let Some(dir) = &self.store_dir else { return Ok(()) };
+        // Files come and go meanwhile (leases under locks/): one gone is nothing to drop.
+        let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
         let mut dirs = vec![dir.clone()];
         while let Some(dir) = dirs.pop() {
-            for entry in std::fs::read_dir(&dir).with_context(|| format!("listing {}", dir.display()))? {
-                let entry = entry?;
-                let path = entry.path();
-                if entry.file_type()?.is_dir() {
-                    dirs.push(path);
-                } else if entry.file_type()?.is_file() {
-                    let file =
-                        std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
-                    posix_fadvise(&file, 0, 0, PosixFadviseAdvice::POSIX_FADV_DONTNEED)
-                        .with_context(|| format!("dropping {} from the page cache", path.display()))?;
+            let entries = match std::fs::read_dir(&dir) {
+                Err(e) if gone(&e) => continue,
+                listed => listed.with_context(|| format!("listing {}", dir.display()))?,
+            };
+            for entry in entries {
+                let (path, kind) = match entry.and_then(|e| Ok((e.path(), e.file_type()?))) {
+                    Err(e) if gone(&e) => continue,
+                    found => found?,
+                };
+                if !kind.is_file() {
+                    if kind.is_dir() {
+                        dirs.push(path);
+                    }
+                    continue;
                 }
+                let file = match std::fs::File::open(&path) {
+                    Err(e) if gone(&e) => continue,
+                    opened => opened.with_context(|| format!("opening {}", path.display()))?,
+                };
+                posix_fadvise(&file, 0, 0, PosixFadviseAdvice::POSIX_FADV_DONTNEED)
+                    .with_context(|| format!("dropping {} from the page cache", path.display()))?;
             }
         }
         Ok(())

@@ -14,7 +14,7 @@
 //! target/release/stasis-bench curve [--sizes-gib 2,8,16] [--svg bench/cost-curve.svg] [the same options]
 //! ```
 //!
-//! `lazy` measures the lazy restore against the eager one instead (see `lazy.rs`);
+//! `lazy` measures the lazy restore against the eager one and the peer's instead (see `lazy.rs`);
 //! `kube` measures a Kubernetes pod's eviction and restart (see `kube.rs`); `curve` runs the
 //! main and the lazy benchmark at several sizes and draws the cost curve (see `curve.rs`).
 #![forbid(unsafe_code)]

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
-use crate::daemon::settle;
+use crate::daemon::{Daemon, settle};
 
 /// Runs a bash pipeline (with pipefail: a failing `tar` fails it), failing with its stderr.
 fn sh(script: &str) -> anyhow::Result<()> {
@@ -56,6 +56,12 @@ pub struct Peer {
 }
 
 impl Peer {
+    /// The peer of `d`'s run: image directories in its scratch directory, tarballs in a
+    /// directory of its store's (on the same file system, dropped from the page cache with it).
+    pub fn beside(d: &Daemon, criu: PathBuf) -> Peer {
+        Peer { criu, scratch: d.scratch.clone(), store: d.work.join("store").join("peer") }
+    }
+
     /// Dumps `pid` (left running) into tmpfs, then stores the tarball `<name>.tar.zst`.
     pub fn checkpoint(&self, pid: i32, name: &str) -> anyhow::Result<PeerCheckpoint> {
         let dir = self.scratch.join(name);

@@ -167,8 +167,8 @@ fn stasis_restore(d: &Daemon, id: &str) -> anyhow::Result<(Value, Duration, u64)
 
 /// Restores the peer's tarball (the tree gets its old pid back), then kills it.
 fn peer_restore(d: &Daemon, peer: &Peer, tarball: &Path, pid: i32) -> anyhow::Result<(PeerRestore, u64)> {
-    d.set_workload(Some(pid));
     let restored = peer.restore(tarball)?;
+    d.set_workload(Some(pid));
     let rss = vm_rss(pid);
     kill_and_wait(pid)?;
     Ok((restored, rss))
@@ -188,7 +188,7 @@ pub fn run(args: &Args) -> anyhow::Result<Results> {
         &Extra { args: args.daemon_flags(), ..Default::default() },
     )?;
     let (pid, log) = start_workload(&d, args)?;
-    let peer = Peer { criu, scratch: d.scratch.clone(), store: d.work.join("store").join("peer") };
+    let peer = Peer::beside(&d, criu);
 
     // The first checkpoint: stasis first, the peer dumps the same process right after.
     let ck1 = checkpoint(&d)?;

@@ -165,7 +165,7 @@ impl Store {
                 report.bytes_freed += size;
             } else if !live_entries.is_empty() && (live_bytes as f64) < REPACK_BELOW * total as f64 {
                 lease.check()?;
-                if let Some(why) = self.repack(&pack, live_entries).await? {
+                if let Some(why) = self.repack(&pack, size, live_entries).await? {
                     warn!(pack = %pack, why, "a chunk a checkpoint needs is damaged; pack kept as it is");
                     report.damaged_packs.push(pack);
                     continue;
@@ -210,17 +210,23 @@ impl Store {
         Ok(())
     }
 
-    /// Copies the live chunks of `pack` into a new pack, then deletes the old one. Each is
-    /// checked first, as a restore checks it: the copy would carry a damaged chunk under a
-    /// fresh name and drop the pack `stasis check` names as damaged, so a chunk that does not
-    /// check out leaves the pack as it is, and why is returned.
+    /// Copies the live chunks of `pack` (`size` bytes long) into a new pack, then deletes the
+    /// old one. Each is checked first, as a restore checks it: the copy would carry a damaged
+    /// chunk under a fresh name and drop the pack `stasis check` names as damaged, so a pack
+    /// cut short or a chunk that does not check out leaves the pack as it is, and why is
+    /// returned.
     async fn repack(
         &self,
         pack: &str,
+        size: u64,
         live: Vec<stasis_proto::stasis::store::v1::PackEntry>,
     ) -> Result<Option<String>, StoreError> {
         let key = self.pack_key(pack);
         let ranges: Vec<_> = live.iter().map(|e| e.offset..e.offset + u64::from(e.stored_len)).collect();
+        let needed = ranges.iter().map(|r| r.end).max().unwrap_or(0);
+        if needed > size {
+            return Ok(Some(format!("it is truncated: {size} bytes stored, live chunks extend to {needed}")));
+        }
         let blobs = self.backend.get_ranges(&key, &ranges).await.map_err(Self::backend_err(&key))?;
         let id: Arc<str> = pack.into();
         for (entry, blob) in live.iter().zip(&blobs) {
@@ -300,6 +306,8 @@ fn is_live(live: &HashSet<ChunkHash>, hash: &[u8]) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use std::path::PathBuf;
+
     use super::*;
 
     fn m(id: &str, workload: &str, at: u64) -> Manifest {
@@ -376,9 +384,11 @@ mod tests {
     }
 
     /// Two checkpoints of one workload sharing their first 64 KiB chunk; the older one
-    /// dropped by retention leaves its pack a quarter live: repacked, unless `damage` finds
-    /// the live chunk damaged first.
-    async fn collect_after(damage: bool) -> (GcReport, tempfile::TempDir, Store, std::path::PathBuf) {
+    /// dropped by retention leaves its pack a quarter live: repacked, unless the live chunk
+    /// was damaged first (`damage` gets the older pack's bytes and the chunk's offset in them).
+    async fn collect_after(
+        damage: Option<fn(&mut Vec<u8>, usize)>,
+    ) -> (GcReport, tempfile::TempDir, Store, PathBuf) {
         use crate::test_checkpoints::{checkpoint, packs};
         let dir = tempfile::tempdir().unwrap();
         let store = Store::in_dir(&dir.path().join("store"));
@@ -387,10 +397,12 @@ mod tests {
         checkpoint(&store, dir.path(), "20261129-000001-aaaaaa", "w", &memory(2)).await;
         let [older] = <[_; 1]>::try_from(packs(dir.path(), ".pack")).expect("one pack");
         checkpoint(&store, dir.path(), "20261129-000002-bbbbbb", "w", &memory(3)).await;
-        if damage {
-            // A byte of the shared chunk, the first the older pack holds.
+        if let Some(damage) = damage {
+            let id = crate::crypto::chunk_id(None, &shared);
+            let index = store.read_pack_index(&older.file_stem().unwrap().to_string_lossy()).await.unwrap();
+            let entry = index.entries.iter().find(|e| e.hash == id).expect("the shared chunk");
             let mut data = std::fs::read(&older).unwrap();
-            data[100] ^= 0xff;
+            damage(&mut data, entry.offset as usize);
             std::fs::write(&older, &data).unwrap();
         }
         let report =
@@ -401,21 +413,23 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn a_repack_checks_what_it_copies_and_keeps_a_pack_with_a_damaged_chunk() {
-        let (report, _dir, store, _) = collect_after(false).await;
+        let (report, _dir, store, older) = collect_after(None).await;
         assert_eq!((report.packs_repacked, report.damaged_packs.len()), (1, 0), "{report:?}");
+        assert!(!older.exists(), "repacked");
         let checked = store.check(true).await.unwrap();
         assert!(checked.problems.is_empty() && checked.broken.is_empty(), "{checked:?}");
 
-        let (report, _dir, store, older) = collect_after(true).await;
-        let pack = older.file_stem().unwrap().to_string_lossy().into_owned();
-        assert_eq!(report.packs_repacked, 0, "{report:?}");
-        assert_eq!(report.damaged_packs, std::slice::from_ref(&pack), "{report:?}");
-        assert!(older.exists(), "the pack with the damaged chunk is kept");
-        let checked = store.check(true).await.unwrap();
-        assert!(
-            checked.problems.iter().any(|p| p.contains(&pack) && p.contains("is corrupt")),
-            "{checked:?}"
-        );
-        assert_eq!(checked.broken.keys().collect::<Vec<_>>(), ["20261129-000002-bbbbbb"], "{checked:?}");
+        let flipped: fn(&mut Vec<u8>, usize) = |data, at| data[at + 100] ^= 0xff;
+        let cut: fn(&mut Vec<u8>, usize) = |data, at| data.truncate(at + 100);
+        for (damage, found) in [(flipped, "is corrupt"), (cut, "truncated")] {
+            let (report, _dir, store, older) = collect_after(Some(damage)).await;
+            let pack = older.file_stem().unwrap().to_string_lossy().into_owned();
+            assert_eq!(report.packs_repacked, 0, "{report:?}");
+            assert_eq!(report.damaged_packs, std::slice::from_ref(&pack), "{report:?}");
+            assert!(older.exists(), "the pack with the damaged chunk is kept");
+            let checked = store.check(true).await.unwrap();
+            assert!(checked.problems.iter().any(|p| p.contains(&pack) && p.contains(found)), "{checked:?}");
+            assert_eq!(checked.broken.keys().collect::<Vec<_>>(), ["20261129-000002-bbbbbb"], "{checked:?}");
+        }
     }
 }

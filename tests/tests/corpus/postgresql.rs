@@ -2,8 +2,9 @@
 //! table written before the checkpoint and read after it, and an idle client connection
 //! (psql, with a session setting and a prepared statement) that is used after the restore.
 
+use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::fs::chown;
+use std::os::unix::fs::{MetadataExt, chown};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
@@ -85,6 +86,9 @@ struct Postgres {
     backend: String,
     table: Vec<String>,
     written: u64,
+    /// Its dynamic shared memory segments (POSIX shared memory, in /dev/shm) seen mapped, with
+    /// their inodes: a server killed, as every case's ends, leaves them behind.
+    segments: BTreeSet<(PathBuf, u64)>,
 }
 
 /// The user the server runs as (it refuses root).
@@ -113,6 +117,7 @@ impl Postgres {
             backend: String::new(),
             table: Vec::new(),
             written: 0,
+            segments: BTreeSet::new(),
         }))
     }
 
@@ -120,6 +125,21 @@ impl Postgres {
     fn once(&self, sql: &str) -> Vec<String> {
         let mut session = Session::open(self.port);
         session.query(sql)
+    }
+
+    /// Notes the /dev/shm segments the tree's processes have mapped.
+    fn note_segments(&mut self, tree: &Tree) {
+        for pid in tree.pids() {
+            let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+            for fields in maps.lines().map(|l| l.split_whitespace().collect::<Vec<_>>()) {
+                if let [.., inode, path] = fields[..]
+                    && path.starts_with("/dev/shm/PostgreSQL.")
+                    && let Ok(inode) = inode.parse()
+                {
+                    self.segments.insert((PathBuf::from(path), inode));
+                }
+            }
+        }
     }
 
     /// Opens the session kept open, with a setting and a prepared statement of its own.
@@ -151,7 +171,7 @@ impl Program for Postgres {
         argv
     }
 
-    fn populate(&mut self, _tree: &Tree) {
+    fn populate(&mut self, tree: &Tree) {
         let port = self.port;
         let ready = || {
             let out =
@@ -159,6 +179,7 @@ impl Program for Postgres {
             out.is_ok_and(|s| s.success()).then_some(())
         };
         expect_within(TIMEOUT, "PostgreSQL to take connections", ready);
+        self.note_segments(tree);
         let create = format!(
             "CREATE TABLE t (id int PRIMARY KEY, v text); \
              INSERT INTO t SELECT g, md5(g::text) || repeat('x', 200) FROM generate_series(1, {ROWS}) g;"
@@ -168,10 +189,11 @@ impl Program for Postgres {
         self.open_kept();
     }
 
-    fn check(&mut self, _tree: &Tree, phase: Phase) {
+    fn check(&mut self, tree: &Tree, phase: Phase) {
         if self.kept.is_none() {
             self.open_kept();
         }
+        self.note_segments(tree);
         let backend = self.backend.clone();
         let session = self.kept.as_mut().expect("the kept session");
         let same =
@@ -192,5 +214,17 @@ impl Program for Postgres {
 
     fn disconnect(&mut self) {
         self.kept = None;
+    }
+}
+
+impl Drop for Postgres {
+    /// Runs once the case is over and its tree killed (a restore needs the segments until
+    /// then). A name another instance has taken since is another inode: left alone.
+    fn drop(&mut self) {
+        for (segment, inode) in &self.segments {
+            if std::fs::metadata(segment).is_ok_and(|m| m.ino() == *inode) {
+                let _ = std::fs::remove_file(segment);
+            }
+        }
     }
 }
