@@ -370,33 +370,20 @@ mod tests {
         assert_eq!(found.as_deref(), Some("second"), "the chunk is still known, in the pack that holds it");
     }
 
-    /// Memory that does not compress: a chunk of it is stored whole.
-    fn noise(seed: u64, len: usize) -> Vec<u8> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect()
-    }
-
     /// Two checkpoints of one workload sharing their first 64 KiB chunk; the older one
     /// dropped by retention leaves its pack a quarter live: repacked, unless the live chunk
     /// was damaged first (`damage` gets the older pack's bytes and the chunk's offset in them).
     async fn collect_after(
         damage: Option<fn(&mut Vec<u8>, usize)>,
     ) -> (GcReport, tempfile::TempDir, Store, PathBuf) {
-        use crate::test_checkpoints::{checkpoint, packs};
+        use crate::test_checkpoints::{checkpoint, noise, packs};
         let dir = tempfile::tempdir().unwrap();
         let store = Store::in_dir(&dir.path().join("store"));
-        let shared = noise(1, crate::CHUNK);
-        let memory = |seed| [shared.clone(), noise(seed, 3 * crate::CHUNK)].concat();
+        let shared = noise(crate::CHUNK, 1);
+        let memory = |seed| [shared.clone(), noise(3 * crate::CHUNK, seed)].concat();
         checkpoint(&store, dir.path(), "20261129-000001-aaaaaa", "w", &memory(2)).await;
         let [older] = <[_; 1]>::try_from(packs(dir.path(), ".pack")).expect("one pack");
-        checkpoint(&store, dir.path(), "20261129-000002-bbbbbb", "w", &memory(3)).await;
+        checkpoint(&store, dir.path(), "20261129-000002-bbbbbb", "w", &memory(4)).await;
         if let Some(damage) = damage {
             let id = crate::crypto::chunk_id(None, &shared);
             let index = store.read_pack_index(&older.file_stem().unwrap().to_string_lossy()).await.unwrap();

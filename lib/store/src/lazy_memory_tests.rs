@@ -14,6 +14,8 @@ use super::{
 };
 use stasis_criu_images::pages::{PAGE_SIZE, PE_LAZY, PE_PRESENT, PageRun, PageSink};
 
+use crate::test_checkpoints::noise;
+
 const PID: u64 = 42;
 const SETTINGS: FetchSettings = FetchSettings {
     cache_bytes: 1 << 20,
@@ -22,19 +24,6 @@ const SETTINGS: FetchSettings = FetchSettings {
     fresh_first: true,
 };
 
-/// `n` bytes of a pseudo-random sequence seeded with `seed`.
-pub(crate) fn bytes(n: usize, seed: u64) -> Vec<u8> {
-    let mut state = seed | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
-}
-
 /// A store holding one checkpoint of task 42: 40 lazy pages at 0x10000 (two of them zero),
 /// 8 lazy pages at 0x100000, and 2 pages that cannot be lazy at 0x200000.
 async fn stored(dir: &std::path::Path) -> (Store, Manifest, [Vec<u8>; 3]) {
@@ -42,9 +31,9 @@ async fn stored(dir: &std::path::Path) -> (Store, Manifest, [Vec<u8>; 3]) {
     let images = dir.join("images");
     std::fs::create_dir_all(&images).unwrap();
     stasis_criu_images::testing::write_dump_images(&images, PID as u32, &[]);
-    let mut a = bytes(40 * PAGE_SIZE as usize, 1);
+    let mut a = noise(40 * PAGE_SIZE as usize, 1);
     a[PAGE_SIZE as usize * 16..PAGE_SIZE as usize * 32].fill(0);
-    let data = [a, bytes(8 * PAGE_SIZE as usize, 2), bytes(2 * PAGE_SIZE as usize, 3)];
+    let data = [a, noise(8 * PAGE_SIZE as usize, 2), noise(2 * PAGE_SIZE as usize, 3)];
     let mut staging = Staging::new(&crate::StagingBudget::new(64 << 20), &dir.join("spill"));
     let runs = [(0x10000, PE_PRESENT | PE_LAZY), (0x100000, PE_PRESENT | PE_LAZY), (0x200000, PE_PRESENT)];
     for ((vaddr, flags), bytes) in runs.into_iter().zip(&data) {

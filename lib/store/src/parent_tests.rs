@@ -21,7 +21,7 @@ const DST: u64 = (7 << 8) | 1;
 type Memory = Vec<(u64, Vec<u8>)>;
 
 fn pattern(seed: u64, len: u64) -> Vec<u8> {
-    crate::lazy_memory_tests::bytes(len as usize, seed)
+    crate::test_checkpoints::noise(len as usize, seed)
 }
 
 /// 4 MiB from an aligned address, and 40 pages from an address inside a window.

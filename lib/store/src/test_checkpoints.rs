@@ -9,6 +9,20 @@ use stasis_proto::stasis::store::v1::Manifest;
 
 use crate::{DumpPages, Staging, StagingBudget, Store};
 
+/// `n` bytes of a pseudo-random sequence seeded with `seed` (they do not compress; seeds 2k
+/// and 2k + 1 give the same bytes).
+pub fn noise(n: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
 /// Memory of `pages` pages made from `seed` (it compresses well).
 pub fn seeded(seed: u8, pages: usize) -> Vec<u8> {
     (0..pages * PAGE_SIZE as usize).map(|i| (i as u8).wrapping_mul(seed) ^ (i >> 12) as u8).collect()
