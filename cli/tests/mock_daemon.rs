@@ -167,6 +167,12 @@ async fn check_says_what_is_broken_and_fails_when_anything_is() {
     let (out, _) = stasis("check --read-data").await;
     assert_eq!(out.code, Some(1), "{}", out.stderr);
     assert!(
+        out.stdout
+            .starts_with("checked 2 checkpoints, 3 packs, 40 chunks read and verified (zstd 28, raw 12)\n"),
+        "{}",
+        out.stdout
+    );
+    assert!(
         out.stdout.contains("broken: checkpoint ck-1: chunk ab12 in pack n-1 is corrupt"),
         "{}",
         out.stdout
@@ -177,4 +183,5 @@ async fn check_says_what_is_broken_and_fails_when_anything_is() {
     assert_eq!(out.code, Some(1));
     let report: serde_json::Value = serde_json::from_str(&out.stdout).expect("one JSON report");
     assert_eq!(report["broken"][0]["id"], "ck-1");
+    assert_eq!(report["chunks_by_codec"]["zstd"], 28, "{report}");
 }

@@ -275,6 +275,13 @@ fn check_names_the_checkpoint_a_damaged_pack_breaks_and_gc_keeps_the_evidence() 
     let clean = d.json(&["check", "--read-data", "--json"]);
     assert_eq!(clean["problems"].as_array().map(Vec::len), Some(0), "{clean}");
     assert!(clean["chunks_read"].as_u64().unwrap_or(0) > 0, "{clean}");
+    let by_codec: u64 =
+        clean["chunks_by_codec"].as_object().map_or(0, |m| m.values().filter_map(|n| n.as_u64()).sum());
+    assert_eq!(
+        by_codec,
+        clean["chunks_read"].as_u64().unwrap_or(0),
+        "every chunk read counted by codec: {clean}"
+    );
 
     pack_files(&d).iter().for_each(|p| flip_byte_in_the_middle(p));
     // Sizes still add up: only reading the data finds a flipped byte.

@@ -25,12 +25,27 @@ pub async fn run(client: &mut Client, args: CheckArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// " (zstd 120, raw 40)": the chunks read by codec, most first.
+fn by_codec(r: &CheckResponse) -> String {
+    let mut counts: Vec<(&String, &u64)> = r.chunks_by_codec.iter().collect();
+    if counts.is_empty() {
+        return String::new();
+    }
+    counts.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+    let listed: Vec<String> = counts.iter().map(|(codec, n)| format!("{codec} {n}")).collect();
+    format!(" ({})", listed.join(", "))
+}
+
 fn describe(r: &CheckResponse, read_data: bool) -> String {
     let mut lines = vec![format!(
         "checked {} checkpoints, {} packs{}",
         r.manifests,
         r.packs,
-        if read_data { format!(", {} chunks read and verified", r.chunks_read) } else { String::new() }
+        if read_data {
+            format!(", {} chunks read and verified{}", r.chunks_read, by_codec(r))
+        } else {
+            String::new()
+        }
     )];
     lines.extend(r.problems.iter().map(|p| format!("problem: {p}")));
     for b in &r.broken {

@@ -208,6 +208,7 @@ impl Stasis for FakeDaemon {
             manifests: 2,
             packs: 3,
             chunks_read: 40,
+            chunks_by_codec: [("raw".to_string(), 12), ("zstd".to_string(), 28)].into(),
             problems: vec!["chunk ab12 in pack n-1 is corrupt: its content does not match its hash".into()],
             broken: vec![BrokenCheckpoint {
                 id: "ck-1".into(),

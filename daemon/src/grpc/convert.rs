@@ -401,6 +401,7 @@ pub(super) fn check_response(r: CheckReport) -> pb::CheckResponse {
         manifests: r.manifests as u64,
         packs: r.packs as u64,
         chunks_read: r.chunks_read,
+        chunks_by_codec: r.chunks_by_codec.into_iter().collect(),
         problems: r.problems,
         broken: r.broken.into_iter().map(|(id, reasons)| pb::BrokenCheckpoint { id, reasons }).collect(),
         notes: r.notes,

@@ -23,6 +23,9 @@ pub struct CheckReport {
     pub packs: usize,
     /// Chunks read back and verified (`read_data` only).
     pub chunks_read: u64,
+    /// Of those, how many each codec stored ("raw", "zstd", "lz4"): what a change of the
+    /// store's compression has reached so far.
+    pub chunks_by_codec: BTreeMap<String, u64>,
     /// Each problem, in one sentence.
     pub problems: Vec<String>,
     /// The checkpoints that cannot be restored whole, and why.
@@ -37,6 +40,16 @@ impl CheckReport {
         if !reasons.contains(&why) {
             reasons.push(why);
         }
+    }
+}
+
+/// A codec's name as the report counts it.
+fn codec_name(codec: stasis_proto::stasis::store::v1::Codec) -> &'static str {
+    use stasis_proto::stasis::store::v1::Codec;
+    match codec {
+        Codec::Raw => "raw",
+        Codec::Zstd => "zstd",
+        Codec::Lz4 => "lz4",
     }
 }
 
@@ -171,6 +184,7 @@ impl Store {
             };
             for (hash, loc) in chunks {
                 report.chunks_read += 1;
+                *report.chunks_by_codec.entry(codec_name(loc.codec).into()).or_default() += 1;
                 let (start, end) = (loc.offset as usize, loc.offset as usize + loc.stored_len as usize);
                 let blob = data.get(start..end).unwrap_or(&[]);
                 if let Err(why) = decode_chunk(blob, loc, hash, self.cipher(), Verify::Everything) {
@@ -254,6 +268,8 @@ mod tests {
         assert!(clean.problems.is_empty() && clean.broken.is_empty(), "{clean:?}");
         assert_eq!((clean.manifests, clean.packs), (2, 2));
         assert!(clean.chunks_read > 0);
+        assert_eq!(clean.chunks_by_codec.values().sum::<u64>(), clean.chunks_read, "{clean:?}");
+        assert!(clean.chunks_by_codec["zstd"] > 0, "the seeded memory compresses: {clean:?}");
 
         // A flipped byte: the sizes still add up, only reading the data finds it.
         let [first, _] = &packs(dir.path(), ".pack")[..] else { panic!("two packs") };
