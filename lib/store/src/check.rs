@@ -43,16 +43,6 @@ impl CheckReport {
     }
 }
 
-/// A codec's name as the report counts it.
-fn codec_name(codec: stasis_proto::stasis::store::v1::Codec) -> &'static str {
-    use stasis_proto::stasis::store::v1::Codec;
-    match codec {
-        Codec::Raw => "raw",
-        Codec::Zstd => "zstd",
-        Codec::Lz4 => "lz4",
-    }
-}
-
 /// Why the chunks of a pack cannot be trusted.
 type BadPacks = HashMap<String, String>;
 
@@ -126,7 +116,7 @@ impl Store {
                 }
                 Err(e) => return Err(e),
             };
-            let needed = index.entries.iter().map(|e| e.offset + u64::from(e.stored_len)).max().unwrap_or(0);
+            let needed = super::index::reach(&index.entries);
             match packs[pack].size {
                 None => {
                     report.problems.push(format!(
@@ -184,7 +174,7 @@ impl Store {
             };
             for (hash, loc) in chunks {
                 report.chunks_read += 1;
-                *report.chunks_by_codec.entry(codec_name(loc.codec).into()).or_default() += 1;
+                *report.chunks_by_codec.entry(super::codec::name(loc.codec).into()).or_default() += 1;
                 let (start, end) = (loc.offset as usize, loc.offset as usize + loc.stored_len as usize);
                 let blob = data.get(start..end).unwrap_or(&[]);
                 if let Err(why) = decode_chunk(blob, loc, hash, self.cipher(), Verify::Everything) {

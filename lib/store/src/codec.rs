@@ -35,6 +35,16 @@ impl fmt::Display for Compression {
     }
 }
 
+/// A codec's name, as reports give it ("raw" for a chunk kept as it is; the others as the
+/// [`Compression`] that writes them).
+pub(super) fn name(codec: Codec) -> &'static str {
+    match codec {
+        Codec::Raw => "raw",
+        Codec::Zstd => "zstd",
+        Codec::Lz4 => "lz4",
+    }
+}
+
 /// `raw` compressed as `compression` says, with the codec that names it, where that saves at
 /// least 1/32 of its bytes; `None` where it does not (the chunk is then kept as it is).
 pub(super) fn encode(compression: Compression, raw: &[u8]) -> Option<(Codec, Vec<u8>)> {

@@ -166,7 +166,7 @@ impl Store {
             } else if !live_entries.is_empty() && (live_bytes as f64) < REPACK_BELOW * total as f64 {
                 lease.check()?;
                 if let Some(why) = self.repack(&pack, size, live_entries).await? {
-                    warn!(pack = %pack, why, "a chunk a checkpoint needs is damaged; pack kept as it is");
+                    warn!(pack = %pack, why, "a pack to repack is damaged; kept as it is");
                     report.damaged_packs.push(pack);
                     continue;
                 }
@@ -222,11 +222,11 @@ impl Store {
         live: Vec<stasis_proto::stasis::store::v1::PackEntry>,
     ) -> Result<Option<String>, StoreError> {
         let key = self.pack_key(pack);
-        let ranges: Vec<_> = live.iter().map(|e| e.offset..e.offset + u64::from(e.stored_len)).collect();
-        let needed = ranges.iter().map(|r| r.end).max().unwrap_or(0);
+        let needed = super::index::reach(&live);
         if needed > size {
             return Ok(Some(format!("it is truncated: {size} bytes stored, live chunks extend to {needed}")));
         }
+        let ranges: Vec<_> = live.iter().map(|e| e.offset..e.offset + u64::from(e.stored_len)).collect();
         let blobs = self.backend.get_ranges(&key, &ranges).await.map_err(Self::backend_err(&key))?;
         let id: Arc<str> = pack.into();
         for (entry, blob) in live.iter().zip(&blobs) {

@@ -19,6 +19,11 @@ pub fn stored_checksum(stored: &[u8]) -> StoredChecksum {
     xxhash_rust::xxh3::xxh3_128(stored).to_le_bytes()
 }
 
+/// How long a pack must be for `entries` of its index: the end of the furthest.
+pub fn reach(entries: &[PackEntry]) -> u64 {
+    entries.iter().map(|e| e.offset + u64::from(e.stored_len)).max().unwrap_or(0)
+}
+
 /// Where a chunk is stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChunkLoc {
