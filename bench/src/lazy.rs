@@ -99,15 +99,17 @@ fn restore(
         argv.push("--lazy");
     }
     let r = d.cli(&argv).with_context(|| format!("restore failed; stasisd's log:\n{}", d.log_tail()))?;
+    checked_and_killed(d, pid, log, sum, if lazy { "a lazy" } else { "an eager" })?;
+    Ok(r)
+}
+
+/// The tree restored as `pid` (by `what` restore): its memory's checksum must be `sum`; then
+/// it is killed.
+fn checked_and_killed(d: &Daemon, pid: i32, log: &Path, sum: &str, what: &str) -> anyhow::Result<()> {
     d.set_workload(Some(pid));
     let restored = ask(pid, log, Signal::SIGUSR2, "checksum ", READ_WAIT)?;
-    ensure!(
-        restored == sum,
-        "memory differs after a {} restore: {restored} vs {sum}",
-        if lazy { "lazy" } else { "eager" }
-    );
-    kill_and_wait(pid)?;
-    Ok(r)
+    ensure!(restored == sum, "memory differs after {what} restore: {restored} vs {sum}");
+    kill_and_wait(pid)
 }
 
 /// Restores the peer's tarball (the tree gets its old pid back), checks the checksum, kills
@@ -127,10 +129,7 @@ fn peer_restore(
     // The peer lets the machine settle itself, and names its tarball's pid only once CRIU gave
     // it back (a pid it failed to take back may be another process's).
     let restored = peer.restore(tarball)?;
-    d.set_workload(Some(pid));
-    let checksum = ask(pid, log, Signal::SIGUSR2, "checksum ", READ_WAIT)?;
-    ensure!(checksum == sum, "memory differs after the peer's restore: {checksum} vs {sum}");
-    kill_and_wait(pid)?;
+    checked_and_killed(d, pid, log, sum, "the peer's")?;
     Ok(restored.total.as_millis() as u64)
 }
 
